@@ -1,0 +1,106 @@
+"""ckptkit: trustworthy PyTorch checkpoints. A resume is the same run, or a hard error.
+
+The supported surface is what ``__all__`` lists (a test pins it); everything else,
+including module internals, may change without notice. See ``docs/api.md``.
+
+    import ckptkit
+    ckptkit.save("run/step-00000100.ckpt", ckptkit.Checkpoint(step=100, model={"net": net.state_dict()}))
+    report = ckptkit.verify("run/step-00000100.ckpt")
+    ckpt = ckptkit.load("run/step-00000100.ckpt")
+
+Importing ckptkit does not import torch; the functions that build tensors do.
+"""
+
+from __future__ import annotations
+
+from .checkpoint import Checkpoint, load, save
+from .container import FLAG_FP32_FALLBACK, VERSION, Report, SectionInfo, verify
+from .errors import (
+    BadMagic,
+    CheckpointError,
+    CheckpointNotFound,
+    ChecksumMismatch,
+    ConfigDrift,
+    EnvironmentDrift,
+    FormatError,
+    LegacyCheckpoint,
+    MalformedIndex,
+    ReplayDivergence,
+    ReservedBitSet,
+    ResumeRefused,
+    SaveFailed,
+    SidecarMismatch,
+    StreamOffsetMismatch,
+    TrainingUnstable,
+    TruncatedFile,
+    UnsupportedValue,
+    UnsupportedVersion,
+)
+from .monitor import SpikeConfig, SpikeMonitor, Verdict
+from .rng import mask_stream, numpy_generator, torch_generator
+from .runstate import ResumeInfo, RunState
+from .sidecar import Sidecar, read_sidecar, write_sidecar
+from .snapshot import (
+    DEFAULT_EXEMPT,
+    KeyDiff,
+    Snapshot,
+    assert_field_coverage,
+    check_field_coverage,
+    check_resume,
+    diff_keys,
+    read_snapshot,
+    write_snapshot,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BadMagic",
+    "Checkpoint",
+    "CheckpointError",
+    "CheckpointNotFound",
+    "ChecksumMismatch",
+    "ConfigDrift",
+    "DEFAULT_EXEMPT",
+    "EnvironmentDrift",
+    "FLAG_FP32_FALLBACK",
+    "FormatError",
+    "KeyDiff",
+    "LegacyCheckpoint",
+    "MalformedIndex",
+    "ReplayDivergence",
+    "Report",
+    "ReservedBitSet",
+    "ResumeInfo",
+    "ResumeRefused",
+    "RunState",
+    "SaveFailed",
+    "SectionInfo",
+    "Sidecar",
+    "SidecarMismatch",
+    "Snapshot",
+    "SpikeConfig",
+    "SpikeMonitor",
+    "StreamOffsetMismatch",
+    "TrainingUnstable",
+    "TruncatedFile",
+    "UnsupportedValue",
+    "UnsupportedVersion",
+    "VERSION",
+    "Verdict",
+    "__version__",
+    "assert_field_coverage",
+    "check_field_coverage",
+    "check_resume",
+    "diff_keys",
+    "load",
+    "mask_stream",
+    "numpy_generator",
+    "read_sidecar",
+    "read_snapshot",
+    "save",
+    "torch_generator",
+    "verify",
+    "write_sidecar",
+    "write_snapshot",
+]

@@ -1,0 +1,108 @@
+"""The ``ckptkit`` command line: one subcommand per module in this package.
+
+    ckptkit verify run/                      # every checkpoint in a run directory
+    ckptkit inspect run/step-00000100.ckpt   # header, sections, flags, what is missing
+    ckptkit diff runA/ runB/                 # config drift between two runs
+    ckptkit train --run-dir run --steps 200  # the reference trainer
+    ckptkit replay run --from 100            # re-run and name the first divergence
+
+Exit codes (like GNU diff): 0 clean, 1 problems found (invalid file, drift,
+divergence), 2 trouble (usage, unreadable path, internal error), 3 training
+unstable (spike rollbacks hit their bound). Results go to stdout, diagnostics to
+stderr; a ckptkit error prints one line, never a traceback (``--debug`` re-raises).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from ..errors import CheckpointError, FormatError, ReplayDivergence, ResumeRefused, TrainingUnstable
+
+__all__ = ["EXIT_OK", "EXIT_PROBLEMS", "EXIT_TROUBLE", "EXIT_UNSTABLE", "main"]
+
+EXIT_OK = 0
+EXIT_PROBLEMS = 1
+EXIT_TROUBLE = 2
+EXIT_UNSTABLE = 3
+
+# Subcommand name -> module in this package. Modules are imported on demand so
+# `ckptkit verify` never pays for torch.
+_COMMANDS = {
+    "verify": "verify",
+    "inspect": "inspect_cmd",
+    "diff": "diff",
+    "train": "train",
+    "replay": "replay",
+    "audit": "audit",
+}
+
+
+def _build_parser(only: str | None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ckptkit",
+        description="Trustworthy PyTorch checkpoints: a resume is the same run, or it is a hard error.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="exit codes: 0 clean, 1 problems found, 2 trouble (usage, unreadable path), 3 training unstable",
+    )
+    parser.add_argument("--debug", action="store_true", help="re-raise errors with a traceback")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, mod in _COMMANDS.items():
+        if only is not None and name != only:
+            sub.add_parser(name, add_help=False)  # listed, parsed only when chosen
+            continue
+        try:
+            module = importlib.import_module(f"{__name__}.{mod}")
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{mod}":
+                raise
+            continue
+        module.add_parser(sub)  # type: ignore[attr-defined]
+        sub.choices[name].add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                                       help="re-raise errors with a traceback")
+    return parser
+
+
+def _exit_code(e: CheckpointError) -> int:
+    if isinstance(e, TrainingUnstable):
+        return EXIT_UNSTABLE
+    if isinstance(e, (FormatError, ResumeRefused, ReplayDivergence)):
+        return EXIT_PROBLEMS
+    return EXIT_TROUBLE
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``ckptkit`` command line; returns the exit code."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    chosen = next((a for a in args_list if a in _COMMANDS), None)
+    parser = _build_parser(chosen)
+    try:
+        args = parser.parse_args(args_list)
+    except SystemExit as e:  # argparse: --help (0) or a usage error (2)
+        return int(e.code or 0)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return EXIT_TROUBLE
+    module = importlib.import_module(f"{__name__}.{_COMMANDS[args.command]}")
+    try:
+        return int(module.run(args))
+    except CheckpointError as e:
+        if args.debug:
+            raise
+        print(f"ckptkit {args.command}: {e}", file=sys.stderr)
+        return _exit_code(e)
+    except KeyboardInterrupt:
+        print(f"ckptkit {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if args.debug:
+            raise
+        print(f"ckptkit {args.command}: internal error: {type(e).__name__}: {e} (re-run with --debug)",
+              file=sys.stderr)
+        return EXIT_TROUBLE
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""``ckptkit inspect PATH``: what a checkpoint holds, without loading tensors (torch-free).
+
+    ckptkit inspect run/step-00000100.ckpt
+    ckptkit inspect run/step-00000100.ckpt --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from ..container import Source, read_layout, section_infos
+from ..errors import CheckpointNotFound
+from ..section import TensorRef
+from .verify import report_json, _size
+
+__all__ = ["add_parser", "run"]
+
+_EPILOG = """\
+example:
+  $ ckptkit inspect run/step-00000100.ckpt
+  run/step-00000100.ckpt: container v2, step 100, 1.2 MiB
+  flags: fp32_fallback
+  section   offset     bytes  codec  tensors
+  model         56    834560  raw         26
+  ...
+
+Digests are not checked here; use `ckptkit verify`.
+exit codes: 0 shown, 1 the file is malformed, 2 usage error or unreadable path
+"""
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "inspect", help="show a checkpoint's header, sections and flags",
+        description="Show a checkpoint's version, step, flags, sections and what it lacks.",
+        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("path", metavar="PATH", help="a checkpoint file")
+    p.add_argument("--json", action="store_true", help="print one JSON object (schema_version 1)")
+
+
+def _plain(tree: Any) -> Any:
+    """A decoded tree with tensor references shown as placeholders."""
+    if isinstance(tree, TensorRef):
+        return f"<tensor {tree.id}>"
+    if isinstance(tree, (list, tuple)):
+        return [_plain(v) for v in tree]
+    if isinstance(tree, dict):
+        return {str(k): _plain(v) for k, v in tree.items()}
+    if isinstance(tree, bytes):
+        return tree.hex()
+    return tree
+
+
+def run(args: argparse.Namespace) -> int:
+    import os
+
+    if os.path.isdir(args.path):
+        raise CheckpointNotFound(f"{args.path}: is a directory; inspect takes one checkpoint file")
+    with Source(args.path) as src:
+        layout = read_layout(src)
+    from ..container import Report
+
+    report = Report(args.path, True, None, layout.version, layout.step, layout.flag_names, layout.legacy,
+                    layout.missing, section_infos(layout), layout.size, 0)
+    monitor = layout.sections.get("monitor")
+    run_state = _plain(monitor.tree) if monitor is not None else None
+    if args.json:
+        out = report_json(report)
+        del out["ok"], out["error"]
+        out["schema_version"] = 1
+        out["monitor"] = run_state
+        print(json.dumps(out, sort_keys=True))
+        return 0
+    print(f"{args.path}: container v{layout.version}, step {layout.step}, {_size(layout.size)}")
+    print(f"flags: {', '.join(layout.flag_names) or '-'}")
+    if layout.legacy:
+        print(f"legacy: yes; this format cannot carry: {', '.join(layout.missing)}")
+    print(f"{'section':<9} {'offset':>10} {'bytes':>12}  {'codec':<5} {'tensors':>8}")
+    for s in report.sections:
+        codec = s.codec or "-"
+        status = "" if s.present else "  (absent)"
+        print(f"{s.name:<9} {s.offset:>10} {s.length:>12}  {codec:<5} {s.tensors:>8}{status}")
+    if isinstance(run_state, dict) and run_state.get("rollbacks"):
+        print("rollbacks:")
+        for r in run_state["rollbacks"]:
+            print(f"  {json.dumps(r, sort_keys=True)}")
+    print("digests: not checked here (ckptkit verify checks every byte)")
+    return 0

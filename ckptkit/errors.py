@@ -1,0 +1,224 @@
+"""The one exception tree of ckptkit.
+
+Every error ckptkit raises on purpose is a :class:`CheckpointError`. Each class
+also subclasses the builtin a caller would catch anyway, so ``except ValueError``
+around a load keeps working::
+
+    CheckpointError (Exception)
+    ├── FormatError (ValueError)              bytes on disk break a rule in spec/
+    │   ├── BadMagic                          not a ckptkit file / wrong file kind
+    │   ├── UnsupportedVersion                a magic with a version this reader lacks
+    │   ├── ReservedBitSet                    a flag bit this reader cannot honour
+    │   ├── TruncatedFile                     a length points past the end of the file
+    │   ├── ChecksumMismatch                  stored digest != digest of the bytes
+    │   ├── MalformedIndex                    a section index breaks the codec rules
+    │   └── SidecarMismatch                   a sidecar does not belong to its checkpoint
+    ├── CheckpointNotFound (FileNotFoundError) no checkpoint where one was expected
+    ├── SaveFailed (OSError)                  a write failed; the previous file is intact
+    ├── UnsupportedValue (TypeError)          state the container cannot carry
+    ├── ResumeRefused (RuntimeError)          a resume would continue a different run
+    │   ├── ConfigDrift                       the config differs in strict keys
+    │   ├── EnvironmentDrift                  torch version, threads, ... differ
+    │   ├── StreamOffsetMismatch              the data position disagrees with the step
+    │   └── LegacyCheckpoint                  a v1 file lacks state the run needs
+    ├── TrainingUnstable (RuntimeError)       spike rollbacks hit their bound
+    └── ReplayDivergence (RuntimeError)       a re-run parts from its recording
+
+Format errors carry ``path``, ``offset``, ``field``, ``expected``, ``actual`` and
+``hint`` and render one line, e.g.::
+
+    run/step-00000120.ckpt: offset 48 (0x30): flags: reserved bit 5 set (expected 0, got 0x20)
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+__all__ = [
+    "BadMagic",
+    "CheckpointError",
+    "CheckpointNotFound",
+    "ChecksumMismatch",
+    "ConfigDrift",
+    "EnvironmentDrift",
+    "FormatError",
+    "LegacyCheckpoint",
+    "MalformedIndex",
+    "ReplayDivergence",
+    "ReservedBitSet",
+    "ResumeRefused",
+    "SaveFailed",
+    "SidecarMismatch",
+    "StreamOffsetMismatch",
+    "TrainingUnstable",
+    "TruncatedFile",
+    "UnsupportedValue",
+    "UnsupportedVersion",
+]
+
+
+class CheckpointError(Exception):
+    """Root of every error ckptkit raises on purpose."""
+
+
+class FormatError(CheckpointError, ValueError):
+    """Bytes on disk break a rule of ``spec/``.
+
+    Attributes:
+        path: the file, as the caller named it (``None`` for in-memory bytes).
+        offset: absolute byte offset of the offending field, if known.
+        field: the field or section, as ``spec/`` names it.
+        problem: what is wrong, in words.
+        expected / actual: what the rule wants and what the file holds.
+        hint: what a person can do about it.
+    """
+
+    def __init__(
+        self,
+        problem: str,
+        *,
+        path: str | os.PathLike[str] | None = None,
+        offset: int | None = None,
+        field: str | None = None,
+        expected: Any = None,
+        actual: Any = None,
+        hint: str | None = None,
+    ) -> None:
+        self.problem = problem
+        self.path = None if path is None else os.fspath(path)
+        self.offset = offset
+        self.field = field
+        self.expected = expected
+        self.actual = actual
+        self.hint = hint
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        parts = []
+        if self.path is not None:
+            parts.append(self.path)
+        if self.offset is not None:
+            parts.append(f"offset {self.offset} (0x{self.offset:x})")
+        if self.field is not None:
+            parts.append(self.field)
+        msg = ": ".join(parts + [self.problem])
+        if self.expected is not None or self.actual is not None:
+            msg += f" (expected {self.expected}, got {self.actual})"
+        if self.hint:
+            msg += f"; {self.hint}"
+        return msg
+
+    def at(self, path: str | os.PathLike[str]) -> FormatError:
+        """Return the same error, naming ``path`` (for errors found in memory)."""
+        self.path = os.fspath(path)
+        self.args = (self._render(),)
+        return self
+
+
+class BadMagic(FormatError):
+    """The file does not start with a magic this reader knows."""
+
+
+class UnsupportedVersion(FormatError):
+    """The magic is ckptkit's but the version is newer (or unknown) to this reader."""
+
+
+class ReservedBitSet(FormatError):
+    """A flag bit is set that this reader cannot honour: it would carry state we drop."""
+
+
+class TruncatedFile(FormatError):
+    """A length or offset points past the end of the file (or the file ends early)."""
+
+
+class ChecksumMismatch(FormatError):
+    """The digest stored in the file does not match the bytes it covers."""
+
+
+class MalformedIndex(FormatError):
+    """A section's msgpack index, or a value in it, breaks the codec rules."""
+
+
+class SidecarMismatch(FormatError):
+    """A sidecar exists but belongs to another training step than its checkpoint."""
+
+
+class CheckpointNotFound(CheckpointError, FileNotFoundError):
+    """No checkpoint where one was expected (missing file, empty run directory)."""
+
+
+class SaveFailed(CheckpointError, OSError):
+    """Writing a checkpoint failed; the previous checkpoint is untouched.
+
+    ``errno`` and ``filename`` are copied from the underlying ``OSError``.
+    """
+
+    def __init__(self, message: str, *, cause: OSError | None = None, path: str | None = None):
+        super().__init__(message)
+        self.message = message
+        if cause is not None:
+            self.errno = cause.errno
+            self.strerror = cause.strerror
+        self.filename = path
+
+    def __str__(self) -> str:  # OSError would render "[Errno 28] ..." instead of our sentence
+        return self.message
+
+
+class UnsupportedValue(CheckpointError, TypeError):
+    """A value the container cannot carry; refused at save or registration, never dropped."""
+
+
+class ResumeRefused(CheckpointError, RuntimeError):
+    """A resume would silently continue a different run, so it does not start."""
+
+
+class ConfigDrift(ResumeRefused):
+    """The config differs from the run's snapshot in strict keys.
+
+    Attributes:
+        differences: every strict difference (all of them, never only the first).
+    """
+
+    def __init__(self, message: str, differences: list[Any] | None = None) -> None:
+        super().__init__(message)
+        self.differences = list(differences or [])
+
+
+class EnvironmentDrift(ResumeRefused):
+    """Facts outside the config that change the numbers differ from the recording."""
+
+    def __init__(self, message: str, differences: list[Any] | None = None) -> None:
+        super().__init__(message)
+        self.differences = list(differences or [])
+
+
+class StreamOffsetMismatch(ResumeRefused):
+    """The data position computed for a resume disagrees with the stored one."""
+
+
+class LegacyCheckpoint(ResumeRefused):
+    """A legacy (v1) checkpoint lacks state this run needs; ``missing`` names it."""
+
+    def __init__(self, message: str, missing: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.missing = tuple(missing)
+
+
+class TrainingUnstable(CheckpointError, RuntimeError):
+    """Spike rollbacks reached their bound; the last good checkpoint is intact."""
+
+
+class ReplayDivergence(CheckpointError, RuntimeError):
+    """A re-run parted from the recording it should reproduce bit for bit.
+
+    Usual causes, most common first:
+
+    - an unseeded or global RNG draw inside a step (``torch.rand`` without a generator);
+    - nondeterministic kernels (``torch.use_deterministic_algorithms`` off, atomics on GPU);
+    - a different intra-op thread count (reductions split differently);
+    - data-order drift (stream offset, shuffling that depends on history);
+    - a different torch / numpy version, or a different default dtype;
+    - state not restored on resume (scheduler, scaler, EMA teacher, monitor).
+    """

@@ -1,0 +1,564 @@
+"""Spike / stability monitor: a rolling-median grad-norm detector and its report.
+
+Concept: :class:`SpikeMonitor` watches the pre-clip global grad norm (and the
+loss) of every step and says whether the step is a spike. A spike is a
+non-finite grad norm or loss (always, even while warming up), or a grad norm
+above ``multiplier`` times the rolling median of the last ``window`` accepted
+grad norms, once ``min_history`` values are in the window and only above
+``floor``. A spike never enters the window. Alongside the detector the monitor
+keeps the run's stability report: spike counts, recent spikes, refused steps
+and grad-norm statistics.
+
+Invariants (spec/rollback.md, rules R-M01..R-M12):
+
+- A verdict is a function of the monitor's state and the observation only;
+  the state is plain data, so ``state_dict`` -> ``load_state_dict`` continues
+  with identical verdicts and reports (floats compared bit for bit).
+- Memory is bounded: ``window`` floats for the detector, ``history`` floats,
+  spike records and refused steps for the report, plus a few counters.
+- ``state_dict`` returns fresh lists and dicts (a snapshot, never a view), and
+  holds only msgpack-able builtins: int, float, str, bool, None, list, dict.
+- This module imports no torch (``float(x)`` accepts a 0-d tensor anyway).
+
+Example::
+
+    monitor = SpikeMonitor(SpikeConfig(window=50, multiplier=3.0))
+    verdict = monitor.observe(step, grad_norm=total_norm, loss=loss.item())
+    if verdict.is_spike:
+        monitor.refuse(step)          # the trainer skips or rolls back the update
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import dataclasses
+import math
+import operator
+from collections.abc import Mapping
+from typing import Any
+
+from .errors import ConfigDrift, MalformedIndex, UnsupportedVersion
+
+__all__ = ["REASONS", "STATE_VERSION", "SpikeConfig", "SpikeMonitor", "Verdict"]
+
+STATE_VERSION = 1  # the "version" key of state_dict(); R-M09
+# Every reason a verdict can carry; the spike reasons are the last three.
+REASONS = ("ok", "warming_up", "grad_norm", "non_finite_grad_norm", "non_finite_loss")
+_SPIKE_REASONS = REASONS[2:]
+
+
+@dataclasses.dataclass(frozen=True)
+class SpikeConfig:
+    """How the monitor decides a spike. Part of the run config: changing it is drift."""
+
+    window: int = 50  # accepted grad norms in the rolling median, >= 1 (steps)
+    multiplier: float = 3.0  # spike iff grad_norm > multiplier * median; finite, > 0
+    min_history: int = 10  # accepted values before a grad-norm spike can trigger; 1..window
+    # Absolute grad-norm floor (same units as the grad norm), finite, >= 0: a value
+    # <= floor is never a grad-norm spike. Default 0.0 (off): grad-norm scale spans
+    # orders of magnitude across models, losses and reductions, so any non-zero
+    # default would silently blind some run to real spikes, while a floor that is
+    # too low only costs a loud false alarm. Set it when the run's scale is known.
+    floor: float = 0.0
+    history: int = 1000  # recent grad norms / spike records / refused steps kept for report(), >= 0
+
+    def __post_init__(self) -> None:
+        for name in ("window", "min_history", "history"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int (got {type(value).__name__})")
+        for name in ("multiplier", "floor"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{name} must be a number (got {type(value).__name__})")
+            object.__setattr__(self, name, float(value))  # one type in state_dict
+        if self.window < 1:
+            raise ValueError(f"window must be >= 1 (got {self.window})")
+        if not (math.isfinite(self.multiplier) and self.multiplier > 0.0):
+            raise ValueError(f"multiplier must be finite and > 0 (got {self.multiplier})")
+        if self.min_history < 1:
+            raise ValueError(f"min_history must be >= 1 (got {self.min_history})")
+        if self.min_history > self.window:
+            raise ValueError(
+                f"min_history must be <= window (got min_history={self.min_history}, window={self.window})"
+            )
+        if not (math.isfinite(self.floor) and self.floor >= 0.0):
+            raise ValueError(f"floor must be finite and >= 0 (got {self.floor})")
+        if self.history < 0:
+            raise ValueError(f"history must be >= 0 (got {self.history})")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config as plain values (the ``config`` entry of ``state_dict``)."""
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """What the monitor concluded about one step.
+
+    Attributes:
+        step: the step observed.
+        grad_norm / loss: the values observed, as floats.
+        median: the window's (lower) median before this observation; None if empty.
+        ratio: ``grad_norm / median``; None when there is no median or it is 0.
+        is_spike: True for the reasons ``grad_norm``, ``non_finite_grad_norm``,
+            ``non_finite_loss``.
+        reason: one of :data:`REASONS`.
+    """
+
+    step: int
+    grad_norm: float
+    loss: float
+    median: float | None
+    ratio: float | None
+    is_spike: bool
+    reason: str
+
+
+def _lower_median(ordered: list[float]) -> float | None:
+    # The lower median is always an observed value: exact, no rounding (R-M03).
+    return ordered[(len(ordered) - 1) // 2] if ordered else None
+
+
+def _nearest_rank(ordered: list[float], q: float) -> float | None:
+    # Nearest-rank quantile: the smallest value with at least q of the data at or below it.
+    if not ordered:
+        return None
+    rank = max(1, math.ceil(q * len(ordered)))
+    return ordered[rank - 1]
+
+
+class SpikeMonitor:
+    """Rolling-median spike detector plus the run's stability report (spec/rollback.md).
+
+    Args:
+        config: the detection parameters; ``SpikeConfig()`` if omitted.
+
+    Example::
+
+        m = SpikeMonitor(SpikeConfig(window=50, multiplier=3.0, min_history=10))
+        for step, (g, loss) in enumerate(stream):
+            v = m.observe(step, g, loss)
+    """
+
+    def __init__(self, config: SpikeConfig | None = None) -> None:
+        self.config = SpikeConfig() if config is None else config
+        if not isinstance(self.config, SpikeConfig):
+            raise TypeError(f"config must be a SpikeConfig (got {type(self.config).__name__})")
+        # Detector state (rewound on rollback, R-M07).
+        self._window: collections.deque[float] = collections.deque(maxlen=self.config.window)
+        self._sorted: list[float] = []  # the window's values, ascending
+        self._last_step: int | None = None
+        # Report state (never rewound: it describes the whole run, discarded branches too).
+        self._observed = 0
+        self._spikes = {reason: 0 for reason in _SPIKE_REASONS}
+        self._recent_spikes: collections.deque[dict[str, Any]] = collections.deque(maxlen=self.config.history)
+        self._refused: collections.deque[int] = collections.deque(maxlen=self.config.history)
+        self._refused_count = 0
+        self._finite_count = 0
+        self._non_finite_count = 0
+        self._sum = 0.0
+        self._min: float | None = None
+        self._max: float | None = None
+        self._recent: collections.deque[float] = collections.deque(maxlen=self.config.history)
+
+    # ------------------------------------------------------------------ observe
+
+    def observe(self, step: int, grad_norm: float, loss: float) -> Verdict:
+        """Judge one step and record it.
+
+        Args:
+            step: the training step, an int >= 0 and greater than the last observed step.
+            grad_norm: the pre-clip global grad norm (anything ``float()`` accepts).
+            loss: the step's loss.
+
+        Returns:
+            The :class:`Verdict`. A non-finite grad norm or loss is always a spike;
+            a grad-norm spike needs ``min_history`` accepted values, ``grad_norm >
+            floor`` and ``grad_norm > multiplier * median``. Non-spikes enter the
+            window; spikes never do.
+
+        Raises:
+            ValueError: ``step`` is negative or not after the last observed step,
+                or ``grad_norm`` is negative.
+            TypeError: ``step`` is not an int, or a value is not a number.
+        """
+        step = self._check_step("step", step)
+        if self._last_step is not None and step <= self._last_step:
+            raise ValueError(f"step must be > the last observed step {self._last_step} (got {step})")
+        g = float(grad_norm)
+        loss_f = float(loss)
+        if g < 0.0:
+            raise ValueError(f"grad_norm must be >= 0 (got {g})")
+        median = _lower_median(self._sorted)
+        ratio = g / median if median else None  # None for no median and for median == 0
+        cfg = self.config
+        if not math.isfinite(g):
+            reason = "non_finite_grad_norm"
+        elif not math.isfinite(loss_f):
+            reason = "non_finite_loss"
+        elif len(self._window) < cfg.min_history:
+            reason = "warming_up"
+        elif median is not None and g > cfg.floor and g > cfg.multiplier * median:
+            reason = "grad_norm"
+        else:
+            reason = "ok"
+        is_spike = reason in _SPIKE_REASONS
+        verdict = Verdict(step, g, loss_f, median, ratio, is_spike, reason)
+
+        self._last_step = step
+        if not is_spike:
+            if len(self._window) == self._window.maxlen:
+                old = self._window[0]
+                del self._sorted[bisect.bisect_left(self._sorted, old)]
+            self._window.append(g)
+            bisect.insort(self._sorted, g)
+        self._record(verdict)
+        return verdict
+
+    def _record(self, v: Verdict) -> None:
+        self._observed += 1
+        if math.isfinite(v.grad_norm):
+            self._finite_count += 1
+            self._sum += v.grad_norm
+            self._min = v.grad_norm if self._min is None else min(self._min, v.grad_norm)
+            self._max = v.grad_norm if self._max is None else max(self._max, v.grad_norm)
+            self._recent.append(v.grad_norm)
+        else:
+            self._non_finite_count += 1
+        if v.is_spike:
+            self._spikes[v.reason] += 1
+            self._recent_spikes.append(
+                {"step": v.step, "reason": v.reason, "grad_norm": v.grad_norm, "loss": v.loss, "median": v.median}
+            )
+
+    def refuse(self, step: int) -> None:
+        """Record that the update of ``step`` was refused (skipped or rolled back).
+
+        The trainer decides (``--auto-rollback``); the monitor only keeps the record.
+
+        Args:
+            step: the refused step, an int >= 0.
+
+        Raises:
+            ValueError / TypeError: ``step`` is not an int >= 0.
+        """
+        self._refused.append(self._check_step("step", step))
+        self._refused_count += 1
+
+    @property
+    def last_step(self) -> int | None:
+        """The last observed step, or None before the first observation."""
+        return self._last_step
+
+    @staticmethod
+    def _check_step(name: str, step: Any) -> int:
+        if isinstance(step, bool):
+            raise TypeError(f"{name} must be an int (got bool)")
+        try:
+            s = operator.index(step)
+        except TypeError:
+            raise TypeError(f"{name} must be an int (got {type(step).__name__})") from None
+        if s < 0:
+            raise ValueError(f"{name} must be >= 0 (got {s})")
+        return s
+
+    # ------------------------------------------------------------------ report
+
+    def report(self) -> dict[str, Any]:
+        """The stability report, as plain values (fresh objects on every call).
+
+        Returns:
+            ``observed``, ``last_step``, ``spikes`` (total), ``spikes_by_reason``,
+            ``recent_spikes`` (last ``history``), ``refused`` (last ``history``
+            steps), ``refused_count``, ``window`` (size, median) and
+            ``grad_norm`` statistics: finite/non-finite counts, min, max, mean over
+            every finite value, and nearest-rank p50/p99/p99.9 over the last
+            ``history`` finite values (None when there are none).
+        """
+        recent = sorted(self._recent)
+        return {
+            "observed": self._observed,
+            "last_step": self._last_step,
+            "spikes": sum(self._spikes.values()),
+            "spikes_by_reason": dict(self._spikes),
+            "recent_spikes": [dict(s) for s in self._recent_spikes],
+            "refused": list(self._refused),
+            "refused_count": self._refused_count,
+            "window": {"size": len(self._window), "median": _lower_median(self._sorted)},
+            "grad_norm": {
+                "count": self._finite_count,
+                "non_finite": self._non_finite_count,
+                "min": self._min,
+                "max": self._max,
+                "mean": self._sum / self._finite_count if self._finite_count else None,
+                "recent": len(recent),
+                "p50": _nearest_rank(recent, 0.5),
+                "p99": _nearest_rank(recent, 0.99),
+                "p999": _nearest_rank(recent, 0.999),
+            },
+        }
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        """A snapshot of the whole monitor as plain msgpack-able values (R-M09).
+
+        The result shares nothing with the monitor: mutate it freely, keep it for a
+        rollback. Layout (spec/rollback.md): ``version``, ``config``, ``detector``
+        (``window`` in arrival order, ``last_step``) and ``report`` (counters,
+        bounded lists, running statistics).
+
+        Returns:
+            A new dict.
+        """
+        return {
+            "version": STATE_VERSION,
+            "config": self.config.to_dict(),
+            "detector": {"window": list(self._window), "last_step": self._last_step},
+            "report": {
+                "observed": self._observed,
+                "spikes": dict(self._spikes),
+                "recent_spikes": [dict(s) for s in self._recent_spikes],
+                "refused": list(self._refused),
+                "refused_count": self._refused_count,
+                "finite_count": self._finite_count,
+                "non_finite_count": self._non_finite_count,
+                "sum": self._sum,
+                "min": self._min,
+                "max": self._max,
+                "recent": list(self._recent),
+            },
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a :meth:`state_dict` exactly; the monitor's config must match it.
+
+        Args:
+            state: a dict from :meth:`state_dict` (possibly through msgpack).
+
+        Raises:
+            UnsupportedVersion: ``version`` is not one this reader knows.
+            MalformedIndex: a key is missing or unknown, a value has the wrong type,
+                or a list is longer than the config allows.
+            ConfigDrift: the recorded config differs from ``self.config``; every
+                differing field is named.
+        """
+        detector, report = self._validate(state)
+        self._load_detector(detector)
+        self._load_report(report)
+
+    def rewind(self, state: Mapping[str, Any]) -> None:
+        """Roll the detector back to a snapshot, keeping the report (R-M07).
+
+        A rollback restores the model to an earlier step; the window must go back
+        with it so re-run steps are judged against the history they follow. The
+        report is the run's record -- it keeps the spike that caused the rollback.
+
+        Args:
+            state: a :meth:`state_dict` taken at an earlier step.
+
+        Raises:
+            As :meth:`load_state_dict`, and ValueError if the snapshot's last step
+            is after this monitor's last step.
+        """
+        detector, _ = self._validate(state)
+        snap_last = detector["last_step"]
+        if snap_last is not None and (self._last_step is None or snap_last > self._last_step):
+            raise ValueError(
+                f"rewind snapshot is ahead of the monitor (snapshot last step {snap_last}, "
+                f"monitor last step {self._last_step})"
+            )
+        self._load_detector(detector)
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, Any]) -> SpikeMonitor:
+        """A monitor built with the recorded config and restored from ``state``.
+
+        For tools that read a checkpoint without the run config (inspect, report).
+
+        Raises:
+            As :meth:`load_state_dict` (never ConfigDrift).
+        """
+        config = _config_from(_get(state, "config", dict, "monitor"))
+        monitor = cls(config)
+        monitor.load_state_dict(state)
+        return monitor
+
+    def _load_detector(self, detector: dict[str, Any]) -> None:
+        self._window = collections.deque(detector["window"], maxlen=self.config.window)
+        self._sorted = sorted(self._window)
+        self._last_step = detector["last_step"]
+
+    def _load_report(self, r: dict[str, Any]) -> None:
+        h = self.config.history
+        self._observed = r["observed"]
+        self._spikes = {reason: r["spikes"][reason] for reason in _SPIKE_REASONS}
+        self._recent_spikes = collections.deque((dict(s) for s in r["recent_spikes"]), maxlen=h)
+        self._refused = collections.deque(r["refused"], maxlen=h)
+        self._refused_count = r["refused_count"]
+        self._finite_count = r["finite_count"]
+        self._non_finite_count = r["non_finite_count"]
+        self._sum = r["sum"]
+        self._min = r["min"]
+        self._max = r["max"]
+        self._recent = collections.deque(r["recent"], maxlen=h)
+
+    def _validate(self, state: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Check every key and type of a state dict (R-M09..R-M12); return its parts."""
+        if not isinstance(state, Mapping):
+            raise MalformedIndex(f"state must be a dict (got {type(state).__name__})", field="monitor")
+        version = state.get("version")
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise MalformedIndex(
+                f"version must be an int (got {type(version).__name__})", field="monitor.version"
+            )
+        if version != STATE_VERSION:
+            raise UnsupportedVersion(
+                "monitor state version not supported",
+                field="monitor.version",
+                expected=STATE_VERSION,
+                actual=version,
+                hint="upgrade ckptkit to read this checkpoint",
+            )
+        _exact_keys(state, {"version", "config", "detector", "report"}, "monitor")
+        recorded = _config_from(state["config"])
+        if recorded != self.config:
+            diffs = [
+                f"{f.name}: recorded {getattr(recorded, f.name)!r}, configured {getattr(self.config, f.name)!r}"
+                for f in dataclasses.fields(SpikeConfig)
+                if getattr(recorded, f.name) != getattr(self.config, f.name)
+            ]
+            raise ConfigDrift(
+                "monitor state was recorded with a different spike config: "
+                + "; ".join(diffs)
+                + " (the spike config is part of the run config; resume with the recorded values)",
+                diffs,
+            )
+        cfg = self.config
+
+        det = _get(state, "detector", dict, "monitor")
+        _exact_keys(det, {"window", "last_step"}, "monitor.detector")
+        window = _float_list(det, "window", "monitor.detector", cfg.window)
+        for x in window:
+            if not (math.isfinite(x) and x >= 0.0):
+                raise MalformedIndex(
+                    f"window holds {x!r}; window values must be finite and >= 0", field="monitor.detector.window"
+                )
+        last_step = _opt_int(det, "last_step", "monitor.detector")
+        if window and last_step is None:
+            raise MalformedIndex("window is not empty but last_step is None", field="monitor.detector")
+
+        rep = _get(state, "report", dict, "monitor")
+        where = "monitor.report"
+        _exact_keys(
+            rep,
+            {"observed", "spikes", "recent_spikes", "refused", "refused_count", "finite_count",
+             "non_finite_count", "sum", "min", "max", "recent"},
+            where,
+        )
+        for key in ("observed", "refused_count", "finite_count", "non_finite_count"):
+            _int(rep, key, where)
+        spikes = _get(rep, "spikes", dict, where)
+        _exact_keys(spikes, set(_SPIKE_REASONS), f"{where}.spikes")
+        for reason in _SPIKE_REASONS:
+            _int(spikes, reason, f"{where}.spikes")
+        recent_spikes = _get(rep, "recent_spikes", list, where)
+        if len(recent_spikes) > cfg.history:
+            raise MalformedIndex(
+                "recent_spikes is longer than history", field=f"{where}.recent_spikes",
+                expected=f"<= {cfg.history}", actual=len(recent_spikes),
+            )
+        for i, rec in enumerate(recent_spikes):
+            at = f"{where}.recent_spikes[{i}]"
+            if not isinstance(rec, Mapping):
+                raise MalformedIndex(f"must be a dict (got {type(rec).__name__})", field=at)
+            _exact_keys(rec, {"step", "reason", "grad_norm", "loss", "median"}, at)
+            _int(rec, "step", at)
+            if rec["reason"] not in _SPIKE_REASONS:
+                raise MalformedIndex(f"reason {rec['reason']!r} is not a spike reason", field=at)
+            _float(rec, "grad_norm", at)
+            _float(rec, "loss", at)
+            _opt_float(rec, "median", at)
+        refused = _get(rep, "refused", list, where)
+        if len(refused) > cfg.history:
+            raise MalformedIndex(
+                "refused is longer than history", field=f"{where}.refused",
+                expected=f"<= {cfg.history}", actual=len(refused),
+            )
+        for i, s in enumerate(refused):
+            if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+                raise MalformedIndex(f"must be an int >= 0 (got {s!r})", field=f"{where}.refused[{i}]")
+        _float(rep, "sum", where)
+        _opt_float(rep, "min", where)
+        _opt_float(rep, "max", where)
+        _float_list(rep, "recent", where, cfg.history)
+        return dict(det), dict(rep)
+
+
+# ---------------------------------------------------------------------- validation helpers
+
+
+def _exact_keys(d: Mapping[str, Any], keys: set[str], where: str) -> None:
+    missing = sorted(keys - set(d))
+    unknown = sorted(str(k) for k in set(d) - keys)
+    if missing:
+        raise MalformedIndex(f"missing key(s) {', '.join(missing)}", field=where)
+    if unknown:
+        raise MalformedIndex(f"unknown key(s) {', '.join(unknown)}", field=where)
+
+
+def _get(d: Mapping[str, Any], key: str, kind: type, where: str) -> Any:
+    if key not in d:
+        raise MalformedIndex(f"missing key {key}", field=where)
+    value = d[key]
+    ok = isinstance(value, Mapping) if kind is dict else isinstance(value, kind)
+    if not ok:
+        raise MalformedIndex(f"must be a {kind.__name__} (got {type(value).__name__})", field=f"{where}.{key}")
+    return value
+
+
+def _int(d: Mapping[str, Any], key: str, where: str) -> int:
+    v = d[key]
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise MalformedIndex(f"must be an int >= 0 (got {v!r})", field=f"{where}.{key}")
+    return v
+
+
+def _opt_int(d: Mapping[str, Any], key: str, where: str) -> int | None:
+    return None if d[key] is None else _int(d, key, where)
+
+
+def _float(d: Mapping[str, Any], key: str, where: str) -> float:
+    v = d[key]
+    if not isinstance(v, float):
+        raise MalformedIndex(f"must be a float (got {type(v).__name__})", field=f"{where}.{key}")
+    return v
+
+
+def _opt_float(d: Mapping[str, Any], key: str, where: str) -> float | None:
+    return None if d[key] is None else _float(d, key, where)
+
+
+def _float_list(d: Mapping[str, Any], key: str, where: str, limit: int) -> list[float]:
+    values = _get(d, key, list, where)
+    if len(values) > limit:
+        raise MalformedIndex(
+            f"{key} holds more values than the config allows", field=f"{where}.{key}",
+            expected=f"<= {limit}", actual=len(values),
+        )
+    for i, v in enumerate(values):
+        if not isinstance(v, float):
+            raise MalformedIndex(f"must be a float (got {type(v).__name__})", field=f"{where}.{key}[{i}]")
+    return values
+
+
+def _config_from(raw: Any) -> SpikeConfig:
+    if not isinstance(raw, Mapping):
+        raise MalformedIndex(f"must be a dict (got {type(raw).__name__})", field="monitor.config")
+    _exact_keys(raw, {f.name for f in dataclasses.fields(SpikeConfig)}, "monitor.config")
+    try:
+        return SpikeConfig(**{str(k): v for k, v in raw.items()})
+    except (TypeError, ValueError) as e:
+        raise MalformedIndex(f"invalid spike config: {e}", field="monitor.config") from None
