@@ -1,0 +1,225 @@
+"""``ckptkit diff A B``: what differs between two runs' config snapshots (spec/snapshot.md).
+
+    ckptkit diff runs/a runs/b
+    ckptkit diff runs/a/step-00000120.ckpt runs/b/step-00000120.ckpt --json
+    ckptkit diff a.config.json b.config.json
+
+A and B are snapshot files (``*.config.json``), checkpoints (the snapshot next
+to it, ``<ckpt>.config.json``) or run directories (the snapshot next to the
+newest ``step-XXXXXXXX.ckpt``, else ``config.json`` at the directory root).
+A is the old side, B the new one: the classes are the ones a resume of A with
+B's config would see (no declared defaults are filled in: what is written is
+compared). Exit codes as GNU diff: 0 no strict difference, 1 strict drift (or
+differing tensors with ``--tensors``), 2 trouble.
+
+Imports no torch unless ``--tensors`` is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+from ..errors import CheckpointError, CheckpointNotFound
+from ..snapshot import SNAPSHOT_SUFFIX, KeyDiff, Snapshot, diff_keys, read_snapshot, snapshot_path
+from ._paths import CKPT_RE
+
+__all__ = ["add_parser", "run"]
+
+JSON_SCHEMA_VERSION = 1
+"""``schema_version`` of the ``--json`` output object."""
+
+_RUN_CONFIG = "config.json"
+
+_DESCRIPTION = """\
+Compare the config snapshots of two runs key by key and class each difference:
+strict (a resume would be refused: ConfigDrift) or exempt (steps, log_every,
+ckpt_every, eval, eval_every: they decide when we look, not what the model
+computes).
+
+A and B may each be
+  a snapshot file          runs/a/step-00000120.ckpt.config.json
+  a checkpoint             runs/a/step-00000120.ckpt  (uses <ckpt>.config.json)
+  a run directory          runs/a  (the snapshot of the newest step-*.ckpt,
+                           else runs/a/config.json)
+A is the old side, B the new one."""
+
+_EPILOG = """\
+example:
+  $ ckptkit diff runs/a runs/b
+  a: runs/a/step-00000010.ckpt.config.json
+  b: runs/b/step-00000010.ckpt.config.json
+  CLASS   KEY          OLD    NEW    NOTE
+  strict  train.lr     0.001  0.002
+  exempt  train.steps  10     20     extending the run
+  2 differences: 1 strict, 1 exempt
+  $ echo $?
+  1
+
+exit codes:
+  0  no strict difference (exempt ones may be listed)
+  1  strict drift (with --tensors: or tensors that differ)
+  2  trouble: a path is missing, not a snapshot, or unreadable"""
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register ``diff`` on an ``argparse`` sub-parsers object."""
+    p = subparsers.add_parser(
+        "diff",
+        help="compare two runs' config snapshots (strict vs exempt keys)",
+        description=_DESCRIPTION,
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("a", metavar="A", help="old side: snapshot, checkpoint or run directory")
+    p.add_argument("b", metavar="B", help="new side: snapshot, checkpoint or run directory")
+    p.add_argument("--json", action="store_true", help="print one JSON object (with schema_version) instead of a table")
+    p.add_argument(
+        "--tensors",
+        action="store_true",
+        help="also compare the two checkpoints' tensors, bitwise (needs checkpoints or run directories)",
+    )
+
+
+class _Unavailable(Exception):
+    """``--tensors`` cannot run here; exit 2 (private: never leaves :func:`run`)."""
+
+
+def _newest_checkpoint(directory: str) -> str | None:
+    best: tuple[int, str] | None = None
+    for name in os.listdir(directory):
+        m = CKPT_RE.match(name)
+        if m and os.path.isfile(os.path.join(directory, name)):
+            key = (int(m.group(1)), name)
+            best = key if best is None or key > best else best
+    return None if best is None else os.path.join(directory, best[1])
+
+
+def _resolve(path: str) -> tuple[str, str | None]:
+    """(snapshot file, checkpoint or None) for a command-line path."""
+    if os.path.isdir(path):
+        ckpt = _newest_checkpoint(path)
+        if ckpt is not None:
+            snap = snapshot_path(ckpt)
+            if not os.path.isfile(snap):
+                raise CheckpointNotFound(f"{ckpt}: the newest checkpoint has no config snapshot (expected {snap})")
+            return snap, ckpt
+        root = os.path.join(path, _RUN_CONFIG)
+        if os.path.isfile(root):
+            return root, None
+        raise CheckpointNotFound(f"{path}: no step-XXXXXXXX.ckpt and no {_RUN_CONFIG} in this run directory")
+    if not os.path.exists(path):
+        raise CheckpointNotFound(f"{path}: no such file or directory")
+    if path.endswith(SNAPSHOT_SUFFIX) or os.path.basename(path) == _RUN_CONFIG:
+        ckpt = path[: -len(SNAPSHOT_SUFFIX)] if path.endswith(SNAPSHOT_SUFFIX) else ""
+        return path, ckpt if ckpt and os.path.isfile(ckpt) else None
+    snap = snapshot_path(path)
+    if not os.path.isfile(snap):
+        raise CheckpointNotFound(f"{path}: no config snapshot next to this checkpoint (expected {snap})")
+    return snap, path
+
+
+def _show(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, ensure_ascii=True)
+
+
+def _table(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+
+
+def _config_lines(a: Snapshot, b: Snapshot, diffs: list[KeyDiff]) -> list[str]:
+    lines = [f"a: {a.path}", f"b: {b.path}"]
+    if a.config_type != b.config_type:
+        lines.append(f"config_type: {a.config_type} -> {b.config_type} (informational, not compared)")
+    if not diffs:
+        return [*lines, "no differences"]
+    rows = [["CLASS", "KEY", "OLD", "NEW", "NOTE"]]
+    for d in diffs:
+        rows.append([
+            "exempt" if d.exempt else "strict",
+            d.key,
+            "-" if d.kind == "only_new" else _show(d.old),
+            "-" if d.kind == "only_old" else _show(d.new),
+            d.note,
+        ])
+    strict = sum(d.strict for d in diffs)
+    n = len(diffs)
+    lines += _table(rows)
+    lines.append(f"{n} difference{'s' if n != 1 else ''}: {strict} strict, {n - strict} exempt")
+    return lines
+
+
+def _diff_json(d: KeyDiff) -> dict[str, Any]:
+    out: dict[str, Any] = {"key": d.key, "kind": d.kind, "class": "exempt" if d.exempt else "strict"}
+    if d.kind != "only_new":
+        out["old"] = d.old
+    if d.kind != "only_old":
+        out["new"] = d.new
+    return out
+
+
+# --- --tensors ----------------------------------------------------------------------
+
+
+def _tensor_diffs(ckpt_a: str | None, ckpt_b: str | None) -> list[dict[str, Any]]:
+    if ckpt_a is None or ckpt_b is None:
+        raise _Unavailable("--tensors needs two checkpoints (or run directories that hold one), not bare snapshots")
+    from ..compare import compare_checkpoints  # imports torch: only when asked
+
+    return [
+        {"name": d.name, "kind": d.kind, "detail": d.detail, "n_diff": d.n_diff, "numel": d.numel,
+         "max_abs_diff": d.max_abs_diff}
+        for d in compare_checkpoints(ckpt_a, ckpt_b)
+    ]
+
+
+def _tensor_lines(tensors: list[dict[str, str]]) -> list[str]:
+    if not tensors:
+        return ["tensors: bitwise identical"]
+    rows = [["KIND", "TENSOR", "DETAIL"]] + [[t["kind"], t["name"], t["detail"]] for t in tensors]
+    n = len(tensors)
+    return [f"tensors: {n} difference{'s' if n != 1 else ''}", *_table(rows)]
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``ckptkit diff``; return the exit code (0 clean, 1 strict drift, 2 trouble).
+
+    Results go to stdout; a problem with a path is one line on stderr (exit 2).
+    With ``args.debug`` set, ckptkit errors are re-raised instead.
+    """
+    try:
+        snap_a, ckpt_a = _resolve(args.a)
+        snap_b, ckpt_b = _resolve(args.b)
+        a, b = read_snapshot(snap_a), read_snapshot(snap_b)
+        diffs = diff_keys(a, b)
+        tensors = _tensor_diffs(ckpt_a, ckpt_b) if args.tensors else None
+    except (CheckpointError, OSError, _Unavailable) as e:
+        if getattr(args, "debug", False):
+            raise
+        print(f"ckptkit diff: {e}", file=sys.stderr)
+        return 2
+
+    strict = sum(d.strict for d in diffs)
+    if args.json:
+        doc: dict[str, Any] = {
+            "schema_version": JSON_SCHEMA_VERSION,
+            "old": {"path": a.path, "config_type": a.config_type, "checkpoint": ckpt_a},
+            "new": {"path": b.path, "config_type": b.config_type, "checkpoint": ckpt_b},
+            "differences": [_diff_json(d) for d in diffs],
+            "strict": strict,
+            "exempt": len(diffs) - strict,
+        }
+        if tensors is not None:
+            doc["tensors"] = tensors
+        print(json.dumps(doc, sort_keys=True, indent=2, ensure_ascii=True))
+    else:
+        lines = _config_lines(a, b, diffs)
+        if tensors is not None:
+            lines += _tensor_lines(tensors)
+        print("\n".join(lines))
+    return 1 if strict or tensors else 0
