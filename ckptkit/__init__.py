@@ -13,7 +13,7 @@ Importing ckptkit does not import torch; the functions that build tensors do.
 
 from __future__ import annotations
 
-from .checkpoint import Checkpoint, load, save
+from .checkpoint import Checkpoint, import_torch_checkpoint, load, save
 from .container import FLAG_FP32_FALLBACK, VERSION, Report, SectionInfo, verify
 from .errors import (
     BadMagic,
@@ -93,6 +93,7 @@ __all__ = [
     "check_field_coverage",
     "check_resume",
     "diff_keys",
+    "import_torch_checkpoint",
     "load",
     "mask_stream",
     "numpy_generator",

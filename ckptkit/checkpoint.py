@@ -34,7 +34,7 @@ from .errors import UnsupportedValue
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Checkpoint", "load", "save"]
+__all__ = ["Checkpoint", "import_torch_checkpoint", "load", "save"]
 
 
 @dataclass(frozen=True)
@@ -157,3 +157,54 @@ def load(path: str | os.PathLike[str], *, map_location: str | torch.device = "cp
         step=layout.step, flags=layout.flags, legacy=layout.legacy, missing=layout.missing,
         version=layout.version, **trees,
     )
+
+
+def import_torch_checkpoint(path: str | os.PathLike[str], *, map_location: str | torch.device = "cpu") -> Any:
+    """Read an existing ``torch.save`` file once, safely, to move it into ckptkit.
+
+    Uses ``torch.load(weights_only=True)``: torch's restricted unpickler, which
+    builds only tensors and plain containers and refuses every other global, so no
+    code in the file runs. The result is then checked against what a ckptkit
+    container can carry.
+
+    Args:
+        path: a file written by ``torch.save``.
+        map_location: device for the tensors.
+
+    Returns:
+        The object that was saved (typically a dict of state dicts), ready to be
+        put in a :class:`Checkpoint`.
+
+    Raises:
+        CheckpointNotFound: no such file.
+        UnsupportedValue: the file holds anything but tensors and plain containers
+            (the unpickler refused it), or a value a container cannot carry.
+
+    Example:
+        >>> old = import_torch_checkpoint("ckpt.pt")  # doctest: +SKIP
+        >>> save("run/step-00001000.ckpt", Checkpoint(step=1000, model={"net": old["model"]},
+        ...                                            optim={"adamw": old["optimizer"]}))
+    """
+    import pickle
+    import warnings
+
+    import torch
+
+    from .codec import encode_tree
+    from .errors import CheckpointNotFound
+
+    path = os.fspath(path)
+    try:
+        with warnings.catch_warnings():  # torch warns about any pickle protocol but its own; not actionable
+            warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
+            obj = torch.load(path, map_location=map_location, weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointNotFound(f"{path}: no such file") from None
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UnsupportedValue(
+            f"{path}: torch.load(weights_only=True) refused it ({first}); only tensors and plain "
+            "containers are imported, never arbitrary pickle"
+        ) from None
+    encode_tree(obj, path)
+    return obj

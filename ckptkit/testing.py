@@ -1,0 +1,164 @@
+"""Test helpers for other trainers' CI: prove that a resume is the same run.
+
+Give ckptkit two functions of yours and it checks, bit for bit, that a run
+interrupted at arbitrary steps and resumed equals the uninterrupted run:
+
+* ``make_run(config, run_dir)`` builds everything (model, optimizer, data, ...) and
+  returns an object whose ``state`` attribute is the :class:`~ckptkit.RunState` with
+  all of it registered;
+* ``step(run, i)`` performs training step ``i`` (0-based).
+
+Copy-paste pytest example (see ``examples/test_resumable_loop.py``)::
+
+    from hypothesis import given
+    from ckptkit.testing import assert_resume_equivalent, assert_step_leaves_global_rng_alone, interruptions
+
+    @given(stops=interruptions(steps=12))
+    def test_resumed_equals_uninterrupted(tmp_path_factory, stops):
+        assert_resume_equivalent(make_run, train_step, Config(), steps=12, stops=stops,
+                                 workdir=tmp_path_factory.mktemp("resume"))
+
+    def test_a_step_touches_no_global_rng(tmp_path):
+        run = make_run(Config(), tmp_path)
+        assert_step_leaves_global_rng_alone(lambda: train_step(run, 0))
+
+The field-coverage check for your config type is :func:`ckptkit.assert_field_coverage`.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from .runstate import RunState
+
+__all__ = ["Run", "assert_resume_equivalent", "assert_step_leaves_global_rng_alone", "interruptions"]
+
+
+class Run(Protocol):
+    """What ``make_run`` returns: anything with the run's :class:`RunState` as ``state``."""
+
+    state: RunState
+
+
+def _train(make_run: Callable[[Any, Path], Run], step: Callable[[Run, int], None], config: Any, run_dir: Path,
+           steps: int, stops: Sequence[int]) -> str:
+    run = make_run(config, run_dir)
+    run.state.start()
+    for i in range(steps):
+        if i in stops:
+            run.state.save(i)
+            del run  # the process "dies": nothing in memory survives
+            run = make_run(config, run_dir)
+            info = run.state.resume()
+            if info.step != i:
+                raise AssertionError(f"resume after a save at step {i} came back at step {info.step}")
+        step(run, i)
+    return run.state.save(steps)
+
+
+def _files(path: str) -> dict[str, bytes]:
+    """The checkpoint and its companions (snapshot, sidecars), by suffix."""
+    directory, name = os.path.split(path)
+    out = {}
+    for other in sorted(os.listdir(directory)):
+        if other.startswith(name):
+            with open(os.path.join(directory, other), "rb") as f:
+                out[other[len(name):] or ".ckpt"] = f.read()
+    return out
+
+
+def assert_resume_equivalent(
+    make_run: Callable[[Any, Path], Run],
+    step: Callable[[Run, int], None],
+    config: Any,
+    *,
+    steps: int,
+    stops: Sequence[int],
+    workdir: str | os.PathLike[str],
+) -> None:
+    """Assert that stopping at ``stops`` and resuming gives the uninterrupted run's bytes.
+
+    Runs ``steps`` steps twice in fresh run directories under ``workdir``: once
+    straight through, once saving at every step in ``stops``, dropping every object
+    and resuming through ``make_run`` + ``RunState.resume()``. The final checkpoints
+    (container, snapshot and sidecars) must be byte-identical.
+
+    Raises:
+        AssertionError: naming the files that differ and, for the container, every
+            tensor or value that differs (via :mod:`ckptkit.compare`).
+    """
+    if any(not 0 < s < steps for s in stops):
+        raise ValueError(f"stops must lie in 1..{steps - 1} (got {sorted(stops)})")
+    workdir = Path(workdir)
+    straight = _train(make_run, step, config, workdir / "uninterrupted", steps, ())
+    resumed = _train(make_run, step, config, workdir / "resumed", steps, set(stops))
+    a, b = _files(straight), _files(resumed)
+    differing = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+    if not differing:
+        return
+    lines = [f"resumed at {sorted(stops)} differs from the uninterrupted run in {', '.join(differing)}"]
+    if ".ckpt" in differing:
+        from .compare import compare_checkpoints
+
+        for d in compare_checkpoints(straight, resumed)[:20]:
+            lines.append(f"  {d.kind:<8} {d.name}: {d.detail}")
+    raise AssertionError("\n".join(lines))
+
+
+def interruptions(steps: int, max_stops: int = 3) -> Any:
+    """A hypothesis strategy: sorted, distinct stop steps in ``1..steps-1`` (at least one)."""
+    from hypothesis import strategies as st
+
+    if steps < 2:
+        raise ValueError(f"steps must be >= 2 to interrupt a run (got {steps})")
+    return st.lists(st.integers(1, steps - 1), min_size=1, max_size=max_stops, unique=True).map(sorted)
+
+
+def _global_rng_state() -> dict[str, Any]:
+    import numpy as np
+    import torch
+
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(legacy=False),
+        "torch": torch.get_rng_state().numpy().tobytes(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = [s.numpy().tobytes() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def assert_step_leaves_global_rng_alone(fn: Callable[[], Any]) -> None:
+    """Assert ``fn()`` neither reads-and-advances nor reseeds a global RNG.
+
+    Checks Python's ``random``, numpy's legacy global generator and torch's CPU (and,
+    when initialised, CUDA) generators. A step whose randomness comes from
+    ``(seed, step)`` (:mod:`ckptkit.rng`) leaves all of them alone.
+
+    Raises:
+        AssertionError: naming each global generator that changed.
+    """
+    before = _global_rng_state()
+    fn()
+    after = _global_rng_state()
+    changed = [k for k in before if _differs(before[k], after.get(k))]
+    if changed:
+        raise AssertionError(
+            f"the step changed global RNG state: {', '.join(changed)}; draw from "
+            "ckptkit.torch_generator(seed, step, stream) instead of the global generator"
+        )
+
+
+def _differs(a: Any, b: Any) -> bool:
+    import numpy as np
+
+    if isinstance(a, dict):
+        return a.keys() != b.keys() or any(_differs(a[k], b[k]) for k in a)
+    if isinstance(a, np.ndarray):
+        return not np.array_equal(a, b)
+    return bool(a != b)
+
