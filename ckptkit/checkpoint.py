@@ -124,12 +124,34 @@ def save(
     del keep  # the tensors backing the written bytes may go now
 
 
-def load(path: str | os.PathLike[str], *, map_location: str | torch.device = "cpu") -> Checkpoint:
+def load(
+    path: str | os.PathLike[str],
+    *,
+    map_location: str | torch.device = "cpu",
+    into: Mapping[str, Any] | None = None,
+    strict: bool = True,
+) -> Checkpoint:
     """Read a v2 or legacy v1 container, verifying every byte as it is read.
+
+    Tensor bytes are read straight into their final memory and hashed in the same
+    pass, in one thread per core. With ``into``, that final memory is your own
+    tensors': a restore into an existing model or optimizer writes each stored
+    tensor directly into the matching parameter, buffer or state tensor — no
+    second copy, no ``load_state_dict`` copy afterwards.
 
     Args:
         path: the checkpoint file.
-        map_location: device for the loaded tensors.
+        map_location: device for the loaded tensors (those without a destination).
+        into: ``{section: destination tree}``, e.g.
+            ``{"model": {"net": net.state_dict()}, "optim": {"optimizers": {"adamw": opt.state_dict()}}}``.
+            Each tensor in a destination tree receives the stored tensor at the
+            same key path; dtype and shape must match exactly. The returned
+            trees hold those destination tensors. Non-CPU or non-contiguous
+            destinations are filled through a temporary.
+        strict: with ``into``, refuse stored tensors the destination tree has
+            no tensor for (as ``load_state_dict(strict=True)`` does); with
+            ``strict=False`` they are loaded into new memory (e.g. an optimizer
+            whose state is still empty).
 
     Returns:
         The :class:`Checkpoint`. A v1 file loads with ``legacy=True`` and
@@ -140,19 +162,26 @@ def load(path: str | os.PathLike[str], *, map_location: str | torch.device = "cp
         BadMagic, UnsupportedVersion, TruncatedFile, MalformedIndex,
         ChecksumMismatch, ReservedBitSet: the bytes break a rule of
             ``spec/container.md``; the message names the file, offset and section.
+            With ``into``, destinations read before a ``ChecksumMismatch`` was
+            found hold the file's (unverified) bytes: restore again from a good
+            checkpoint before using them.
+        ResumeRefused: ``into`` does not fit the file (a key the file lacks, a
+            shape or dtype that differs, with ``strict`` a stored tensor without
+            destination); every problem is listed and nothing has been written.
 
     Example:
         >>> ckpt = load("run/step-00000100.ckpt")  # doctest: +SKIP
         >>> net.load_state_dict(ckpt.model["net"])  # doctest: +SKIP
+        >>> load("run/step-00000100.ckpt", into={"model": {"net": net.state_dict()}})  # doctest: +SKIP
     """
     with Source(path) as src:
         layout = read_layout(src)
         if not layout.legacy:
             check_skeleton(src, layout)
             check_flags(layout)
-        from .codec import load_section
+        from .codec import load_sections
 
-        trees = {name: load_section(src, sec, map_location) for name, sec in layout.sections.items()}
+        trees = load_sections(src, layout.sections, map_location=map_location, into=into, strict=strict)
     return Checkpoint(
         step=layout.step, flags=layout.flags, legacy=layout.legacy, missing=layout.missing,
         version=layout.version, **trees,

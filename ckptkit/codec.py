@@ -22,15 +22,15 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import xxhash
 
-from .container import Source, decoded_region, tensor_mismatch
-from .errors import UnsupportedValue
-from .section import CODECS, DTYPE_SIZES, SectionIndex, SectionPlan, TensorRef, check_plain, plan_section
+from .container import Source, read_tensors
+from .errors import ResumeRefused, UnsupportedValue
+from .section import CODECS, DTYPE_SIZES, MAX_NDIM, SectionIndex, SectionPlan, TensorRef, check_plain, plan_section
 
-__all__ = ["decode_tree", "dtype_name", "encode_tree", "load_section", "plan_trees", "tensor_bytes", "torch_dtype"]
-
-_CHUNK = 1 << 20
+__all__ = [
+    "decode_tree", "dtype_name", "encode_tree", "load_section", "load_sections", "match_destinations",
+    "plan_trees", "tensor_bytes", "torch_dtype",
+]
 
 _TORCH_DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name) for name in DTYPE_SIZES if isinstance(getattr(torch, name, None), torch.dtype)
@@ -104,6 +104,8 @@ def encode_tree(tree: Any, where: str) -> tuple[Any, list[tuple[str, tuple[int, 
             raise UnsupportedValue(f"{at}: {value.layout} tensors cannot be stored; convert with .to_dense()")
         if value.is_quantized:
             raise UnsupportedValue(f"{at}: quantized tensors cannot be stored; store int_repr() and the scales")
+        if value.dim() > MAX_NDIM:
+            raise UnsupportedValue(f"{at}: a tensor of {value.dim()} dimensions cannot be stored (at most {MAX_NDIM})")
         key = _storage_key(value) if value.numel() else ("empty", id(value))
         tid = ids.get(key)
         if tid is None:
@@ -192,25 +194,189 @@ def load_section(src: Source, sec: SectionIndex | None, map_location: Any = "cpu
         ChecksumMismatch: a tensor's bytes do not match its digest (R-007).
         MalformedIndex: a compressed region that does not decode (R-008).
     """
+    return load_sections(src, {"section": sec}, map_location=map_location)["section"]
+
+
+def load_sections(
+    src: Source,
+    sections: Mapping[str, SectionIndex | None],
+    *,
+    map_location: Any = "cpu",
+    into: Mapping[str, Any] | None = None,
+    strict: bool = True,
+) -> dict[str, Any]:
+    """Read sections' trees, each tensor straight into its destination, verified in the same pass.
+
+    Args:
+        src: the open file; its skeleton and flags already checked.
+        sections: section name -> parsed section (None = absent).
+        map_location: device for tensors that have no destination.
+        into: section name -> destination tree (see :func:`match_destinations`);
+            a matching stored tensor is read into the destination tensor's own
+            memory, and the returned tree holds that destination tensor.
+        strict: refuse stored tensors that ``into`` has no destination for.
+
+    Returns:
+        section name -> tree (None for an absent section).
+
+    Raises:
+        ResumeRefused: ``into`` does not fit the file (every problem listed);
+            raised before any byte is read.
+        ChecksumMismatch, MalformedIndex, TruncatedFile: as :func:`~ckptkit.container.read_tensors`.
+            Destinations filled before the failure keep what was read: treat
+            them as garbage and restore again from a good checkpoint.
+    """
+    dests: dict[str, dict[int, torch.Tensor]] = {}
+    if into is not None:
+        problems: list[str] = []
+        for name, tree in into.items():
+            if name not in sections:
+                raise ValueError(f"into names an unknown section {name!r} (sections: {', '.join(sections)})")
+            dests[name] = match_destinations(sections[name], tree, name, problems, strict=strict)
+        if problems:
+            more = f"; and {len(problems) - 10} more" if len(problems) > 10 else ""
+            raise ResumeRefused(
+                f"{src.path or 'checkpoint'}: does not fit the destination tensors: {'; '.join(problems[:10])}{more}; "
+                "the checkpoint was written for another model or optimizer layout"
+            )
+    jobs: list[tuple[SectionIndex, int, memoryview]] = []
+    staged: list[tuple[torch.Tensor, torch.Tensor]] = []  # (read into, copy to) for indirect destinations
+    out_tensors: dict[str, list[torch.Tensor]] = {}
+    moved: list[tuple[str, int]] = []
+    for name, sec in sections.items():
+        if sec is None:
+            continue
+        mine = dests.get(name, {})
+        tensors: list[torch.Tensor] = []
+        for i, rec in enumerate(sec.tensors):
+            d = mine.get(i)
+            if d is not None and _writable_in_place(d):
+                view = _byte_view(d)
+                tensors.append(d)
+            else:
+                t, view = empty_like_record(rec.dtype, rec.shape)
+                if d is not None:
+                    staged.append((t, d))
+                    tensors.append(d)
+                else:
+                    tensors.append(t)
+                    moved.append((name, i))
+            jobs.append((sec, i, view))
+        out_tensors[name] = tensors
+    read_tensors(src, jobs)
+    for t, d in staged:
+        with torch.no_grad():
+            d.copy_(t)
+    if str(map_location) != "cpu":
+        for name, i in moved:
+            out_tensors[name][i] = out_tensors[name][i].to(map_location)
+    return {name: None if sec is None else decode_tree(sec.tree, out_tensors[name]) for name, sec in sections.items()}
+
+
+def _writable_in_place(t: torch.Tensor) -> bool:
+    return (t.device.type == "cpu" and t.layout == torch.strided and t.is_contiguous() and not t.is_conj()
+            and not t.is_neg() and not t.is_quantized)
+
+
+def _byte_view(t: torch.Tensor) -> memoryview:
+    if t.numel() == 0:
+        return memoryview(bytearray(0))
+    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
+
+
+def _key(k: Any) -> str:
+    return f"[{k!r}]"
+
+
+def match_destinations(
+    sec: SectionIndex | None, dest: Any, where: str, problems: list[str], *, strict: bool = True
+) -> dict[int, torch.Tensor]:
+    """Pair each tensor of a destination tree with the stored tensor at the same key path.
+
+    The destination is any tree of dicts, lists and tuples whose tensor leaves
+    are where the values should go (``module.state_dict()`` shares its tensors
+    with the module's parameters and buffers; an optimizer's ``state_dict()``
+    with its state). Non-tensor leaves of the destination are ignored.
+
+    Args:
+        sec: the stored section (None if absent in the file).
+        dest: the destination tree.
+        where: how messages name the root (``"model"``).
+        problems: every mismatch is appended here, one line each: a key the file
+            lacks, a shape or dtype that differs, a different kind of value, and,
+            with ``strict``, a stored tensor the destination has no place for.
+
+    Returns:
+        stored tensor id -> destination tensor (the first, if several share an id).
+    """
+    out: dict[int, torch.Tensor] = {}
     if sec is None:
-        return None
-    tensors = []
-    region = decoded_region(src, sec) if sec.codec != "raw" else None
-    for i, rec in enumerate(sec.tensors):
-        t, view = empty_like_record(rec.dtype, rec.shape)
-        h = xxhash.xxh3_64()
-        if region is not None:
-            view[:] = region[rec.offset : rec.offset + rec.nbytes]
-            h.update(view)
-        else:
-            base = sec.data_start + rec.offset
-            for a in range(0, rec.nbytes, _CHUNK):
-                piece = view[a : a + _CHUNK]
-                src.readinto(base + a, piece)
-                h.update(piece)
-        if rec.digest is not None and h.intdigest() != rec.digest:
-            raise tensor_mismatch(src.path, sec, i, h.intdigest())
-        if str(map_location) != "cpu":
-            t = t.to(map_location)
-        tensors.append(t)
-    return decode_tree(sec.tree, tensors)
+        problems.append(f"{where}: section is absent from the checkpoint")
+        return out
+    recs = sec.tensors
+
+    def walk(stored: Any, d: Any, at: str) -> None:
+        if isinstance(d, torch.Tensor):
+            if not isinstance(stored, TensorRef):
+                problems.append(f"{at}: a tensor in the destination, {_kind(stored)} in the checkpoint")
+                return
+            rec = recs[stored.id]
+            got = _NAMES.get(d.dtype, str(d.dtype))
+            if rec.dtype != got:
+                problems.append(f"{at}: dtype {rec.dtype} in the checkpoint, {got} in the destination")
+            elif tuple(rec.shape) != tuple(d.shape):
+                problems.append(f"{at}: shape {list(rec.shape)} in the checkpoint, {list(d.shape)} in the destination")
+            else:
+                out.setdefault(stored.id, d)
+        elif isinstance(d, Mapping):
+            if not isinstance(stored, dict):
+                problems.append(f"{at}: a dict in the destination, {_kind(stored)} in the checkpoint")
+                return
+            for k, v in d.items():
+                if k not in stored:
+                    if _has_tensor(v):
+                        problems.append(f"{at}{_key(k)}: missing from the checkpoint")
+                else:
+                    walk(stored[k], v, f"{at}{_key(k)}")
+            if strict:
+                for k, v in stored.items():
+                    if k not in d and _has_ref(v):
+                        problems.append(f"{at}{_key(k)}: in the checkpoint but not in the destination "
+                                        "(strict=False loads it into new memory)")
+        elif isinstance(d, (list, tuple)):
+            if not isinstance(stored, (list, tuple)) or len(stored) != len(d):
+                n = f"{len(stored)} items" if isinstance(stored, (list, tuple)) else _kind(stored)
+                if _has_tensor(d):
+                    problems.append(f"{at}: {len(d)} items in the destination, {n} in the checkpoint")
+                return
+            for k, (s_v, d_v) in enumerate(zip(stored, d)):
+                walk(s_v, d_v, f"{at}[{k}]")
+
+    walk(sec.tree, dest, where)
+    return out
+
+
+def _kind(v: Any) -> str:
+    if isinstance(v, TensorRef):
+        return "a tensor"
+    return "None" if v is None else f"a {type(v).__name__}"
+
+
+def _has_tensor(v: Any) -> bool:
+    if isinstance(v, torch.Tensor):
+        return True
+    if isinstance(v, Mapping):
+        return any(_has_tensor(x) for x in v.values())
+    if isinstance(v, (list, tuple)):
+        return any(_has_tensor(x) for x in v)
+    return False
+
+
+def _has_ref(v: Any) -> bool:
+    if isinstance(v, TensorRef):
+        return True
+    if isinstance(v, dict):
+        return any(_has_ref(x) for x in v.values())
+    if isinstance(v, (list, tuple)):
+        return any(_has_ref(x) for x in v)
+    return False

@@ -23,11 +23,13 @@ Invariants:
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import xxhash
 
@@ -83,6 +85,11 @@ _U64 = struct.Struct("<Q")
 # Byte offset of each v2 header field, for messages.
 _FIELD_OFFSET = {"step": 8, "model": 16, "optim": 24, "teacher": 32, "flags": 40, "monitor": 48}
 _CHUNK = 1 << 20  # hashing/IO granularity: stays in cache between hash and write
+# Performance knobs (none of them is format; spec/performance.md says why each value).
+_WINDOW = 64 << 20  # verify maps at most this much of the file at a time: bounded resident memory
+_MAP_MIN = 1 << 20  # extents shorter than this are read with pread (a mapping costs syscalls)
+_WRITE_BEHIND = 8 << 20  # start writeback of every 8 MiB written, so the final fsync waits for little
+_PARALLEL_MIN = 32 << 20  # read_tensors uses threads only when there is at least this much to read
 
 
 # ---------------------------------------------------------------------------- reading
@@ -157,6 +164,40 @@ class Source:
             yield mv[:n]
             pos += n
 
+    def feed(self, start: int, end: int, update: Callable[[memoryview], object], scratch: bytearray) -> None:
+        """Pass the bytes of ``[start, end)`` to ``update`` in pieces (the caller has checked the bounds).
+
+        A long extent of a file is hashed straight from the page cache through a
+        read-only mapping of at most 64 MiB at a time (no copy; bounded resident
+        memory); short extents, in-memory sources and systems without ``mmap``
+        flags use positional reads into ``scratch``. Known limit: a file truncated
+        by another process *while* it is mapped faults (SIGBUS); ckptkit itself
+        never truncates a checkpoint in place (spec/guarantees.md).
+        """
+        if self._fd < 0 or end - start < _MAP_MIN or not _CAN_MAP:
+            for chunk in self.chunks(start, end, scratch):
+                update(chunk)
+            return
+        pos = start
+        while pos < end:
+            base = pos - pos % mmap.ALLOCATIONGRANULARITY
+            stop = min(end, base + _WINDOW)
+            try:
+                m = mmap.mmap(self._fd, stop - base, flags=mmap.MAP_SHARED | _MAP_POPULATE,
+                              prot=mmap.PROT_READ, offset=base)
+            except (OSError, ValueError):  # e.g. a file system without mmap: fall back to reads
+                for chunk in self.chunks(pos, end, scratch):
+                    update(chunk)
+                return
+            with m, memoryview(m) as whole, whole[pos - base :] as piece:
+                update(piece)
+            pos = stop
+
+
+_CAN_MAP = hasattr(mmap, "MAP_SHARED") and hasattr(mmap, "PROT_READ")
+# MAP_POPULATE reads the window in one go (readahead-sized requests, no per-page faults).
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -196,6 +237,10 @@ def _read_v2(src: Source, head: bytes) -> Layout:
         raise BadMagic("malformed magic", path=src.path, offset=0, field="magic",
                        expected=repr(MAGIC), actual=repr(head), hint="R-001")
     version = struct.unpack_from("<H", head, 5)[0]
+    if version == VERSION and src.size < _HEADER.size + _TRAILER.size:
+        raise TruncatedFile("file ends inside the header or before the trailer", path=src.path, offset=src.size,
+                            field="header", expected=f">= {_HEADER.size + _TRAILER.size} bytes", actual=src.size,
+                            hint="R-003")
     if version != VERSION:
         newer = "a newer ckptkit wrote it; upgrade ckptkit" if version > VERSION else "not a version ckptkit ever wrote"
         raise UnsupportedVersion(f"container version {version} is not supported", path=src.path, offset=5,
@@ -266,12 +311,13 @@ def _place_sections(
             raise TruncatedFile(
                 f"{name} section of {n} bytes at offset {pos} runs past the end of the file",
                 path=src.path, offset=len_offsets[name],
-                field=f"{name}_len", expected=f"<= {src.size - pos - reserve}", actual=n, hint="R-003",
+                field=f"{name}_len", expected=f"<= {max(0, src.size - pos - reserve)}", actual=n, hint="R-003",
             )
         starts[name] = pos
         pos += n
     if pos + reserve != src.size:
-        raise TruncatedFile(f"{src.size - pos - reserve} unexpected bytes after the last section",
+        extra = src.size - pos - reserve
+        raise TruncatedFile(f"{extra} unexpected byte{'s' if extra != 1 else ''} after the last section",
                             path=src.path, offset=pos, field="trailer", expected=pos + reserve,
                             actual=src.size, hint="R-003")
     return starts
@@ -313,15 +359,14 @@ def check_skeleton(src: Source, layout: Layout, scratch: bytearray | None = None
     h = xxhash.xxh3_64()
     scratch = scratch if scratch is not None else bytearray(_CHUNK)
     for a, b in skeleton_extents(layout):
-        for chunk in src.chunks(a, b, scratch):
-            h.update(chunk)
+        src.feed(a, b, h.update, scratch)
     got = h.intdigest()
     if got != layout.skeleton_digest:
         raise ChecksumMismatch(
             "skeleton digest (header, indexes, padding) does not match",
             path=src.path, offset=layout.trailer_offset, field="trailer",
             expected=f"0x{layout.skeleton_digest:016x}", actual=f"0x{got:016x}",
-            hint="the file is corrupt; resume from an earlier checkpoint (R-005)",
+            hint="R-005",
         )
 
 
@@ -344,7 +389,7 @@ def tensor_mismatch(src_path: str | None, sec: SectionIndex, i: int, got: int) -
         f"tensor {i} ({rec.dtype}{list(rec.shape)}) digest does not match its bytes",
         path=src_path, offset=where, field=f"{sec.name} data",
         expected=f"0x{rec.digest:016x}", actual=f"0x{got:016x}",
-        hint="the file is corrupt; resume from an earlier checkpoint (R-007)",
+        hint="R-007",
     )
 
 
@@ -372,24 +417,188 @@ def decoded_region(src: Source, sec: SectionIndex) -> bytes:
 
 
 def check_tensors(src: Source, sec: SectionIndex, scratch: bytearray) -> int:
-    """Hash every tensor of a v2 section against its digest; returns bytes hashed (R-007)."""
+    """Hash every tensor of a v2 section against its digest; returns bytes hashed (R-007).
+
+    Memory stays bounded: raw tensors are hashed through mapped windows or chunked
+    reads, and a zstd region is decoded as a stream, never held whole.
+    """
     if sec.codec == "raw":
         total = 0
         for i, rec in enumerate(sec.tensors):
             h = xxhash.xxh3_64()
             a = sec.data_start + rec.offset
-            for chunk in src.chunks(a, a + rec.nbytes, scratch):
-                h.update(chunk)
+            src.feed(a, a + rec.nbytes, h.update, scratch)
             if h.intdigest() != rec.digest:
                 raise tensor_mismatch(src.path, sec, i, h.intdigest())
             total += rec.nbytes
         return total
-    region = decoded_region(src, sec)
-    for i, rec in enumerate(sec.tensors):
-        got = xxhash.xxh3_64_intdigest(memoryview(region)[rec.offset : rec.offset + rec.nbytes])
-        if got != rec.digest:
-            raise tensor_mismatch(src.path, sec, i, got)
+    _scatter_region(src, sec, [None] * len(sec.tensors))
     return sec.raw_len
+
+
+class _RangeReader:
+    """``read(n)`` over ``[start, end)`` of a :class:`Source`: the input side of a zstd stream."""
+
+    def __init__(self, src: Source, start: int, end: int, field: str) -> None:
+        self.src, self.pos, self.end, self.field = src, start, end, field
+
+    def read(self, n: int = -1) -> bytes:
+        n = self.end - self.pos if n < 0 else min(n, self.end - self.pos)
+        out = self.src.pread(self.pos, n, self.field) if n > 0 else b""
+        self.pos += n
+        return out
+
+
+def _region_pieces(src: Source, sec: SectionIndex) -> Iterator[bytes]:
+    """The decoded data region of a zstd section as consecutive pieces (R-008).
+
+    Same checks as :func:`decoded_region` — the region must decode, to exactly
+    ``raw_len`` bytes — but streamed: at most one 1 MiB piece is held at a time.
+    """
+    import zstandard
+
+    source = _RangeReader(src, sec.data_start, sec.data_start + sec.data_len, f"{sec.name} data")
+    total = 0
+    try:
+        reader = zstandard.ZstdDecompressor().stream_reader(source, read_across_frames=False)
+        while total <= sec.raw_len:
+            piece = reader.read(min(_CHUNK, sec.raw_len + 1 - total))
+            if not piece:
+                break
+            total += len(piece)
+            if total <= sec.raw_len:
+                yield piece
+    except zstandard.ZstdError as e:
+        raise MalformedIndex(f"zstd data region does not decompress: {e}", path=src.path,
+                             offset=sec.data_start, field=f"{sec.name} data", hint="R-008") from None
+    if total != sec.raw_len:
+        raise MalformedIndex("zstd data region decompresses to the wrong length", path=src.path,
+                             offset=sec.data_start, field=f"{sec.name} data", expected=sec.raw_len,
+                             actual=total if total <= sec.raw_len else f"> {sec.raw_len}", hint="R-008")
+
+
+def _scatter_region(src: Source, sec: SectionIndex, dests: Sequence[memoryview | None]) -> None:
+    """Decode a zstd section as a stream, copying each tensor into ``dests[i]`` (None: hash only).
+
+    Every tensor is hashed as its bytes go by; a digest mismatch is raised only
+    after the whole region decoded to the right length, so R-008 is reported
+    before R-007, as when the region was decoded whole.
+    """
+    recs = sec.tensors
+    hashes = [xxhash.xxh3_64() for _ in recs]
+    pos, first = 0, 0  # region offset of the next piece; first tensor not yet complete
+    for piece in _region_pieces(src, sec):
+        end = pos + len(piece)
+        mv = memoryview(piece)
+        i = first
+        while i < len(recs) and recs[i].offset < end:
+            rec = recs[i]
+            a, b = max(pos, rec.offset), min(end, rec.offset + rec.nbytes)
+            if b > a:
+                chunk = mv[a - pos : b - pos]
+                hashes[i].update(chunk)
+                dest = dests[i]
+                if dest is not None:
+                    dest[a - rec.offset : b - rec.offset] = chunk
+            if rec.offset + rec.nbytes <= end:
+                first = i + 1
+            i += 1
+        pos = end
+    for i, rec in enumerate(recs):
+        if rec.digest is not None and hashes[i].intdigest() != rec.digest:
+            raise tensor_mismatch(src.path, sec, i, hashes[i].intdigest())
+
+
+def read_tensors(src: Source, jobs: Sequence[tuple[SectionIndex, int, memoryview]], *, threads: int = 0) -> None:
+    """Read tensors straight into their destinations, checking each digest in the same pass (R-007, R-008).
+
+    Args:
+        src: the open file (its layout already read and its skeleton checked).
+        jobs: ``(section, tensor index, destination)``; each destination is a
+            writable byte view of exactly the tensor's ``nbytes``. Tensors of a
+            raw section are read with positional reads in 1 MiB pieces, each piece
+            hashed while it is still in cache; a zstd section is decoded as a
+            stream into its destinations.
+        threads: reader threads; 0 picks one per available core (at most 4) when
+            there is enough to read. ``os.preadv`` and xxh3 release the GIL, so
+            the threads overlap the copy out of the page cache with hashing.
+
+    Raises:
+        ChecksumMismatch: a tensor's bytes do not match its digest; when several
+            do, the one earliest in the file.
+        MalformedIndex: a zstd region that does not decode to ``raw_len`` bytes.
+        TruncatedFile: the file shrank while being read.
+    """
+    raw: list[tuple[int, SectionIndex, int, memoryview]] = []
+    zstd: dict[int, tuple[SectionIndex, list[memoryview | None]]] = {}
+    for sec, i, dest in jobs:
+        if sec.codec == "raw":
+            raw.append((sec.data_start + sec.tensors[i].offset, sec, i, dest))
+        else:
+            zstd.setdefault(sec.start, (sec, [None] * len(sec.tensors)))[1][i] = dest
+    # Largest first: a thread that picks the last task finishes soon after the others.
+    tasks: list[Callable[[], None]] = [_raw_task(src, *t[1:]) for t in sorted(raw, key=lambda t: -t[3].nbytes)]
+    keys = [t[0] for t in sorted(raw, key=lambda t: -t[3].nbytes)]
+    for start, (sec, dests) in zstd.items():
+        tasks.insert(0, lambda sec=sec, dests=dests: _scatter_region(src, sec, dests))
+        keys.insert(0, sec.data_start)
+    errors: dict[int, BaseException] = {}
+    if threads <= 0:
+        big = sum(t[3].nbytes for t in raw) >= _PARALLEL_MIN
+        threads = min(4, _cpus()) if big else 1
+    _run_tasks(tasks, keys, errors, min(threads, len(tasks)))
+    if errors:
+        raise errors[min(errors)]
+
+
+def _raw_task(src: Source, sec: SectionIndex, i: int, dest: memoryview) -> Callable[[], None]:
+    def run() -> None:
+        rec = sec.tensors[i]
+        base = sec.data_start + rec.offset
+        h = xxhash.xxh3_64()
+        for a in range(0, rec.nbytes, _CHUNK):
+            piece = dest[a : a + _CHUNK]
+            src.readinto(base + a, piece)
+            h.update(piece)
+        if rec.digest is not None and h.intdigest() != rec.digest:
+            raise tensor_mismatch(src.path, sec, i, h.intdigest())
+
+    return run
+
+
+def _run_tasks(tasks: list[Callable[[], None]], keys: list[int], errors: dict[int, BaseException], threads: int) -> None:
+    """Run every task (in ``threads`` threads), recording each failure under its key."""
+    lock = threading.Lock()
+    it = iter(range(len(tasks)))
+
+    def worker() -> None:
+        while True:
+            with lock:
+                k = next(it, None)
+            if k is None:
+                return
+            try:
+                tasks[k]()
+            except Exception as e:  # recorded, re-raised by the caller in file order
+                with lock:
+                    errors[keys[k]] = e
+
+    if threads <= 1:
+        worker()
+        return
+    pool = [threading.Thread(target=worker, name=f"ckptkit-read-{n}", daemon=True) for n in range(threads - 1)]
+    for t in pool:
+        t.start()
+    worker()
+    for t in pool:
+        t.join()
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
 
 
 @dataclass(frozen=True)
@@ -423,12 +632,13 @@ class Report:
     sections: tuple[SectionInfo, ...]
     size: int
     bytes_hashed: int
+    kind: str = "container"  # or "sidecar"
 
 
 def section_infos(layout: Layout) -> tuple[SectionInfo, ...]:
     """Per-section summary for reports (absent sections included, length 0)."""
-    out, pos = [], 8 * 3 if layout.legacy else _HEADER.size
-    names = _V1_SECTIONS if layout.legacy else SECTIONS
+    out, pos = [], layout.header_size
+    names = _V1_SECTIONS if layout.legacy else tuple(layout.sections)
     for name in names:
         sec = layout.sections[name]
         if sec is None:
@@ -503,6 +713,48 @@ def _write_zeros(fd: int, n: int) -> None:
         n -= k
 
 
+class _WriteBehind:
+    """Starts writeback of each 8 MiB as soon as it is written (Linux ``sync_file_range``).
+
+    Without it, a save copies everything into the page cache and only then does
+    the final fsync start the disk: the two phases add up. With it the disk
+    writes while the rest is still being copied, and the fsync (still done, by
+    :func:`ckptkit.atomic.atomic_write`) waits only for the tail. It is a hint:
+    durability comes from the fsync, and where the call is missing or fails
+    (other systems, some file systems) nothing changes but speed.
+    """
+
+    def __init__(self, fd: int) -> None:
+        self.fd, self.done = fd, 0
+
+    def reached(self, pos: int) -> None:
+        """Everything before file offset ``pos`` has been written."""
+        if pos - self.done >= _WRITE_BEHIND:
+            _start_writeback(self.fd, self.done, pos - self.done)
+            self.done = pos
+
+
+_SYNC_FILE_RANGE_WRITE = 2
+_sync_file_range: Any = None  # resolved on first use: a callable, or False where unavailable
+
+
+def _start_writeback(fd: int, offset: int, n: int) -> None:
+    global _sync_file_range
+    if _sync_file_range is None:
+        _sync_file_range = False
+        try:
+            import ctypes
+
+            fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+            fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+            _sync_file_range = fn
+        except (OSError, AttributeError):  # not Linux/glibc: no write-behind, same bytes
+            pass
+    if _sync_file_range:
+        _sync_file_range(fd, offset, n, _SYNC_FILE_RANGE_WRITE)  # a hint: a failure only costs speed
+
+
 def write_container(f: BinaryIO, *, step: int, flags: int, plans: dict[str, SectionPlan | None]) -> None:
     """Stream a v2 container into ``f`` (an unbuffered binary file at position 0).
 
@@ -531,6 +783,7 @@ def write_framed(f: BinaryIO, header: bytes, plans: list[SectionPlan | None], en
     fd = f.fileno()
     _write_all(fd, memoryview(header))
     pos = len(header)
+    behind = _WriteBehind(fd)
     index_at: list[tuple[int, SectionPlan]] = []
     for plan in plans:
         if plan is None:
@@ -541,6 +794,7 @@ def write_framed(f: BinaryIO, header: bytes, plans: list[SectionPlan | None], en
         plan.digests = []
         if plan.codec == "raw":
             off = 0
+            data_at = pos + plan.data_start_rel
             for rec, buf in zip(plan.records, plan.buffers):
                 _write_zeros(fd, rec[2] - off)
                 h = xxhash.xxh3_64()
@@ -548,6 +802,7 @@ def write_framed(f: BinaryIO, header: bytes, plans: list[SectionPlan | None], en
                     piece = buf[i : i + _CHUNK]
                     h.update(piece)
                     _write_all(fd, piece)
+                    behind.reached(data_at + rec[2] + i + piece.nbytes)
                 plan.digests.append(h.intdigest())
                 off = rec[2] + rec[3]
             _write_zeros(fd, plan.data_len - off)

@@ -71,8 +71,12 @@ class FormatError(CheckpointError, ValueError):
         field: the field or section, as ``spec/`` names it.
         problem: what is wrong, in words.
         expected / actual: what the rule wants and what the file holds.
-        hint: what a person can do about it.
+        hint: what a person can do about it. A bare rule id (``"R-003"``) is
+            expanded with the class's default advice (:attr:`action`).
     """
+
+    #: What to do, when the raiser has nothing more specific to say.
+    action = "the file is damaged; resume from an earlier checkpoint"
 
     def __init__(
         self,
@@ -103,21 +107,22 @@ class FormatError(CheckpointError, ValueError):
         if self.field is not None:
             parts.append(self.field)
         msg = ": ".join(parts + [self.problem])
-        if self.expected is not None or self.actual is not None:
+        if self.expected is not None and self.actual is not None:
             msg += f" (expected {self.expected}, got {self.actual})"
+        elif self.expected is not None:
+            msg += f" (expected {self.expected})"
+        elif self.actual is not None:
+            msg += f" (got {self.actual})"
         if self.hint:
-            msg += f"; {self.hint}"
+            bare_rule = self.hint.startswith("R-") and " " not in self.hint
+            msg += f"; {self.action} ({self.hint})" if bare_rule else f"; {self.hint}"
         return msg
-
-    def at(self, path: str | os.PathLike[str]) -> FormatError:
-        """Return the same error, naming ``path`` (for errors found in memory)."""
-        self.path = os.fspath(path)
-        self.args = (self._render(),)
-        return self
 
 
 class BadMagic(FormatError):
     """The file does not start with a magic this reader knows."""
+
+    action = "not a ckptkit file, or its first bytes are damaged"
 
 
 class UnsupportedVersion(FormatError):
@@ -131,6 +136,8 @@ class ReservedBitSet(FormatError):
 class TruncatedFile(FormatError):
     """A length or offset points past the end of the file (or the file ends early)."""
 
+    action = "the file is incomplete or a length field is damaged; resume from an earlier checkpoint"
+
 
 class ChecksumMismatch(FormatError):
     """The digest stored in the file does not match the bytes it covers."""
@@ -138,6 +145,8 @@ class ChecksumMismatch(FormatError):
 
 class MalformedIndex(FormatError):
     """A section's msgpack index, or a value in it, breaks the codec rules."""
+
+    action = "the file is damaged or was not written by ckptkit; resume from an earlier checkpoint"
 
 
 class SidecarMismatch(FormatError):

@@ -50,8 +50,13 @@ ALIGN = 64
 #: Deepest nesting of lists/maps in a tree; real state dicts nest ~5 deep. The cap
 #: bounds the reader's recursion on hostile input.
 MAX_DEPTH = 64
-#: Most dimensions a tensor record may claim (torch itself allows 64).
+#: Most dimensions a tensor record may claim; the writer refuses more. Real tensors
+#: have a handful; the cap bounds the shape product a hostile index can ask for.
 MAX_NDIM = 64
+#: The most a zstd frame can expand: a block decodes to at most 128 KiB and takes at
+#: least 4 bytes (an RLE block). Bounds what a compressed section may claim, so a
+#: reader never allocates more than this multiple of what the file holds.
+MAX_ZSTD_RATIO = 32768
 #: Data region encodings. "zstd": the data region is one zstd frame of the raw region.
 CODECS = ("raw", "zstd")
 
@@ -282,7 +287,10 @@ def check_plain(value: Any, where: str, depth: int = 0, on_leaf: Callable[[Any, 
         got = on_leaf(value, where)
         if got is not NotImplemented:
             return got
-    if value is None or isinstance(value, (bool, str, bytes)):
+    if isinstance(value, str):
+        _check_utf8(value, where)
+        return value
+    if value is None or isinstance(value, (bool, bytes)):
         return value
     if isinstance(value, int):
         if not -(2**63) <= value < 2**64:
@@ -298,6 +306,10 @@ def check_plain(value: Any, where: str, depth: int = 0, on_leaf: Callable[[Any, 
         for k in value:
             if isinstance(k, bool) or not isinstance(k, (int, str)):
                 raise UnsupportedValue(f"{where}: map key {k!r} is a {type(k).__name__}; only str and int keys are stored")
+            if isinstance(k, str):
+                _check_utf8(k, where)
+            elif not -(2**63) <= k < 2**64:
+                raise UnsupportedValue(f"{where}: map key {k} does not fit in 64 bits")
         return {
             k: check_plain(value[k], f"{where}[{k!r}]", depth + 1, on_leaf) for k in sorted(value, key=sort_key)
         }
@@ -306,6 +318,13 @@ def check_plain(value: Any, where: str, depth: int = 0, on_leaf: Callable[[Any, 
         "(only tensors, None, bool, int, float, str, bytes, lists, tuples and dicts); "
         "convert it to one of those"
     )
+
+
+def _check_utf8(s: str, where: str) -> None:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UnsupportedValue(f"{where}: string {s[:20]!r} is not valid UTF-8 ({e.reason})") from None
 
 
 # ---------------------------------------------------------------------------- reading
@@ -349,15 +368,16 @@ def decode_index(
             use_list=True,
         )
     except Exception as e:  # msgpack raises many types (ValueError, StackError, ExtraData...)
-        raise bad(f"not a valid msgpack index: {type(e).__name__}: {e}", hint="R-010") from None
+        why = f"msgpack {type(e).__name__}" + (f": {e}" if str(e) else "")
+        raise bad(f"not a valid msgpack index ({why})", hint="R-010") from None
     if not isinstance(index, dict) or sorted(index, key=str) != sorted(_INDEX_KEYS):
         got = sorted(map(str, index)) if isinstance(index, dict) else type(index).__name__
         raise bad("index must be a map with exactly the keys " + ", ".join(_INDEX_KEYS), actual=got, hint="R-010")
     codec = index["codec"]
     if codec not in CODECS:
         raise UnsupportedVersion(
-            f"unknown data codec {codec!r}", path=path, offset=at, field=f"{name} index",
-            expected=" or ".join(CODECS), hint="written by a newer ckptkit? (R-011)",
+            "unknown data codec", path=path, offset=at, field=f"{name} index",
+            expected=" or ".join(CODECS), actual=repr(codec)[:40], hint="written by a newer ckptkit? (R-011)",
         )
     data_len, raw_len = index["data_len"], index["raw_len"]
     for key, v in (("data_len", data_len), ("raw_len", raw_len)):
@@ -370,6 +390,9 @@ def decode_index(
             path=path, offset=data_start, field=f"{name} data", expected=start + length, actual=data_start + data_len,
             hint="R-012",
         )
+    if codec == "zstd" and raw_len > data_len * MAX_ZSTD_RATIO + (1 << 20):
+        raise bad("raw_len exceeds what any zstd frame of data_len bytes can decode to",
+                  expected=f"<= {data_len * MAX_ZSTD_RATIO + (1 << 20)}", actual=raw_len, hint="R-008")
     if codec == "raw" and raw_len != data_len:
         raise bad("raw_len must equal data_len for codec 'raw'", expected=data_len, actual=raw_len, hint="R-012")
     records = _decode_records(index["tensors"], raw_len, legacy=legacy, bad=bad)
@@ -398,7 +421,7 @@ def _decode_records(
         if not isinstance(r, list) or len(r) != width:
             raise bad(f"{where}: record must be an array of {width} fields", actual=repr(r)[:80], hint="R-013")
         dtype, shape, offset, nbytes = r[:4]
-        if dtype not in DTYPE_SIZES:
+        if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
             raise bad(f"{where}: unknown dtype", expected="a name from the dtype table", actual=repr(dtype)[:40],
                       hint="R-013")
         if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(_is_uint(d) for d in shape):
@@ -448,7 +471,9 @@ def _unpack_tree(v: Any, n_tensors: int, referenced: set[int], bad: Callable[...
             if isinstance(k, bool) or not isinstance(k, (int, str)):
                 raise bad(f"map key {k!r} is not a string or integer", hint="R-016")
         return {k: _unpack_tree(x, n_tensors, referenced, bad, depth + 1) for k, x in v.items()}
-    return v
+    if v is None or isinstance(v, (bool, int, float, str, bytes)):
+        return v
+    raise bad(f"unexpected value of type {type(v).__name__} in the tree (e.g. a msgpack timestamp)", hint="R-016")
 
 
 def iter_refs(tree: Any) -> Iterable[TensorRef]:

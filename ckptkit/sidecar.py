@@ -24,10 +24,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from .atomic import atomic_write
-from .container import Layout, Source, check_skeleton, check_tensors, read_framed, write_framed
-from .errors import BadMagic, SidecarMismatch, UnsupportedVersion
+from .container import Layout, Report, Source, check_skeleton, check_tensors, read_framed, section_infos, write_framed
+from .errors import BadMagic, FormatError, SidecarMismatch, UnsupportedVersion
 
-__all__ = ["SIDECAR_VERSION", "Sidecar", "read_sidecar", "sidecar_path", "verify_sidecar", "write_sidecar"]
+__all__ = [
+    "SIDECAR_VERSION",
+    "Sidecar",
+    "read_sidecar",
+    "sidecar_path",
+    "sidecar_report",
+    "verify_sidecar",
+    "write_sidecar",
+]
 
 SIDECAR_VERSION = 1
 _MAGIC = b"DMSC\x00" + struct.pack("<H", SIDECAR_VERSION) + b"\x00"
@@ -63,8 +71,10 @@ def write_sidecar(path: str | os.PathLike[str], *, train_step: int, table_step: 
     for name, v in (("train_step", train_step), ("table_step", table_step)):
         if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 2**64:
             raise ValueError(f"{name} must be an integer in [0, 2**64) (got {v!r})")
+    if tree is None:
+        raise ValueError("a sidecar needs a state tree (got None)")
     (plan,), keep = plan_trees({"table": tree}, start=_HEADER.size)
-    assert plan is not None
+    assert plan is not None  # a non-None tree always gets a plan
     header = _HEADER.pack(_MAGIC, train_step, table_step, plan.length)
     atomic_write(path, lambda f: write_framed(f, header, [plan], _END))
     del keep
@@ -115,6 +125,23 @@ def verify_sidecar(path: str | os.PathLike[str], *, expect_step: int | None = No
         if sec is not None:
             check_tensors(src, sec, bytearray(1 << 20))
     return layout.step
+
+
+def sidecar_report(path: str | os.PathLike[str]) -> Report:
+    """:func:`verify_sidecar` as a :class:`~ckptkit.container.Report` (for ``ckptkit verify``).
+
+    Raises:
+        CheckpointNotFound: no such file.
+    """
+    path = os.fspath(path)
+    try:
+        verify_sidecar(path)
+        with Source(path) as src:
+            layout, _ = _layout(src)
+    except FormatError as e:
+        return Report(path, False, e, None, None, (), False, (), (), os.path.getsize(path), 0, "sidecar")
+    return Report(path, True, None, layout.version, layout.step, (), False, (), section_infos(layout),
+                  layout.size, 0, "sidecar")
 
 
 def read_sidecar(path: str | os.PathLike[str], *, expect_step: int | None = None) -> Sidecar:

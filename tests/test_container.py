@@ -210,12 +210,13 @@ def test_a_flipped_tensor_byte_names_the_section_and_offset(tmp_path):
 
 def test_a_huge_length_field_fails_fast_without_allocating(tmp_path):
     path = tmp_path / "huge.ckpt"
-    path.write_bytes(container.MAGIC + struct.pack("<QQQQQQ", 1, 2**64 - 1, 0, 0, 0, 0))
+    path.write_bytes(container.MAGIC + struct.pack("<QQQQQQ", 1, 2**64 - 1, 0, 0, 0, 0) + bytes(16))
     with pytest.raises(TruncatedFile) as e:
         load(path)
     assert str(e.value) == (
         f"{path}: offset 16 (0x10): model_len: model section of 18446744073709551615 bytes at offset 56 runs "
-        "past the end of the file (expected <= -16, got 18446744073709551615); R-003"
+        "past the end of the file (expected <= 0, got 18446744073709551615); the file is incomplete or a length "
+        "field is damaged; resume from an earlier checkpoint (R-003)"
     )
 
 

@@ -13,8 +13,17 @@ __all__ = ["CKPT_RE", "expand_checkpoints"]
 CKPT_RE = re.compile(r"^step-(\d{8,})\.ckpt$")
 
 
+def _is_checkpoint_or_sidecar(name: str) -> bool:
+    if name.startswith("."):
+        return False
+    if name.endswith(".ckpt"):
+        return True
+    stem, _, kind = name.rpartition(".ckpt.")
+    return bool(stem) and kind.isidentifier()  # step-N.ckpt.ngram, not step-N.ckpt.config.json
+
+
 def expand_checkpoints(paths: list[str]) -> list[str]:
-    """Files as given; directories replaced by their ``*.ckpt`` files, sorted.
+    """Files as given; directories replaced by their checkpoints and sidecars, sorted.
 
     Raises:
         CheckpointNotFound: a path does not exist, or a directory holds no checkpoint.
@@ -22,7 +31,7 @@ def expand_checkpoints(paths: list[str]) -> list[str]:
     out: list[str] = []
     for p in paths:
         if os.path.isdir(p):
-            found = sorted(os.path.join(p, n) for n in os.listdir(p) if n.endswith(".ckpt") and not n.startswith("."))
+            found = sorted(os.path.join(p, n) for n in os.listdir(p) if _is_checkpoint_or_sidecar(n))
             if not found:
                 raise CheckpointNotFound(f"{p}: no *.ckpt files in this directory")
             out.extend(found)

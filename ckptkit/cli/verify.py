@@ -50,6 +50,7 @@ def report_json(r: Report) -> dict[str, Any]:
     """A report as plain JSON values (also used by ``inspect --json``)."""
     return {
         "path": r.path,
+        "kind": r.kind,
         "ok": r.ok,
         "error": None if r.error is None else {"type": type(r.error).__name__, "message": str(r.error)},
         "version": r.version,
@@ -66,6 +67,17 @@ def report_json(r: Report) -> dict[str, Any]:
     }
 
 
+def _verify_any(path: str) -> Report:
+    """A container or a sidecar, told apart by the magic."""
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic == b"DMSC":
+        from ..sidecar import sidecar_report
+
+        return sidecar_report(path)
+    return verify(path)
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         files = expand_checkpoints(args.paths)
@@ -75,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     reports = []
     for path in files:
         try:
-            reports.append(verify(path))
+            reports.append(_verify_any(path))
         except CheckpointNotFound as e:  # vanished between listing and reading
             print(f"ckptkit verify: {e}", file=sys.stderr)
             return 2
@@ -87,7 +99,8 @@ def run(args: argparse.Namespace) -> int:
             if r.ok:
                 legacy = f"  legacy: lacks {', '.join(r.missing)}" if r.legacy else ""
                 flags = ", ".join(r.flags) or "-"
-                print(f"OK    {r.path}  v{r.version} step {r.step}  {_size(r.size)}  flags: {flags}{legacy}")
+                kind = f"sidecar v{r.version}" if r.kind == "sidecar" else f"v{r.version}"
+                print(f"OK    {r.path}  {kind} step {r.step}  {_size(r.size)}  flags: {flags}{legacy}")
             else:
                 print(f"FAIL  {r.error}" if str(r.error).startswith(r.path) else f"FAIL  {r.path}: {r.error}")
     return 0 if all(r.ok for r in reports) else 1
