@@ -1,0 +1,30 @@
+"""The reference trainer: a tiny byte-level GPT, and the first user of :class:`~ckptkit.runstate.RunState`.
+
+    ckptkit train --run-dir runs/a --steps 200
+    ckptkit train --run-dir runs/a --steps 400 --resume
+
+Modules: ``config`` (the plan: every knob a config key), ``data`` (the byte
+stream and its offset rule), ``model`` (GPT, int8 fake quant, EMA teacher),
+``ngram`` (the bigram table kept in the ``.ngram`` sidecar), ``history``
+(``history.jsonl``), ``train`` (the loop). The format library never imports
+this package. ``spec/trainer.md`` is the contract for its files.
+"""
+
+from __future__ import annotations
+
+from .config import DataConfig, ModelConfig, TrainConfig, TrainerConfig
+from .history import compared_rows, read_rows
+from .train import StepResult, TrainResult, train, train_step
+
+__all__ = [
+    "DataConfig",
+    "ModelConfig",
+    "StepResult",
+    "TrainConfig",
+    "TrainResult",
+    "TrainerConfig",
+    "compared_rows",
+    "read_rows",
+    "train",
+    "train_step",
+]

@@ -1,0 +1,249 @@
+"""The reference trainer's config: three tables and the spike monitor, every knob a key.
+
+The config is the *plan* of a run (design record ADR-0021 §1). Every field is in
+the snapshot written next to each checkpoint and is diffed on resume: only the
+keys that decide when we look (``steps``, ``log_every``, ``ckpt_every``) may
+change; anything else that differs refuses the resume with ``ConfigDrift``.
+``tests/test_trainer_items.py::test_snapshot_carries_every_config_field`` pins
+that (design record item 8).
+
+Each field's help text is its comment: units and allowed values. The command
+line (``ckptkit train``) has one flag per field, named after the field
+(``--seq-len`` is ``data.seq_len``) unless the field says otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..monitor import SpikeConfig
+
+__all__ = ["DataConfig", "ModelConfig", "QUANT_FORMATS", "TrainConfig", "TrainerConfig", "flag_name", "help_text", "knobs"]
+
+QUANT_FORMATS = ("none", "int8")
+
+
+def _knob(default: Any, help: str, *, flag: str | None = None) -> Any:  # noqa: A002 - argparse's word
+    """A config field with its comment kept as data, so ``--help`` shows it too."""
+    meta = {"help": help} if flag is None else {"help": help, "flag": flag}
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The network: a tiny byte-level GPT (vocabulary = the 256 byte values)."""
+
+    n_layer: int = _knob(2, "transformer blocks, >= 1")
+    n_head: int = _knob(2, "attention heads per block, >= 1, divides --d-model")
+    d_model: int = _knob(64, "residual stream width (channels), >= 1, a multiple of --n-head")
+    block_size: int = _knob(64, "longest sequence the position table holds (bytes), >= --seq-len")
+    quant: str = _knob("none", "factor-weight compute format: none (fp32) or int8 (fake-quantized, "
+                               "straight-through gradients; fp32 master weights)")
+    ngram: bool = _knob(True, "add the bigram logit-bias table (updated outside autograd, saved as "
+                              "the .ngram sidecar) to the logits")
+    ngram_weight: float = _knob(1.0, "scale of the bigram log-probability bias added to the logits, >= 0")
+
+    def __post_init__(self) -> None:
+        _positive(self, "n_layer", "n_head", "d_model", "block_size")
+        if self.d_model % self.n_head:
+            raise ValueError(f"--d-model must be a multiple of --n-head (got {self.d_model} and {self.n_head})")
+        if self.quant not in QUANT_FORMATS:
+            raise ValueError(f"--quant must be one of {', '.join(QUANT_FORMATS)} (got {self.quant!r})")
+        _finite(self, "ngram_weight", low=0.0)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """The training bytes: one file read as an endless byte stream."""
+
+    path: str = _knob("", "training file, read as raw bytes and wrapped at EOF; empty = the corpus "
+                          "shipped in ckptkit/trainer/data/corpus.txt", flag="--data")
+    seq_len: int = _knob(32, "bytes per training sequence, 1 ..= --block-size")
+    batch: int = _knob(8, "sequences per step, >= 1 (a step consumes batch * seq_len bytes)")
+
+    def __post_init__(self) -> None:
+        _positive(self, "seq_len", "batch")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The loop: optimisation, cadence, auxiliary loss, quantization and depth."""
+
+    # -- progress and cadence (exempt from drift: they decide when we look) --
+    steps: int = _knob(200, "train until this many steps are done (a resume may extend it), >= 0")
+    ckpt_every: int = _knob(50, "checkpoint every N steps (the final step always is), >= 1")
+    log_every: int = _knob(10, "one progress line on stderr every N steps, >= 1")
+    # -- retention: strict like everything not in the exempt class (ADR-0021) --
+    keep: int = _knob(3, "newest checkpoints kept on disk, >= 1")
+    # -- randomness --
+    seed: int = _knob(1, "the run seed: every random number is a function of (seed, step), 0 ..< 2**64")
+    # -- optimisation (AdamW, warmup then cosine decay; the LR is a function of the step) --
+    lr: float = _knob(3e-3, "peak learning rate, > 0")
+    min_lr: float = _knob(3e-4, "learning rate after the cosine decay, 0 ..= --lr")
+    warmup_iters: int = _knob(10, "linear LR warmup (steps), >= 0")
+    lr_decay_iters: int = _knob(2000, "cosine decay ends at this step; independent of --steps so "
+                                      "extending a run never changes an LR already used, >= --warmup-iters")
+    weight_decay: float = _knob(0.1, "AdamW decoupled weight decay on matrices, >= 0")
+    beta1: float = _knob(0.9, "AdamW first-moment decay, 0 ..< 1")
+    beta2: float = _knob(0.99, "AdamW second-moment decay, 0 ..< 1")
+    grad_clip: float = _knob(1.0, "clip the global grad norm to this; 0 = no clipping, >= 0")
+    # -- probes before step 0 (they consume stream batches: the stream offset rule) --
+    warmup_probe: bool = _knob(True, "before step 0, two no-grad forwards on one probe batch check "
+                                     "the start loss is finite and the forward deterministic")
+    quant_check: bool = _knob(False, "with --quant int8, before step 0 one probe batch checks the "
+                                     "quantized forward; a bad one latches fp32 at once")
+    # -- int8 fake quantization and its one-way fp32 fallback latch --
+    quant_threshold: float = _knob(0.05, "latch fp32 for the rest of the run when a factor matrix's "
+                                         "relative int8 error |q(W)-W|/|W| exceeds this, > 0")
+    trip_latch_at: int | None = _knob(None, "TESTING AID: latch fp32 at this step (as if the int8 "
+                                            "check failed there); unset = never, >= 0")
+    # -- auxiliary masked-prediction loss against an EMA teacher (JEPA-style) --
+    aux: bool = _knob(True, "add the masked hidden-state prediction loss against the EMA teacher")
+    aux_weight: float = _knob(0.5, "weight of the auxiliary loss in the total loss, >= 0")
+    ema_decay: float = _knob(0.99, "teacher EMA decay per step: t = d*t + (1-d)*student, 0 ..= 1")
+    mask_frac: float = _knob(0.15, "span-start budget of the per-step mask, fraction of positions, 0 ..= 1")
+    mask_span: int = _knob(4, "masked span length (positions), >= 1")
+    # -- stochastic depth: blocks used per step drawn from the (seed, step) stream --
+    rand_depth: bool = _knob(False, "use a random number of blocks each step, uniform in "
+                                    "[--min-depth, --n-layer], drawn from (seed, step)")
+    min_depth: int = _knob(1, "smallest depth --rand-depth samples, 1 ..= --n-layer")
+
+    def __post_init__(self) -> None:
+        _positive(self, "ckpt_every", "log_every", "keep", "mask_span", "min_depth")
+        _non_negative(self, "steps", "warmup_iters")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**64:
+            raise ValueError(f"--seed must be an integer in [0, 2**64) (got {self.seed!r})")
+        _finite(self, "lr", low=0.0, strict=True)
+        _finite(self, "min_lr", low=0.0)
+        if self.min_lr > self.lr:
+            raise ValueError(f"--min-lr must be <= --lr (got {self.min_lr} > {self.lr})")
+        if self.lr_decay_iters < self.warmup_iters:
+            raise ValueError(f"--lr-decay-iters must be >= --warmup-iters "
+                             f"(got {self.lr_decay_iters} < {self.warmup_iters})")
+        _finite(self, "weight_decay", "grad_clip", "aux_weight", low=0.0)
+        _finite(self, "beta1", "beta2", low=0.0, high=1.0, high_open=True)
+        _finite(self, "quant_threshold", low=0.0, strict=True)
+        _finite(self, "ema_decay", "mask_frac", low=0.0, high=1.0)
+        if self.trip_latch_at is not None:
+            _non_negative(self, "trip_latch_at")
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """The whole resolved config of a run: what its snapshot carries."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    # The spike monitor's detection parameters (ckptkit.monitor): changing them
+    # changes the stability report, so they are strict like any other key.
+    monitor: SpikeConfig = field(default_factory=SpikeConfig)
+
+    def __post_init__(self) -> None:
+        if self.data.seq_len > self.model.block_size:
+            raise ValueError(f"--seq-len must be <= --block-size (got {self.data.seq_len} > {self.model.block_size})")
+        if self.train.min_depth > self.model.n_layer:
+            raise ValueError(f"--min-depth must be <= --n-layer (got {self.train.min_depth} > {self.model.n_layer})")
+
+    def replace(self, **changes: Any) -> TrainerConfig:
+        """A copy with dotted keys changed: ``cfg.replace(**{"train.lr": 1e-3})``.
+
+        Raises:
+            KeyError: a key names no field.
+            ValueError: the new value breaks a field's rule (the message names the flag).
+        """
+        tables: dict[str, dict[str, Any]] = {}
+        for key, value in changes.items():
+            table, _, name = key.partition(".")
+            if table not in _TABLES or name not in {f.name for f in dataclasses.fields(_TABLES[table])}:
+                raise KeyError(f"{key!r} is not a config key (keys: {', '.join(sorted(k for k, _ in knobs()))})")
+            tables.setdefault(table, {})[name] = value
+        return dataclasses.replace(
+            self, **{t: dataclasses.replace(getattr(self, t), **kv) for t, kv in tables.items()}
+        )
+
+
+_TABLES: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "monitor": SpikeConfig}
+
+# SpikeConfig lives in ckptkit.monitor; its comments, as help, for the command line.
+_MONITOR_HELP = {
+    "window": "spike monitor: accepted grad norms in the rolling median, >= 1 (steps)",
+    "multiplier": "spike monitor: a spike is grad_norm > multiplier * median, finite, > 0",
+    "min_history": "spike monitor: accepted values before a grad-norm spike can trigger, 1 ..= window",
+    "floor": "spike monitor: a grad norm <= floor is never a spike, finite, >= 0",
+    "history": "spike monitor: recent values and spikes kept for the report, >= 0",
+}
+
+
+def knobs() -> list[tuple[str, dataclasses.Field[Any]]]:
+    """Every config key as ``(dotted key, field)``, in declaration order.
+
+    The command line has one flag per key; :func:`flag_name` gives its spelling.
+    """
+    return [(f"{table}.{f.name}", f) for table, cls in _TABLES.items() for f in dataclasses.fields(cls)]
+
+
+def flag_name(key: str, f: dataclasses.Field[Any]) -> str:
+    """The command-line flag of a config key: ``train.seq_len`` -> ``--seq-len``;
+    monitor keys get a ``--spike-`` prefix; a field may name its own flag."""
+    if "flag" in f.metadata:
+        return str(f.metadata["flag"])
+    table, _, name = key.partition(".")
+    prefix = "spike-" if table == "monitor" else ""
+    return "--" + prefix + name.replace("_", "-")
+
+
+def help_text(key: str, f: dataclasses.Field[Any]) -> str:
+    """The field's comment: units and allowed values."""
+    if "help" in f.metadata:
+        return str(f.metadata["help"])
+    return _MONITOR_HELP.get(key.partition(".")[2], "")
+
+
+# ------------------------------------------------------------------ validation helpers
+# Messages name the flag as the user spells it: "--keep must be >= 1 (got 0)".
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _int_value(obj: Any, name: str) -> int:
+    value = getattr(obj, name)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{_flag(name)} must be an integer (got {value!r})")
+    return value
+
+
+def _positive(obj: Any, *names: str) -> None:
+    for name in names:
+        value = _int_value(obj, name)
+        if value < 1:
+            raise ValueError(f"{_flag(name)} must be >= 1 (got {value})")
+
+
+def _non_negative(obj: Any, *names: str) -> None:
+    for name in names:
+        value = _int_value(obj, name)
+        if value < 0:
+            raise ValueError(f"{_flag(name)} must be >= 0 (got {value})")
+
+
+def _finite(obj: Any, *names: str, low: float, high: float | None = None,
+            strict: bool = False, high_open: bool = False) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{_flag(name)} must be a number (got {value!r})")
+        # One type in the snapshot: an int literal and argparse's float are the same knob.
+        object.__setattr__(obj, name, float(value))
+        ok = math.isfinite(value) and (value > low if strict else value >= low)
+        if high is not None:
+            ok = ok and (value < high if high_open else value <= high)
+        if not ok:
+            lo = f"> {low}" if strict else f">= {low}"
+            hi = "" if high is None else f" and {'<' if high_open else '<='} {high}"
+            raise ValueError(f"{_flag(name)} must be finite, {lo}{hi} (got {value})")

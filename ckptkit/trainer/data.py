@@ -1,0 +1,69 @@
+"""The training data: one file read as an endless byte stream.
+
+The stream's state is a single integer, ``offset``: the number of bytes consumed
+since the start of the run, never reduced modulo the file size. Byte ``i`` of the
+stream is ``data[i % len(data)]``, so the stream wraps around at EOF the same way
+every time. A batch of ``batch`` sequences of ``seq_len`` bytes consumes exactly
+``batch * seq_len`` bytes; its targets are the inputs shifted by one, the last
+target peeked from the next byte without consuming it.
+
+Stream offset rule (spec/trainer.md, design record item 6): after ``step`` steps
+the offset is ``(step + pre_batches) * batch * seq_len``, where ``pre_batches`` is
+the number of probe batches the run consumed before step 0.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import os
+
+import numpy as np
+import torch
+import xxhash
+
+__all__ = ["ByteStream", "data_fingerprint", "load_bytes"]
+
+
+def load_bytes(path: str) -> bytes:
+    """The training bytes: the file at ``path``, or the shipped corpus for ``""``.
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        ValueError: the file holds fewer than 2 bytes (nothing to predict).
+    """
+    if path:
+        with open(os.fspath(path), "rb") as f:
+            data = f.read()
+    else:
+        data = importlib.resources.files("ckptkit.trainer").joinpath("data/corpus.txt").read_bytes()
+    if len(data) < 2:
+        raise ValueError(f"--data: {path or 'corpus'} holds {len(data)} byte(s); training needs at least 2")
+    return data
+
+
+def data_fingerprint(data: bytes) -> dict[str, object]:
+    """Size and xxh3-64 of the training bytes: stored with the run so a resume on
+    other bytes (same path, edited file) is refused rather than trained on."""
+    return {"bytes": len(data), "xxh3_64": f"0x{xxhash.xxh3_64_intdigest(data):016x}"}
+
+
+class ByteStream:
+    """An endless, deterministic stream over ``data``; its whole state is :attr:`offset`."""
+
+    def __init__(self, data: bytes) -> None:
+        self._data = torch.from_numpy(np.frombuffer(data, dtype=np.uint8).astype(np.int64))
+        self.offset = 0  # bytes consumed since the run started (absolute, not wrapped)
+
+    def seek(self, offset: int) -> None:
+        """Put the stream at an absolute offset (restoring a checkpoint)."""
+        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+            raise ValueError(f"stream offset must be an int >= 0 (got {offset!r})")
+        self.offset = offset
+
+    def next_batch(self, batch: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next ``(inputs, targets)``, each ``(batch, seq_len)`` int64; consumes ``batch * seq_len`` bytes."""
+        n = batch * seq_len
+        where = (self.offset + torch.arange(n + 1)) % self._data.numel()
+        chunk = self._data[where]
+        self.offset += n
+        return chunk[:-1].view(batch, seq_len), chunk[1:].view(batch, seq_len)

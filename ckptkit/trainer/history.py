@@ -1,0 +1,164 @@
+"""``history.jsonl``: one row per step, exact, and identical across a resume.
+
+Rows (spec/trainer.md has the schema) are JSON objects, one per line, keys
+sorted. Every row has ``kind`` and ``step``:
+
+* ``start``  -- a fresh run began (environment facts the loss depends on);
+* ``probe``  -- a probe forward before step 0;
+* ``step``   -- training step ``step`` (0-based) finished; the checkpoint after it
+  is ``step + 1``. Floats are stored as JSON numbers *and* as IEEE bit patterns
+  (``loss_bits``), so equality is exact even for tools that parse floats loosely;
+* ``resume`` -- a resume at ``step`` (the number of steps done), with what
+  the resume noted, allowed or overrode.
+
+Compared fields: :func:`compared_rows` keeps the ``start``, ``probe`` and
+``step`` rows minus :data:`WALL_FIELDS` (wall-clock time may differ between
+runs; nothing else may). A run that was interrupted and resumed has the same
+compared rows as the uninterrupted run.
+
+Crash safety: rows are appended and flushed per step and fsynced before every
+checkpoint, so every row of a step before a checkpoint is on disk when the
+checkpoint is. On resume at step ``S`` the file is rewritten atomically
+without the rows the interrupted run wrote after ``S`` (step rows ``>= S``,
+other rows ``> S``) and a torn last line; then appending continues.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from collections.abc import Iterable
+from typing import IO, Any
+
+from ..atomic import write_bytes_atomic
+from ..errors import FormatError
+
+__all__ = ["COMPARED_KINDS", "HISTORY_FILE", "WALL_FIELDS", "History", "compared_rows", "f32_bits", "f64_bits",
+           "json_float", "read_rows"]
+
+HISTORY_FILE = "history.jsonl"
+WALL_FIELDS = frozenset({"time", "step_ms"})  # wall clock: allowed to differ between runs
+COMPARED_KINDS = frozenset({"start", "probe", "step"})
+
+
+def f32_bits(x: float) -> str:
+    """IEEE binary32 bit pattern of ``x`` (which must be a float32 value): ``"0x3f8ccccd"``."""
+    return f"0x{struct.unpack('<I', struct.pack('<f', x))[0]:08x}"
+
+
+def f64_bits(x: float) -> str:
+    """IEEE binary64 bit pattern of ``x``: ``"0x3f50624dd2f1a9fc"``."""
+    return f"0x{struct.unpack('<Q', struct.pack('<d', x))[0]:016x}"
+
+
+def json_float(x: float) -> float | str:
+    """``x`` as a JSON value: a number, or ``"NaN"`` / ``"Infinity"`` / ``"-Infinity"``
+    (strict JSON has no non-finite numbers)."""
+    if math.isfinite(x):
+        return x
+    return "NaN" if math.isnan(x) else ("Infinity" if x > 0 else "-Infinity")
+
+
+def _encode(row: dict[str, Any]) -> bytes:
+    return (json.dumps(row, sort_keys=True, separators=(",", ":"), allow_nan=False) + "\n").encode()
+
+
+def read_rows(path: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], bool]:
+    """Every complete row of a history file, and whether a torn last line was dropped.
+
+    Returns ``([], False)`` for a missing file.
+
+    Raises:
+        FormatError: a complete line is not a JSON object with ``kind`` and ``step``.
+    """
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return [], False
+    lines = data.split(b"\n")
+    torn = lines[-1] != b""  # the last write did not finish its line
+    rows = []
+    offset = 0
+    for i, line in enumerate(lines[:-1]):
+        try:
+            row = json.loads(line)
+        except (UnicodeDecodeError, ValueError) as e:
+            raise FormatError(f"line {i + 1} is not JSON ({e})", path=path, offset=offset, field="history",
+                              hint="history.jsonl is written by ckptkit train; do not edit it") from None
+        if not isinstance(row, dict) or not isinstance(row.get("kind"), str) or not isinstance(row.get("step"), int):
+            raise FormatError(f"line {i + 1} is not a history row (needs kind and step)", path=path,
+                              offset=offset, field="history")
+        rows.append(row)
+        offset += len(line) + 1
+    return rows, torn
+
+
+def compared_rows(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows two runs of the same experiment must agree on, without wall-clock fields."""
+    return [{k: v for k, v in r.items() if k not in WALL_FIELDS} for r in rows if r["kind"] in COMPARED_KINDS]
+
+
+class History:
+    """The run's ``history.jsonl``, opened for appending.
+
+    Args:
+        run_dir: the run directory (must exist).
+    """
+
+    def __init__(self, run_dir: str | os.PathLike[str]) -> None:
+        self.path = os.path.join(os.fspath(run_dir), HISTORY_FILE)
+        self._file: IO[bytes] | None = None
+
+    def start_fresh(self) -> None:
+        """Begin an empty history (a fresh run; any file a failed start left is replaced)."""
+        write_bytes_atomic(self.path, b"")
+        self._open()
+
+    def resume_at(self, step: int) -> list[str]:
+        """Drop what the interrupted run wrote after ``step``; return notes about the file.
+
+        Keeps step rows with ``step < S`` and other rows with ``step <= S``;
+        the rewrite is atomic, so a crash here leaves the old file or the new one.
+
+        Raises:
+            FormatError: a complete line of the file is not a history row.
+        """
+        rows, torn = read_rows(self.path)
+        kept = [r for r in rows if (r["step"] < step if r["kind"] == "step" else r["step"] <= step)]
+        notes = []
+        if len(kept) < len(rows) or torn:
+            notes.append(f"history: dropped {len(rows) - len(kept) + torn} row(s) written after step {step} "
+                         "by the interrupted run")
+        have = {r["step"] for r in kept if r["kind"] == "step"}
+        missing = [s for s in range(step) if s not in have]
+        if missing:
+            notes.append(f"history: {len(missing)} step row(s) before step {step} are missing "
+                         f"(first: {missing[0]}); the file was edited or lost")
+        write_bytes_atomic(self.path, b"".join(_encode(r) for r in kept))
+        self._open()
+        return notes
+
+    def _open(self) -> None:
+        self.close()
+        self._file = open(self.path, "ab")  # noqa: SIM115 - held open for the run, closed in close()
+
+    def append(self, row: dict[str, Any]) -> None:
+        """Append one row and flush it to the OS (fsync waits for :meth:`sync`)."""
+        assert self._file is not None, "History.start_fresh() or resume_at() first"
+        self._file.write(_encode(row))
+        self._file.flush()
+
+    def sync(self) -> None:
+        """Make every appended row durable; called before each checkpoint is written."""
+        if self._file is not None:
+            os.fsync(self._file.fileno())
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+

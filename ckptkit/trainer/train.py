@@ -1,0 +1,530 @@
+"""The reference trainer: a tiny byte-level GPT whose resume is the same run.
+
+    ckptkit train --run-dir runs/a --steps 200                 # fresh run
+    ckptkit train --run-dir runs/a --steps 400 --resume        # extend it
+    ckptkit train --run-dir runs/q --steps 100 --quant int8 --quant-check --rand-depth
+    python -c "from ckptkit.trainer import TrainerConfig, train; train(TrainerConfig(), 'runs/b')"
+
+It reads top to bottom like nanoGPT's ``train.py``: config, data, model,
+optimizer, run state, start or resume, loop. Everything a checkpoint must
+carry is registered with :class:`~ckptkit.runstate.RunState` in one place
+(the "run state" section of :func:`train`), and that is the list the design
+record (ADR-0021) asks for:
+
+=====================  =====================================================
+model, optimizer       ``add_model`` / ``add_optimizer`` (AdamW moments, step)
+EMA teacher            ``add_teacher``: restored as the run left it (item 1)
+fp32 fallback latch    ``add_flag("fp32_fallback")`` + ``after_restore`` (item 2)
+mask, depth            nothing: functions of (seed, step) via ckptkit.rng (items 3, 5)
+spike monitor          ``add_monitor``: the report survives a resume (item 4)
+stream offset          ``add_data_position`` with the rule as ``expected`` (item 6)
+bigram table           ``add_sidecar("ngram")``, stamped with the step (item 7)
+the LR                 nothing: a function of the step and the config
+=====================  =====================================================
+
+A step (:func:`train_step`) touches no global RNG: the batch comes from the
+stream offset, the mask and the depth from ``(seed, step)``, and nothing else
+is random. So a run interrupted at any checkpoint and resumed writes the same
+checkpoint bytes and the same history rows as the run that never stopped;
+``tests/test_trainer_resume.py`` proves it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import ReplayDivergence, ResumeRefused, SidecarMismatch
+from ..monitor import SpikeMonitor, Verdict
+from ..rng import Stream, mask_stream, sample_depth, torch_generator
+from ..runstate import RunState
+from .config import TrainConfig, TrainerConfig
+from .data import ByteStream, data_fingerprint, load_bytes
+from .history import History, f32_bits, f64_bits, json_float
+from .model import GPT, apply_compute_settings, make_teacher
+from .ngram import BigramTable
+
+__all__ = ["Run", "StepResult", "TrainResult", "build", "get_lr", "pre_batches", "train", "train_step"]
+
+Log = Callable[[str], None]
+
+
+def _stderr(msg: str) -> None:
+    print(f"ckptkit train: {msg}", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------- the run's objects
+
+
+@dataclass
+class Run:
+    """Everything a step reads or writes (what :func:`build` makes)."""
+
+    cfg: TrainerConfig
+    stream: ByteStream
+    model: GPT
+    teacher: GPT | None  # EMA teacher; None when --no-aux
+    ngram: BigramTable | None  # None when --no-ngram
+    optimizer: torch.optim.AdamW
+    monitor: SpikeMonitor
+    fp32_latched: bool = False  # the one-way fallback; never goes back to False in a run
+
+    @property
+    def quant_active(self) -> bool:
+        """True while the student's forward runs int8 factors."""
+        return self.cfg.model.quant == "int8" and not self.fp32_latched
+
+    def apply_compute_settings(self) -> None:
+        """Make the forward match the config and the latch (after build, after every restore)."""
+        apply_compute_settings(self.model, self.teacher, quant=self.cfg.model.quant, fp32_latched=self.fp32_latched)
+
+    def latch_fp32(self) -> None:
+        """Trip the one-way fallback: fp32 factors for the rest of the run."""
+        self.fp32_latched = True
+        self.apply_compute_settings()
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one step did; :meth:`row` is its line in ``history.jsonl``."""
+
+    step: int
+    loss: float  # the optimised total (float32 value)
+    lm_loss: float  # next-byte cross-entropy, nats (float32 value)
+    aux_loss: float | None  # masked-prediction MSE (float32 value); None when --no-aux
+    grad_norm: float  # global L2 grad norm before clipping (float32 value)
+    lr: float  # the learning rate used (float64)
+    depth: int  # blocks the student ran
+    compute: str  # "int8" or "fp32": the factor format the step trained
+    latch: str | None  # why the fp32 fallback latched at this step, else None
+    verdict: Verdict  # the spike monitor's judgement
+    offset: int  # stream offset after the step (bytes)
+    step_ms: float  # wall time of the step (not compared)
+
+    def row(self) -> dict[str, Any]:
+        aux = self.aux_loss
+        return {
+            "kind": "step",
+            "step": self.step,
+            "loss": json_float(self.loss),
+            "loss_bits": f32_bits(self.loss),
+            "lm_loss": json_float(self.lm_loss),
+            "lm_loss_bits": f32_bits(self.lm_loss),
+            "aux_loss": None if aux is None else json_float(aux),
+            "aux_loss_bits": None if aux is None else f32_bits(aux),
+            "grad_norm": json_float(self.grad_norm),
+            "grad_norm_bits": f32_bits(self.grad_norm),
+            "lr": self.lr,
+            "lr_bits": f64_bits(self.lr),
+            "depth": self.depth,
+            "compute": self.compute,
+            "latch": self.latch,
+            "verdict": self.verdict.reason,
+            "spike": self.verdict.is_spike,
+            "offset": self.offset,
+            "time": time.time(),
+            "step_ms": self.step_ms,
+        }
+
+    def line(self, steps: int) -> str:
+        aux = "" if self.aux_loss is None else f" | aux {self.aux_loss:.4f}"
+        spike = f" | SPIKE ({self.verdict.reason})" if self.verdict.is_spike else ""
+        latch = f" | LATCHED fp32: {self.latch}" if self.latch else ""
+        return (f"step {self.step + 1}/{steps} | loss {self.loss:.4f} | lm {self.lm_loss:.4f}{aux} | "
+                f"gnorm {self.grad_norm:.3f} | lr {self.lr:.2e} | depth {self.depth} | {self.compute} | "
+                f"{self.step_ms:.1f} ms{spike}{latch}")
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What :func:`train` leaves behind."""
+
+    step: int  # steps done
+    checkpoint: str | None  # the newest checkpoint written by this call, or None
+    history: str  # path of history.jsonl
+    fp32_latched: bool
+    report: dict[str, Any]  # the spike monitor's stability report
+    resume_notes: tuple[str, ...] = ()
+
+
+# ----------------------------------------------------------------------------- schedule and probes
+
+
+def get_lr(step: int, tc: TrainConfig) -> float:
+    """Linear warmup, then cosine decay to ``min_lr`` at ``lr_decay_iters`` (nanoGPT).
+
+    A function of the step and the config only, so there is no scheduler state,
+    and it does not depend on ``steps``: extending a run never changes an LR
+    that was already used.
+    """
+    if step < tc.warmup_iters:
+        return tc.lr * (step + 1) / (tc.warmup_iters + 1)
+    if step >= tc.lr_decay_iters:
+        return tc.min_lr
+    ratio = (step - tc.warmup_iters) / (tc.lr_decay_iters - tc.warmup_iters)
+    return tc.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (tc.lr - tc.min_lr)
+
+
+def _warmup_probe_on(cfg: TrainerConfig) -> bool:
+    return cfg.train.warmup_probe
+
+
+def _quant_check_on(cfg: TrainerConfig) -> bool:
+    return cfg.train.quant_check and cfg.model.quant != "none"
+
+
+def pre_batches(cfg: TrainerConfig) -> int:
+    """Probe batches a fresh run consumes before step 0.
+
+    Derived from the same two predicates that gate the probes in
+    :func:`run_probes`, so the stream offset rule (design record item 6) cannot
+    drift from what the probes actually read.
+    """
+    return int(_warmup_probe_on(cfg)) + int(_quant_check_on(cfg))
+
+
+def expected_offset(cfg: TrainerConfig, step: int) -> int:
+    """The stream offset after ``step`` steps: ``(step + pre_batches) * batch * seq_len``."""
+    return (step + pre_batches(cfg)) * cfg.data.batch * cfg.data.seq_len
+
+
+def _lm_loss(run: Run, x: torch.Tensor, y: torch.Tensor, depth: int) -> torch.Tensor:
+    bias = run.ngram.logit_bias(run.cfg.model.ngram_weight) if run.ngram is not None else None
+    logits = run.model.logits(run.model.hidden(x, depth=depth), x, bias)
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+
+
+def _quant_error(run: Run) -> float:
+    return max(layer.quant_error(8) for layer in run.model.factor_layers())
+
+
+@torch.no_grad()
+def run_probes(run: Run, log: Log) -> list[dict[str, Any]]:
+    """The probe forwards before step 0; each gate consumes one stream batch.
+
+    * warm-up (``--warmup-probe``): two forwards on one batch must give the same
+      loss bit for bit, or the environment is not deterministic and no resume of
+      this run could be trusted;
+    * quant check (``--quant-check`` with ``--quant int8``): the int8 forward on
+      one batch; a non-finite loss or a quant error over ``--quant-threshold``
+      latches fp32 before the first step.
+
+    Returns:
+        The probe rows for the history.
+
+    Raises:
+        ReplayDivergence: the two warm-up forwards differ.
+    """
+    cfg, rows = run.cfg, []
+    depth = cfg.model.n_layer
+    if _warmup_probe_on(cfg):
+        x, y = run.stream.next_batch(cfg.data.batch, cfg.data.seq_len)
+        first, second = _lm_loss(run, x, y, depth).item(), _lm_loss(run, x, y, depth).item()
+        if f32_bits(first) != f32_bits(second):
+            raise ReplayDivergence(
+                f"warm-up probe: the same forward on the same batch gave {first!r} then {second!r}; this "
+                "environment is not deterministic (thread count, kernels), so no resume of this run could be "
+                "checked; see ReplayDivergence's docstring for the usual causes")
+        rows.append({"kind": "probe", "step": 0, "probe": "warmup",
+                     "loss": json_float(first), "loss_bits": f32_bits(first)})
+        log(f"warm-up probe: start loss {first:.4f} (ln 256 = {math.log(256):.4f}), forward deterministic")
+    if _quant_check_on(cfg):
+        x, y = run.stream.next_batch(cfg.data.batch, cfg.data.seq_len)
+        quant_loss = _lm_loss(run, x, y, depth).item()
+        error = _quant_error(run)
+        bad = not math.isfinite(quant_loss) or error > cfg.train.quant_threshold
+        if bad:
+            run.latch_fp32()
+            log(f"quant check: int8 loss {quant_loss:.4f}, quant error {error:.4g} "
+                f"(threshold {cfg.train.quant_threshold}): LATCHED fp32 for the whole run")
+        rows.append({"kind": "probe", "step": 0, "probe": "quant_check",
+                     "loss": json_float(quant_loss), "loss_bits": f32_bits(quant_loss),
+                     "quant_error": json_float(error), "quant_error_bits": f64_bits(error), "latched": bad})
+    return rows
+
+
+# ----------------------------------------------------------------------------- build
+
+
+def build(cfg: TrainerConfig, data: bytes | None = None) -> Run:
+    """Data, model, teacher, n-gram table, optimizer and monitor for ``cfg``, at step 0.
+
+    Draws no global randomness: parameters come from
+    ``rng.torch_generator(seed, 0, Stream.INIT)``.
+
+    Args:
+        cfg: the config.
+        data: the training bytes, if already loaded (else read from ``cfg.data.path``).
+    """
+    tc = cfg.train
+    # -- data --
+    stream = ByteStream(load_bytes(cfg.data.path) if data is None else data)
+    # -- model --
+    model = GPT(cfg.model, predictor=tc.aux)
+    model.init_weights(torch_generator(tc.seed, 0, Stream.INIT))
+    teacher = make_teacher(model) if tc.aux else None
+    ngram = BigramTable() if cfg.model.ngram else None
+    # -- optimizer: decay matrices and embeddings, not norms or vectors (nanoGPT) --
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": tc.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    optimizer = torch.optim.AdamW(groups, lr=get_lr(0, tc), betas=(tc.beta1, tc.beta2), foreach=False)
+    monitor = SpikeMonitor(cfg.monitor)
+    run = Run(cfg, stream, model, teacher, ngram, optimizer, monitor)
+    run.apply_compute_settings()
+    return run
+
+
+# ----------------------------------------------------------------------------- one step
+
+
+def _aux_loss(run: Run, x: torch.Tensor, depth: int, step: int) -> torch.Tensor:
+    """JEPA-style: the student, seeing the mask embedding at masked positions,
+    predicts the teacher's (layer-normed) hidden states there. The mask is a
+    function of (seed, step) (design record item 3)."""
+    tc, model = run.cfg.train, run.model
+    assert run.teacher is not None
+    mask = torch.from_numpy(mask_stream(x.size(1), tc.mask_frac, tc.mask_span, seed=tc.seed, step=step))
+    if not bool(mask.any()):
+        return torch.zeros((), dtype=torch.float32)
+    pred = model.predictor(model.hidden(x, depth=depth, mask=mask)[:, mask])
+    with torch.no_grad():
+        target = run.teacher.hidden(x, depth=run.cfg.model.n_layer)[:, mask]
+        target = F.layer_norm(target, target.shape[-1:])
+    return F.mse_loss(pred, target)
+
+
+def train_step(run: Run, step: int) -> StepResult:
+    """One optimisation step; reads only the run's state, the stream and (seed, step).
+
+    The loop calls this once per step; a later rollback can re-run it from a
+    restored state and get the same result.
+    """
+    cfg, tc = run.cfg, run.cfg.train
+    t0 = time.perf_counter()
+    # -- this step's inputs: the stream, and randomness as a function of (seed, step) --
+    x, y = run.stream.next_batch(cfg.data.batch, cfg.data.seq_len)
+    n_layer = cfg.model.n_layer
+    depth = sample_depth(n_layer, tc.min_depth, seed=tc.seed, step=step) if tc.rand_depth else n_layer
+    # -- the one-way fp32 fallback, checked before the forward: a bad int8 step never trains --
+    latch = None
+    if run.quant_active:
+        if step == tc.trip_latch_at:
+            latch = f"--trip-latch-at {tc.trip_latch_at} (testing aid)"
+        else:
+            error = _quant_error(run)
+            if error > tc.quant_threshold:
+                latch = f"quant error {error:.4g} > --quant-threshold {tc.quant_threshold}"
+        if latch:
+            run.latch_fp32()
+    # -- forward --
+    lm_loss = _lm_loss(run, x, y, depth)
+    if run.quant_active and not bool(torch.isfinite(lm_loss)):
+        latch = "non-finite int8 loss"
+        run.latch_fp32()
+        lm_loss = _lm_loss(run, x, y, depth)  # this step trains the fp32 forward
+    compute = "int8" if run.quant_active else "fp32"
+    aux_loss = _aux_loss(run, x, depth, step) if run.teacher is not None else None
+    loss = lm_loss if aux_loss is None else lm_loss + tc.aux_weight * aux_loss
+    # -- backward; the monitor sees the grad norm before clipping --
+    run.optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    params = [p for p in run.model.parameters() if p.grad is not None]
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip if tc.grad_clip > 0 else math.inf,
+                                               foreach=False)
+    loss_value, grad_norm_value = loss.item(), grad_norm.item()
+    verdict = run.monitor.observe(step, grad_norm_value, loss_value)  # mode warn: recorded, not acted on (yet)
+    # -- update: optimizer, then the EMA teacher and the n-gram table, outside autograd --
+    lr = get_lr(step, tc)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    run.optimizer.step()
+    with torch.no_grad():
+        if run.teacher is not None:
+            for t, s in zip(run.teacher.parameters(), run.model.parameters()):
+                t.lerp_(s, 1.0 - tc.ema_decay)
+        if run.ngram is not None:
+            run.ngram.update(x, y)
+    return StepResult(
+        step=step, loss=loss_value, lm_loss=lm_loss.item(),
+        aux_loss=None if aux_loss is None else aux_loss.item(), grad_norm=grad_norm_value, lr=lr,
+        depth=depth, compute=compute, latch=latch, verdict=verdict, offset=run.stream.offset,
+        step_ms=(time.perf_counter() - t0) * 1e3,
+    )
+
+
+# ----------------------------------------------------------------------------- the whole run
+
+
+@contextlib.contextmanager
+def deterministic_torch() -> Iterator[None]:
+    """Deterministic kernels for the duration of a run, restored afterwards.
+
+    The thread count is *not* forced: it is recorded as an environment fact
+    (``environment.json``, the ``start`` history row), and a resume under another
+    count is refused unless ``--allow-env-change``.
+    """
+    was = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn_only)
+
+
+def train(
+    cfg: TrainerConfig,
+    run_dir: str | os.PathLike[str],
+    *,
+    resume: bool = False,
+    allow_legacy: bool = False,
+    allow_env_change: bool = False,
+    log: Log | None = _stderr,
+    on_step: Callable[[StepResult], None] | None = None,
+) -> TrainResult:
+    """Train ``cfg`` in ``run_dir`` until ``cfg.train.steps`` steps are done.
+
+    Args:
+        cfg: the resolved config (the plan; snapshotted and diffed on resume).
+        run_dir: the run directory: checkpoints, snapshots, sidecars,
+            ``environment.json`` and ``history.jsonl``.
+        resume: continue from the newest consistent checkpoint; otherwise start
+            fresh (refused if the directory already holds checkpoints).
+        allow_legacy: accept a v1 checkpoint that lacks state (recorded in history).
+        allow_env_change: accept a different environment (recorded in history).
+        log: progress and notes (default: stderr); None for silence.
+        on_step: called after each step's history row is written (tests, tools).
+
+    Returns:
+        A :class:`TrainResult`.
+
+    Raises:
+        ResumeRefused: a fresh start in a directory with checkpoints, or a resume
+            that would continue a different run: ConfigDrift, EnvironmentDrift,
+            StreamOffsetMismatch, LegacyCheckpoint, other training bytes.
+        CheckpointNotFound: ``resume`` and no consistent checkpoint.
+        SidecarMismatch: the n-gram table does not belong to the checkpoint's step.
+        ReplayDivergence: the warm-up probe found a nondeterministic forward.
+        SaveFailed: a checkpoint could not be written (earlier ones are intact).
+
+    Example:
+        >>> cfg = TrainerConfig().replace(**{"train.steps": 20})  # doctest: +SKIP
+        >>> train(cfg, "runs/a")  # doctest: +SKIP
+        >>> train(cfg.replace(**{"train.steps": 40}), "runs/a", resume=True)  # doctest: +SKIP
+    """
+    log = log or (lambda _msg: None)
+    tc = cfg.train
+    with deterministic_torch():
+        # -- data, model, optimizer (fresh at step 0; a resume overwrites them) --
+        data = load_bytes(cfg.data.path)
+        fingerprint = data_fingerprint(data)
+        run = build(cfg, data)
+
+        # -- run state: everything a checkpoint carries, registered once --
+        rs = RunState(run_dir, config=cfg, keep=tc.keep, log=log)
+        rs.add_model("model", run.model)
+        rs.add_optimizer("adamw", run.optimizer)
+        if run.teacher is not None:
+            rs.add_teacher(run.teacher)  # item 1: restored as saved, frozen; never rebuilt
+        rs.add_monitor("spike", run.monitor)  # item 4: the stability report survives a resume
+        rs.add_data_position("train", get=lambda: run.stream.offset, set=run.stream.seek,
+                             expected=lambda step: expected_offset(cfg, step))  # item 6
+        rs.add_value("data", get=lambda: fingerprint, set=lambda stored: _check_same_data(stored, fingerprint, cfg))
+        rs.add_flag("fp32_fallback", get=lambda: run.fp32_latched,
+                    set=lambda latched: setattr(run, "fp32_latched", latched))  # item 2
+        if run.ngram is not None:
+            rs.add_sidecar("ngram", get=run.ngram.sidecar, set=run.ngram.load_sidecar)  # item 7
+        rs.after_restore(run.apply_compute_settings)  # the forward follows the restored latch
+
+        # -- start or resume --
+        history = History(run_dir)
+        notes: list[str] = []
+        try:
+            if resume:
+                info = rs.resume(allow_legacy=allow_legacy, allow_env_change=allow_env_change)
+                start = info.step
+                notes = list(info.notes) + _after_resume(run, info, log)
+                notes += history.resume_at(start)
+                history.append({
+                    "kind": "resume", "step": start, "checkpoint": os.path.basename(info.path),
+                    "allow_legacy": allow_legacy, "legacy_missing": list(info.legacy_missing),
+                    "allow_env_change": allow_env_change,
+                    "env_overrides": [str(d) for d in info.env_overrides],
+                    "notes": notes, "time": time.time(),
+                })
+                log(f"resumed {info.path} at step {start}; stream offset {run.stream.offset}")
+                last_saved: int | None = start
+            else:
+                start = rs.start()
+                history.start_fresh()
+                history.append({"kind": "start", "step": 0, "torch": torch.__version__,
+                                "intra_op_threads": torch.get_num_threads(), "data": fingerprint})
+                for row in run_probes(run, log):
+                    history.append(row)
+                last_saved = None
+
+            # -- the loop --
+            path = None
+            if start >= tc.steps and resume:
+                log(f"the run is at step {start} and --steps is {tc.steps}: nothing to train")
+            for step in range(start, tc.steps):
+                result = train_step(run, step)
+                history.append(result.row())
+                if on_step is not None:
+                    on_step(result)
+                done = step + 1
+                if done % tc.log_every == 0 or done == tc.steps or result.latch or result.verdict.is_spike:
+                    log(result.line(tc.steps))
+                if done % tc.ckpt_every == 0 or done == tc.steps:
+                    history.sync()  # every row before the checkpoint is on disk before it
+                    path = rs.save(done)
+                    last_saved = done
+            final = max(start, tc.steps)
+            if last_saved != final:  # a fresh run of 0 steps still leaves its step-0 checkpoint
+                history.sync()
+                path = rs.save(final)
+        finally:
+            history.close()
+    return TrainResult(final, path, history.path, run.fp32_latched, run.monitor.report(), tuple(notes))
+
+
+def _check_same_data(stored: Any, fingerprint: dict[str, Any], cfg: TrainerConfig) -> None:
+    if stored != fingerprint:
+        raise ResumeRefused(
+            f"the training bytes differ from the run's: recorded {stored}, now {fingerprint} "
+            f"(--data {cfg.data.path or '(shipped corpus)'}); a resume on other data is another run"
+        )
+
+
+def _after_resume(run: Run, info: Any, log: Log) -> list[str]:
+    """Checks and notes that need the restored step; returns the notes."""
+    notes = []
+    if run.ngram is not None and run.ngram.table_step != info.step:
+        raise SidecarMismatch(
+            "ngram table step differs from the training step (the table is updated once per step)",
+            path=info.path + ".ngram", field="table_step", expected=info.step, actual=run.ngram.table_step,
+        )
+    if run.teacher is not None and "teacher" in info.legacy_missing:
+        # A v1 checkpoint has no teacher. The least-wrong teacher is a copy of the
+        # restored student -- exactly the pre-ADR-0021 behaviour -- so say so loudly.
+        run.teacher.load_state_dict(run.model.state_dict())
+        notes.append("teacher: the legacy checkpoint carries none; rebuilt as a copy of the restored student, "
+                     "so the auxiliary target differs from the original run's")
+    if run.fp32_latched:
+        notes.append("fp32 fallback is latched (restored from the checkpoint): the forward runs fp32 factors")
+    for n in notes:
+        log(n)
+    return notes
+
