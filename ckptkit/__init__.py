@@ -13,6 +13,7 @@ Importing ckptkit does not import torch; the functions that build tensors do.
 
 from __future__ import annotations
 
+from .asyncsave import AsyncSaver
 from .checkpoint import Checkpoint, import_torch_checkpoint, load, save
 from .container import FLAG_FP32_FALLBACK, VERSION, Report, SectionInfo, verify
 from .errors import (
@@ -36,6 +37,7 @@ from .errors import (
     UnsupportedValue,
     UnsupportedVersion,
 )
+from .lazy import LazyCheckpoint, open_checkpoint
 from .monitor import SpikeConfig, SpikeMonitor, Verdict
 from .rng import mask_stream, numpy_generator, torch_generator
 from .runstate import ResumeInfo, RunState
@@ -55,6 +57,7 @@ from .snapshot import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncSaver",
     "BadMagic",
     "Checkpoint",
     "CheckpointError",
@@ -66,6 +69,7 @@ __all__ = [
     "FLAG_FP32_FALLBACK",
     "FormatError",
     "KeyDiff",
+    "LazyCheckpoint",
     "LegacyCheckpoint",
     "MalformedIndex",
     "ReplayDivergence",
@@ -97,6 +101,7 @@ __all__ = [
     "load",
     "mask_stream",
     "numpy_generator",
+    "open_checkpoint",
     "read_sidecar",
     "read_snapshot",
     "save",

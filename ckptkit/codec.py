@@ -28,8 +28,8 @@ from .errors import ResumeRefused, UnsupportedValue
 from .section import CODECS, DTYPE_SIZES, MAX_NDIM, SectionIndex, SectionPlan, TensorRef, check_plain, plan_section
 
 __all__ = [
-    "decode_tree", "dtype_name", "encode_tree", "load_section", "load_sections", "match_destinations",
-    "plan_trees", "tensor_bytes", "torch_dtype",
+    "check_tensor", "decode_tree", "dtype_name", "encode_tree", "load_section", "load_sections", "match_destinations",
+    "plan_trees", "storage_key", "tensor_bytes", "torch_dtype",
 ]
 
 _TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -74,8 +74,27 @@ def tensor_bytes(t: torch.Tensor) -> tuple[torch.Tensor, memoryview]:
     return t, memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
-def _storage_key(t: torch.Tensor) -> tuple[Any, ...]:
+def storage_key(t: torch.Tensor) -> tuple[Any, ...]:
+    """Two tensors with equal keys are one tensor on disk (stored once, loaded as one object)."""
+    if not t.numel():
+        return ("empty", id(t))
     return (t.device.type, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+
+def check_tensor(value: torch.Tensor, at: str) -> str:
+    """Refuse a tensor the container cannot carry; return its on-disk dtype name.
+
+    Raises:
+        UnsupportedValue: a sparse or quantized tensor, too many dimensions, or a
+            dtype not in the table.
+    """
+    if value.layout != torch.strided:
+        raise UnsupportedValue(f"{at}: {value.layout} tensors cannot be stored; convert with .to_dense()")
+    if value.is_quantized:
+        raise UnsupportedValue(f"{at}: quantized tensors cannot be stored; store int_repr() and the scales")
+    if value.dim() > MAX_NDIM:
+        raise UnsupportedValue(f"{at}: a tensor of {value.dim()} dimensions cannot be stored (at most {MAX_NDIM})")
+    return dtype_name(value.dtype, at)
 
 
 def encode_tree(tree: Any, where: str) -> tuple[Any, list[tuple[str, tuple[int, ...], memoryview]], list[torch.Tensor]]:
@@ -100,13 +119,8 @@ def encode_tree(tree: Any, where: str) -> tuple[Any, list[tuple[str, tuple[int, 
     def leaf(value: Any, at: str) -> Any:
         if not isinstance(value, torch.Tensor):
             return NotImplemented
-        if value.layout != torch.strided:
-            raise UnsupportedValue(f"{at}: {value.layout} tensors cannot be stored; convert with .to_dense()")
-        if value.is_quantized:
-            raise UnsupportedValue(f"{at}: quantized tensors cannot be stored; store int_repr() and the scales")
-        if value.dim() > MAX_NDIM:
-            raise UnsupportedValue(f"{at}: a tensor of {value.dim()} dimensions cannot be stored (at most {MAX_NDIM})")
-        key = _storage_key(value) if value.numel() else ("empty", id(value))
+        check_tensor(value, at)
+        key = storage_key(value)
         tid = ids.get(key)
         if tid is None:
             name = dtype_name(value.dtype, at)
@@ -120,7 +134,7 @@ def encode_tree(tree: Any, where: str) -> tuple[Any, list[tuple[str, tuple[int, 
     return plain, tensors, keep
 
 
-def decode_tree(tree: Any, tensors: list[torch.Tensor]) -> Any:
+def decode_tree(tree: Any, tensors: list[torch.Tensor] | Mapping[int, torch.Tensor]) -> Any:
     """Replace every :class:`TensorRef` in ``tree`` by its tensor (shared refs share)."""
     if isinstance(tree, TensorRef):
         return tensors[tree.id]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import stat
 import struct
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -105,12 +106,19 @@ class Source:
         if data is None:
             assert self.path is not None
             try:
-                self._fd = os.open(self.path, os.O_RDONLY)
+                # O_NONBLOCK: opening a FIFO named like a checkpoint must not hang.
+                self._fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
             except FileNotFoundError:
                 raise CheckpointNotFound(f"{self.path}: no such checkpoint file") from None
             except IsADirectoryError:
                 raise CheckpointNotFound(f"{self.path}: is a directory, not a checkpoint file") from None
-            self.size = os.fstat(self._fd).st_size
+            st = os.fstat(self._fd)
+            if not stat.S_ISREG(st.st_mode):
+                os.close(self._fd)
+                self._fd = -1
+                raise CheckpointNotFound(f"{self.path}: not a regular file (a pipe, device or socket?)")
+            os.set_blocking(self._fd, True)
+            self.size = st.st_size
         else:
             self.size = len(data)
 
@@ -393,27 +401,16 @@ def tensor_mismatch(src_path: str | None, sec: SectionIndex, i: int, got: int) -
     )
 
 
-def decoded_region(src: Source, sec: SectionIndex) -> bytes:
-    """The raw data region of a compressed section, decompressed and length-checked (R-008)."""
-    import zstandard
+def decoded_region(src: Source, sec: SectionIndex) -> bytearray:
+    """The raw data region of a compressed section, decompressed and length-checked (R-008).
 
-    stored = src.pread(sec.data_start, sec.data_len, f"{sec.name} data")
+    The whole region in memory; :func:`check_tensors` and :func:`read_tensors`
+    stream it instead. Both use :func:`_region_pieces`, the one decoder.
+    """
     out = bytearray()
-    try:
-        reader = zstandard.ZstdDecompressor().stream_reader(stored, read_across_frames=False)
-        while len(out) <= sec.raw_len:
-            piece = reader.read(min(_CHUNK, sec.raw_len + 1 - len(out)))
-            if not piece:
-                break
-            out += piece
-    except zstandard.ZstdError as e:
-        raise MalformedIndex(f"zstd data region does not decompress: {e}", path=src.path,
-                             offset=sec.data_start, field=f"{sec.name} data", hint="R-008") from None
-    if len(out) != sec.raw_len:
-        raise MalformedIndex("zstd data region decompresses to the wrong length", path=src.path,
-                             offset=sec.data_start, field=f"{sec.name} data", expected=sec.raw_len,
-                             actual=len(out) if len(out) <= sec.raw_len else f"> {sec.raw_len}", hint="R-008")
-    return bytes(out)
+    for piece in _region_pieces(src, sec):
+        out += piece
+    return out
 
 
 def check_tensors(src: Source, sec: SectionIndex, scratch: bytearray) -> int:
@@ -434,6 +431,57 @@ def check_tensors(src: Source, sec: SectionIndex, scratch: bytearray) -> int:
         return total
     _scatter_region(src, sec, [None] * len(sec.tensors))
     return sec.raw_len
+
+
+def check_all_tensors(src: Source, layout: Layout, *, threads: int = 0) -> tuple[int, FormatError | None]:
+    """Hash every tensor of every section, one thread per core (R-007, R-008).
+
+    The same checks as :func:`check_tensors` section by section, and the same
+    error: the earliest in the file (within a zstd section, R-008 before R-007).
+
+    Returns:
+        ``(bytes hashed by the checks that passed, the error or None)``.
+    """
+    tasks: list[Callable[[], None]] = []
+    keys: list[int] = []
+    done = [0]
+    lock = threading.Lock()
+
+    def count(n: int) -> None:
+        with lock:
+            done[0] += n
+
+    for sec in layout.sections.values():
+        if sec is None:
+            continue
+        if sec.codec != "raw":
+            tasks.append(lambda sec=sec: (_scatter_region(src, sec, [None] * len(sec.tensors)), count(sec.raw_len)))
+            keys.append(sec.data_start)
+            continue
+        for i, rec in enumerate(sec.tensors):
+            tasks.append(lambda sec=sec, i=i: count(_hash_tensor(src, sec, i)))
+            keys.append(sec.data_start + rec.offset)
+    total = sum(r.nbytes for s in layout.sections.values() if s is not None for r in s.tensors)
+    if threads <= 0:
+        threads = min(4, _cpus()) if total >= _PARALLEL_MIN else 1
+    errors: dict[int, BaseException] = {}
+    _run_tasks(tasks, keys, errors, min(threads, max(1, len(tasks))))
+    if errors:
+        err = errors[min(errors)]
+        if not isinstance(err, FormatError):
+            raise err
+        return done[0], err
+    return done[0], None
+
+
+def _hash_tensor(src: Source, sec: SectionIndex, i: int) -> int:
+    rec = sec.tensors[i]
+    h = xxhash.xxh3_64()
+    a = sec.data_start + rec.offset
+    src.feed(a, a + rec.nbytes, h.update, bytearray(min(rec.nbytes, _CHUNK)))
+    if h.intdigest() != rec.digest:
+        raise tensor_mismatch(src.path, sec, i, h.intdigest())
+    return rec.nbytes
 
 
 class _RangeReader:
@@ -459,12 +507,18 @@ def _region_pieces(src: Source, sec: SectionIndex) -> Iterator[bytes]:
 
     source = _RangeReader(src, sec.data_start, sec.data_start + sec.data_len, f"{sec.name} data")
     total = 0
+    frame_ended = False
     try:
         reader = zstandard.ZstdDecompressor().stream_reader(source, read_across_frames=False)
         while total <= sec.raw_len:
-            piece = reader.read(min(_CHUNK, sec.raw_len + 1 - total))
+            want = min(_CHUNK, sec.raw_len + 1 - total)
+            piece = reader.read(want)
             if not piece:
                 break
+            if frame_ended:  # a short read ended the first frame; the region holds another
+                raise MalformedIndex("zstd data region holds more than one frame", path=src.path,
+                                     offset=sec.data_start, field=f"{sec.name} data", hint="R-008")
+            frame_ended = len(piece) < want
             total += len(piece)
             if total <= sec.raw_len:
                 yield piece
@@ -679,9 +733,9 @@ def verify(path: str | os.PathLike[str]) -> Report:
                 scratch = bytearray(_CHUNK * 4)
                 check_skeleton(src, layout, scratch)
                 check_flags(layout)
-                for sec in layout.sections.values():
-                    if sec is not None:
-                        hashed += check_tensors(src, sec, scratch)
+                hashed, error = check_all_tensors(src, layout)
+                if error is not None:
+                    raise error
         except FormatError as e:
             return _report(path, src.size, layout, e, hashed)
         return _report(path, src.size, layout, None, hashed)

@@ -158,9 +158,11 @@ class CheckpointNotFound(CheckpointError, FileNotFoundError):
 
 
 class SaveFailed(CheckpointError, OSError):
-    """Writing a checkpoint failed; the previous checkpoint is untouched.
+    """Writing a checkpoint failed.
 
-    ``errno`` and ``filename`` are copied from the underlying ``OSError``.
+    The previous file is untouched, except in one case the message states: the new
+    file was renamed into place but the directory fsync failed (whole, durability
+    unknown). ``errno`` and ``filename`` are copied from the underlying ``OSError``.
     """
 
     def __init__(self, message: str, *, cause: OSError | None = None, path: str | None = None):

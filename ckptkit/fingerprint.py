@@ -8,8 +8,14 @@ Two runs that should be the same are compared by fingerprints, not by eye:
 * :func:`state_digest` — an order-independent digest of many named tensors: the
   sum mod 2**64 of their mixed digests (integer arithmetic, never float sums), so
   iteration order never matters but a permutation of contents does;
+* :func:`leaf_digest` / :func:`leaf_digests` — the same for any leaf of a state tree
+  (tensors by their bytes, plain values by a typed canonical encoding), so a whole
+  checkpoint can be fingerprinted tensor by tensor, named as :func:`ckptkit.compare.flatten`
+  names it;
+* :func:`combine` — the order-independent sum behind :func:`state_digest`;
 * :func:`first_divergence` — the first step at which two histories differ, and in
-  which field.
+  which field; :func:`first_divergence_in_files` does it for two JSON Lines files;
+* :func:`differing_names` — which named digests differ between two digest maps.
 
 Implements ``spec/replay.md``. Usable by any trainer: only ``tensor_digest`` and
 ``state_digest`` need torch, and they import it lazily.
@@ -17,7 +23,9 @@ Implements ``spec/replay.md``. Usable by any trainer: only ``tensor_digest`` and
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -25,9 +33,12 @@ from typing import Any
 
 import xxhash
 
+from .errors import FormatError, UnsupportedValue
 from .rng import mix64
 
-__all__ = ["Divergence", "FINGERPRINT_FIELDS", "first_divergence", "float_bits", "state_digest", "tensor_digest"]
+__all__ = ["Divergence", "FINGERPRINT_FIELDS", "combine", "differing_names", "first_divergence",
+           "first_divergence_in_files", "float_bits", "leaf_digest", "leaf_digests", "read_jsonl", "state_digest",
+           "step_rows", "tensor_digest"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -76,10 +87,73 @@ def state_digest(named: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> int:
     ``mix64`` keeps a shared structure in the per-tensor digests from cancelling.
     """
     items = named.items() if isinstance(named, Mapping) else named
+    return combine(tensor_digest(name, t) for name, t in items)
+
+
+def combine(digests: Iterable[int]) -> int:
+    """``sum(mix64(d)) mod 2**64``: one digest for many, independent of their order.
+
+    ``state_digest(named) == combine(tensor_digest(n, t) for n, t in named)``, so a
+    trainer that keeps per-tensor digests gets the state digest without hashing twice.
+
+    Example:
+        >>> combine([1, 2]) == combine([2, 1])
+        True
+    """
     total = 0
-    for name, t in items:
-        total = (total + mix64(tensor_digest(name, t))) & _MASK64
+    for d in digests:
+        total = (total + mix64(d)) & _MASK64
     return total
+
+
+def _value_bytes(value: Any, name: str) -> bytes:
+    # Type-tagged and exact: True is not 1, 1 is not 1.0, and a float is its bit pattern.
+    if value is None:
+        return b"none"
+    if isinstance(value, bool):
+        return b"bool:" + (b"1" if value else b"0")
+    if isinstance(value, int):
+        return b"int:" + str(value).encode()
+    if isinstance(value, float):
+        return b"float:" + struct.pack("<d", value)
+    if isinstance(value, str):
+        return b"str:" + value.encode("utf-8")
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return b"bytes:" + bytes(value)
+    raise UnsupportedValue(f"{name}: cannot fingerprint a {type(value).__name__} (tensors, None, bool, int, "
+                           "float, str and bytes only; flatten containers first)")
+
+
+def leaf_digest(name: str, value: Any) -> int:
+    """Digest of one leaf of a state tree: :func:`tensor_digest` for a tensor, else an
+    xxh3-64 of ``name`` and the value's type-tagged exact encoding.
+
+    Raises:
+        UnsupportedValue: a value that is neither a tensor nor a plain scalar.
+
+    Example:
+        >>> leaf_digest("lr", 1) != leaf_digest("lr", 1.0) != leaf_digest("lr", True)
+        True
+    """
+    if hasattr(value, "dtype") and hasattr(value, "numel") and hasattr(value, "untyped_storage"):
+        return tensor_digest(name, value)
+    return xxhash.xxh3_64_intdigest(b"leaf\0" + name.encode("utf-8") + b"\0" + _value_bytes(value, name))
+
+
+def leaf_digests(named: Mapping[str, Any]) -> dict[str, int]:
+    """:func:`leaf_digest` of every entry, keys sorted (e.g. of
+    :func:`ckptkit.compare.checkpoint_state`, so names match ``ckptkit diff --tensors``)."""
+    return {name: leaf_digest(name, named[name]) for name in sorted(named)}
+
+
+def differing_names(recorded: Mapping[str, Any], replayed: Mapping[str, Any]) -> list[str]:
+    """Names whose digests differ, or that one side lacks, sorted.
+
+    Example:
+        >>> differing_names({"a": 1, "b": 2}, {"a": 1, "b": 3, "c": 4})
+        ['b', 'c']
+    """
+    return sorted(n for n in set(recorded) | set(replayed) if recorded.get(n) != replayed.get(n))
 
 
 @dataclass(frozen=True)
@@ -125,3 +199,61 @@ def _same(a: Any, b: Any) -> bool:
     if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
         return True
     return type(a) is type(b) and a == b
+
+
+def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The complete rows of a JSON Lines file (a torn last line, without ``\\n``, is ignored).
+
+    Raises:
+        FileNotFoundError: the file does not exist.
+        FormatError: a complete line is not a JSON object.
+    """
+    path = os.fspath(path)
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")[:-1]
+    rows, offset = [], 0
+    for i, line in enumerate(lines):
+        try:
+            row = json.loads(line)
+        except (UnicodeDecodeError, ValueError) as e:
+            raise FormatError(f"line {i + 1} is not JSON ({e})", path=path, offset=offset, field="history") from None
+        if not isinstance(row, dict):
+            raise FormatError(f"line {i + 1} is not a JSON object", path=path, offset=offset, field="history")
+        rows.append(row)
+        offset += len(line) + 1
+    return rows
+
+
+def step_rows(rows: Iterable[Mapping[str, Any]], kind: str = "step") -> list[Mapping[str, Any]]:
+    """The rows of ``kind`` (rows without a ``kind`` count as steps) that have an int
+    ``step``, one per step: a later row for the same step replaces an earlier one (a
+    re-run, or a rollback's new timeline, supersedes what it replaced). Sorted by step."""
+    by_step: dict[int, Mapping[str, Any]] = {}
+    for r in rows:
+        if r.get("kind", "step") == kind and isinstance(r.get("step"), int) and not isinstance(r["step"], bool):
+            by_step[r["step"]] = r
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def first_divergence_in_files(
+    path_a: str | os.PathLike[str],
+    path_b: str | os.PathLike[str],
+    fields: Sequence[str] = FINGERPRINT_FIELDS,
+) -> Divergence | None:
+    """The first step whose fingerprints differ between two history files, or None.
+
+    Works on any JSON Lines history whose step rows carry ``step`` and the
+    fingerprint ``fields`` (no reference trainer needed): ``a`` is the recording,
+    ``b`` the run compared with it. Rows are taken as :func:`step_rows` does; only
+    steps both files hold are compared.
+
+    Raises:
+        FileNotFoundError: a file does not exist.
+        FormatError: a line is not a JSON object.
+
+    Example::
+
+        d = first_divergence_in_files("runs/a/history.jsonl", "runs/b/history.jsonl")
+        print("identical" if d is None else d.describe())
+    """
+    return first_divergence(step_rows(read_jsonl(path_a)), step_rows(read_jsonl(path_b)), fields)

@@ -36,15 +36,17 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .asyncsave import AsyncSaver
 from .atomic import clean_stale_temps, write_bytes_atomic
 from .checkpoint import Checkpoint, load, save
-from .container import FLAG_NAMES
+from .container import FLAG_NAMES, SECTIONS
 from .environment import EnvDiff, capture, check_environment
 from .errors import (
     CheckpointNotFound,
@@ -56,7 +58,7 @@ from .errors import (
 )
 from .section import check_plain
 from .sidecar import read_sidecar, sidecar_path, write_sidecar
-from .snapshot import DEFAULT_EXEMPT, KeyDiff, check_resume, snapshot_path, write_snapshot
+from .snapshot import DEFAULT_EXEMPT, KeyDiff, check_resume, encode_snapshot, snapshot_path, write_snapshot
 
 __all__ = ["ENVIRONMENT_FILE", "ResumeInfo", "RunState", "checkpoint_name", "list_checkpoints"]
 
@@ -109,6 +111,15 @@ class _Entry:
     get: Callable[[], Any]
     set: Callable[[Any], None]
     expected: Callable[[int], Any] | None = None
+    # A rule that also reads run state stored in the same checkpoint (add_data_position's
+    # expected_given_values): called as (step, stored values by name).
+    expected_given_values: Callable[[int, Mapping[str, Any]], Any] | None = None
+
+    def expected_at(self, step: int, values: Mapping[str, Any]) -> Any:
+        """The position the rule wants at ``step`` (None when there is no rule)."""
+        if self.expected_given_values is not None:
+            return self.expected_given_values(step, values)
+        return None if self.expected is None else self.expected(step)
 
 
 @dataclass
@@ -143,6 +154,12 @@ class RunState:
         compression: container codec per :func:`ckptkit.save`.
         log: called with each human-readable note (default: ignore; notes are also
             returned in :class:`ResumeInfo`).
+        async_save: ``save()`` snapshots the state into a reusable buffer and
+            returns; the files are written in the background
+            (:class:`ckptkit.asyncsave.AsyncSaver`, same bytes as a synchronous
+            save). A failed background write is raised by the next ``save()``,
+            ``wait()``, ``resume()`` or ``close()``. Costs one copy of the
+            checkpoint's tensors in host memory.
     """
 
     def __init__(
@@ -154,9 +171,12 @@ class RunState:
         exempt: Iterable[str] = DEFAULT_EXEMPT,
         compression: str = "raw",
         log: Callable[[str], None] | None = None,
+        async_save: bool = False,
     ) -> None:
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep must be >= 1 (got {keep!r})")
+        if not isinstance(async_save, bool):
+            raise ValueError(f"async_save must be True or False (got {async_save!r})")
         self.run_dir = os.fspath(run_dir)
         self.config = config
         self.keep = keep
@@ -165,6 +185,7 @@ class RunState:
         self._log = log or (lambda _msg: None)
         self._reg = _Registry()
         self._after_restore: list[Callable[[], None]] = []
+        self._saver: AsyncSaver | None = AsyncSaver(compression=compression) if async_save else None
 
     # ------------------------------------------------------------------ registration
 
@@ -228,6 +249,7 @@ class RunState:
         get: Callable[[], int],
         set: Callable[[int], None],  # noqa: A002 - mirrors property naming
         expected: Callable[[int], int] | None = None,
+        expected_given_values: Callable[[int, Mapping[str, Any]], int] | None = None,
     ) -> None:
         """Register a data-stream position (e.g. a byte offset).
 
@@ -236,12 +258,20 @@ class RunState:
             expected: the position the run must be at after ``step`` steps; resume
                 refuses a checkpoint whose stored position differs
                 (:class:`~ckptkit.errors.StreamOffsetMismatch`, design record item 6).
+            expected_given_values: instead of ``expected``, a rule that also depends
+                on run state saved in the same checkpoint: called as
+                ``fn(step, values)`` with the checkpoint's stored :meth:`add_value`
+                values by name (``{}`` for a legacy checkpoint), before anything is
+                restored. E.g. a trainer that skips batches after a spike rollback
+                stores the count with ``add_value`` and its rule adds it.
         """
+        if expected is not None and expected_given_values is not None:
+            raise ValueError(f"data position {name!r}: pass expected or expected_given_values, not both")
         self._name("data position", name, self._reg.data)
         pos = get()
         if isinstance(pos, bool) or not isinstance(pos, int) or pos < 0:
             raise UnsupportedValue(f"data position {name!r} must be a non-negative int (got {pos!r})")
-        self._reg.data[name] = _Entry(get, set, expected)
+        self._reg.data[name] = _Entry(get, set, expected, expected_given_values)
 
     def add_value(self, name: str, *, get: Callable[[], Any], set: Callable[[Any], None]) -> None:  # noqa: A002
         """Register small run state (msgpack-able plain values: numbers, str, lists, dicts)."""
@@ -313,16 +343,24 @@ class RunState:
         The container is written last, so its presence marks a complete save; each
         file is atomic. Older checkpoints beyond ``keep`` are then deleted.
 
+        With ``async_save``, the state is snapshot and the same files are written,
+        in the same order, by a background thread; the returned path exists once
+        :meth:`wait` returns.
+
         Returns:
             The checkpoint path.
 
         Raises:
-            SaveFailed: a write failed; earlier checkpoints are intact.
+            SaveFailed: a write failed (with ``async_save``: the previous save's
+                write); earlier checkpoints are intact.
             UnsupportedValue: state that cannot be stored (named by path).
         """
         os.makedirs(self.run_dir, exist_ok=True)
         path = os.path.join(self.run_dir, checkpoint_name(step))
         ckpt = self.checkpoint(step)
+        if self._saver is not None:
+            self._save_async(path, ckpt)
+            return path
         write_snapshot(snapshot_path(path), self.config)
         for kind, entry in self._reg.sidecars.items():
             table_step, tree = entry.get()
@@ -331,23 +369,81 @@ class RunState:
         self._retain()
         return path
 
+    def _save_async(self, path: str, ckpt: Checkpoint) -> None:
+        assert self._saver is not None
+        config = encode_snapshot(self.config)  # refuses a bad config now, not in the background
+        stamps, trees = {}, {name: getattr(ckpt, name) for name in SECTIONS}
+        for kind, entry in self._reg.sidecars.items():
+            stamps[kind], trees[f"sidecar:{kind}"] = entry.get()
+
+        def write(snap: dict[str, Any]) -> None:
+            write_bytes_atomic(snapshot_path(path), config)
+            for kind, table_step in stamps.items():
+                write_sidecar(sidecar_path(path, kind), train_step=ckpt.step, table_step=table_step,
+                              tree=snap[f"sidecar:{kind}"])
+            save(path, dataclasses.replace(ckpt, **{name: snap[name] for name in SECTIONS}),
+                 compression=self.compression)
+            self._retain()
+
+        self._saver.submit(trees, write)
+
+    def wait(self) -> None:
+        """Block until a background save (``async_save``) is committed; a no-op otherwise.
+
+        Raises:
+            SaveFailed: the background write failed; earlier checkpoints are intact.
+        """
+        if self._saver is not None:
+            self._saver.wait()
+
+    def close(self) -> None:
+        """Finish a background save and free its snapshot buffer.
+
+        Raises:
+            SaveFailed: the background write failed.
+        """
+        if self._saver is not None:
+            self._saver.close()
+
     def _companions(self, path: str) -> list[str]:
         return [snapshot_path(path)] + [sidecar_path(path, k) for k in self._reg.sidecars]
 
     def _delete(self, path: str) -> None:
-        # Container first: a crash mid-delete leaves orphan companions, never a
-        # container without its companions.
+        # Container first: a crash mid-delete leaves orphan companions (swept by
+        # _retain), never a container without its companions.
         for p in [path, *self._companions(path)]:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(p)
 
     def _retain(self) -> None:
-        for _step, path in list_checkpoints(self.run_dir)[: -self.keep]:
-            self._delete(path)
+        """Delete all but the newest ``keep`` checkpoints, and companions orphaned by a
+        crash mid-delete. The new checkpoint is already committed, so a failure here
+        is reported and retried by the next save, never raised."""
+        ckpts = list_checkpoints(self.run_dir)
+        for _step, path in ckpts[: -self.keep]:
+            try:
+                self._delete(path)
+            except OSError as e:
+                self._log(f"retention: cannot delete {path} ({e.strerror}); will retry at the next save")
+        kept = {p for _s, p in list_checkpoints(self.run_dir)}
+        oldest = ckpts[-self.keep :][0][0] if ckpts else None
+        for name in sorted(os.listdir(self.run_dir)):
+            head, sep, _kind = name.partition(_SUFFIX + ".")
+            container = os.path.join(self.run_dir, head + _SUFFIX)
+            digits = head[len(_PREFIX) :]
+            if (sep and head.startswith(_PREFIX) and digits.isdigit() and container not in kept
+                    and oldest is not None and int(digits) < oldest):
+                try:
+                    os.unlink(os.path.join(self.run_dir, name))
+                except FileNotFoundError:
+                    pass
+                except OSError as e:
+                    self._log(f"retention: cannot delete orphan {name} ({e.strerror})")
 
     def discard_after(self, step: int) -> list[str]:
         """Delete checkpoints newer than ``step`` (after a rollback they belong to an
         abandoned timeline and must never be resumed). Returns the paths deleted."""
+        self.wait()
         gone = [p for s, p in list_checkpoints(self.run_dir) if s > step]
         for p in gone:
             self._delete(p)
@@ -401,6 +497,7 @@ class RunState:
             StreamOffsetMismatch: a stored data position disagrees with the step.
             ResumeRefused: the checkpoint's contents do not match what is registered.
         """
+        self.wait()
         removed = clean_stale_temps(self.run_dir)
         notes = [f"removed {len(removed)} temporary file(s) left by an interrupted save"] if removed else []
         ckpt, path, sidecars, skipped = self._newest_consistent()
@@ -427,9 +524,13 @@ class RunState:
         candidates = list_checkpoints(self.run_dir)
         if not candidates:
             raise CheckpointNotFound(f"{self.run_dir}: no checkpoints to resume from")
-        for _step, path in reversed(candidates):
+        for named_step, path in reversed(candidates):
             try:
                 ckpt = load(path)
+                if ckpt.step != named_step:
+                    raise FormatError("header step does not match the file name", path=path, offset=8,
+                                      field="step", expected=named_step, actual=ckpt.step,
+                                      hint="a checkpoint renamed or copied over another; resume from another")
                 if not os.path.exists(snapshot_path(path)):
                     raise CheckpointNotFound(f"{snapshot_path(path)}: config snapshot is missing")
                 sidecars = {kind: read_sidecar(sidecar_path(path, kind), expect_step=ckpt.step)
@@ -501,9 +602,9 @@ class RunState:
         mon = ckpt.monitor or {}
         for name, entry in r.data.items():
             stored = mon.get("data", {}).get(name)
-            if entry.expected is not None and stored is not None:
-                want = entry.expected(ckpt.step)
-                if stored != want:
+            if stored is not None:
+                want = entry.expected_at(ckpt.step, mon.get("values") or {})
+                if want is not None and stored != want:
                     raise StreamOffsetMismatch(
                         f"{path}: data position {name!r} is {stored}, but a run at step {ckpt.step} must be at {want}; "
                         "the stream offset rule changed or the checkpoint is from another run"
@@ -529,8 +630,8 @@ class RunState:
             for name, entry in regs.items():
                 if group in mon:
                     entry.set(mon[group][name])
-                elif ckpt.legacy and group == "data" and entry.expected is not None:
-                    entry.set(entry.expected(ckpt.step))  # v1 stored no position: derive it from the rule
+                elif ckpt.legacy and group == "data" and entry.expected_at(ckpt.step, {}) is not None:
+                    entry.set(entry.expected_at(ckpt.step, {}))  # v1 stored no position: derive it from the rule
         for bit, name in FLAG_NAMES.items():
             if name in r.flags:
                 r.flags[name].set(bool(ckpt.flags >> bit & 1))

@@ -21,6 +21,7 @@ Invariants:
 from __future__ import annotations
 
 import math
+import reprlib
 import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -377,12 +378,12 @@ def decode_index(
     if codec not in CODECS:
         raise UnsupportedVersion(
             "unknown data codec", path=path, offset=at, field=f"{name} index",
-            expected=" or ".join(CODECS), actual=repr(codec)[:40], hint="written by a newer ckptkit? (R-011)",
+            expected=" or ".join(CODECS), actual=_show(codec, 40), hint="written by a newer ckptkit? (R-011)",
         )
     data_len, raw_len = index["data_len"], index["raw_len"]
     for key, v in (("data_len", data_len), ("raw_len", raw_len)):
         if not _is_uint(v):
-            raise bad(f"{key} must be a non-negative integer", actual=repr(v), hint="R-010")
+            raise bad(f"{key} must be a non-negative integer", actual=_show(v, 40), hint="R-010")
     data_start = align_up(start + 8 + index_len)
     if data_start + data_len != start + length:
         raise TruncatedFile(
@@ -404,6 +405,17 @@ def decode_index(
     return SectionIndex(name, start, length, index_len, data_start, codec, data_len, raw_len, records, tree)
 
 
+_SHOW = reprlib.Repr()
+_SHOW.maxlevel = 4  # a hostile value may nest 1000 deep: never recurse that far to describe it
+_SHOW.maxlist = _SHOW.maxdict = _SHOW.maxtuple = 8
+_SHOW.maxstring = _SHOW.maxother = 80
+
+
+def _show(v: Any, n: int) -> str:
+    """A bounded ``repr`` of a value read from a file, for messages."""
+    return _SHOW.repr(v)[:n]
+
+
 def _is_uint(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
@@ -419,16 +431,18 @@ def _decode_records(
     for i, r in enumerate(raw_records):
         where = f"tensor {i}"
         if not isinstance(r, list) or len(r) != width:
-            raise bad(f"{where}: record must be an array of {width} fields", actual=repr(r)[:80], hint="R-013")
+            raise bad(f"{where}: record must be an array of {width} fields", actual=_show(r, 80), hint="R-013")
         dtype, shape, offset, nbytes = r[:4]
         if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
-            raise bad(f"{where}: unknown dtype", expected="a name from the dtype table", actual=repr(dtype)[:40],
+            raise bad(f"{where}: unknown dtype", expected="a name from the dtype table", actual=_show(dtype, 40),
                       hint="R-013")
         if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(_is_uint(d) for d in shape):
-            raise bad(f"{where}: shape must be at most {MAX_NDIM} non-negative integers", actual=repr(shape)[:80],
+            raise bad(f"{where}: shape must be at most {MAX_NDIM} non-negative integers", actual=_show(shape, 80),
                       hint="R-013")
+        if any(d >= 2**63 for d in shape) or math.prod(max(d, 1) for d in shape) >= 2**63:
+            raise bad(f"{where}: shape does not fit in int64 element counts", actual=_show(shape, 80), hint="R-013")
         if not _is_uint(offset) or not _is_uint(nbytes):
-            raise bad(f"{where}: offset and nbytes must be non-negative integers", actual=repr(r[2:4]), hint="R-013")
+            raise bad(f"{where}: offset and nbytes must be non-negative integers", actual=_show(r[2:4], 80), hint="R-013")
         want = math.prod(shape) * DTYPE_SIZES[dtype]
         if nbytes != want:
             raise bad(f"{where}: nbytes disagrees with shape x itemsize", expected=want, actual=nbytes, hint="R-014")
@@ -445,7 +459,7 @@ def _decode_records(
         if not legacy:
             d = r[4]
             if not isinstance(d, bytes) or len(d) != 8:
-                raise bad(f"{where}: digest must be 8 bytes", actual=repr(d)[:40], hint="R-013")
+                raise bad(f"{where}: digest must be 8 bytes", actual=_show(d, 40), hint="R-013")
             digest = _U64.unpack(d)[0]
         out.append(TensorRecord(dtype, tuple(shape), offset, nbytes, digest))
     return tuple(out)
