@@ -87,10 +87,11 @@ _U64 = struct.Struct("<Q")
 _FIELD_OFFSET = {"step": 8, "model": 16, "optim": 24, "teacher": 32, "flags": 40, "monitor": 48}
 _CHUNK = 1 << 20  # hashing/IO granularity: stays in cache between hash and write
 # Performance knobs (none of them is format; spec/performance.md says why each value).
-_WINDOW = 64 << 20  # verify maps at most this much of the file at a time: bounded resident memory
+_WINDOW = 32 << 20  # verify maps at most this much of the file at a time (per thread): bounded resident memory
 _MAP_MIN = 1 << 20  # extents shorter than this are read with pread (a mapping costs syscalls)
 _WRITE_BEHIND = 8 << 20  # start writeback of every 8 MiB written, so the final fsync waits for little
 _PARALLEL_MIN = 32 << 20  # read_tensors uses threads only when there is at least this much to read
+_READ_PIECE = 256 << 10  # read_tensors: a piece read into its destination is hashed while still in L2
 
 
 # ---------------------------------------------------------------------------- reading
@@ -176,7 +177,7 @@ class Source:
         """Pass the bytes of ``[start, end)`` to ``update`` in pieces (the caller has checked the bounds).
 
         A long extent of a file is hashed straight from the page cache through a
-        read-only mapping of at most 64 MiB at a time (no copy; bounded resident
+        read-only mapping of at most 32 MiB at a time (no copy; bounded resident
         memory); short extents, in-memory sources and systems without ``mmap``
         flags use positional reads into ``scratch``. Known limit: a file truncated
         by another process *while* it is mapped faults (SIGBUS); ckptkit itself
@@ -570,7 +571,7 @@ def read_tensors(src: Source, jobs: Sequence[tuple[SectionIndex, int, memoryview
         src: the open file (its layout already read and its skeleton checked).
         jobs: ``(section, tensor index, destination)``; each destination is a
             writable byte view of exactly the tensor's ``nbytes``. Tensors of a
-            raw section are read with positional reads in 1 MiB pieces, each piece
+            raw section are read with positional reads in 256 KiB pieces, each piece
             hashed while it is still in cache; a zstd section is decoded as a
             stream into its destinations.
         threads: reader threads; 0 picks one per available core (at most 4) when
@@ -610,8 +611,8 @@ def _raw_task(src: Source, sec: SectionIndex, i: int, dest: memoryview) -> Calla
         rec = sec.tensors[i]
         base = sec.data_start + rec.offset
         h = xxhash.xxh3_64()
-        for a in range(0, rec.nbytes, _CHUNK):
-            piece = dest[a : a + _CHUNK]
+        for a in range(0, rec.nbytes, _READ_PIECE):
+            piece = dest[a : a + _READ_PIECE]
             src.readinto(base + a, piece)
             h.update(piece)
         if rec.digest is not None and h.intdigest() != rec.digest:

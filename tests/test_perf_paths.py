@@ -242,7 +242,7 @@ def test_load_into_strided_destinations_goes_through_a_temporary(tmp_path):
 
 def test_a_corrupt_tensor_met_while_restoring_in_threads_is_the_earliest_in_the_file(tmp_path, monkeypatch):
     monkeypatch.setattr(container, "_PARALLEL_MIN", 0)  # threads even for a small file
-    monkeypatch.setattr(container, "_CHUNK", 64)  # many pieces per tensor
+    monkeypatch.setattr(container, "_READ_PIECE", 64)  # many pieces per tensor
     path, ckpt = saved(tmp_path)
     dest = {k: torch.zeros_like(v) for k, v in state().items() if k not in ("nested", "tied", "wT")}
     got = load(path, into={"model": {"net": dest}}, strict=False)
@@ -264,6 +264,7 @@ def test_chunk_size_changes_neither_the_bytes_nor_what_is_read(tmp_path, monkeyp
     zref = tmp_path / "zref.ckpt"
     save(zref, ckpt, compression="zstd")
     monkeypatch.setattr(container, "_CHUNK", chunk)
+    monkeypatch.setattr(container, "_READ_PIECE", chunk)
     monkeypatch.setattr(container, "_WRITE_BEHIND", 256)  # write-behind after every few pieces
     for codec, want in (("raw", ref), ("zstd", zref)):
         p = tmp_path / f"{codec}-{chunk}.ckpt"

@@ -156,7 +156,8 @@ def test_resume_truncates_history_written_after_the_checkpoint(tmp_path: Path) -
     assert [r["step"] for r in rows if r["kind"] == "step"] == [0, 1, 2, 3, 4, 5]
     resume = [r for r in rows if r["kind"] == "resume"]
     assert len(resume) == 1 and resume[0]["step"] == 3
-    assert any("dropped 2 row(s)" in note for note in resume[0]["notes"])
+    # rows 3 and 4, and the digests rows after them (spec/replay.md R-P02)
+    assert any("dropped 4 row(s)" in note for note in resume[0]["notes"])
     assert result.step == 6
 
 

@@ -196,8 +196,10 @@ def test_without_quant_the_int8_path_is_never_taken(tmp_path: Path) -> None:
 def test_history_rows_are_exact(tmp_path: Path) -> None:
     run(tiny(), tmp_path, 3)
     rows = history(tmp_path)
-    assert [r["kind"] for r in rows] == ["start", "probe", "step", "step", "step"]
-    for r in rows[2:]:
+    # After each step its per-parameter digests; before the checkpoint, every leaf's digest (spec/replay.md).
+    assert [r["kind"] for r in rows] == ["start", "probe", "step", "digests", "step", "digests", "step", "digests",
+                                         "checkpoint"]
+    for r in (r for r in rows if r["kind"] == "step"):
         assert r["loss_bits"] == f32_bits(r["loss"]) and r["grad_norm_bits"] == f32_bits(r["grad_norm"])
         assert r["lr_bits"] == f64_bits(r["lr"])
         assert r["verdict"] == "warming_up" and r["spike"] is False
@@ -209,7 +211,7 @@ def test_history_drops_a_torn_last_line_on_resume(tmp_path: Path) -> None:
     with open(tmp_path / "history.jsonl", "ab") as f:
         f.write(b'{"kind":"step","step":2,"lo')  # a crash mid-append
     rows, torn = read_rows(tmp_path / "history.jsonl")
-    assert torn and len(rows) == 4
+    assert torn and [r["kind"] for r in rows] == ["start", "probe", "step", "digests", "step", "digests", "checkpoint"]
     run(tiny(**{"train.ckpt_every": 2}), tmp_path, 3, resume=True)
     assert [r["step"] for r in history(tmp_path) if r["kind"] == "step"] == [0, 1, 2]
 
@@ -339,7 +341,7 @@ def test_the_format_library_never_imports_the_trainer() -> None:
     offenders = []
     for f in root.rglob("*.py"):
         rel = f.relative_to(root).as_posix()
-        if rel.startswith("trainer/") or rel == "cli/train.py":
+        if rel.startswith("trainer/") or rel in ("cli/train.py", "cli/replay.py", "cli/audit.py"):
             continue
         if re.search(r"^\s*(from|import)\s+(\.+|ckptkit\.)trainer\b", f.read_text(), re.M):
             offenders.append(rel)

@@ -72,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
         del out["ok"], out["error"]
         out["schema_version"] = 1
         out["monitor"] = run_state
+        out["rollback"] = _rollback_record(run_state)
         print(json.dumps(out, sort_keys=True))
         return 0
     print(f"{args.path}: container v{layout.version}, step {layout.step}, {_size(layout.size)}")
@@ -83,9 +84,40 @@ def run(args: argparse.Namespace) -> int:
         codec = s.codec or "-"
         status = "" if s.present else "  (absent)"
         print(f"{s.name:<9} {s.offset:>10} {s.length:>12}  {codec:<5} {s.tensors:>8}{status}")
-    if isinstance(run_state, dict) and run_state.get("rollbacks"):
-        print("rollbacks:")
-        for r in run_state["rollbacks"]:
-            print(f"  {json.dumps(r, sort_keys=True)}")
+    for line in _rollback_lines(run_state):
+        print(line)
     print("digests: not checked here (ckptkit verify checks every byte)")
     return 0
+
+
+def _rollback_record(run_state: Any) -> Any:
+    """The trainer's spike-rollback record (``values.rollback``, spec/rollback.md R-R08), or None."""
+    values = run_state.get("values") if isinstance(run_state, dict) else None
+    return values.get("rollback") if isinstance(values, dict) else None
+
+
+def _rollback_lines(run_state: Any) -> list[str]:
+    """The rollback record in words; nothing for a checkpoint without one.
+
+    Written defensively: inspect shows damaged files too, so a field of the wrong
+    type is shown as it is rather than refused.
+    """
+    rec = _rollback_record(run_state)
+    if not isinstance(rec, dict):
+        return []
+    head = (f"rollback: {rec.get('count')} rollback(s), lr scale {rec.get('lr_scale')}, "
+            f"{rec.get('skipped_batches')} skipped batch(es), {rec.get('transient')} transient spike(s), "
+            f"{rec.get('consecutive')} consecutive (until step {rec.get('horizon')} is passed)")
+    lines = [head]
+    events = rec.get("rollbacks")
+    for e in events if isinstance(events, list) else []:
+        if not isinstance(e, dict):
+            lines.append(f"  {e!r}")
+            continue
+        skipped = e.get("skipped")
+        skip = (f"skipped stream bytes [{skipped.get('start')}, {skipped.get('end')}) ({skipped.get('batches')} batches)"
+                if isinstance(skipped, dict) else "replayed the window")
+        lines.append(f"  step {e.get('step')} -> {e.get('to')}: {e.get('reason')}, grad norm {e.get('grad_norm')}, "
+                     f"median {e.get('median')}, ratio {e.get('ratio')}; lr {e.get('lr_before')} -> "
+                     f"{e.get('lr_after')}; {skip}")
+    return lines

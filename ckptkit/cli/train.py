@@ -12,12 +12,13 @@ knobs as the run it continues, except ``--steps``, ``--log-every`` and
 from __future__ import annotations
 
 import argparse
+import enum
 import json
 import os
 import sys
 from typing import Any
 
-__all__ = ["add_parser", "config_from_args", "run"]
+__all__ = ["add_knobs", "add_parser", "config_from_args", "run"]
 
 _EPILOG = """\
 example:
@@ -30,28 +31,37 @@ example:
 files in the run directory: step-XXXXXXXX.ckpt (+ .config.json, .ngram), environment.json,
 history.jsonl (one row per step, exact floats; spec/trainer.md)
 
+spike rollback (spec/rollback.md):
+  $ ckptkit train --run-dir runs/b --steps 300 --auto-rollback on --spike-at 200
+  ckptkit train: spike at step 200 (...): update discarded; re-running step 200 from the state before it
+  ckptkit train: ROLLED BACK to step 190 (rollback 1, 1 in a row): lr 0.00295 -> 0.00147 (x0.5 from now on); ...
+
 exit codes: 0 trained, 1 resume refused (config drift, environment drift, stream offset,
 legacy checkpoint) or a corrupt file, 2 usage error or unreadable path, 3 training unstable
+(--auto-rollback on: --rollback-bound consecutive spikes, or more than --rollback-cap rollbacks)
 """
 
 
-def _add_knobs(p: argparse.ArgumentParser) -> None:
+def add_knobs(p: argparse.ArgumentParser) -> None:
     # Imported here: `ckptkit verify` builds every subparser's flags only when
     # its command is chosen, but keep the trainer's import cost out of the rest.
     from ..trainer.config import TrainerConfig, flag_name, help_text, knobs
 
     defaults = TrainerConfig()
     groups: dict[str, Any] = {}
-    titles = {"model": "model", "data": "data", "train": "training", "monitor": "spike monitor (mode warn)"}
+    titles = {"model": "model", "data": "data", "train": "training", "monitor": "spike monitor (see --auto-rollback)"}
     for key, f in knobs():
         table = key.partition(".")[0]
         group = groups.setdefault(table, p.add_argument_group(titles[table]))
         default = getattr(getattr(defaults, table), f.name)
         flag = flag_name(key, f)
-        text = f"{help_text(key, f)} (default: {default!r}; config key {key})".replace("%", "%%")
-        kind = type(default) if default is not None else int  # the one Optional knob is an int
+        shown = default.value if isinstance(default, enum.Enum) else default
+        text = f"{help_text(key, f)} (default: {shown!r}; config key {key})".replace("%", "%%")
+        kind = type(default) if default is not None else int  # the Optional knobs are ints
         if kind is bool:
             group.add_argument(flag, dest=key, action=argparse.BooleanOptionalAction, default=None, help=text)
+        elif isinstance(default, enum.Enum):  # --auto-rollback, --rollback-skip
+            group.add_argument(flag, dest=key, choices=[m.value for m in kind], default=None, help=text)
         elif key == "model.quant":
             group.add_argument(flag, dest=key, choices=("none", "int8"), default=None, help=text)
         else:
@@ -74,7 +84,7 @@ def add_parser(sub: Any) -> None:
                            help="accept a different environment (recorded in history.jsonl)")
     run_group.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     run_group.add_argument("--json", action="store_true", help="print the result as one JSON object")
-    _add_knobs(p)
+    add_knobs(p)
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
@@ -113,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
             "history": result.history,
             "fp32_latched": result.fp32_latched,
             "spikes": result.report["spikes"],
+            "rollback": result.rollback,
             "resume_notes": list(result.resume_notes),
         }, sort_keys=True))
     else:

@@ -9,7 +9,14 @@ sorted. Every row has ``kind`` and ``step``:
   is ``step + 1``. Floats are stored as JSON numbers *and* as IEEE bit patterns
   (``loss_bits``), so equality is exact even for tools that parse floats loosely;
 * ``resume`` -- a resume at ``step`` (the number of steps done), with what
-  the resume noted, allowed or overrode.
+  the resume noted, allowed or overrode;
+* ``digests`` -- after every step: per-parameter digests of the state after
+  ``step`` steps (spec/replay.md R-P02);
+* ``checkpoint`` -- before every checkpoint save: the digest of every tensor and
+  value of checkpoint ``step`` (spec/replay.md R-P03);
+* ``spike`` / ``rollback`` -- what ``--auto-rollback`` did about a spike at step
+  ``step`` (spec/rollback.md R-R10). After a rollback, step numbers repeat: a row's
+  *timeline* is the number of ``rollback`` rows before it.
 
 Compared fields: :func:`compared_rows` keeps the ``start``, ``probe`` and
 ``step`` rows minus :data:`WALL_FIELDS` (wall-clock time may differ between
@@ -40,7 +47,12 @@ __all__ = ["COMPARED_KINDS", "HISTORY_FILE", "WALL_FIELDS", "History", "compared
 
 HISTORY_FILE = "history.jsonl"
 WALL_FIELDS = frozenset({"time", "step_ms"})  # wall clock: allowed to differ between runs
-COMPARED_KINDS = frozenset({"start", "probe", "step"})
+# "spike" and "rollback" rows are the spike-rollback protocol's record (spec/rollback.md R-R10).
+# "digests" rows are per-step parameter fingerprints (spec/replay.md R-P02); "checkpoint"
+# rows are not compared: a run stopped and resumed saves at steps the other did not.
+COMPARED_KINDS = frozenset({"start", "probe", "step", "spike", "rollback", "digests"})
+# Rows that record what happened during step ``step`` (after its checkpoint ``step``).
+_DURING_STEP = frozenset({"step", "spike", "rollback"})
 
 
 def f32_bits(x: float) -> str:
@@ -118,17 +130,34 @@ class History:
         write_bytes_atomic(self.path, b"")
         self._open()
 
-    def resume_at(self, step: int) -> list[str]:
+    def resume_at(self, step: int, timeline: int = 0) -> list[str]:
         """Drop what the interrupted run wrote after ``step``; return notes about the file.
 
-        Keeps step rows with ``step < S`` and other rows with ``step <= S``;
-        the rewrite is atomic, so a crash here leaves the old file or the new one.
+        Keeps rows of what happened *during* a step (kinds ``step``, ``spike``,
+        ``rollback``) with ``step < S`` and other rows with ``step <= S``; the
+        rewrite is atomic, so a crash here leaves the old file or the new one.
+
+        After spike rollbacks step numbers repeat, so rows are matched by timeline
+        too (spec/rollback.md R-R10): a row's timeline is the number of ``rollback``
+        rows before it in the file, and the checkpoint's is its rollback count.
+        Rows of earlier timelines are all kept (the abandoned ones included: they
+        are the record); rows of later ones are dropped; rows of the checkpoint's
+        own timeline follow the rule above. With no rollback this is the rule above.
+
+        Args:
+            step: the resumed checkpoint's step ``S``.
+            timeline: the resumed checkpoint's rollback count (0 without rollbacks).
 
         Raises:
             FormatError: a complete line of the file is not a history row.
         """
         rows, torn = read_rows(self.path)
-        kept = [r for r in rows if (r["step"] < step if r["kind"] == "step" else r["step"] <= step)]
+        kept, seen = [], 0  # seen: rollback rows so far, i.e. the timeline of the row at hand
+        for r in rows:
+            during = r["kind"] in _DURING_STEP
+            if seen < timeline or (seen == timeline and (r["step"] < step if during else r["step"] <= step)):
+                kept.append(r)
+            seen += r["kind"] == "rollback"
         notes = []
         if len(kept) < len(rows) or torn:
             notes.append(f"history: dropped {len(rows) - len(kept) + torn} row(s) written after step {step} "

@@ -19,7 +19,10 @@ mask, depth            nothing: functions of (seed, step) via ckptkit.rng (items
 spike monitor          ``add_monitor``: the report survives a resume (item 4)
 stream offset          ``add_data_position`` with the rule as ``expected`` (item 6)
 bigram table           ``add_sidecar("ngram")``, stamped with the step (item 7)
-the LR                 nothing: a function of the step and the config
+the LR                 nothing: a function of the step and the config, times
+                       the spike-rollback LR scale
+spike rollback         ``add_value("rollback")`` with ``--auto-rollback on``: LR
+                       scale, events, skipped batches (spec/rollback.md, rollback.py)
 =====================  =====================================================
 
 A step (:func:`train_step`) touches no global RNG: the batch comes from the
@@ -36,7 +39,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,14 +49,17 @@ import torch.nn.functional as F
 from ..errors import ReplayDivergence, ResumeRefused, SidecarMismatch
 from ..monitor import SpikeMonitor, Verdict
 from ..rng import Stream, mask_stream, sample_depth, torch_generator
-from ..runstate import RunState
-from .config import TrainConfig, TrainerConfig
+from ..runstate import RunState, checkpoint_name
+from ..snapshot import DEFAULT_EXEMPT
+from .config import RollbackMode, TrainConfig, TrainerConfig
 from .data import ByteStream, data_fingerprint, load_bytes
+from .digests import checkpoint_row, digests_row, param_digests, params_digest, perturb, perturb_target
 from .history import History, f32_bits, f64_bits, json_float
 from .model import GPT, apply_compute_settings, make_teacher
 from .ngram import BigramTable
+from .rollback import Guard, RollbackState, skipped_batches
 
-__all__ = ["Run", "StepResult", "TrainResult", "build", "get_lr", "pre_batches", "train", "train_step"]
+__all__ = ["Run", "StepResult", "TrainResult", "build", "get_lr", "pre_batches", "run_state", "train", "train_step"]
 
 Log = Callable[[str], None]
 
@@ -77,6 +83,12 @@ class Run:
     optimizer: torch.optim.AdamW
     monitor: SpikeMonitor
     fp32_latched: bool = False  # the one-way fallback; never goes back to False in a run
+    rollback: RollbackState | None = None  # spike rollback: LR scale, record, --spike-at (spec/rollback.md)
+
+    @property
+    def lr_scale(self) -> float:
+        """Multiplies the scheduled LR: 1.0 until a spike rollback drops it (spec/rollback.md R-R06)."""
+        return 1.0 if self.rollback is None else self.rollback.lr_scale
 
     @property
     def quant_active(self) -> bool:
@@ -109,6 +121,9 @@ class StepResult:
     verdict: Verdict  # the spike monitor's judgement
     offset: int  # stream offset after the step (bytes)
     step_ms: float  # wall time of the step (not compared)
+    # Per-parameter digests after the step (spec/replay.md R-P01), named as the checkpoint names them.
+    param_digests: dict[str, int] | None = None
+    rerun: bool = False  # the re-run of a spiking step from the state before it (spec/rollback.md R-R04)
 
     def row(self) -> dict[str, Any]:
         aux = self.aux_loss
@@ -133,6 +148,8 @@ class StepResult:
             "offset": self.offset,
             "time": time.time(),
             "step_ms": self.step_ms,
+            "params_digest": None if self.param_digests is None else params_digest(self.param_digests),
+            "rerun": self.rerun,
         }
 
     def line(self, steps: int) -> str:
@@ -154,6 +171,7 @@ class TrainResult:
     fp32_latched: bool
     report: dict[str, Any]  # the spike monitor's stability report
     resume_notes: tuple[str, ...] = ()
+    rollback: dict[str, Any] | None = None  # the rollback record (--auto-rollback on; spec/rollback.md R-R08)
 
 
 # ----------------------------------------------------------------------------- schedule and probes
@@ -192,9 +210,13 @@ def pre_batches(cfg: TrainerConfig) -> int:
     return int(_warmup_probe_on(cfg)) + int(_quant_check_on(cfg))
 
 
-def expected_offset(cfg: TrainerConfig, step: int) -> int:
-    """The stream offset after ``step`` steps: ``(step + pre_batches) * batch * seq_len``."""
-    return (step + pre_batches(cfg)) * cfg.data.batch * cfg.data.seq_len
+def expected_offset(cfg: TrainerConfig, step: int, skipped: int = 0) -> int:
+    """The stream offset after ``step`` steps: ``(step + pre_batches + skipped) * batch * seq_len``.
+
+    ``skipped`` counts the batches spike rollbacks skipped (spec/rollback.md R-R05);
+    it is run state, stored in the rollback record, and 0 without rollbacks.
+    """
+    return (step + pre_batches(cfg) + skipped) * cfg.data.batch * cfg.data.seq_len
 
 
 def _lm_loss(run: Run, x: torch.Tensor, y: torch.Tensor, depth: int) -> torch.Tensor:
@@ -281,8 +303,9 @@ def build(cfg: TrainerConfig, data: bytes | None = None) -> Run:
     ]
     optimizer = torch.optim.AdamW(groups, lr=get_lr(0, tc), betas=(tc.beta1, tc.beta2), foreach=False)
     monitor = SpikeMonitor(cfg.monitor)
-    run = Run(cfg, stream, model, teacher, ngram, optimizer, monitor)
+    run = Run(cfg, stream, model, teacher, ngram, optimizer, monitor, rollback=RollbackState(cfg))
     run.apply_compute_settings()
+    perturb_target(cfg, model)  # refuse a --perturb-param that names no parameter now, not at that step
     return run
 
 
@@ -341,12 +364,14 @@ def train_step(run: Run, step: int) -> StepResult:
     run.optimizer.zero_grad(set_to_none=True)
     loss.backward()
     params = [p for p in run.model.parameters() if p.grad is not None]
+    if run.rollback is not None:
+        run.rollback.inject(step, params)  # TESTING AID (--spike-at): gradients x10 (spec/rollback.md R-R11)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip if tc.grad_clip > 0 else math.inf,
                                                foreach=False)
     loss_value, grad_norm_value = loss.item(), grad_norm.item()
-    verdict = run.monitor.observe(step, grad_norm_value, loss_value)  # mode warn: recorded, not acted on (yet)
+    verdict = run.monitor.observe(step, grad_norm_value, loss_value)  # acted on by the loop (--auto-rollback)
     # -- update: optimizer, then the EMA teacher and the n-gram table, outside autograd --
-    lr = get_lr(step, tc)
+    lr = get_lr(step, tc) * run.lr_scale  # after the schedule and any optimizer load (spec/rollback.md R-R06)
     for group in run.optimizer.param_groups:
         group["lr"] = lr
     run.optimizer.step()
@@ -356,11 +381,13 @@ def train_step(run: Run, step: int) -> StepResult:
                 t.lerp_(s, 1.0 - tc.ema_decay)
         if run.ngram is not None:
             run.ngram.update(x, y)
+    step_ms = (time.perf_counter() - t0) * 1e3
+    perturb(run, step)  # TESTING AID (--perturb-at): 1 ulp on one parameter, so a replay can diverge
     return StepResult(
         step=step, loss=loss_value, lm_loss=lm_loss.item(),
         aux_loss=None if aux_loss is None else aux_loss.item(), grad_norm=grad_norm_value, lr=lr,
         depth=depth, compute=compute, latch=latch, verdict=verdict, offset=run.stream.offset,
-        step_ms=(time.perf_counter() - t0) * 1e3,
+        step_ms=step_ms, param_digests=param_digests(run.model),  # fingerprints: spec/replay.md R-P01
     )
 
 
@@ -382,6 +409,46 @@ def deterministic_torch() -> Iterator[None]:
         yield
     finally:
         torch.use_deterministic_algorithms(was, warn_only=warn_only)
+
+
+def run_state(
+    run: Run,
+    run_dir: str | os.PathLike[str],
+    fingerprint: dict[str, Any],
+    *,
+    log: Log | None = None,
+    exempt: Iterable[str] = DEFAULT_EXEMPT,
+) -> RunState:
+    """The :class:`RunState` of ``run``: everything a checkpoint carries, registered once.
+
+    :func:`train` and the replay (``ckptkit.trainer.replay``) both use it, so a replay
+    restores exactly what a resume restores.
+
+    Args:
+        run: what :func:`build` made.
+        run_dir: where checkpoints are saved and resumed from.
+        fingerprint: the training data's :func:`~ckptkit.trainer.data.data_fingerprint`.
+        log: notes from a resume.
+        exempt: config keys a resume may see changed (the replay adds its overrides).
+    """
+    cfg = run.cfg
+    rs = RunState(run_dir, config=cfg, keep=cfg.train.keep, log=log, exempt=exempt)
+    rs.add_model("model", run.model)
+    rs.add_optimizer("adamw", run.optimizer)
+    if run.teacher is not None:
+        rs.add_teacher(run.teacher)  # item 1: restored as saved, frozen; never rebuilt
+    rs.add_monitor("spike", run.monitor)  # item 4: the stability report survives a resume
+    rs.add_data_position("train", get=lambda: run.stream.offset, set=run.stream.seek,  # item 6, spec/rollback.md R-R05:
+                         expected_given_values=lambda step, values: expected_offset(cfg, step, skipped_batches(values)))
+    if run.rollback is not None and cfg.train.auto_rollback is RollbackMode.ON:  # a rollback is run state (R-R08)
+        rs.add_value("rollback", get=run.rollback.state, set=run.rollback.load)
+    rs.add_value("data", get=lambda: fingerprint, set=lambda stored: _check_same_data(stored, fingerprint, cfg))
+    rs.add_flag("fp32_fallback", get=lambda: run.fp32_latched,
+                set=lambda latched: setattr(run, "fp32_latched", latched))  # item 2
+    if run.ngram is not None:
+        rs.add_sidecar("ngram", get=run.ngram.sidecar, set=run.ngram.load_sidecar)  # item 7
+    rs.after_restore(run.apply_compute_settings)  # the forward follows the restored latch
+    return rs
 
 
 def train(
@@ -433,30 +500,36 @@ def train(
         run = build(cfg, data)
 
         # -- run state: everything a checkpoint carries, registered once --
-        rs = RunState(run_dir, config=cfg, keep=tc.keep, log=log)
-        rs.add_model("model", run.model)
-        rs.add_optimizer("adamw", run.optimizer)
-        if run.teacher is not None:
-            rs.add_teacher(run.teacher)  # item 1: restored as saved, frozen; never rebuilt
-        rs.add_monitor("spike", run.monitor)  # item 4: the stability report survives a resume
-        rs.add_data_position("train", get=lambda: run.stream.offset, set=run.stream.seek,
-                             expected=lambda step: expected_offset(cfg, step))  # item 6
-        rs.add_value("data", get=lambda: fingerprint, set=lambda stored: _check_same_data(stored, fingerprint, cfg))
-        rs.add_flag("fp32_fallback", get=lambda: run.fp32_latched,
-                    set=lambda latched: setattr(run, "fp32_latched", latched))  # item 2
-        if run.ngram is not None:
-            rs.add_sidecar("ngram", get=run.ngram.sidecar, set=run.ngram.load_sidecar)  # item 7
-        rs.after_restore(run.apply_compute_settings)  # the forward follows the restored latch
+        rs = run_state(run, run_dir, fingerprint, log=log)
+        # -- what a spike verdict does (--auto-rollback; spec/rollback.md) --
+        guard = Guard(cfg, run, rs, step_fn=train_step, lr_fn=lambda step: get_lr(step, tc),
+                      probe_fn=lambda: run_probes(run, lambda _msg: None),
+                      offset_rule=lambda step, skipped: expected_offset(cfg, step, skipped), log=log)
 
         # -- start or resume --
         history = History(run_dir)
+
+        def emit(result: StepResult) -> None:  # a step's rows (the guard writes a re-run's too)
+            history.append(result.row())
+            history.append(digests_row(result.step + 1, result.param_digests or {}))  # spec/replay.md R-P02
+            if on_step is not None:
+                on_step(result)
+
+        def save(step: int) -> str:  # every checkpoint, the guard's rolled-back state included
+            history.append(checkpoint_row(rs.checkpoint(step), checkpoint_name(step)))  # R-P03
+            history.sync()  # every row before the checkpoint is on disk before it
+            return rs.save(step)
+
+        guard.attach(history, emit=emit, save=save)
         notes: list[str] = []
         try:
             if resume:
+                guard.before_resume()  # --auto-rollback on: step 0 as built, to rebuild the ring from
                 info = rs.resume(allow_legacy=allow_legacy, allow_env_change=allow_env_change)
                 start = info.step
                 notes = list(info.notes) + _after_resume(run, info, log)
-                notes += history.resume_at(start)
+                notes += history.resume_at(start, run.rollback.timeline if run.rollback else 0)
+                notes += guard.after_resume(start)  # the ring, rebuilt by a checked replay (R-R12)
                 history.append({
                     "kind": "resume", "step": start, "checkpoint": os.path.basename(info.path),
                     "allow_legacy": allow_legacy, "legacy_missing": list(info.legacy_missing),
@@ -475,29 +548,36 @@ def train(
                     history.append(row)
                 last_saved = None
 
-            # -- the loop --
+            # -- the loop (a spike rollback sends `step` back: spec/rollback.md) --
             path = None
             if start >= tc.steps and resume:
                 log(f"the run is at step {start} and --steps is {tc.steps}: nothing to train")
-            for step in range(start, tc.steps):
+            step = start
+            while step < tc.steps:
+                guard.keep(step)  # --auto-rollback on: the state before the step, kept in memory (R-R02)
                 result = train_step(run, step)
-                history.append(result.row())
-                if on_step is not None:
-                    on_step(result)
+                emit(result)
+                if result.verdict.is_spike:
+                    got = guard.on_spike(result)  # warn: a spike row; on: re-run, then roll back or stop
+                    if got is None:  # rolled back: training goes on from the restored step
+                        assert guard.restored_step is not None
+                        step = guard.restored_step
+                        continue
+                    result = got
                 done = step + 1
                 if done % tc.log_every == 0 or done == tc.steps or result.latch or result.verdict.is_spike:
                     log(result.line(tc.steps))
                 if done % tc.ckpt_every == 0 or done == tc.steps:
-                    history.sync()  # every row before the checkpoint is on disk before it
-                    path = rs.save(done)
+                    path = save(done)
                     last_saved = done
+                step = done
             final = max(start, tc.steps)
             if last_saved != final:  # a fresh run of 0 steps still leaves its step-0 checkpoint
-                history.sync()
-                path = rs.save(final)
+                path = save(final)
         finally:
             history.close()
-    return TrainResult(final, path, history.path, run.fp32_latched, run.monitor.report(), tuple(notes))
+    return TrainResult(final, path, history.path, run.fp32_latched, run.monitor.report(), tuple(notes),
+                       rollback=run.rollback.state() if guard.on and run.rollback is not None else None)
 
 
 def _check_same_data(stored: Any, fingerprint: dict[str, Any], cfg: TrainerConfig) -> None:

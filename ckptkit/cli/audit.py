@@ -1,0 +1,101 @@
+"""``ckptkit audit``: is training deterministic here? Train twice, compare bit for bit.
+
+    ckptkit audit                           # two 10-step runs, each in a fresh process
+    ckptkit audit --resume-at 4             # uninterrupted vs stopped at 4 + resumed in a fresh process
+    ckptkit audit --steps 20 --quant int8 --rand-depth --keep-dir /tmp/audit --json
+
+The logic is ``ckptkit.trainer.audit`` (spec/replay.md R-P11..R-P13); this module is
+its command line. The trainer's flags are the train command's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+__all__ = ["add_parser", "run"]
+
+_EPILOG = """\
+example:
+  $ ckptkit audit --resume-at 4
+  audit: a: 10 steps uninterrupted; b: stopped at 4, resumed in a fresh process
+  environment: torch 2.13.0+cpu, python 3.11.7, numpy 2.3.5, intra_op_threads 2, ...
+  IDENTICAL: 10 steps, every history fingerprint and 10 checkpoint(s) bit for bit
+
+Defaults differ from `ckptkit train` in three knobs, unless given: --steps 10,
+--ckpt-every 1 (a checkpoint after every step, so a divergence has values on both
+sides), --keep steps+1 (all of them kept).
+
+exit codes:
+  0  the two runs are bit-identical (history fingerprints and checkpoint bytes)
+  1  they differ: the first step, fingerprint and tensors are named
+  2  trouble: a usage error, or a training process failed"""
+
+
+def add_parser(sub: Any) -> None:
+    from .train import add_knobs  # the trainer's flags, one per config key: reused, not copied
+
+    p = sub.add_parser(
+        "audit", help="train the same short run twice (or stopped and resumed) and check it is bit-identical",
+        description="Train the same config twice, each in a fresh process, and compare the runs bit for bit "
+                    "(history fingerprints, then checkpoint bytes). With --resume-at K the second run stops at "
+                    "K and is resumed in another fresh process. The environment (environment.json) is shown, "
+                    "and any fact that differs between the runs is listed.",
+        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    g = p.add_argument_group("audit")
+    g.add_argument("--resume-at", type=int, default=None, metavar="K",
+                   help="the second run stops after K steps and is resumed in a fresh process")
+    g.add_argument("--keep-dir", metavar="DIR", default=None,
+                   help="keep the two runs in DIR/a and DIR/b (an empty or new directory); default: a temporary one")
+    g.add_argument("--json", action="store_true", help="print one JSON object (schema_version 1)")
+    g.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    add_knobs(p)
+
+
+def config_for_audit(args: argparse.Namespace) -> Any:
+    """The train flags' config, with the audit's defaults for the knobs not given.
+
+    Raises:
+        ValueError: a value breaks a field's rule.
+    """
+    from ..trainer.audit import AUDIT_DEFAULTS
+    from ..trainer.config import knobs
+    from .train import config_from_args
+
+    given = {key for key, _ in knobs() if getattr(args, key, None) is not None}
+    cfg = config_from_args(args)
+    cfg = cfg.replace(**{k: v for k, v in AUDIT_DEFAULTS.items() if k not in given})
+    if "train.keep" not in given:
+        cfg = cfg.replace(**{"train.keep": cfg.train.steps + 1})
+    return cfg
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..errors import CheckpointError
+    from ..trainer.audit import audit
+
+    try:
+        cfg = config_for_audit(args)
+        if args.keep_dir is not None and os.path.isdir(args.keep_dir) and os.listdir(args.keep_dir):
+            raise ValueError(f"--keep-dir {args.keep_dir} is not empty")
+        report = audit(cfg, args.keep_dir, resume_at=args.resume_at, log=None if args.quiet else _progress)
+    except CheckpointError:
+        raise  # the dispatcher prints it (AuditError: exit 2)
+    except ValueError as e:  # a config the trainer refuses, a non-empty --keep-dir
+        if getattr(args, "debug", False):
+            raise
+        print(f"ckptkit audit: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(report.to_json(), sort_keys=True, indent=2))
+    else:
+        print(report.describe())
+    return 0 if report.ok else 1
+
+
+def _progress(msg: str) -> None:
+    print(f"ckptkit audit: {msg}", file=sys.stderr, flush=True)

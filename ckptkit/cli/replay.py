@@ -1,0 +1,109 @@
+"""``ckptkit replay RUN --from STEP``: re-run a recorded run and name the first divergence.
+
+    ckptkit replay runs/a --from 100
+    ckptkit replay runs/a --from 100 --to 120 --json
+    ckptkit replay runs/a --from 100 --out /tmp/replayed     # keep the replay's checkpoints
+    ckptkit replay runs/a --from 100 --threads 1 --allow-env-change
+
+The logic is ``ckptkit.trainer.replay`` (spec/replay.md); this module is its command
+line. RUN is only read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+__all__ = ["add_parser", "run"]
+
+_EPILOG = """\
+example:
+  $ ckptkit replay runs/a --from 4
+  replay: runs/a/step-00000004.ckpt (step 4) -> step 8
+  environment: as recorded
+  IDENTICAL: 4 step(s) replayed (steps 4..7), every fingerprint bit for bit
+  $ ckptkit replay runs/a --from 4 --perturb-at 5          # a deliberate 1-ulp change
+  ...
+  DIVERGED at step 5 (history row step=5; 1 step(s) before it matched)
+    params_digest: recorded 1759301940082429405, replayed 12854832158268343374
+    tensors that differ from the recording (1), first computed first:
+      model:model.wte  1/8192 elements differ, max |diff| 9.31323e-10
+  $ echo $?
+  1
+
+Any trainer flag below overrides the value in the checkpoint's config snapshot (the
+override is printed with the result); --no-perturb clears the --perturb-at testing aid.
+
+exit codes:
+  0  every replayed step matched the recording bit for bit
+  1  divergence (step, fingerprint, tensors named), a checkpoint altered after the fact,
+     or the environment differs from the recording (without --allow-env-change)
+  2  trouble: no such run, no checkpoint at or before --from, --to outside the recording"""
+
+
+def add_parser(sub: Any) -> None:
+    from .train import add_knobs  # the trainer's flags, one per config key: reused, not copied
+
+    p = sub.add_parser(
+        "replay", help="re-run a recorded run from a checkpoint; name the first step and tensor that diverge",
+        description="Re-run RUN from its checkpoint at (or nearest before) --from and compare every step's "
+                    "fingerprints with history.jsonl; on the first difference, name the step, the fingerprint "
+                    "and the tensors that differ, and re-run that step twice to tell nondeterminism here from a "
+                    "difference with the recording. RUN is only read.",
+        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("run_dir", metavar="RUN", help="the recorded run directory")
+    g = p.add_argument_group("replay")
+    g.add_argument("--from", dest="from_step", type=int, required=True, metavar="STEP",
+                   help="start at the checkpoint at or nearest before this step (steps done)")
+    g.add_argument("--to", dest="to_step", type=int, default=None, metavar="STEP",
+                   help="stop when this many steps are done (default: the end of the recording)")
+    g.add_argument("--json", action="store_true", help="print one JSON object (schema_version 1)")
+    g.add_argument("--out", metavar="DIR", default=None,
+                   help="keep the replay's checkpoints here (an empty directory outside RUN), for "
+                        "`ckptkit diff --tensors RUN/step-N.ckpt DIR/step-N.ckpt`")
+    g.add_argument("--allow-env-change", action="store_true",
+                   help="replay even when the environment differs from RUN/environment.json (listed with the result)")
+    g.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="run with N intra-op threads (an environment change: needs --allow-env-change unless "
+                        "the recording used N)")
+    g.add_argument("--no-perturb", action="store_true",
+                   help="TESTING AID: replay without the recording's --perturb-at")
+    g.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    add_knobs(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..errors import CheckpointError
+    from ..trainer.config import knobs
+    from ..trainer.replay import replay
+
+    overrides = {key: getattr(args, key) for key, _ in knobs() if getattr(args, key, None) is not None}
+    overrides.pop("train.steps", None)  # --to says where to stop
+    if args.no_perturb:
+        overrides["train.perturb_at"] = None
+    if args.threads is not None and args.threads < 1:
+        print(f"ckptkit replay: --threads must be >= 1 (got {args.threads})", file=sys.stderr)
+        return 2
+    try:
+        report = replay(args.run_dir, args.from_step, args.to_step, overrides=overrides,
+                        allow_env_change=args.allow_env_change, threads=args.threads, out_dir=args.out,
+                        log=None if args.quiet else _progress)
+    except CheckpointError:
+        raise  # the dispatcher prints it: 1 for a damaged file or a refused environment, 2 otherwise (ReplayError)
+    except ValueError as e:  # an override the config refuses
+        if getattr(args, "debug", False):
+            raise
+        print(f"ckptkit replay: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(report.to_json(), sort_keys=True, indent=2))
+    else:
+        print(report.describe())
+    return 0 if report.ok else 1
+
+
+def _progress(msg: str) -> None:
+    print(f"ckptkit replay: {msg}", file=sys.stderr, flush=True)

@@ -1,0 +1,377 @@
+"""The determinism audit: train the same short run twice and prove the two are bit-identical.
+
+    ckptkit audit                         # two runs of 10 steps, each in a fresh process
+    ckptkit audit --resume-at 4           # uninterrupted vs stopped at 4 and resumed in a fresh process
+    ckptkit audit --steps 20 --quant int8 --rand-depth --json
+
+Implements ``spec/replay.md`` R-P11..R-P13. Each run is ``python -m ckptkit train`` in
+a fresh process, so whatever a process carries (thread pools, allocator, lazily
+initialised kernels, global RNGs) starts over. The two run directories are compared
+with the same machinery as ``ckptkit replay``: the first history row that differs
+(step fingerprints, probes, the start row), the tensors that differ after that step
+(the per-step ``digests`` rows; values from both runs' checkpoints when both have
+one, via :func:`ckptkit.compare.compare_checkpoints` -- what ``ckptkit diff
+--tensors`` prints), the step re-run twice in this process, and finally every
+checkpoint both runs wrote, byte for byte. Each run's ``environment.json`` is shown,
+and any fact that differs between the two is listed.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..compare import compare_checkpoints
+from ..environment import EnvDiff, diff_environment
+from ..fingerprint import differing_names, first_divergence, step_rows
+from ..runstate import ENVIRONMENT_FILE, checkpoint_name, list_checkpoints
+from ..errors import CheckpointError
+from ..snapshot import DEFAULT_EXEMPT, diff_keys, read_snapshot, snapshot_path
+from .config import TrainerConfig, flag_name, knobs
+from .history import HISTORY_FILE, compared_rows, read_rows
+from .replay import (
+    FieldDiff,
+    StepDivergence,
+    config_of,
+    divergence_json,
+    named_reports,
+    rerun_step,
+    step_fields,
+    tensor_reports,
+)
+
+__all__ = ["AUDIT_DEFAULTS", "AuditError", "AuditReport", "audit", "compare_runs", "knob_flags"]
+
+Log = Callable[[str], None]
+
+#: Knobs the audit sets unless the user gives them: short, and a checkpoint after every
+#: step (all kept), so a divergence anywhere has values on both sides.
+AUDIT_DEFAULTS: dict[str, Any] = {"train.steps": 10, "train.ckpt_every": 1, "train.log_every": 1000}
+
+#: Environment facts worth a line in the report (all are compared).
+_SHOWN = ("torch", "python", "numpy", "intra_op_threads", "inter_op_threads", "deterministic_algorithms",
+          "platform_system", "platform_machine", "cuda_device")
+
+
+class AuditError(CheckpointError, RuntimeError):
+    """A training process of the audit failed (its stderr is in the message): exit 2."""
+
+
+@dataclass(frozen=True)
+class AuditReport:
+    """What :func:`audit` / :func:`compare_runs` found; ``ok`` when the runs are bit-identical."""
+
+    a: str | None  # run directories; None when they were temporary (deleted)
+    b: str | None
+    steps: int
+    resume_at: int | None
+    environment: Mapping[str, Any]
+    environment_differences: tuple[EnvDiff, ...]
+    checkpoints_compared: int
+    divergence: StepDivergence | None = None
+    fresh_processes: bool = False  # each run trained in its own process (audit), or given (compare_runs)
+
+    @property
+    def ok(self) -> bool:
+        """The runs are bit-identical (environment differences are shown, not judged)."""
+        return self.divergence is None
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``--json`` object (spec/replay.md R-P13)."""
+        return {
+            "schema_version": 1,
+            "ok": self.ok,
+            "a": self.a,
+            "b": self.b,
+            "steps": self.steps,
+            "resume_at": self.resume_at,
+            "environment": dict(sorted(self.environment.items())),
+            "environment_differences": [{"key": d.key, "a": d.recorded, "b": d.current}
+                                        for d in self.environment_differences],
+            "checkpoints_compared": self.checkpoints_compared,
+            "divergence": None if self.divergence is None else divergence_json(self.divergence, "a", "b"),
+        }
+
+    def describe(self, limit: int = 12) -> str:
+        """The human report (what ``ckptkit audit`` prints on stdout)."""
+        fresh = ", each in a fresh process" if self.fresh_processes else ""
+        how = (f"a: {self.steps} steps uninterrupted; b: stopped at {self.resume_at}, resumed in a fresh process"
+               if self.resume_at is not None else f"a, b: {self.steps} steps each{fresh}")
+        lines = [f"audit: {how}"]
+        if self.a is not None:
+            lines.append(f"runs: {self.a} {self.b}")
+        env = ", ".join(f"{k} {self.environment[k]}" for k in _SHOWN
+                        if k in self.environment and self.environment[k] != "none")
+        lines.append(f"environment: {env}")
+        if self.environment_differences:
+            lines.append(f"environment differs between the runs in {len(self.environment_differences)} fact(s):")
+            lines += [f"  {d.key}: a {d.recorded}, b {d.current}" for d in self.environment_differences]
+        d = self.divergence
+        if d is None:
+            if self.ok:
+                lines.append(f"IDENTICAL: {self.steps} steps, every history fingerprint and "
+                             f"{self.checkpoints_compared} checkpoint(s) bit for bit")
+            return "\n".join(lines)
+        where = {"start": "the start row", "probe": "a probe before step 0"}.get(d.kind)
+        if d.kind == "checkpoint":
+            lines.append(f"DIVERGED at step {d.step}: {d.file} differs between the runs (every history row matched)")
+        else:
+            lines.append(f"DIVERGED at {where or f'step {d.step}'}")
+        lines += [f"  {f.field}: a {_show(f.recorded)}, b {_show(f.replayed)}" for f in d.fields]
+        if d.tensors:
+            width = max(len(t.name) for t in d.tensors[:limit])
+            lines.append(f"  tensors that differ ({len(d.tensors)}), first computed first:")
+            lines += [f"    {t.name.ljust(width)}  {t.detail}" for t in d.tensors[:limit]]
+            if len(d.tensors) > limit:
+                lines.append(f"    ... and {len(d.tensors) - limit} more (--json lists all)")
+        if d.values:
+            lines.append(f"  values: {d.values}")
+        if d.rerun is not None:
+            verdict = "identical (deterministic in one process)" if d.rerun.identical else "DIFFERS"
+            lines.append(f"  step {d.step} re-run twice in this process: {verdict}")
+            for t in d.rerun.tensors[:limit]:
+                lines.append(f"    {t.name}  {t.detail}")
+        lines += [f"  hint: {h}" for h in d.hints]
+        return "\n".join(lines)
+
+
+def _show(v: Any) -> str:
+    return v if isinstance(v, str) else json.dumps(v, sort_keys=True)
+
+
+# ----------------------------------------------------------------------------- running
+
+
+def knob_flags(cfg: TrainerConfig) -> list[str]:
+    """``ckptkit train`` flags that reproduce ``cfg`` (only keys that differ from the defaults).
+
+    Raises:
+        ValueError: a key is unset (None) where its default is not: no flag can say that.
+    """
+    defaults = TrainerConfig()
+    out: list[str] = []
+    for key, f in knobs():
+        table, _, name = key.partition(".")
+        value, default = getattr(getattr(cfg, table), name), getattr(getattr(defaults, table), name)
+        if type(value) is type(default) and value == default:
+            continue
+        flag = flag_name(key, f)
+        if value is None:
+            raise ValueError(f"{flag}: an unset value has no command-line spelling")
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, enum.Enum):
+            out += [flag, str(value.value)]
+        elif isinstance(value, float):
+            out += [flag, repr(value)]
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+def _train_process(run_dir: str, cfg: TrainerConfig, *, steps: int, resume: bool, log: Log) -> None:
+    argv = [sys.executable, "-m", "ckptkit", "train", "--run-dir", run_dir, "--quiet",
+            *knob_flags(cfg.replace(**{"train.steps": steps}))]
+    if resume:
+        argv.append("--resume")
+    log(f"{'resume' if resume else 'train'} {os.path.basename(run_dir)} to step {steps} (fresh process)")
+    proc = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-5:])
+        raise AuditError(f"`ckptkit train` for run {os.path.basename(run_dir)} exited {proc.returncode}:\n{tail}")
+
+
+def audit(
+    cfg: TrainerConfig,
+    work_dir: str | os.PathLike[str] | None = None,
+    *,
+    resume_at: int | None = None,
+    log: Log | None = None,
+) -> AuditReport:
+    """Train ``cfg`` twice, each in a fresh process, and compare the two runs bit for bit.
+
+    Args:
+        cfg: the config (its ``train.steps`` is the length of each run).
+        work_dir: where runs ``a`` and ``b`` go (kept); a temporary directory if None.
+        resume_at: run ``b`` stops at this step and is resumed in another fresh process.
+        log: progress notes.
+
+    Returns:
+        An :class:`AuditReport` (its paths name ``work_dir``'s runs, or a deleted temporary).
+
+    Raises:
+        AuditError: a training process failed.
+        ValueError: ``resume_at`` is not in ``1 .. steps - 1``.
+
+    Example::
+
+        report = audit(TrainerConfig().replace(**{"train.steps": 10, "train.ckpt_every": 1}))
+        print(report.describe())
+    """
+    log = log or (lambda _m: None)
+    steps = cfg.train.steps
+    if resume_at is not None and not 1 <= resume_at < steps:
+        raise ValueError(f"--resume-at must be in 1 ..= {steps - 1} (--steps {steps}) (got {resume_at})")
+    with tempfile.TemporaryDirectory(prefix="ckptkit-audit-") as tmp:
+        root = os.fspath(work_dir) if work_dir is not None else tmp
+        a, b = os.path.join(root, "a"), os.path.join(root, "b")
+        _train_process(a, cfg, steps=steps, resume=False, log=log)
+        if resume_at is None:
+            _train_process(b, cfg, steps=steps, resume=False, log=log)
+        else:
+            _train_process(b, cfg, steps=resume_at, resume=False, log=log)
+            _train_process(b, cfg, steps=steps, resume=True, log=log)
+        report = compare_runs(a, b, log=log)
+    kept = work_dir is not None
+    return AuditReport(report.a if kept else None, report.b if kept else None, steps, resume_at, report.environment,
+                       report.environment_differences, report.checkpoints_compared, report.divergence,
+                       fresh_processes=True)
+
+
+# ----------------------------------------------------------------------------- comparing
+
+
+def _environment(run_dir: str) -> dict[str, Any]:
+    try:
+        with open(os.path.join(run_dir, ENVIRONMENT_FILE), encoding="utf-8") as f:
+            facts = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return facts if isinstance(facts, dict) else {}
+
+
+def _first_row_difference(rows_a: list[dict[str, Any]], rows_b: list[dict[str, Any]], kind: str) -> StepDivergence | None:
+    a = [r for r in compared_rows(rows_a) if r["kind"] == kind]
+    b = [r for r in compared_rows(rows_b) if r["kind"] == kind]
+    for ra, rb in zip(a, b):
+        if ra != rb:
+            keys = sorted(k for k in set(ra) | set(rb) if ra.get(k) != rb.get(k))
+            return StepDivergence(kind, ra["step"], fields=tuple(FieldDiff(k, ra.get(k), rb.get(k)) for k in keys))
+    if len(a) != len(b):
+        return StepDivergence(kind, 0, fields=(FieldDiff(f"{kind} rows", len(a), len(b)),))
+    return None
+
+
+def compare_runs(a: str | os.PathLike[str], b: str | os.PathLike[str], *, rerun: bool = True,
+                 log: Log | None = None) -> AuditReport:
+    """Compare two run directories of the same config: are they bit-identical?
+
+    Args:
+        a, b: run directories (``history.jsonl``, ``environment.json``, checkpoints).
+        rerun: on a step divergence, re-run that step twice in this process from
+            ``a``'s nearest checkpoint (is the step deterministic within one process?).
+        log: progress notes.
+
+    Returns:
+        An :class:`AuditReport` whose ``divergence`` is the first difference, or None.
+
+    Raises:
+        FormatError: a history line is damaged.
+    """
+    log = log or (lambda _m: None)
+    a, b = os.fspath(a), os.fspath(b)
+    env_a, env_b = _environment(a), _environment(b)
+    env_diffs = tuple(diff_environment(env_a, env_b))
+    rows_a, _ = read_rows(os.path.join(a, HISTORY_FILE))
+    rows_b, _ = read_rows(os.path.join(b, HISTORY_FILE))
+    steps_a, steps_b = step_rows(rows_a), step_rows(rows_b)
+    steps = len(steps_a)
+
+    def report(div: StepDivergence | None, n_ckpt: int = 0) -> AuditReport:
+        return AuditReport(a, b, steps, None, env_a, env_diffs, n_ckpt, div)
+
+    for kind in ("start", "probe"):
+        div = _first_row_difference(rows_a, rows_b, kind)
+        if div is not None:
+            return report(div)
+    fields = step_fields(steps_a[0]) if steps_a else []
+    d = first_divergence(steps_a, steps_b, fields)
+    if d is None and len(steps_a) != len(steps_b):
+        return report(StepDivergence("step", min(len(steps_a), len(steps_b)),
+                                     fields=(FieldDiff("step rows", len(steps_a), len(steps_b)),)))
+    if d is not None:
+        div = _explain(a, b, rows_a, rows_b, d.step,
+                       tuple(FieldDiff(f, d.expected.get(f), d.actual.get(f)) for f in d.fields), rerun, log)
+        drift = _config_drift(a, b)
+        if drift:
+            div = StepDivergence(div.kind, div.step, div.fields, div.tensors, div.values, div.rerun, div.file,
+                                 (f"the runs' configs differ in {', '.join(drift)}: the likely cause",) + div.hints)
+        return report(div)
+    # Every history row matched: the checkpoints both runs wrote must be the same bytes.
+    common = sorted({s for s, _ in list_checkpoints(a)} & {s for s, _ in list_checkpoints(b)})
+    for s in common:
+        pa, pb = os.path.join(a, checkpoint_name(s)), os.path.join(b, checkpoint_name(s))
+        if _read(pa) != _read(pb):
+            diffs = compare_checkpoints(pa, pb)
+            return report(StepDivergence(
+                "checkpoint", s, file=checkpoint_name(s), tensors=tuple(tensor_reports(diffs, {})),
+                values=f"both runs' {checkpoint_name(s)}, compared as ckptkit diff --tensors does",
+                hints=("the container bytes differ while every fingerprint matched: state outside the "
+                       "fingerprints (see the tensors) was not reproduced",) if diffs else
+                      ("the states are equal but the bytes are not: the writer is not canonical (a bug)",)),
+                len(common))
+    return report(None, len(common))
+
+
+def _config_drift(a: str, b: str) -> list[str]:
+    """Strict config keys in which the two runs' newest snapshots differ."""
+    ca, cb = list_checkpoints(a), list_checkpoints(b)
+    if not ca or not cb:
+        return []
+    try:
+        diffs = diff_keys(read_snapshot(snapshot_path(ca[-1][1])), read_snapshot(snapshot_path(cb[-1][1])))
+    except (CheckpointError, OSError):
+        return []
+    return [d.key for d in diffs if d.strict]
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _digests(rows: list[dict[str, Any]], kind: str, step: int) -> dict[str, int]:
+    found = [r for r in rows if r["kind"] == kind and r["step"] == step]
+    return dict(found[-1].get("tensors") or {}) if found else {}
+
+
+def _explain(a: str, b: str, rows_a: list[dict[str, Any]], rows_b: list[dict[str, Any]], step: int,
+             fields: tuple[FieldDiff, ...], rerun: bool, log: Log) -> StepDivergence:
+    done = step + 1
+    da = {**_digests(rows_a, "digests", done), **_digests(rows_a, "checkpoint", done)}
+    db = {**_digests(rows_b, "digests", done), **_digests(rows_b, "checkpoint", done)}
+    bad = differing_names(da, db)
+    pa, pb = os.path.join(a, checkpoint_name(done)), os.path.join(b, checkpoint_name(done))
+    if os.path.isfile(pa) and os.path.isfile(pb):
+        tensors = tensor_reports(compare_checkpoints(pa, pb), {n: (da.get(n), db.get(n)) for n in bad})
+        values = f"both runs' {checkpoint_name(done)}, compared as ckptkit diff --tensors does"
+    else:
+        tensors = named_reports(bad, da, db, "values unavailable")
+        values = (f"unavailable: the runs have no checkpoint after step {step} on both sides "
+                  "(the audit's default --ckpt-every 1 keeps one after every step)")
+    again = None
+    hints: list[str] = []
+    if rerun:
+        before = [(s, p) for s, p in list_checkpoints(a) if s <= step]
+        if before:
+            start, ckpt = before[-1]
+            with tempfile.TemporaryDirectory(prefix="ckptkit-audit-rerun-") as tmp:
+                from .train import deterministic_torch
+
+                with deterministic_torch():
+                    cfg = config_of(ckpt).replace(**{"train.steps": done})
+                    again = rerun_step(cfg, ckpt, start, a, step, tmp, frozenset(DEFAULT_EXEMPT), log)
+            hints.append("the step is deterministic within one process: the runs differ by process state "
+                         "(thread pools, lazily initialised kernels, a global RNG seeded per process) or by the "
+                         "resume" if again.identical else
+                         "the step is not deterministic even within one process: see ReplayDivergence's "
+                         "docstring for the usual causes")
+    return StepDivergence("step", step, fields=fields, tensors=tuple(tensors), values=values, rerun=again,
+                          hints=tuple(hints))

@@ -1,0 +1,88 @@
+"""The reference trainer's fingerprints: what ``history.jsonl`` records so a replay can check it.
+
+Implements ``spec/replay.md`` R-P01..R-P04 and the testing aid R-P10. Three records:
+
+* every ``step`` row carries ``params_digest``: :func:`ckptkit.fingerprint.combine`
+  of the per-parameter digests after the step (equal to ``state_digest`` over the
+  model's named parameters);
+* after every step a ``digests`` row holds those per-parameter digests by name, so a
+  divergence can be traced to the parameter that changed first;
+* before every checkpoint a ``checkpoint`` row holds the digest of every leaf of the
+  checkpoint (parameters, optimizer state, teacher, monitor, header), so a replay can
+  check the file it starts from and name any tensor altered after the fact.
+
+Names are those of :func:`ckptkit.compare.checkpoint_state` (``model:model.wte``,
+``optim:optimizers.adamw.state.3.exp_avg``), so ``ckptkit diff --tensors`` and
+``ckptkit replay`` name the same tensors. A ``digests``/``checkpoint`` row's
+``step`` is the number of steps done, like a checkpoint's and a ``resume`` row's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..compare import checkpoint_state
+from ..fingerprint import combine, leaf_digests, tensor_digest
+
+__all__ = ["MODEL_PREFIX", "checkpoint_row", "digests_row", "param_digests", "params_digest", "perturb",
+           "perturb_target"]
+
+#: How the checkpoint names the student's tensors: section ``model``, entry ``model``
+#: (``RunState.add_model("model", ...)``), then the module's own name.
+MODEL_PREFIX = "model:model."
+
+
+def param_digests(model: torch.nn.Module) -> dict[str, int]:
+    """Per-parameter digests, named as the checkpoint names them (``model:model.wte``)."""
+    return {MODEL_PREFIX + name: tensor_digest(MODEL_PREFIX + name, p) for name, p in model.named_parameters()}
+
+
+def params_digest(digests: Mapping[str, int]) -> int:
+    """The order-independent ``params_digest`` of a step row (spec/replay.md R-P01)."""
+    return combine(digests.values())
+
+
+def digests_row(steps_done: int, digests: Mapping[str, int]) -> dict[str, Any]:
+    """The ``digests`` row written after step ``steps_done - 1``."""
+    return {"kind": "digests", "step": steps_done, "tensors": dict(sorted(digests.items()))}
+
+
+def checkpoint_row(ckpt: Any, file: str) -> dict[str, Any]:
+    """The ``checkpoint`` row written before ``ckpt`` is saved as ``file``: every leaf's digest."""
+    return {"kind": "checkpoint", "step": ckpt.step, "file": file, "tensors": leaf_digests(checkpoint_state(ckpt))}
+
+
+def perturb_target(cfg: Any, model: torch.nn.Module) -> str | None:
+    """The parameter ``--perturb-at`` changes (its model name), or None when the aid is off.
+
+    Raises:
+        ValueError: ``--perturb-param`` names no parameter of the model (the message lists them).
+    """
+    if cfg.train.perturb_at is None:
+        return None
+    names = [n for n, _ in model.named_parameters()]
+    want = cfg.train.perturb_param
+    if want.startswith(MODEL_PREFIX):
+        want = want[len(MODEL_PREFIX):]
+    if not want:
+        return names[0]
+    if want not in names:
+        raise ValueError(f"--perturb-param {cfg.train.perturb_param!r} is not a parameter of the model "
+                         f"(parameters: {', '.join(names)})")
+    return want
+
+
+@torch.no_grad()
+def perturb(run: Any, step: int) -> None:
+    """TESTING AID (``--perturb-at``): at the end of that step, element 0 of the target
+    parameter moves to the next float up (1 ulp), so exactly one tensor differs there."""
+    cfg = run.cfg
+    if cfg.train.perturb_at != step:
+        return
+    name = perturb_target(cfg, run.model)
+    p = dict(run.model.named_parameters())[name]
+    flat = p.view(-1)
+    flat[0] = torch.nextafter(flat[0], torch.tensor(float("inf"), dtype=p.dtype))

@@ -1,0 +1,752 @@
+"""Replay a recorded run from one of its checkpoints and name the first step and tensor that diverge.
+
+    ckptkit replay runs/a --from 100                 # re-run 100..end, compare with history.jsonl
+    ckptkit replay runs/a --from 100 --to 120 --json
+    python -c "from ckptkit.trainer.replay import replay; print(replay('runs/a', 100).describe())"
+
+Implements ``spec/replay.md`` R-P05..R-P09. The recording is the run's
+``history.jsonl``: per step, exact loss / grad-norm / LR bits and ``params_digest``;
+per step, per-parameter digests (``digests`` rows); per checkpoint, the digest of
+every tensor and value it holds (``checkpoint`` rows). A replay:
+
+1. picks the checkpoint at or nearest before ``--from`` and checks its file against
+   the ``checkpoint`` row recorded when it was written: a tensor altered after the
+   fact is a divergence *at that checkpoint's step*, named;
+2. compares the environment with ``environment.json`` (refused on a difference unless
+   ``allow_env_change``, exactly like a resume) and rebuilds the config from the
+   checkpoint's snapshot (plus explicit overrides, which are reported);
+3. restores the checkpoint through the trainer's own :func:`~ckptkit.trainer.train.run_state`
+   in a private directory (never RUN) and re-runs every step, comparing each step row
+   with the recording and, wherever the recording checkpointed, the whole state and
+   the file RUN still holds there;
+4. on the first difference, explains it: which tensors differ from the recording
+   (digests; values where a verified recorded copy exists), and whether the step is
+   deterministic *here* -- it is re-run twice from the same state with per-tensor
+   capture of parameters, gradients and optimizer state (gradients are never recorded,
+   so they can only be compared replay against replay).
+
+Names are those of :func:`ckptkit.compare.checkpoint_state` (``model:model.wte``,
+``optim:optimizers.adamw.state.3.exp_avg``); gradients are ``grad:model.<param>``.
+Differences between values are computed by :func:`ckptkit.compare.compare_states`, the
+function behind ``ckptkit diff --tensors``, so the two always agree.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..checkpoint import load
+from ..compare import TensorDiff, checkpoint_state, compare_states
+from ..environment import EnvDiff, capture, diff_environment
+from ..errors import CheckpointError, CheckpointNotFound, EnvironmentDrift, FormatError, ReplayDivergence
+from ..fingerprint import FINGERPRINT_FIELDS, Divergence, differing_names, first_divergence, leaf_digests
+from ..runstate import ENVIRONMENT_FILE, RunState, checkpoint_name, list_checkpoints
+from ..snapshot import DEFAULT_EXEMPT, read_snapshot, snapshot_path
+from .config import TrainerConfig
+from .data import data_fingerprint, load_bytes
+from .digests import MODEL_PREFIX
+from .history import HISTORY_FILE, WALL_FIELDS, read_rows
+from .train import Run, _after_resume, build, deterministic_torch, run_state, train_step
+
+__all__ = ["FieldDiff", "Recording", "ReplayError", "ReplayReport", "Rerun", "StepDivergence", "TensorReport",
+           "config_of", "divergence_json", "load_recording", "named_reports", "replay", "rerun_step", "step_fields",
+           "tensor_reports"]
+
+Log = Callable[[str], None]
+
+JSON_SCHEMA_VERSION = 1
+
+#: The order in which a step computes things: the first category that differs is where to look.
+_ORDER = ("grad", "model", "optim", "teacher", "monitor", "header")
+
+ENV_REPLAY_HINT = "pass --allow-env-change to replay anyway (the differences are then listed with the result)"
+
+
+class ReplayError(CheckpointError, ValueError):
+    """A replay that cannot be asked for (a step outside the recording, a bad override): exit 2."""
+
+
+# ----------------------------------------------------------------------------- the report
+
+
+@dataclass(frozen=True)
+class FieldDiff:
+    """One fingerprint field of a step row that differs."""
+
+    field: str
+    recorded: Any
+    replayed: Any
+
+
+@dataclass(frozen=True)
+class TensorReport:
+    """One tensor (or value) that differs, with what is known about the difference.
+
+    ``recorded_digest`` is the recording's digest; ``actual_digest`` the replay's (for a
+    ``checkpoint`` divergence: the file's). ``max_abs_diff`` / ``n_diff`` are None when
+    no verified copy of the other side's values exists (the recording keeps digests,
+    not values); ``detail`` says so.
+    """
+
+    name: str
+    detail: str
+    recorded_digest: int | None = None
+    actual_digest: int | None = None
+    n_diff: int | None = None
+    numel: int | None = None
+    max_abs_diff: float | None = None
+
+
+@dataclass(frozen=True)
+class Rerun:
+    """The diverging step run twice here from the same state (replay against replay)."""
+
+    identical: bool
+    fields: tuple[FieldDiff, ...] = ()
+    tensors: tuple[TensorReport, ...] = ()
+
+
+@dataclass(frozen=True)
+class StepDivergence:
+    """Where a replay parts from its recording.
+
+    Attributes:
+        kind: ``checkpoint`` (a checkpoint file differs from the digests recorded when
+            it was written), ``step`` (a step row's fingerprints differ) or ``state``
+            (the state after ``step`` steps differs from the recorded ``checkpoint`` row).
+        step: for ``step``, the 0-based step index (the history row's ``step``); for
+            ``checkpoint`` and ``state``, the number of steps done (the checkpoint's step).
+        fields: the step row fields that differ (``step`` kind only).
+        tensors: tensors that differ from the recording, in compute order (gradients,
+            parameters, optimizer state, teacher, monitor, header).
+        values: where the values behind ``max_abs_diff`` came from, or why there are none.
+        rerun: the step re-run twice here (``step``/``state`` kinds), or None.
+        file: the checkpoint file concerned (``checkpoint`` kind), else None.
+    """
+
+    kind: str
+    step: int
+    fields: tuple[FieldDiff, ...] = ()
+    tensors: tuple[TensorReport, ...] = ()
+    values: str = ""
+    rerun: Rerun | None = None
+    file: str | None = None
+    hints: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ReplayReport:
+    """What :func:`replay` found; ``ok`` when every step matched bit for bit."""
+
+    run_dir: str
+    checkpoint: str
+    start: int  # steps done at the checkpoint replay started from
+    to: int  # steps done when the replay stops (when it does not diverge)
+    replayed: int  # steps re-run
+    overrides: tuple[FieldDiff, ...] = ()
+    environment: tuple[EnvDiff, ...] = ()
+    notes: tuple[str, ...] = ()
+    divergence: StepDivergence | None = None
+
+    @property
+    def ok(self) -> bool:
+        """Every replayed step matched the recording bit for bit."""
+        return self.divergence is None
+
+    def raise_for_divergence(self) -> None:
+        """Raise :class:`~ckptkit.errors.ReplayDivergence` (message: :meth:`describe`) unless ``ok``.
+
+        Raises:
+            ReplayDivergence: the replay diverged.
+        """
+        if self.divergence is not None:
+            raise ReplayDivergence(self.describe())
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``--json`` object (spec/replay.md R-P09)."""
+        d = self.divergence
+        return {
+            "schema_version": JSON_SCHEMA_VERSION,
+            "ok": self.ok,
+            "run": self.run_dir,
+            "checkpoint": self.checkpoint,
+            "from": self.start,
+            "to": self.to,
+            "steps_replayed": self.replayed,
+            "overrides": [_field_json(f, "snapshot", "replay") for f in self.overrides],
+            "environment": [{"key": e.key, "recorded": e.recorded, "current": e.current, "fatal": e.fatal}
+                            for e in self.environment],
+            "notes": list(self.notes),
+            "divergence": None if d is None else divergence_json(d),
+        }
+
+    def describe(self, limit: int = 12) -> str:
+        """The human report (what ``ckptkit replay`` prints on stdout)."""
+        lines = [f"replay: {self.checkpoint} (step {self.start}) -> step {self.to}"]
+        for o in self.overrides:
+            lines.append(f"override: {o.field}: snapshot {_show(o.recorded)}, replay {_show(o.replayed)}")
+        fatal = [e for e in self.environment if e.fatal]
+        if fatal:
+            lines.append(f"environment: differs from the recording in {len(fatal)} fact(s):")
+            lines += [f"  {e}" for e in fatal]
+        else:
+            lines.append("environment: as recorded")
+        lines += [f"note: {n}" for n in self.notes]
+        d = self.divergence
+        if d is None:
+            span = f"steps {self.start}..{self.to - 1}" if self.replayed else "no steps"
+            lines.append(f"IDENTICAL: {self.replayed} step(s) replayed ({span}), every fingerprint bit for bit")
+            return "\n".join(lines)
+        if d.kind == "checkpoint":
+            lines.append(f"DIVERGED at step {d.step}: {d.file} does not match the digests recorded when it was "
+                         "written (altered after the fact)")
+        elif d.kind == "state":
+            lines.append(f"DIVERGED at step {d.step}: the state after {d.step} steps differs from the recorded "
+                         "checkpoint digests")
+        else:
+            lines.append(f"DIVERGED at step {d.step} (history row step={d.step}; {self.replayed - 1} step(s) "
+                         "before it matched)")
+        for f in d.fields:
+            lines.append(f"  {f.field}: recorded {_show(f.recorded)}, replayed {_show(f.replayed)}")
+        if d.tensors:
+            lines.append(f"  tensors that differ from the recording ({len(d.tensors)}), first computed first:")
+            lines += _tensor_lines(d.tensors, limit)
+        if d.values:
+            lines.append(f"  values: {d.values}")
+        if d.rerun is not None:
+            if d.rerun.identical:
+                lines.append(f"  re-run of step {d.step if d.kind == 'step' else d.step - 1} twice here: identical "
+                             "(deterministic in this process)")
+            else:
+                lines.append(f"  re-run of step {d.step if d.kind == 'step' else d.step - 1} twice here: DIFFERS "
+                             "(nondeterministic in this process):")
+                for f in d.rerun.fields:
+                    lines.append(f"    {f.field}: first {_show(f.recorded)}, second {_show(f.replayed)}")
+                lines += ["  " + s for s in _tensor_lines(d.rerun.tensors, limit)]
+        lines += [f"  hint: {h}" for h in d.hints]
+        return "\n".join(lines)
+
+
+def divergence_json(d: StepDivergence, a: str = "recorded", b: str = "replayed") -> dict[str, Any]:
+    """A :class:`StepDivergence` as JSON; ``a``/``b`` label the two sides of each field."""
+    return {
+        "kind": d.kind,
+        "step": d.step,
+        "file": d.file,
+        "fields": [_field_json(f, a, b) for f in d.fields],
+        "tensors": [_tensor_json(t) for t in d.tensors],
+        "values": d.values,
+        "rerun": None if d.rerun is None else {
+            "identical": d.rerun.identical,
+            "fields": [_field_json(f, "first", "second") for f in d.rerun.fields],
+            "tensors": [_tensor_json(t) for t in d.rerun.tensors],
+        },
+        "hints": list(d.hints),
+    }
+
+
+def _show(v: Any) -> str:
+    return json.dumps(v, sort_keys=True) if not isinstance(v, str) else v
+
+
+def _field_json(f: FieldDiff, a: str, b: str) -> dict[str, Any]:
+    return {"field": f.field, a: f.recorded, b: f.replayed}
+
+
+def _tensor_json(t: TensorReport) -> dict[str, Any]:
+    return {"name": t.name, "detail": t.detail, "recorded_digest": t.recorded_digest,
+            "actual_digest": t.actual_digest, "n_diff": t.n_diff, "numel": t.numel,
+            "max_abs_diff": t.max_abs_diff}
+
+
+def _tensor_lines(tensors: Sequence[TensorReport], limit: int) -> list[str]:
+    width = max(len(t.name) for t in tensors[:limit])
+    out = [f"    {t.name.ljust(width)}  {t.detail}" for t in tensors[:limit]]
+    if len(tensors) > limit:
+        out.append(f"    ... and {len(tensors) - limit} more (--json lists all)")
+    return out
+
+
+def _rank(name: str) -> tuple[int, str]:
+    head = name.partition(":")[0]
+    return (_ORDER.index(head) if head in _ORDER else len(_ORDER), name)
+
+
+# ----------------------------------------------------------------------------- the recording
+
+
+@dataclass(frozen=True)
+class Recording:
+    """A run's ``history.jsonl``, indexed: the surviving row per step of each kind.
+
+    After a spike rollback step numbers repeat; the later row replaces the earlier
+    one (the abandoned timeline is kept in the file as a record, not replayed).
+    """
+
+    steps: Mapping[int, Mapping[str, Any]]
+    digests: Mapping[int, Mapping[str, int]]
+    checkpoints: Mapping[int, Mapping[str, int]]
+    rollbacks: tuple[int, ...]  # steps the loop re-ran or rolled back (spike rows with an action, rollback rows)
+    env_overrides: tuple[tuple[int, tuple[str, ...]], ...]
+
+    @property
+    def last(self) -> int:
+        """Steps done at the end of the recording."""
+        return max(self.steps) + 1 if self.steps else 0
+
+
+def load_recording(run_dir: str | os.PathLike[str]) -> Recording:
+    """Read and index ``RUN/history.jsonl``.
+
+    Raises:
+        CheckpointNotFound: the run has no history.
+        FormatError: a line is not a history row.
+    """
+    path = os.path.join(os.fspath(run_dir), HISTORY_FILE)
+    if not os.path.isfile(path):
+        raise CheckpointNotFound(f"{path}: no history; replay compares a re-run with the run's history.jsonl")
+    rows, _torn = read_rows(path)
+    steps: dict[int, Mapping[str, Any]] = {}
+    digests: dict[int, Mapping[str, int]] = {}
+    ckpts: dict[int, Mapping[str, int]] = {}
+    rollbacks, overrides = [], []
+    for r in rows:
+        kind, step = r["kind"], r["step"]
+        if kind == "step":
+            steps[step] = r
+        elif kind in ("digests", "checkpoint"):
+            tensors = r.get("tensors")
+            if not isinstance(tensors, dict):
+                raise FormatError(f"a {kind} row at step {step} has no tensors map", path=path, field="history")
+            (digests if kind == "digests" else ckpts)[step] = tensors
+        elif kind == "rollback" or (kind == "spike" and r.get("action") not in (None, "warn")):
+            rollbacks.append(step)  # the loop re-ran or rolled back here (spec/rollback.md): not a plain step
+        elif kind == "resume" and r.get("env_overrides"):
+            overrides.append((step, tuple(r["env_overrides"])))
+    return Recording(steps, digests, ckpts, tuple(rollbacks), tuple(overrides))
+
+
+# ----------------------------------------------------------------------------- restoring
+
+
+@contextlib.contextmanager
+def _threads(n: int | None) -> Iterator[None]:
+    if n is None:
+        yield
+        return
+    was = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(was)
+
+
+def _copy_checkpoint(ckpt_path: str, run_dir: str, dest: str) -> None:
+    """The checkpoint, its companions and the environment record, into ``dest`` (read-only use of RUN)."""
+    base = os.path.basename(ckpt_path)
+    for name in os.listdir(os.path.dirname(ckpt_path) or "."):
+        if name == base or name.startswith(base + "."):
+            shutil.copyfile(os.path.join(os.path.dirname(ckpt_path), name), os.path.join(dest, name))
+    env = os.path.join(run_dir, ENVIRONMENT_FILE)
+    if os.path.isfile(env):
+        shutil.copyfile(env, os.path.join(dest, ENVIRONMENT_FILE))
+
+
+def _restore(cfg: TrainerConfig, ckpt_path: str, run_dir: str, work: str, exempt: frozenset[str],
+             log: Log) -> tuple[Run, RunState]:
+    """A :class:`Run` at the checkpoint's step, restored as ``ckptkit train --resume`` would,
+    in ``work`` (a private copy: RUN is only read)."""
+    os.makedirs(work, exist_ok=True)
+    for name in os.listdir(work):  # a second restore in the same place starts clean
+        os.unlink(os.path.join(work, name))
+    _copy_checkpoint(ckpt_path, run_dir, work)
+    data = load_bytes(cfg.data.path)
+    run = build(cfg, data)
+    rs = run_state(run, work, data_fingerprint(data), exempt=exempt)
+    # The environment was compared with the recording already (R-P06), with replay's own
+    # wording; this second check would only repeat it.
+    info = rs.resume(allow_env_change=True)
+    _after_resume(run, info, lambda _m: None)
+    log(f"restored {os.path.basename(ckpt_path)} at step {info.step}; stream offset {run.stream.offset}")
+    return run, rs
+
+
+def _capture(run: Run, rs: RunState, steps_done: int) -> dict[str, Any]:
+    """Everything after a step, cloned: the checkpoint's leaves and the gradients."""
+    state = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
+             for k, v in checkpoint_state(rs.checkpoint(steps_done)).items()}
+    for name, p in run.model.named_parameters():
+        if p.grad is not None:
+            state["grad:" + MODEL_PREFIX.partition(":")[2] + name] = p.grad.detach().clone()
+    return state
+
+
+# ----------------------------------------------------------------------------- comparing
+
+
+def step_fields(recorded: Mapping[str, Any]) -> list[str]:
+    """A step row's compared fields: the fingerprints first, then the rest, sorted (not wall time)."""
+    skip = WALL_FIELDS | {"kind", "step"}
+    first = [f for f in FINGERPRINT_FIELDS if f in recorded]
+    return first + sorted(k for k in recorded if k not in skip and k not in first)
+
+
+def _diff_fields(d: Divergence) -> tuple[FieldDiff, ...]:
+    return tuple(FieldDiff(f, d.expected.get(f), d.actual.get(f)) for f in d.fields)
+
+
+def tensor_reports(diffs: Sequence[TensorDiff],
+                   digests: Mapping[str, tuple[int | None, int | None]]) -> list[TensorReport]:
+    """:func:`ckptkit.compare.compare_states` differences as reports, in compute order."""
+    out = []
+    for t in diffs:
+        rec, rep = digests.get(t.name, (None, None))
+        out.append(TensorReport(t.name, t.detail, rec, rep, t.n_diff if t.kind == "changed" else None,
+                                t.numel or None, t.max_abs_diff))
+    return sorted(out, key=lambda t: _rank(t.name))
+
+
+def named_reports(names: Sequence[str], recorded: Mapping[str, int], replayed: Mapping[str, int],
+                why: str) -> list[TensorReport]:
+    out = []
+    for n in names:
+        rec, rep = recorded.get(n), replayed.get(n)
+        detail = ("only in the recording" if rep is None else "not in the recording" if rec is None
+                  else f"digest differs; {why}")
+        out.append(TensorReport(n, detail, rec, rep))
+    return sorted(out, key=lambda t: _rank(t.name))
+
+
+def _verified_file_state(run_dir: str, steps_done: int, rec: Recording) -> tuple[dict[str, Any] | None, str]:
+    """RUN's checkpoint at ``steps_done`` as a state, if it exists and matches its recorded digests."""
+    path = os.path.join(run_dir, checkpoint_name(steps_done))
+    if not os.path.isfile(path):
+        return None, f"RUN holds no checkpoint at step {steps_done} (the recording keeps digests there, not values)"
+    try:
+        state = checkpoint_state(load(path))
+    except FormatError as e:
+        return None, f"{path} does not verify ({e})"
+    recorded = rec.checkpoints.get(steps_done)
+    if recorded is not None and differing_names(recorded, leaf_digests(state)):
+        return None, f"{path} itself differs from its recorded digests, so it cannot stand for the recording"
+    return state, f"recorded values from {path} (its digests match the recording)"
+
+
+def rerun_step(cfg: TrainerConfig, ckpt_path: str, start: int, run_dir: str, step: int, work: str,
+               exempt: frozenset[str], log: Log) -> Rerun:
+    """Run ``step`` twice from the same state: each time restored from ``ckpt_path`` (at
+    ``start``) and re-run up to it, then ``step`` with everything captured after it.
+
+    Returns:
+        A :class:`Rerun` comparing the two step rows and the two captured states
+        (gradients, parameters, optimizer state, teacher, monitor) with
+        :func:`ckptkit.compare.compare_states`.
+    """
+    captures, rows = [], []
+    for _ in range(2):
+        run, rs = _restore(cfg, ckpt_path, run_dir, work, exempt, log)
+        for s in range(start, step):
+            train_step(run, s)
+        rows.append(train_step(run, step).row())
+        captures.append(_capture(run, rs, step + 1))
+    d = first_divergence([rows[0]], [rows[1]], step_fields(rows[0]))
+    diffs = compare_states(captures[0], captures[1])
+    return Rerun(d is None and not diffs, _diff_fields(d) if d else (), tuple(tensor_reports(diffs, {})))
+
+
+# ----------------------------------------------------------------------------- replay
+
+
+def _choose(run_dir: str, from_step: int) -> tuple[int, str]:
+    ckpts = list_checkpoints(run_dir)
+    before = [(s, p) for s, p in ckpts if s <= from_step]
+    if not before:
+        have = ", ".join(str(s) for s, _ in ckpts) or "none"
+        raise CheckpointNotFound(f"{run_dir}: no checkpoint at or before step {from_step} (checkpoints: {have})")
+    return before[-1]
+
+
+def _env_check(run_dir: str, allow: bool) -> list[EnvDiff]:
+    path = os.path.join(run_dir, ENVIRONMENT_FILE)
+    try:
+        with open(path, encoding="utf-8") as f:
+            recorded = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointNotFound(f"{path}: the run's environment record is missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise FormatError(f"not valid JSON: {e}", path=path, field="environment") from None
+    diffs = diff_environment(recorded, capture())
+    fatal = [d for d in diffs if d.fatal]
+    if fatal and not allow:
+        lines = [f"the environment differs from the run's recording in {len(fatal)} fact(s):"]
+        lines += [f"  {d}" for d in fatal]
+        lines.append(ENV_REPLAY_HINT)
+        raise EnvironmentDrift("\n".join(lines), diffs)
+    return diffs
+
+
+def config_of(ckpt_path: str) -> TrainerConfig:
+    """The trainer config a checkpoint's snapshot (``<ckpt>.config.json``) records.
+
+    Raises:
+        CheckpointNotFound: no snapshot next to the checkpoint.
+        FormatError: the snapshot is damaged.
+        ReplayError: the snapshot describes another trainer's config.
+    """
+    snap = read_snapshot(snapshot_path(ckpt_path))
+    try:
+        return TrainerConfig.from_table(snap.config)
+    except (KeyError, ValueError) as e:
+        raise ReplayError(f"{snap.path}: the snapshot does not describe this trainer's config ({e})") from None
+
+
+def _overrides(cfg: TrainerConfig, overrides: Mapping[str, Any]) -> tuple[TrainerConfig, tuple[FieldDiff, ...]]:
+    try:
+        new = cfg.replace(**overrides)
+    except (KeyError, ValueError) as e:
+        raise ReplayError(f"override: {e}") from None
+    out = []
+    for key in sorted(overrides):
+        table, _, name = key.partition(".")
+        old_v, new_v = getattr(getattr(cfg, table), name), getattr(getattr(new, table), name)
+        if old_v != new_v:
+            out.append(FieldDiff(key, _plain(old_v), _plain(new_v)))
+    return new, tuple(out)
+
+
+def _plain(v: Any) -> Any:
+    return getattr(v, "value", v)
+
+
+def replay(
+    run_dir: str | os.PathLike[str],
+    from_step: int,
+    to_step: int | None = None,
+    *,
+    overrides: Mapping[str, Any] | None = None,
+    allow_env_change: bool = False,
+    threads: int | None = None,
+    out_dir: str | os.PathLike[str] | None = None,
+    log: Log | None = None,
+) -> ReplayReport:
+    """Re-run ``run_dir`` from its checkpoint at (or nearest before) ``from_step`` and
+    compare every step with the recording; explain the first difference.
+
+    RUN is only read. The replay works in ``out_dir`` (which then keeps the replay's
+    checkpoints at every step the recording checkpointed, and at the state after a
+    diverging step, for ``ckptkit diff --tensors``) or in a temporary directory.
+
+    Args:
+        run_dir: the recorded run (``history.jsonl``, ``environment.json``, checkpoints).
+        from_step: start at the checkpoint at or before this step (steps done).
+        to_step: stop when this many steps are done (default: the end of the recording).
+        overrides: config keys to change from the snapshot (``{"train.perturb_at": 3}``);
+            reported in the result. Testing what a knob changes is their use.
+        allow_env_change: replay even when the environment differs from ``environment.json``.
+        threads: run with this intra-op thread count (an environment change: needs
+            ``allow_env_change`` unless it equals the recording's).
+        out_dir: keep the replay's files here (must not be inside ``run_dir``).
+        log: progress notes.
+
+    Returns:
+        A :class:`ReplayReport`; ``report.ok`` when every step matched bit for bit.
+
+    Raises:
+        CheckpointNotFound: no history, no checkpoint at or before ``from_step``, no
+            environment record.
+        EnvironmentDrift: the environment differs and ``allow_env_change`` is False.
+        ConfigDrift, ResumeRefused: the checkpoint cannot be restored as the run's.
+        FormatError: a file of the run is damaged.
+        ReplayError: ``to_step`` outside the recording, a bad override, a rollback in range.
+
+    Example::
+
+        report = replay("runs/a", 100)
+        print(report.describe()); sys.exit(0 if report.ok else 1)
+    """
+    log = log or (lambda _m: None)
+    run_dir = os.fspath(run_dir)
+    rec = load_recording(run_dir)
+    start, ckpt_path = _choose(run_dir, from_step)
+    to = rec.last if to_step is None else to_step
+    if to < start or to > max(rec.last, start):
+        raise ReplayError(f"--to {to} is outside the replayable range: the checkpoint is at step {start} and the "
+                          f"recording ends at step {rec.last}")
+    inside = [s for s in rec.rollbacks if start <= s < to]
+    if inside:
+        raise ReplayError(f"the recording re-ran or rolled back step {inside[0]} (--auto-rollback on), inside "
+                          f"{start}..{to}; replay re-runs plain steps, not the rollback protocol: replay a range "
+                          "after it (--from a later checkpoint) or before it (--to)")
+    if out_dir is not None:
+        out_dir = os.path.abspath(os.fspath(out_dir))
+        if os.path.commonpath([out_dir, os.path.abspath(run_dir)]) == os.path.abspath(run_dir):
+            raise ReplayError(f"--out {out_dir} is inside the run directory; replay never writes into RUN")
+        if os.path.isdir(out_dir) and os.listdir(out_dir):
+            raise ReplayError(f"--out {out_dir} is not empty")
+    notes = []
+    for s, envs in rec.env_overrides:
+        if s < to:
+            notes.append(f"the recording resumed at step {s} with an environment override ({'; '.join(envs)}); "
+                         "environment.json describes the steps before it")
+
+    with deterministic_torch(), _threads(threads):
+        env = _env_check(run_dir, allow_env_change)
+        cfg = config_of(ckpt_path).replace(**{"train.steps": to})
+        cfg, changed = _overrides(cfg, overrides or {})
+        exempt = frozenset(DEFAULT_EXEMPT) | {f.field for f in changed}
+        report = _Builder(run_dir, ckpt_path, start, to, changed, tuple(env), notes, rec.env_overrides)
+
+        # R-P06: the starting checkpoint against the digests recorded when it was written.
+        recorded = rec.checkpoints.get(start)
+        file_state = checkpoint_state(load(ckpt_path))
+        if recorded is None:
+            notes.append(f"the recording holds no digests for {os.path.basename(ckpt_path)} (an older ckptkit wrote "
+                         "it): the starting checkpoint is trusted as it is")
+        else:
+            file_digests = leaf_digests(file_state)
+            bad = differing_names(recorded, file_digests)
+            if bad:
+                return report.done(0, StepDivergence(
+                    "checkpoint", start, file=ckpt_path,
+                    tensors=tuple(named_reports(bad, recorded, file_digests, "values unavailable")),
+                    values="the recording keeps digests, not values; replay from an earlier checkpoint "
+                           "(--from a smaller step) re-derives the recorded values and measures the difference",
+                    hints=("the file verifies (its container checksums were re-sealed) but is not what the run "
+                           "wrote: it was altered after the fact; do not resume from it",)))
+
+        with contextlib.ExitStack() as stack:
+            work = out_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="ckptkit-replay-"))
+            run, rs = _restore(cfg, ckpt_path, run_dir, work, exempt, log)
+            replayed = 0
+            for step in range(start, to):
+                result = train_step(run, step)
+                replayed += 1
+                done = step + 1
+                recorded_row = rec.steps.get(step)
+                if recorded_row is None:
+                    notes.append(f"the recording has no row for step {step}: not compared")
+                    continue
+                row = result.row()
+                d = first_divergence([recorded_row], [row], step_fields(recorded_row))
+                rec_params = rec.digests.get(done)
+                bad_params = ([] if rec_params is None or result.param_digests is None
+                              else differing_names(rec_params, result.param_digests))
+                if d is not None or bad_params:
+                    return report.done(replayed, _explain_step(
+                        cfg, rec, run_dir, (start, ckpt_path), exempt, log, run, rs, step, d, out_dir))
+                rec_state = rec.checkpoints.get(done)
+                if rec_state is None:
+                    continue
+                state = _capture(run, rs, done)
+                state = {k: v for k, v in state.items() if not k.startswith("grad:")}
+                digests = leaf_digests(state)
+                bad = differing_names(rec_state, digests)
+                if out_dir is not None:
+                    rs.save(done)
+                if bad:
+                    values, why = _verified_file_state(run_dir, done, rec)
+                    tensors = (tensor_reports([t for t in compare_states(values, state) if t.name in bad],
+                                           {n: (rec_state.get(n), digests.get(n)) for n in bad})
+                               if values is not None else named_reports(bad, rec_state, digests, "values unavailable"))
+                    return report.done(replayed, StepDivergence(
+                        "state", done, tensors=tuple(tensors), values=why,
+                        hints=("every step row matched, yet the state differs: state outside the step fingerprints "
+                               "(optimizer moments, teacher, monitor) was not reproduced",)))
+                # R-P07: the file RUN still holds at this step, against the same recording.
+                file = os.path.join(run_dir, checkpoint_name(done))
+                if os.path.isfile(file):
+                    try:
+                        fstate = checkpoint_state(load(file))
+                    except FormatError as e:
+                        notes.append(f"{file} does not verify ({e}); not compared")
+                        continue
+                    fdig = leaf_digests(fstate)
+                    fbad = differing_names(rec_state, fdig)
+                    if fbad:
+                        tensors = tensor_reports([t for t in compare_states(state, fstate) if t.name in fbad],
+                                              {n: (rec_state.get(n), fdig.get(n)) for n in fbad})
+                        return report.done(replayed, StepDivergence(
+                            "checkpoint", done, file=file, tensors=tuple(tensors),
+                            values=f"the replayed state after {done} steps, whose digests match the recording",
+                            hints=("the file verifies (its container checksums were re-sealed) but is not what the "
+                                   "run wrote: it was altered after the fact; do not resume from it",)))
+            return report.done(replayed, None)
+
+
+def _explain_step(cfg: TrainerConfig, rec: Recording, run_dir: str, origin: tuple[int, str],
+                  exempt: frozenset[str], log: Log, run: Run, rs: RunState, step: int, d: Divergence | None,
+                  out_dir: str | None) -> StepDivergence:
+    """Explain a step divergence: tensors vs the recording, then the step re-run twice here."""
+    done = step + 1
+    state = _capture(run, rs, done)
+    model_state = {k: v for k, v in state.items() if not k.startswith("grad:")}
+    digests = leaf_digests(model_state)
+    if out_dir is not None:
+        rs.save(done)  # the replayed state after the diverging step, for ckptkit diff --tensors
+    recorded = dict(rec.digests.get(done) or {})
+    recorded.update(rec.checkpoints.get(done) or {})
+    tensors: list[TensorReport] = []
+    if not recorded:
+        values = (f"the recording holds no digests after step {step}, so the tensors cannot be named "
+                  "against it (the history predates per-step digests)")
+    else:
+        bad = differing_names(recorded, {k: v for k, v in digests.items() if k in recorded})
+        file_state, why = _verified_file_state(run_dir, done, rec)
+        if file_state is not None:  # every difference, exactly as ckptkit diff --tensors lists it
+            tensors = tensor_reports(compare_states(file_state, model_state),
+                                  {n: (recorded.get(n), digests.get(n)) for n in bad})
+            values = why
+        else:
+            tensors = named_reports(bad, recorded, digests, "values unavailable")
+            values = (f"unavailable: {why}; record with a checkpoint after step {step} (--ckpt-every) to get "
+                      "max |diff|, or compare replay against replay below")
+    # Re-run the step twice here (replay against replay): is it deterministic in this process?
+    with tempfile.TemporaryDirectory(prefix="ckptkit-rerun-") as tmp:
+        rerun = rerun_step(cfg, origin[1], origin[0], run_dir, step, tmp, exempt, lambda _m: None)
+    hints = []
+    if not rerun.identical:
+        hints.append("the step is not deterministic in this process: see ReplayDivergence's docstring for the "
+                     "usual causes (unseeded RNG, nondeterministic kernels, threads)")
+    else:
+        hints.append("the step is deterministic here, so the recording ran something else: another config, "
+                     "environment, code version, or a run that was itself nondeterministic")
+    return StepDivergence("step", step, fields=_diff_fields(d) if d is not None else (), tensors=tuple(tensors),
+                          values=values, rerun=rerun, hints=tuple(hints))
+
+
+class _Builder:
+    def __init__(self, run_dir: str, ckpt: str, start: int, to: int, overrides: tuple[FieldDiff, ...],
+                 env: tuple[EnvDiff, ...], notes: list[str],
+                 recorded_env_overrides: tuple[tuple[int, tuple[str, ...]], ...]) -> None:
+        self.args = (run_dir, ckpt, start, to)
+        self.overrides, self.env, self.notes = overrides, env, notes
+        self.recorded_env_overrides = recorded_env_overrides
+
+    def done(self, replayed: int, divergence: StepDivergence | None) -> ReplayReport:
+        run_dir, ckpt, start, to = self.args
+        d = divergence
+        recorded_env = [(s, e) for s, e in self.recorded_env_overrides if d is not None and s <= d.step]
+        if d is not None and (self.overrides or any(e.fatal for e in self.env) or recorded_env):
+            extra = []
+            for s, envs in recorded_env:
+                extra.append(f"the recording itself continued from step {s} under another environment "
+                             f"({'; '.join(envs)}): the likely cause; replay under it (--threads, "
+                             "--allow-env-change) to confirm")
+            if self.overrides:
+                extra.append("this replay overrides " + ", ".join(o.field for o in self.overrides)
+                             + ": the likely cause")
+            if any(e.fatal for e in self.env):
+                extra.append("the environment differs from the recording (listed above): a likely cause")
+            d = StepDivergence(d.kind, d.step, d.fields, d.tensors, d.values, d.rerun, d.file, tuple(extra) + d.hints)
+        return ReplayReport(run_dir, ckpt, start, to, replayed, self.overrides, self.env, tuple(self.notes), d)
+

@@ -1,0 +1,86 @@
+"""The determinism audit (spec/replay.md R-P11..R-P13): the same run twice, compared bit for bit."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from ckptkit.cli import main
+from ckptkit.cli.train import add_parser as add_train_parser
+from ckptkit.cli.train import config_from_args
+from ckptkit.trainer.audit import compare_runs, knob_flags
+from test_trainer_resume import run, tiny
+
+pytestmark = pytest.mark.slow
+
+TINY_FLAGS = ["--n-layer", "2", "--n-head", "2", "--d-model", "32", "--block-size", "16", "--seq-len", "16",
+              "--batch", "4", "--warmup-iters", "2"]
+
+
+def _train_args(flags: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_train_parser(parser.add_subparsers())
+    return parser.parse_args(["train", "--run-dir", "x", *flags])
+
+
+@pytest.mark.parametrize("changes", [
+    {},
+    {"model.quant": "int8", "train.quant_check": True, "train.trip_latch_at": 3, "train.lr": 1.2345e-3},
+    {"train.aux": False, "model.ngram": False, "train.perturb_at": 2, "train.perturb_param": "wpe",
+     "monitor.multiplier": 2.5, "train.seed": 2**64 - 1},
+])
+def test_knob_flags_reproduce_the_config_on_the_train_command_line(changes: dict[str, object]) -> None:
+    cfg = tiny(**changes)
+    assert config_from_args(_train_args(knob_flags(cfg))) == cfg
+
+
+def test_audit_of_the_same_config_in_two_processes_is_identical(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["audit", *TINY_FLAGS, "--steps", "3", "--keep-dir", str(tmp_path), "--json", "--quiet"])
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 0, doc
+    assert doc["ok"] is True and doc["divergence"] is None and doc["resume_at"] is None
+    assert doc["checkpoints_compared"] == 3  # --ckpt-every 1 and every checkpoint kept, by default
+    assert doc["environment"]["torch"] and doc["environment_differences"] == []
+    assert (tmp_path / "a" / "history.jsonl").is_file() and (tmp_path / "b" / "history.jsonl").is_file()
+
+
+def test_audit_resume_at_compares_a_stopped_and_resumed_run(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["audit", *TINY_FLAGS, "--steps", "4", "--resume-at", "2", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "b: stopped at 2, resumed in a fresh process" in out
+    assert "IDENTICAL: 4 steps, every history fingerprint and 4 checkpoint(s) bit for bit" in out
+    assert "intra_op_threads" in out  # the environment is shown
+
+
+def test_audit_refuses_a_resume_point_outside_the_run(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["audit", *TINY_FLAGS, "--steps", "3", "--resume-at", "3", "--quiet"]) == 2
+    assert "--resume-at must be in 1 ..= 2 (--steps 3) (got 3)" in capsys.readouterr().err
+
+
+def test_compare_runs_names_the_first_divergence_the_tensor_and_the_config_difference(tmp_path: Path) -> None:
+    cfg = tiny(**{"train.ckpt_every": 1, "train.keep": 100})
+    run(cfg, tmp_path / "a", 4)
+    run(cfg.replace(**{"train.perturb_at": 1, "train.perturb_param": "blocks.0.attn.qkv.weight"}), tmp_path / "b", 4)
+    report = compare_runs(tmp_path / "a", tmp_path / "b")
+    d = report.divergence
+    assert not report.ok and d is not None and (d.kind, d.step) == ("step", 1)
+    assert [f.field for f in d.fields] == ["params_digest"]
+    assert [t.name for t in d.tensors] == ["model:model.blocks.0.attn.qkv.weight"]
+    assert d.tensors[0].n_diff == 1 and d.tensors[0].max_abs_diff > 0
+    assert d.rerun is not None and d.rerun.identical
+    assert "train.perturb_at" in d.hints[0]
+    doc = report.to_json()
+    assert doc["divergence"]["fields"] == [{"field": "params_digest", "a": d.fields[0].recorded,
+                                            "b": d.fields[0].replayed}]
+    run(cfg, tmp_path / "c", 4)
+    assert compare_runs(tmp_path / "a", tmp_path / "c").ok
+
+
+def test_audit_help_shows_an_example_and_the_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["audit", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "example:" in out and "exit codes:" in out and "--resume-at" in out and "--perturb-at" in out
