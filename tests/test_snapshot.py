@@ -12,7 +12,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import types
 from dataclasses import dataclass, field
 
 import pytest

@@ -72,9 +72,15 @@ def assert_same_run(a: Path, b: Path, step: int) -> None:
     fa, fb = artifacts(a, step), artifacts(b, step)
     assert sorted(fa) == sorted(fb)
     assert checkpoint_name(step) in fa
+    # Compare outside `assert`: pytest's rich diff of megabytes of bytes or rows takes minutes.
     for name in fa:
-        assert fa[name] == fb[name], f"{name} differs between the uninterrupted and the resumed run"
-    assert compared_rows(history(a)) == compared_rows(history(b))
+        same = fa[name] == fb[name]
+        assert same, f"{name} differs between the uninterrupted and the resumed run"
+    ra, rb = compared_rows(history(a)), compared_rows(history(b))
+    if ra != rb:
+        i = next((i for i, (x, y) in enumerate(zip(ra, rb)) if x != y), min(len(ra), len(rb)))
+        raise AssertionError(f"history differs first at compared row {i} ({len(ra)} vs {len(rb)} rows): "
+                             f"{str(ra[i:i + 1])[:300]} != {str(rb[i:i + 1])[:300]}")
 
 
 # ----------------------------------------------------------------------------- the property

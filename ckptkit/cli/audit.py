@@ -11,10 +11,11 @@ its command line. The trainer's flags are the train command's own.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Any
+
+from ._output import print_verdict, progress
 
 __all__ = ["add_parser", "run"]
 
@@ -82,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
         cfg = config_for_audit(args)
         if args.keep_dir is not None and os.path.isdir(args.keep_dir) and os.listdir(args.keep_dir):
             raise ValueError(f"--keep-dir {args.keep_dir} is not empty")
-        report = audit(cfg, args.keep_dir, resume_at=args.resume_at, log=None if args.quiet else _progress)
+        report = audit(cfg, args.keep_dir, resume_at=args.resume_at, log=None if args.quiet else progress("audit"))
     except CheckpointError:
         raise  # the dispatcher prints it (AuditError: exit 2)
     except ValueError as e:  # a config the trainer refuses, a non-empty --keep-dir
@@ -90,12 +91,4 @@ def run(args: argparse.Namespace) -> int:
             raise
         print(f"ckptkit audit: {e}", file=sys.stderr)
         return 2
-    if args.json:
-        print(json.dumps(report.to_json(), sort_keys=True, indent=2))
-    else:
-        print(report.describe())
-    return 0 if report.ok else 1
-
-
-def _progress(msg: str) -> None:
-    print(f"ckptkit audit: {msg}", file=sys.stderr, flush=True)
+    return print_verdict(report, args.json)

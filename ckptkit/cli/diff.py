@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Mapping
 from typing import Any
 
 from ..errors import CheckpointError, CheckpointNotFound

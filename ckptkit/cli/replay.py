@@ -12,9 +12,10 @@ line. RUN is only read.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import Any
+
+from ._output import print_verdict, progress
 
 __all__ = ["add_parser", "run"]
 
@@ -90,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         report = replay(args.run_dir, args.from_step, args.to_step, overrides=overrides,
                         allow_env_change=args.allow_env_change, threads=args.threads, out_dir=args.out,
-                        log=None if args.quiet else _progress)
+                        log=None if args.quiet else progress("replay"))
     except CheckpointError:
         raise  # the dispatcher prints it: 1 for a damaged file or a refused environment, 2 otherwise (ReplayError)
     except ValueError as e:  # an override the config refuses
@@ -98,12 +99,4 @@ def run(args: argparse.Namespace) -> int:
             raise
         print(f"ckptkit replay: {e}", file=sys.stderr)
         return 2
-    if args.json:
-        print(json.dumps(report.to_json(), sort_keys=True, indent=2))
-    else:
-        print(report.describe())
-    return 0 if report.ok else 1
-
-
-def _progress(msg: str) -> None:
-    print(f"ckptkit replay: {msg}", file=sys.stderr, flush=True)
+    return print_verdict(report, args.json)

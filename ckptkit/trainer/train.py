@@ -418,6 +418,7 @@ def run_state(
     *,
     log: Log | None = None,
     exempt: Iterable[str] = DEFAULT_EXEMPT,
+    async_save: bool = False,
 ) -> RunState:
     """The :class:`RunState` of ``run``: everything a checkpoint carries, registered once.
 
@@ -430,9 +431,11 @@ def run_state(
         fingerprint: the training data's :func:`~ckptkit.trainer.data.data_fingerprint`.
         log: notes from a resume.
         exempt: config keys a resume may see changed (the replay adds its overrides).
+        async_save: write checkpoints in the background (same bytes; the loop stalls
+            only for the in-memory snapshot).
     """
     cfg = run.cfg
-    rs = RunState(run_dir, config=cfg, keep=cfg.train.keep, log=log, exempt=exempt)
+    rs = RunState(run_dir, config=cfg, keep=cfg.train.keep, log=log, exempt=exempt, async_save=async_save)
     rs.add_model("model", run.model)
     rs.add_optimizer("adamw", run.optimizer)
     if run.teacher is not None:
@@ -500,7 +503,7 @@ def train(
         run = build(cfg, data)
 
         # -- run state: everything a checkpoint carries, registered once --
-        rs = run_state(run, run_dir, fingerprint, log=log)
+        rs = run_state(run, run_dir, fingerprint, log=log, async_save=True)
         # -- what a spike verdict does (--auto-rollback; spec/rollback.md) --
         guard = Guard(cfg, run, rs, step_fn=train_step, lr_fn=lambda step: get_lr(step, tc),
                       probe_fn=lambda: run_probes(run, lambda _msg: None),
@@ -575,7 +578,10 @@ def train(
             if last_saved != final:  # a fresh run of 0 steps still leaves its step-0 checkpoint
                 path = save(final)
         finally:
-            history.close()
+            try:
+                rs.close()  # the last background save is committed (or its error raised) before we return
+            finally:
+                history.close()
     return TrainResult(final, path, history.path, run.fp32_latched, run.monitor.report(), tuple(notes),
                        rollback=run.rollback.state() if guard.on and run.rollback is not None else None)
 
