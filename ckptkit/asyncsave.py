@@ -32,6 +32,7 @@ import weakref
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from ._threads import cpus, run_parallel
 from .checkpoint import Checkpoint, save
 from .container import SECTIONS
 from .errors import UnsupportedValue
@@ -241,35 +242,8 @@ def _memcpy(pairs: list[tuple[Any, Any]]) -> None:
     import numpy as np
 
     pieces = [(d[a : a + _PIECE], s[a : a + _PIECE]) for d, s in pairs for a in range(0, s.nbytes, _PIECE)]
-    lanes = min(_cpus(), 4, max(1, sum(s.nbytes for _, s in pieces) // (32 << 20)))
-    if lanes <= 1:
-        for d, s in pieces:
-            np.copyto(d, s)
-        return
-    lock = threading.Lock()
-    it = iter(pieces)
-
-    def worker() -> None:
-        while True:
-            with lock:
-                job = next(it, None)
-            if job is None:
-                return
-            np.copyto(job[0], job[1])
-
-    pool = [threading.Thread(target=worker, name=f"ckptkit-snapshot-{n}") for n in range(lanes - 1)]
-    for t in pool:
-        t.start()
-    worker()
-    for t in pool:
-        t.join()
-
-
-def _cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        return os.cpu_count() or 1
+    lanes = min(cpus(), 4, max(1, sum(s.nbytes for _, s in pieces) // (32 << 20)))
+    run_parallel(lambda job: np.copyto(job[0], job[1]), pieces, lanes, "ckptkit-snapshot")
 
 
 class _Slot:

@@ -34,6 +34,7 @@ from typing import Any, BinaryIO
 
 import xxhash
 
+from ._threads import cpus, run_parallel
 from .errors import (
     BadMagic,
     CheckpointError,
@@ -464,7 +465,7 @@ def check_all_tensors(src: Source, layout: Layout, *, threads: int = 0) -> tuple
             keys.append(sec.data_start + rec.offset)
     total = sum(r.nbytes for s in layout.sections.values() if s is not None for r in s.tensors)
     if threads <= 0:
-        threads = min(4, _cpus()) if total >= _PARALLEL_MIN else 1
+        threads = min(4, cpus()) if total >= _PARALLEL_MIN else 1
     errors: dict[int, BaseException] = {}
     _run_tasks(tasks, keys, errors, min(threads, max(1, len(tasks))))
     if errors:
@@ -600,7 +601,7 @@ def read_tensors(src: Source, jobs: Sequence[tuple[SectionIndex, int, memoryview
     errors: dict[int, BaseException] = {}
     if threads <= 0:
         big = sum(t[3].nbytes for t in raw) >= _PARALLEL_MIN
-        threads = min(4, _cpus()) if big else 1
+        threads = min(4, cpus()) if big else 1
     _run_tasks(tasks, keys, errors, min(threads, len(tasks)))
     if errors:
         raise errors[min(errors)]
@@ -623,37 +624,14 @@ def _raw_task(src: Source, sec: SectionIndex, i: int, dest: memoryview) -> Calla
 
 def _run_tasks(tasks: list[Callable[[], None]], keys: list[int], errors: dict[int, BaseException], threads: int) -> None:
     """Run every task (in ``threads`` threads), recording each failure under its key."""
-    lock = threading.Lock()
-    it = iter(range(len(tasks)))
 
-    def worker() -> None:
-        while True:
-            with lock:
-                k = next(it, None)
-            if k is None:
-                return
-            try:
-                tasks[k]()
-            except Exception as e:  # recorded, re-raised by the caller in file order
-                with lock:
-                    errors[keys[k]] = e
+    def one(k: int) -> None:
+        try:
+            tasks[k]()
+        except Exception as e:  # recorded, re-raised by the caller in file order
+            errors[keys[k]] = e  # distinct keys: no lock needed
 
-    if threads <= 1:
-        worker()
-        return
-    pool = [threading.Thread(target=worker, name=f"ckptkit-read-{n}", daemon=True) for n in range(threads - 1)]
-    for t in pool:
-        t.start()
-    worker()
-    for t in pool:
-        t.join()
-
-
-def _cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        return os.cpu_count() or 1
+    run_parallel(one, range(len(tasks)), threads, "ckptkit-read")
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,7 @@ from .section import check_plain
 from .sidecar import read_sidecar, sidecar_path, write_sidecar
 from .snapshot import DEFAULT_EXEMPT, KeyDiff, check_resume, encode_snapshot, snapshot_path, write_snapshot
 
-__all__ = ["ENVIRONMENT_FILE", "ResumeInfo", "RunState", "checkpoint_name", "list_checkpoints"]
+__all__ = ["ENVIRONMENT_FILE", "ResumeInfo", "RunState", "checkpoint_name", "list_checkpoints", "read_environment"]
 
 ENVIRONMENT_FILE = "environment.json"
 _PREFIX, _SUFFIX = "step-", ".ckpt"
@@ -69,6 +69,23 @@ _PREFIX, _SUFFIX = "step-", ".ckpt"
 def checkpoint_name(step: int) -> str:
     """File name of the checkpoint at ``step``: ``step-00000120.ckpt`` (8+ digits, sortable)."""
     return f"{_PREFIX}{step:08d}{_SUFFIX}"
+
+
+def read_environment(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """The environment facts a run recorded when it started (``environment.json``).
+
+    Raises:
+        CheckpointNotFound: the record is missing.
+        FormatError: it is not valid JSON.
+    """
+    env_path = os.path.join(os.fspath(run_dir), ENVIRONMENT_FILE)
+    try:
+        with open(env_path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise CheckpointNotFound(f"{env_path}: the run's environment record is missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise FormatError(f"not valid JSON: {e}", path=env_path, field="environment") from None
 
 
 def list_checkpoints(run_dir: str | os.PathLike[str]) -> list[tuple[int, str]]:
@@ -543,15 +560,7 @@ class RunState:
         raise CheckpointNotFound(f"{self.run_dir}: no consistent checkpoint to resume from ({detail})")
 
     def _check_environment(self, allow: bool) -> list[EnvDiff]:
-        env_path = os.path.join(self.run_dir, ENVIRONMENT_FILE)
-        try:
-            with open(env_path, encoding="utf-8") as f:
-                recorded = json.load(f)
-        except FileNotFoundError:
-            raise CheckpointNotFound(f"{env_path}: the run's environment record is missing") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise FormatError(f"not valid JSON: {e}", path=env_path, field="environment") from None
-        return check_environment(recorded, capture(), allow=allow)
+        return check_environment(read_environment(self.run_dir), capture(), allow=allow)
 
     def _check_legacy(self, ckpt: Checkpoint, path: str, allow: bool) -> tuple[str, ...]:
         if not ckpt.legacy:

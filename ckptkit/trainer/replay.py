@@ -49,7 +49,7 @@ from ..compare import TensorDiff, checkpoint_state, compare_states
 from ..environment import EnvDiff, capture, diff_environment
 from ..errors import CheckpointError, CheckpointNotFound, EnvironmentDrift, FormatError, ReplayDivergence
 from ..fingerprint import FINGERPRINT_FIELDS, Divergence, differing_names, first_divergence, leaf_digests
-from ..runstate import ENVIRONMENT_FILE, RunState, checkpoint_name, list_checkpoints
+from ..runstate import ENVIRONMENT_FILE, RunState, checkpoint_name, list_checkpoints, read_environment
 from ..snapshot import DEFAULT_EXEMPT, read_snapshot, snapshot_path
 from .config import TrainerConfig
 from .data import data_fingerprint, load_bytes
@@ -477,15 +477,7 @@ def _choose(run_dir: str, from_step: int) -> tuple[int, str]:
 
 
 def _env_check(run_dir: str, allow: bool) -> list[EnvDiff]:
-    path = os.path.join(run_dir, ENVIRONMENT_FILE)
-    try:
-        with open(path, encoding="utf-8") as f:
-            recorded = json.load(f)
-    except FileNotFoundError:
-        raise CheckpointNotFound(f"{path}: the run's environment record is missing") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise FormatError(f"not valid JSON: {e}", path=path, field="environment") from None
-    diffs = diff_environment(recorded, capture())
+    diffs = diff_environment(read_environment(run_dir), capture())
     fatal = [d for d in diffs if d.fatal]
     if fatal and not allow:
         lines = [f"the environment differs from the run's recording in {len(fatal)} fact(s):"]
