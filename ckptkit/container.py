@@ -99,9 +99,13 @@ _READ_PIECE = 256 << 10  # read_tensors: a piece read into its destination is ha
 
 
 class Source:
-    """Positional reads from a file or bytes, raising TruncatedFile on a short read."""
+    """Positional reads from a file or bytes, raising TruncatedFile on a short read.
 
-    def __init__(self, path: str | os.PathLike[str] | None = None, data: bytes | None = None) -> None:
+    ``kind`` names the file in "no such ... file" errors (a checkpoint or a sidecar).
+    """
+
+    def __init__(self, path: str | os.PathLike[str] | None = None, data: bytes | None = None,
+                 kind: str = "checkpoint") -> None:
         self.path = None if path is None else os.fspath(path)
         self._data = data
         self._fd = -1
@@ -111,9 +115,9 @@ class Source:
                 # O_NONBLOCK: opening a FIFO named like a checkpoint must not hang.
                 self._fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
             except FileNotFoundError:
-                raise CheckpointNotFound(f"{self.path}: no such checkpoint file") from None
+                raise CheckpointNotFound(f"{self.path}: no such {kind} file") from None
             except IsADirectoryError:
-                raise CheckpointNotFound(f"{self.path}: is a directory, not a checkpoint file") from None
+                raise CheckpointNotFound(f"{self.path}: is a directory, not a {kind} file") from None
             st = os.fstat(self._fd)
             if not stat.S_ISREG(st.st_mode):
                 os.close(self._fd)

@@ -127,16 +127,12 @@ class ResumeInfo:
 class _Entry:
     get: Callable[[], Any]
     set: Callable[[Any], None]
-    expected: Callable[[int], Any] | None = None
-    # A rule that also reads run state stored in the same checkpoint (add_data_position's
-    # expected_given_values): called as (step, stored values by name).
-    expected_given_values: Callable[[int, Mapping[str, Any]], Any] | None = None
+    # add_data_position's rule: (step, the checkpoint's stored values by name) -> position.
+    expected: Callable[[int, Mapping[str, Any]], Any] | None = None
 
     def expected_at(self, step: int, values: Mapping[str, Any]) -> Any:
         """The position the rule wants at ``step`` (None when there is no rule)."""
-        if self.expected_given_values is not None:
-            return self.expected_given_values(step, values)
-        return None if self.expected is None else self.expected(step)
+        return None if self.expected is None else self.expected(step, values)
 
 
 @dataclass
@@ -153,6 +149,23 @@ class _Registry:
     sidecars: dict[str, _Entry] = field(default_factory=dict)
 
 
+def _layout_problems(where: str, stored: Mapping[str, Any], live: Mapping[str, Any], problems: list[str]) -> None:
+    """Append how a module's stored state_dict differs from its live one in keys,
+    shapes or dtypes: checked before anything is restored, so a model built
+    differently (code changed, config not) is refused whole, not half-loaded."""
+    import torch  # lazily: ``import ckptkit`` stays torch-free for the format tools
+    missing, extra = sorted(set(live) - set(stored)), sorted(set(stored) - set(live))
+    if missing:
+        problems.append(f"{where}: the checkpoint lacks {', '.join(missing)}")
+    if extra:
+        problems.append(f"{where}: the checkpoint carries {', '.join(extra)} that the module does not have")
+    for key in sorted(set(live) & set(stored)):
+        a, b = stored[key], live[key]
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and (a.shape != b.shape or a.dtype != b.dtype):
+            problems.append(f"{where}: {key} is {str(a.dtype).removeprefix('torch.')}{list(a.shape)} in the checkpoint, "
+                            f"{str(b.dtype).removeprefix('torch.')}{list(b.shape)} in the module")
+
+
 def _has_state_dict(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
@@ -163,7 +176,8 @@ class RunState:
     Args:
         run_dir: the run directory (created on the first save).
         config: the run's resolved config, a (nested) dataclass instance; snapshot
-            next to every checkpoint and diffed on resume.
+            next to every checkpoint and diffed on resume. A config the snapshot
+            cannot hold raises :class:`~ckptkit.errors.UnsupportedValue` here.
         keep: how many newest checkpoints to keep (older ones, with their
             companions, are deleted after each successful save).
         exempt: config keys allowed to change across a resume (default: the
@@ -194,6 +208,7 @@ class RunState:
             raise ValueError(f"keep must be >= 1 (got {keep!r})")
         if not isinstance(async_save, bool):
             raise ValueError(f"async_save must be True or False (got {async_save!r})")
+        encode_snapshot(config)  # a config the snapshot cannot hold is refused now, not at the first save
         self.run_dir = os.fspath(run_dir)
         self.config = config
         self.keep = keep
@@ -265,30 +280,27 @@ class RunState:
         *,
         get: Callable[[], int],
         set: Callable[[int], None],  # noqa: A002 - mirrors property naming
-        expected: Callable[[int], int] | None = None,
-        expected_given_values: Callable[[int, Mapping[str, Any]], int] | None = None,
+        expected: Callable[[int, Mapping[str, Any]], int] | None = None,
     ) -> None:
         """Register a data-stream position (e.g. a byte offset).
 
         Args:
             get / set: read and restore the position.
-            expected: the position the run must be at after ``step`` steps; resume
-                refuses a checkpoint whose stored position differs
-                (:class:`~ckptkit.errors.StreamOffsetMismatch`, design record item 6).
-            expected_given_values: instead of ``expected``, a rule that also depends
-                on run state saved in the same checkpoint: called as
-                ``fn(step, values)`` with the checkpoint's stored :meth:`add_value`
-                values by name (``{}`` for a legacy checkpoint), before anything is
-                restored. E.g. a trainer that skips batches after a spike rollback
-                stores the count with ``add_value`` and its rule adds it.
+            expected: the offset rule, ``expected(step, values)``: the position the
+                run must be at after ``step`` steps. Resume refuses a checkpoint whose
+                stored position differs (:class:`~ckptkit.errors.StreamOffsetMismatch`,
+                design record item 6). ``values`` are the checkpoint's stored
+                :meth:`add_value` values by name (``{}`` for a legacy checkpoint), read
+                before anything is restored, for a rule that depends on run state:
+                e.g. a trainer that skips batches after a spike rollback stores the
+                count with ``add_value`` and its rule adds it. A plain rule ignores
+                them: ``expected=lambda step, _values: step * batch * seq_len``.
         """
-        if expected is not None and expected_given_values is not None:
-            raise ValueError(f"data position {name!r}: pass expected or expected_given_values, not both")
         self._name("data position", name, self._reg.data)
         pos = get()
         if isinstance(pos, bool) or not isinstance(pos, int) or pos < 0:
             raise UnsupportedValue(f"data position {name!r} must be a non-negative int (got {pos!r})")
-        self._reg.data[name] = _Entry(get, set, expected, expected_given_values)
+        self._reg.data[name] = _Entry(get, set, expected)
 
     def add_value(self, name: str, *, get: Callable[[], Any], set: Callable[[Any], None]) -> None:  # noqa: A002
         """Register small run state (msgpack-able plain values: numbers, str, lists, dicts)."""
@@ -606,8 +618,15 @@ class RunState:
             if (ckpt.teacher is None) != (r.teacher is None):
                 problems.append("teacher section is " + ("absent but a teacher is registered"
                                                          if ckpt.teacher is None else "present but no teacher is registered"))
+        if not problems:
+            for name, m in r.models.items():
+                _layout_problems(f"model {name!r}", ckpt.model[name], m.state_dict(), problems)
+            if r.teacher is not None and ckpt.teacher is not None:
+                _layout_problems("teacher", ckpt.teacher, r.teacher.state_dict(), problems)
         if problems:
-            raise ResumeRefused(f"{path}: does not match this run's registered state: " + "; ".join(problems))
+            more = f"; and {len(problems) - 10} more" if len(problems) > 10 else ""
+            raise ResumeRefused(f"{path}: does not match this run's registered state: "
+                                + "; ".join(problems[:10]) + more)
         mon = ckpt.monitor or {}
         for name, entry in r.data.items():
             stored = mon.get("data", {}).get(name)

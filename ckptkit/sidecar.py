@@ -117,7 +117,7 @@ def verify_sidecar(path: str | os.PathLike[str], *, expect_step: int | None = No
         FormatError: corrupt, truncated, of an unknown version, or (with
             ``expect_step``) :class:`SidecarMismatch`.
     """
-    with Source(path) as src:
+    with Source(path, kind="sidecar") as src:
         layout, _ = _layout(src)
         _check_stamp(src.path, layout.step, expect_step)
         check_skeleton(src, layout)
@@ -136,7 +136,7 @@ def sidecar_report(path: str | os.PathLike[str]) -> Report:
     path = os.fspath(path)
     try:
         verify_sidecar(path)
-        with Source(path) as src:
+        with Source(path, kind="sidecar") as src:
             layout, _ = _layout(src)
     except FormatError as e:
         return Report(path, False, e, None, None, (), False, (), (), os.path.getsize(path), 0, "sidecar")
@@ -157,7 +157,7 @@ def read_sidecar(path: str | os.PathLike[str], *, expect_step: int | None = None
     """
     from .codec import load_section
 
-    with Source(path) as src:
+    with Source(path, kind="sidecar") as src:
         layout, table_step = _layout(src)
         _check_stamp(src.path, layout.step, expect_step)
         check_skeleton(src, layout)

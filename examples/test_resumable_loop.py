@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
+import pytest
 from hypothesis import given, settings
 
 import ckptkit
@@ -38,3 +40,16 @@ def test_the_example_runs_and_resumes_from_the_command_line(tmp_path, capsys):
     main(["--run-dir", str(tmp_path), "--steps", "60"])
     main(["--run-dir", str(tmp_path), "--steps", "100", "--resume"])
     assert capsys.readouterr().out.splitlines()[-1].startswith("step 100: loss ")
+
+
+def test_without_the_data_position_the_resume_is_caught_as_a_different_run(tmp_path, monkeypatch):
+    """The helper is not a test that cannot fail: drop the example's
+    ``add_data_position`` line and the resumed run re-reads examples it already
+    trained on, which assert_resume_equivalent reports tensor by tensor."""
+    monkeypatch.setattr(ckptkit.RunState, "add_data_position", lambda self, *a, **kw: None)
+    with pytest.raises(AssertionError) as e:
+        assert_resume_equivalent(make_run, train_step, Config(steps=STEPS), steps=STEPS, stops=[5], workdir=tmp_path)
+    msg = str(e.value)
+    assert msg.startswith("resumed at [5] differs from the uninterrupted run in .ckpt\n")
+    assert re.search(r"model:net\.0\.weight: \d+/256 elements differ", msg), msg
+    assert "optim:optimizers.adamw.state.0.exp_avg" in msg

@@ -84,7 +84,7 @@ def _lab_main(work: str, external_kills: int, seed: int) -> None:  # noqa: C901 
             self.rs = rs = RunState(run_dir, config=Cfg(width=width), keep=KEEP, **extra)
             rs.add_model("net", self.net)
             rs.add_optimizer("adamw", self.opt)
-            rs.add_data_position("train", get=lambda: self.offset, set=self._seek, expected=lambda s: 32 * s)
+            rs.add_data_position("train", get=lambda: self.offset, set=self._seek, expected=lambda s, _values: 32 * s)
             rs.add_sidecar("ngram", get=lambda: (self.table_step, {"counts": self.counts.clone()}),
                            set=self._set_table)
 

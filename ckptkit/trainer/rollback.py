@@ -154,7 +154,7 @@ def skipped_batches(values: Mapping[str, Any]) -> int:
     """The skipped-batch count stored with a checkpoint (0 when it has no rollback record).
 
     The stream offset rule's extra term (R-R05); given a checkpoint's stored
-    values by :meth:`RunState.add_data_position`'s ``expected_given_values``.
+    values by :meth:`RunState.add_data_position`'s ``expected`` rule.
 
     Raises:
         MalformedIndex / UnsupportedVersion: the stored record is malformed.

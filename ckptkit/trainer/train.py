@@ -442,7 +442,7 @@ def run_state(
         rs.add_teacher(run.teacher)  # item 1: restored as saved, frozen; never rebuilt
     rs.add_monitor("spike", run.monitor)  # item 4: the stability report survives a resume
     rs.add_data_position("train", get=lambda: run.stream.offset, set=run.stream.seek,  # item 6, spec/rollback.md R-R05:
-                         expected_given_values=lambda step, values: expected_offset(cfg, step, skipped_batches(values)))
+                         expected=lambda step, values: expected_offset(cfg, step, skipped_batches(values)))
     if run.rollback is not None and cfg.train.auto_rollback is RollbackMode.ON:  # a rollback is run state (R-R08)
         rs.add_value("rollback", get=run.rollback.state, set=run.rollback.load)
     rs.add_value("data", get=lambda: fingerprint, set=lambda stored: _check_same_data(stored, fingerprint, cfg))

@@ -1,0 +1,347 @@
+"""RunState for a loop that is not the reference trainer (issue 9): every kind of
+state it accepts comes back exactly, what it cannot carry is refused when it is
+registered, and every refusal on resume lists its reasons before anything is
+restored."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import ckptkit
+from ckptkit import (
+    CheckpointNotFound,
+    ConfigDrift,
+    ResumeRefused,
+    RunState,
+    SpikeConfig,
+    SpikeMonitor,
+    StreamOffsetMismatch,
+    UnsupportedValue,
+)
+from ckptkit.runstate import checkpoint_name, list_checkpoints
+
+
+@dataclasses.dataclass
+class Cfg:
+    lr: float = 0.01
+    width: int = 8
+    steps: int = 10
+    ckpt_every: int = 2
+
+
+class Loop:
+    """A user's loop: two optimizers, a scheduler, a scaler, an EMA teacher, a
+    spike monitor, a data position, a value, the fp32 flag and a sidecar."""
+
+    def __init__(self, run_dir: Path, cfg: Cfg | None = None, *, seed: int = 0, width: int | None = None,
+                 keep: int = 3, rule: Any = None) -> None:
+        self.cfg = cfg or Cfg()
+        w = width or self.cfg.width
+        g = ckptkit.torch_generator(seed, 0, stream=1)
+        self.body = torch.nn.Linear(4, w)
+        self.head = torch.nn.Linear(w, 1)
+        with torch.no_grad():
+            for p in [*self.body.parameters(), *self.head.parameters()]:
+                p.copy_(torch.randn(p.shape, generator=g))
+        self.teacher = torch.nn.Linear(4, w)
+        self.teacher.load_state_dict(self.body.state_dict())
+        self.opt_body = torch.optim.AdamW(self.body.parameters(), lr=self.cfg.lr)
+        self.opt_head = torch.optim.SGD(self.head.parameters(), lr=self.cfg.lr, momentum=0.9)
+        self.sched = torch.optim.lr_scheduler.StepLR(self.opt_body, step_size=2, gamma=0.5)
+        self.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1)
+        self.monitor = SpikeMonitor(SpikeConfig(window=8, min_history=2))
+        self.position = 0
+        self.tokens_seen = {"total": 0, "by_source": [0, 0]}
+        self.fp32 = False
+        self.table: dict[str, Any] = {"counts": torch.zeros(3, dtype=torch.int64)}
+        self.table_step = 0
+        self.restored: list[str] = []
+        self.state = rs = RunState(run_dir, config=self.cfg, keep=keep)
+        rs.add_model("body", self.body)
+        rs.add_model("head", self.head)
+        rs.add_optimizer("adamw", self.opt_body)
+        rs.add_optimizer("sgd", self.opt_head)
+        rs.add_scheduler("lr", self.sched)
+        rs.add_scaler("amp", self.scaler)
+        rs.add_teacher(self.teacher)
+        rs.add_monitor("spike", self.monitor)
+        rs.add_data_position("train", get=lambda: self.position, set=self._seek,
+                             expected=rule or (lambda step, _values: 4 * step))
+        rs.add_value("tokens", get=lambda: self.tokens_seen, set=lambda v: setattr(self, "tokens_seen", v))
+        rs.add_flag("fp32_fallback", get=lambda: self.fp32, set=lambda v: setattr(self, "fp32", v))
+        rs.add_sidecar("counts", get=lambda: (self.table_step, self.table), set=self._load_table)
+        rs.after_restore(lambda: self.restored.append(f"after restore at position {self.position}"))
+
+    def _seek(self, position: int) -> None:
+        self.position = position
+
+    def _load_table(self, table_step: int, tree: Any) -> None:
+        self.table_step, self.table = table_step, tree
+
+    def step(self, i: int) -> None:
+        g = ckptkit.torch_generator(7, i, stream=2)
+        x = torch.randn(4, 4, generator=g)
+        self.position += 4
+        loss = (self.head(torch.relu(self.body(x))) ** 2).mean()
+        self.opt_body.zero_grad()
+        self.opt_head.zero_grad()
+        self.scaler.scale(loss).backward()
+        self.scaler.step(self.opt_body)
+        self.scaler.step(self.opt_head)
+        self.scaler.update()
+        self.sched.step()
+        with torch.no_grad():
+            for t, s in zip(self.teacher.parameters(), self.body.parameters()):
+                t.mul_(0.9).add_(s, alpha=0.1)
+        grad = float(torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in self.body.parameters()])))
+        self.monitor.observe(i, grad, float(loss.detach()))
+        self.tokens_seen["total"] += 16
+        self.tokens_seen["by_source"][i % 2] += 16
+        self.table["counts"][i % 3] += 1
+        self.table_step = i + 1
+        self.fp32 = self.fp32 or i == 2
+
+
+def trained(run_dir: Path, steps: int = 4, **kw: Any) -> Loop:
+    loop = Loop(run_dir, **kw)
+    loop.state.start()
+    for i in range(steps):
+        loop.step(i)
+        if (i + 1) % 2 == 0:
+            loop.state.save(i + 1)
+    return loop
+
+
+def assert_same(a: Any, b: Any, where: str = "") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for k in a:
+            assert_same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+# ----------------------------------------------------------------------------- every kind of state comes back
+
+
+def test_every_registered_kind_of_state_comes_back_exactly(tmp_path: Path) -> None:
+    a = trained(tmp_path, steps=4)
+    b = Loop(tmp_path, seed=99)  # other weights: the resume must overwrite every one
+    info = b.state.resume()
+    assert (info.step, info.path) == (4, str(tmp_path / checkpoint_name(4)))
+    for name in ("body", "head", "teacher", "opt_body", "opt_head", "sched", "scaler", "monitor"):
+        assert_same(getattr(a, name).state_dict(), getattr(b, name).state_dict(), name)
+    assert b.scaler.get_scale() == a.scaler.get_scale() != 1024.0  # grew: the scaler state is real
+    assert b.sched.get_last_lr() == a.sched.get_last_lr() != [0.01]
+    assert (b.position, b.tokens_seen, b.fp32, b.table_step) == (16, {"total": 64, "by_source": [32, 32]}, True, 4)
+    assert_same(b.table, a.table)
+    assert all(not p.requires_grad for p in b.teacher.parameters())  # restored frozen
+    assert b.restored == ["after restore at position 16"]  # after everything else is back
+    # ... and the resumed loop trains on exactly as the first one does.
+    a.step(4)
+    b.step(4)
+    assert_same(a.body.state_dict(), b.body.state_dict())
+    assert_same(a.opt_body.state_dict(), b.opt_body.state_dict())
+
+
+def test_a_save_writes_the_container_its_snapshot_and_each_sidecar(tmp_path: Path) -> None:
+    trained(tmp_path, steps=2)
+    assert sorted(os.listdir(tmp_path)) == ["environment.json", "step-00000002.ckpt", "step-00000002.ckpt.config.json",
+                                            "step-00000002.ckpt.counts"]
+    assert ckptkit.verify(tmp_path / checkpoint_name(2)).ok
+
+
+def test_retention_keeps_the_newest_checkpoints_with_their_companions(tmp_path: Path) -> None:
+    trained(tmp_path, steps=8, keep=2)
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [6, 8]
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("step-")) == [
+        "step-00000006.ckpt", "step-00000006.ckpt.config.json", "step-00000006.ckpt.counts",
+        "step-00000008.ckpt", "step-00000008.ckpt.config.json", "step-00000008.ckpt.counts"]
+
+
+def test_discard_after_deletes_the_newer_checkpoints_and_their_companions(tmp_path: Path) -> None:
+    loop = trained(tmp_path, steps=6)
+    gone = loop.state.discard_after(2)
+    assert [os.path.basename(p) for p in gone] == ["step-00000004.ckpt", "step-00000006.ckpt"]
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("step-")) == [
+        "step-00000002.ckpt", "step-00000002.ckpt.config.json", "step-00000002.ckpt.counts"]
+
+
+# ----------------------------------------------------------------------------- refused when registered
+
+
+def _module_with_extra_state(extra: Any) -> torch.nn.Module:
+    class Odd(torch.nn.Linear):
+        def get_extra_state(self) -> Any:
+            return extra
+
+        def set_extra_state(self, state: Any) -> None:
+            pass
+
+    return Odd(2, 2)
+
+
+class NoState:
+    pass
+
+
+@pytest.mark.parametrize("register, error, message", [
+    (lambda rs: rs.add_model("m", NoState()), UnsupportedValue,
+     "model 'm': a NoState has no state_dict()/load_state_dict()"),
+    (lambda rs: rs.add_optimizer("o", NoState()), UnsupportedValue,
+     "optimizer 'o': a NoState has no state_dict()/load_state_dict()"),
+    (lambda rs: rs.add_model("m", _module_with_extra_state({1, 2})), UnsupportedValue, "model 'm'"),
+    (lambda rs: rs.add_value("v", get=lambda: {"when": object()}, set=print), UnsupportedValue, "value 'v'"),
+    (lambda rs: rs.add_monitor("mon", _module_with_extra_state(None)), UnsupportedValue, "monitor 'mon'"),
+    (lambda rs: rs.add_flag("turbo", get=lambda: True, set=print), UnsupportedValue,
+     "flag 'turbo' has no bit in this container version (known: fp32_fallback); store it with add_value"),
+    (lambda rs: rs.add_data_position("d", get=lambda: -1, set=print), UnsupportedValue,
+     "data position 'd' must be a non-negative int (got -1)"),
+    (lambda rs: rs.add_data_position("d", get=lambda: 1.5, set=print), UnsupportedValue,
+     "data position 'd' must be a non-negative int (got 1.5)"),
+    (lambda rs: rs.add_sidecar("c", get=lambda: (0, {"x": object()}), set=print), UnsupportedValue, "sidecar 'c'"),
+    (lambda rs: rs.add_model("", torch.nn.Linear(1, 1)), ValueError, "model name must be a non-empty string"),
+])
+def test_what_the_container_cannot_carry_is_refused_at_registration(tmp_path: Path, register: Any,
+                                                                     error: type[Exception], message: str) -> None:
+    rs = RunState(tmp_path, config=Cfg())
+    with pytest.raises(error) as e:
+        register(rs)
+    assert message in str(e.value)
+
+
+def test_a_name_registered_twice_or_a_second_teacher_is_refused(tmp_path: Path) -> None:
+    rs = RunState(tmp_path, config=Cfg())
+    rs.add_model("net", torch.nn.Linear(1, 1))
+    with pytest.raises(ValueError, match="model 'net' is already registered"):
+        rs.add_model("net", torch.nn.Linear(1, 1))
+    rs.add_teacher(torch.nn.Linear(1, 1))
+    with pytest.raises(ValueError, match="a teacher is already registered"):
+        rs.add_teacher(torch.nn.Linear(1, 1))
+
+
+def test_a_config_the_snapshot_cannot_hold_is_refused_before_training(tmp_path: Path) -> None:
+    @dataclasses.dataclass
+    class Bad:
+        when: object = dataclasses.field(default_factory=object)
+
+    with pytest.raises(UnsupportedValue, match="when"):
+        RunState(tmp_path, config=Bad())
+    with pytest.raises(ValueError, match="keep must be >= 1 \\(got 0\\)"):
+        RunState(tmp_path, config=Cfg(), keep=0)
+
+
+# ----------------------------------------------------------------------------- refused on resume, nothing restored
+
+
+def test_start_refuses_a_directory_that_holds_checkpoints(tmp_path: Path) -> None:
+    trained(tmp_path, steps=2)
+    with pytest.raises(ResumeRefused, match=r"already holds 1 checkpoint\(s\), newest step-00000002.ckpt; resume it"):
+        Loop(tmp_path).state.start()
+
+
+def test_resume_with_nothing_to_resume_says_so(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointNotFound, match="no checkpoints to resume from"):
+        Loop(tmp_path).state.resume()
+
+
+def test_drift_lists_every_strict_key_and_exempt_keys_pass_with_a_note(tmp_path: Path) -> None:
+    trained(tmp_path, steps=2)
+    with pytest.raises(ConfigDrift) as e:
+        Loop(tmp_path, Cfg(lr=0.02, width=8, steps=20)).state.resume()
+    assert [d.key for d in e.value.differences] == ["lr"]
+    assert "lr 0.01 -> 0.02" in str(e.value)
+    info = Loop(tmp_path, Cfg(steps=20, ckpt_every=5)).state.resume()
+    assert [d.key for d in info.exempt_changes] == ["ckpt_every", "steps"]
+    assert any(n.startswith("steps 10 -> 20") for n in info.notes)
+
+
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one_and_says_so(tmp_path: Path) -> None:
+    trained(tmp_path, steps=6)
+    newest = tmp_path / checkpoint_name(6)
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    newest.write_bytes(bytes(data))
+    (tmp_path / (checkpoint_name(4) + ".counts")).unlink()
+    logged: list[str] = []
+    loop = Loop(tmp_path)
+    loop.state._log = logged.append
+    info = loop.state.resume()
+    assert info.step == 2 and loop.position == 8
+    assert [os.path.basename(p) for p, _ in info.skipped] == ["step-00000006.ckpt", "step-00000004.ckpt"]
+    assert "does not match" in info.skipped[0][1] and info.skipped[0][1].endswith(
+        "the file is damaged; resume from an earlier checkpoint (R-005)")
+    assert info.skipped[1][1] == f"{tmp_path / checkpoint_name(4)}.counts: no such sidecar file"
+    assert logged[-1] == "falling back to step-00000002.ckpt (step 2)"
+
+
+def test_a_sidecar_stamped_for_another_step_is_not_mixed_in(tmp_path: Path) -> None:
+    trained(tmp_path, steps=4)
+    ckpt4 = tmp_path / checkpoint_name(4)
+    shutil.copy(tmp_path / (checkpoint_name(2) + ".counts"), str(ckpt4) + ".counts")
+    info = Loop(tmp_path).state.resume()
+    assert info.step == 2
+    assert "train_step" in info.skipped[0][1]
+
+
+def test_a_stored_position_that_breaks_the_offset_rule_is_refused(tmp_path: Path) -> None:
+    trained(tmp_path, steps=2)
+    seen: list[Any] = []
+
+    def rule(step: int, values: Any) -> int:
+        seen.append(values["tokens"])
+        return 5 * step  # the rule changed: 4 examples per step before
+
+    loop = Loop(tmp_path, rule=rule)
+    with pytest.raises(StreamOffsetMismatch, match=r"data position 'train' is 8, but a run at step 2 must be at 10; "
+                                                   "the stream offset rule changed or the checkpoint is from another run"):
+        loop.state.resume()
+    assert seen == [{"total": 32, "by_source": [16, 16]}]  # the rule saw the checkpoint's stored values
+    assert loop.position == 0
+
+
+def test_a_checkpoint_for_other_registrations_is_refused_listing_every_difference(tmp_path: Path) -> None:
+    trained(tmp_path, steps=2)
+    loop = Loop(tmp_path, seed=5)
+    before = {k: v.clone() for k, v in loop.body.state_dict().items()}
+    extra = torch.nn.Linear(1, 1)
+    loop.state.add_model("adapter", extra)
+    loop.state.add_optimizer("adam2", torch.optim.Adam(extra.parameters()))
+    with pytest.raises(ResumeRefused) as e:
+        loop.state.resume()
+    assert str(e.value) == (
+        f"{tmp_path / checkpoint_name(2)}: does not match this run's registered state: model section lacks adapter; "
+        "optim['optimizers'] lacks adam2")
+    assert_same(before, loop.body.state_dict())  # nothing was restored
+
+
+def test_a_module_built_differently_is_refused_before_anything_is_restored(tmp_path: Path) -> None:
+    """Code changed but the config did not: the drift check cannot see it, the
+    layout check does, and lists every tensor instead of half-loading."""
+    trained(tmp_path, steps=2)
+    loop = Loop(tmp_path, seed=5, width=16)
+    before = {k: v.clone() for k, v in loop.head.state_dict().items()}
+    with pytest.raises(ResumeRefused) as e:
+        loop.state.resume()
+    msg = str(e.value)
+    assert msg.startswith(f"{tmp_path / checkpoint_name(2)}: does not match this run's registered state: ")
+    for line in ("model 'body': bias is float32[8] in the checkpoint, float32[16] in the module",
+                 "model 'body': weight is float32[8, 4] in the checkpoint, float32[16, 4] in the module",
+                 "model 'head': weight is float32[1, 8] in the checkpoint, float32[1, 16] in the module",
+                 "teacher: weight is float32[8, 4] in the checkpoint, float32[16, 4] in the module"):
+        assert line in msg
+    assert_same(before, loop.head.state_dict())  # head's bias would have fit: still not restored
+    assert loop.position == 0 and loop.restored == []
