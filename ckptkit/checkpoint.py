@@ -165,7 +165,7 @@ def load(
             With ``into``, destinations read before a ``ChecksumMismatch`` was
             found hold the file's (unverified) bytes: restore again from a good
             checkpoint before using them.
-        ResumeRefused: ``into`` does not fit the file (a key the file lacks, a
+        StateMismatch: ``into`` does not fit the file (a key the file lacks, a
             shape or dtype that differs, with ``strict`` a stored tensor without
             destination); every problem is listed and nothing has been written.
 

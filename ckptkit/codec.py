@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from .container import Source, read_tensors
-from .errors import ResumeRefused, UnsupportedValue
+from .errors import StateMismatch, UnsupportedValue
 from .section import CODECS, DTYPE_SIZES, MAX_NDIM, SectionIndex, SectionPlan, TensorRef, check_plain, plan_section
 
 __all__ = [
@@ -234,7 +234,7 @@ def load_sections(
         section name -> tree (None for an absent section).
 
     Raises:
-        ResumeRefused: ``into`` does not fit the file (every problem listed);
+        StateMismatch: ``into`` does not fit the file (every problem listed);
             raised before any byte is read.
         ChecksumMismatch, MalformedIndex, TruncatedFile: as :func:`~ckptkit.container.read_tensors`.
             Destinations filled before the failure keep what was read: treat
@@ -249,9 +249,10 @@ def load_sections(
             dests[name] = match_destinations(sections[name], tree, name, problems, strict=strict)
         if problems:
             more = f"; and {len(problems) - 10} more" if len(problems) > 10 else ""
-            raise ResumeRefused(
+            raise StateMismatch(
                 f"{src.path or 'checkpoint'}: does not fit the destination tensors: {'; '.join(problems[:10])}{more}; "
-                "the checkpoint was written for another model or optimizer layout"
+                "the checkpoint was written for another model or optimizer layout",
+                problems,
             )
     jobs: list[tuple[SectionIndex, int, memoryview]] = []
     staged: list[tuple[torch.Tensor, torch.Tensor]] = []  # (read into, copy to) for indirect destinations

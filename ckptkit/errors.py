@@ -20,6 +20,7 @@ around a load keeps working::
     │   ├── ConfigDrift                       the config differs in strict keys
     │   ├── EnvironmentDrift                  torch version, threads, ... differ
     │   ├── StreamOffsetMismatch              the data position disagrees with the step
+    │   ├── StateMismatch                     stored state does not fit the live objects
     │   └── LegacyCheckpoint                  a v1 file lacks state the run needs
     ├── TrainingUnstable (RuntimeError)       spike rollbacks hit their bound
     └── ReplayDivergence (RuntimeError)       a re-run parts from its recording
@@ -50,6 +51,7 @@ __all__ = [
     "ResumeRefused",
     "SaveFailed",
     "SidecarMismatch",
+    "StateMismatch",
     "StreamOffsetMismatch",
     "TrainingUnstable",
     "TruncatedFile",
@@ -207,6 +209,20 @@ class EnvironmentDrift(ResumeRefused):
 
 class StreamOffsetMismatch(ResumeRefused):
     """The data position computed for a resume disagrees with the stored one."""
+
+
+class StateMismatch(ResumeRefused):
+    """The stored state does not fit the objects it would be restored into: a
+    registration or key one side lacks, a shape or dtype that differs. Raised
+    before anything is written, so the live objects are untouched.
+
+    Attributes:
+        problems: every difference, one human line each (the message shows the first 10).
+    """
+
+    def __init__(self, message: str, problems: list[str] | tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.problems = tuple(problems)
 
 
 class LegacyCheckpoint(ResumeRefused):

@@ -53,6 +53,7 @@ from .errors import (
     FormatError,
     LegacyCheckpoint,
     ResumeRefused,
+    StateMismatch,
     StreamOffsetMismatch,
     UnsupportedValue,
 )
@@ -151,19 +152,24 @@ class _Registry:
 
 def _layout_problems(where: str, stored: Mapping[str, Any], live: Mapping[str, Any], problems: list[str]) -> None:
     """Append how a module's stored state_dict differs from its live one in keys,
-    shapes or dtypes: checked before anything is restored, so a model built
-    differently (code changed, config not) is refused whole, not half-loaded."""
+    shapes or dtypes (worded as ``load(into=...)`` words them): checked before
+    anything is restored, so a model built differently (code changed, config
+    not) is refused whole, not half-loaded."""
     import torch  # lazily: ``import ckptkit`` stays torch-free for the format tools
-    missing, extra = sorted(set(live) - set(stored)), sorted(set(stored) - set(live))
-    if missing:
-        problems.append(f"{where}: the checkpoint lacks {', '.join(missing)}")
-    if extra:
-        problems.append(f"{where}: the checkpoint carries {', '.join(extra)} that the module does not have")
-    for key in sorted(set(live) & set(stored)):
-        a, b = stored[key], live[key]
-        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and (a.shape != b.shape or a.dtype != b.dtype):
-            problems.append(f"{where}: {key} is {str(a.dtype).removeprefix('torch.')}{list(a.shape)} in the checkpoint, "
-                            f"{str(b.dtype).removeprefix('torch.')}{list(b.shape)} in the module")
+
+    from .codec import dtype_name
+
+    for key in sorted(set(live) | set(stored)):
+        at = f"{where}[{key!r}]"
+        if key not in stored:
+            problems.append(f"{at}: missing from the checkpoint")
+        elif key not in live:
+            problems.append(f"{at}: in the checkpoint but not in the module")
+        elif isinstance(a := stored[key], torch.Tensor) and isinstance(b := live[key], torch.Tensor):
+            if a.dtype != b.dtype:
+                problems.append(f"{at}: dtype {dtype_name(a.dtype)} in the checkpoint, {dtype_name(b.dtype)} in the module")
+            elif a.shape != b.shape:
+                problems.append(f"{at}: shape {list(a.shape)} in the checkpoint, {list(b.shape)} in the module")
 
 
 def _has_state_dict(obj: Any) -> bool:
@@ -524,7 +530,8 @@ class RunState:
             EnvironmentDrift: the environment differs (all facts listed).
             LegacyCheckpoint: a v1 checkpoint without ``allow_legacy``.
             StreamOffsetMismatch: a stored data position disagrees with the step.
-            ResumeRefused: the checkpoint's contents do not match what is registered.
+            StateMismatch: the checkpoint's contents do not fit what is registered
+                (a registration either side lacks, a module's keys, shapes or dtypes).
         """
         self.wait()
         removed = clean_stale_temps(self.run_dir)
@@ -620,13 +627,13 @@ class RunState:
                                                          if ckpt.teacher is None else "present but no teacher is registered"))
         if not problems:
             for name, m in r.models.items():
-                _layout_problems(f"model {name!r}", ckpt.model[name], m.state_dict(), problems)
+                _layout_problems(f"model[{name!r}]", ckpt.model[name], m.state_dict(), problems)
             if r.teacher is not None and ckpt.teacher is not None:
                 _layout_problems("teacher", ckpt.teacher, r.teacher.state_dict(), problems)
         if problems:
             more = f"; and {len(problems) - 10} more" if len(problems) > 10 else ""
-            raise ResumeRefused(f"{path}: does not match this run's registered state: "
-                                + "; ".join(problems[:10]) + more)
+            raise StateMismatch(f"{path}: does not match this run's registered state: "
+                                + "; ".join(problems[:10]) + more, problems)
         mon = ckpt.monitor or {}
         for name, entry in r.data.items():
             stored = mon.get("data", {}).get(name)

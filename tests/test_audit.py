@@ -7,12 +7,12 @@ import json
 from pathlib import Path
 
 import pytest
+from test_trainer_resume import run, tiny
 
 from ckptkit.cli import main
 from ckptkit.cli.train import add_parser as add_train_parser
 from ckptkit.cli.train import config_from_args
 from ckptkit.trainer.audit import compare_runs, knob_flags
-from test_trainer_resume import run, tiny
 
 pytestmark = pytest.mark.slow
 

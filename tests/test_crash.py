@@ -540,7 +540,6 @@ def test_a_sigkilled_ckptkit_train_resumes_to_the_same_bytes(tmp_path):
     time, ends with the same final checkpoint (container, snapshot, sidecar) and the
     same history rows as a run that was never killed. (Kills between checkpoints are
     covered in-process by tests/test_trainer_resume.py.)"""
-    pytest.importorskip("ckptkit.trainer.train")
     from ckptkit.runstate import checkpoint_name
     from ckptkit.trainer import compared_rows, read_rows
 

@@ -396,7 +396,7 @@ def test_a_fifo_named_like_a_checkpoint_is_refused_not_waited_on(tmp_path):
             "try:\n    ckptkit.load(sys.argv[1])\nexcept ckptkit.CheckpointError as e:\n    print('typed', type(e).__name__)\n"
             "sys.exit(main(['verify', sys.argv[1]]) + 10)\n")
     try:
-        proc = subprocess.run([sys.executable, "-c", code, str(fifo)], capture_output=True, text=True, timeout=10)
+        proc = subprocess.run([sys.executable, "-c", code, str(fifo)], capture_output=True, text=True, timeout=60)
     except subprocess.TimeoutExpired:
         pytest.fail("ckptkit blocked opening a FIFO (open it O_NONBLOCK and refuse non-regular files)")
     assert proc.stdout.startswith("typed ") and proc.returncode in (11, 12), proc.stdout + proc.stderr

@@ -25,6 +25,7 @@ from ckptkit import (
     ResumeRefused,
     RunState,
     SaveFailed,
+    StateMismatch,
     UnsupportedValue,
     load,
     open_checkpoint,
@@ -212,8 +213,9 @@ def test_load_into_refuses_a_different_layout_listing_every_problem_and_writes_n
     save(tmp_path / "m.ckpt", Checkpoint(step=1, model={"net": {"w": torch.ones(2, 3), "b": torch.ones(3),
                                                                  "extra": torch.ones(1)}}))
     dest = {"w": torch.zeros(3, 2), "b": torch.zeros(3, dtype=torch.float64), "gone": torch.zeros(1)}
-    with pytest.raises(ResumeRefused) as e:
+    with pytest.raises(StateMismatch) as e:
         load(tmp_path / "m.ckpt", into={"model": {"net": dest}})
+    assert isinstance(e.value, ResumeRefused) and len(e.value.problems) == 4
     assert str(e.value) == (
         f"{tmp_path / 'm.ckpt'}: does not fit the destination tensors: "
         "model['net']['w']: shape [2, 3] in the checkpoint, [3, 2] in the destination; "

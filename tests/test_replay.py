@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_trainer_resume import history, run, tiny
 
 import ckptkit
 from ckptkit.cli import main
@@ -33,7 +34,6 @@ from ckptkit.snapshot import encode_snapshot
 from ckptkit.trainer import TrainerConfig
 from ckptkit.trainer.config import knobs
 from ckptkit.trainer.replay import replay
-from test_trainer_resume import history, run, tiny
 
 pytestmark = pytest.mark.slow
 

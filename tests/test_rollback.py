@@ -19,6 +19,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_trainer_resume import Crash, assert_same_run, history, run, tiny
 
 from ckptkit.checkpoint import load
 from ckptkit.cli import main
@@ -28,11 +29,10 @@ from ckptkit.sidecar import read_sidecar
 from ckptkit.trainer import StepResult, TrainerConfig, train
 from ckptkit.trainer.history import History, f64_bits, read_rows
 from ckptkit.trainer.rollback import Guard, kept_rows, new_record, skipped_batches
-from test_trainer_resume import Crash, assert_same_run, history, run, tiny
 
 pytestmark = pytest.mark.slow
 
-train_mod = importlib.import_module("ckptkit.trainer.train")
+train_mod = importlib.import_module("ckptkit.trainer.loop")
 
 BATCH = 4 * 16  # bytes a tiny step consumes
 PRE = 1  # the warm-up probe batch

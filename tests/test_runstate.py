@@ -22,6 +22,7 @@ from ckptkit import (
     RunState,
     SpikeConfig,
     SpikeMonitor,
+    StateMismatch,
     StreamOffsetMismatch,
     UnsupportedValue,
 )
@@ -320,7 +321,7 @@ def test_a_checkpoint_for_other_registrations_is_refused_listing_every_differenc
     extra = torch.nn.Linear(1, 1)
     loop.state.add_model("adapter", extra)
     loop.state.add_optimizer("adam2", torch.optim.Adam(extra.parameters()))
-    with pytest.raises(ResumeRefused) as e:
+    with pytest.raises(StateMismatch) as e:
         loop.state.resume()
     assert str(e.value) == (
         f"{tmp_path / checkpoint_name(2)}: does not match this run's registered state: model section lacks adapter; "
@@ -334,14 +335,17 @@ def test_a_module_built_differently_is_refused_before_anything_is_restored(tmp_p
     trained(tmp_path, steps=2)
     loop = Loop(tmp_path, seed=5, width=16)
     before = {k: v.clone() for k, v in loop.head.state_dict().items()}
-    with pytest.raises(ResumeRefused) as e:
+    with pytest.raises(StateMismatch) as e:
         loop.state.resume()
     msg = str(e.value)
     assert msg.startswith(f"{tmp_path / checkpoint_name(2)}: does not match this run's registered state: ")
-    for line in ("model 'body': bias is float32[8] in the checkpoint, float32[16] in the module",
-                 "model 'body': weight is float32[8, 4] in the checkpoint, float32[16, 4] in the module",
-                 "model 'head': weight is float32[1, 8] in the checkpoint, float32[1, 16] in the module",
-                 "teacher: weight is float32[8, 4] in the checkpoint, float32[16, 4] in the module"):
+    assert e.value.problems == (
+        "model['body']['bias']: shape [8] in the checkpoint, [16] in the module",
+        "model['body']['weight']: shape [8, 4] in the checkpoint, [16, 4] in the module",
+        "model['head']['weight']: shape [1, 8] in the checkpoint, [1, 16] in the module",
+        "teacher['bias']: shape [8] in the checkpoint, [16] in the module",
+        "teacher['weight']: shape [8, 4] in the checkpoint, [16, 4] in the module")
+    for line in e.value.problems:
         assert line in msg
     assert_same(before, loop.head.state_dict())  # head's bias would have fit: still not restored
     assert loop.position == 0 and loop.restored == []

@@ -9,8 +9,8 @@ from __future__ import annotations
 import ast
 import json
 import re
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest

@@ -4,7 +4,7 @@ Each test first shows the fix working (interrupted + resumed == uninterrupted,
 or the refusal that protects it), then removes the fix *in the test* -- a
 RunState subclass that drops a registration, or a monkeypatched function that
 brings the old bug back -- and shows the same check failing. The docstring
-says which line of ``ckptkit/trainer/train.py`` the removal stands for.
+says which line of ``ckptkit/trainer/loop.py`` the removal stands for.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from test_trainer_resume import artifacts, assert_same_run, history, run, tiny
 
 from ckptkit import snapshot
 from ckptkit.checkpoint import load
@@ -26,12 +27,10 @@ from ckptkit.runstate import RunState, checkpoint_name
 from ckptkit.sidecar import read_sidecar
 from ckptkit.trainer import TrainerConfig
 from ckptkit.trainer.config import knobs
-from test_trainer_resume import artifacts, assert_same_run, history, run, tiny
 
 pytestmark = pytest.mark.slow
 
-# The module (ckptkit.trainer.train is also the name of the function it exports).
-train_mod = importlib.import_module("ckptkit.trainer.train")
+train_mod = importlib.import_module("ckptkit.trainer.loop")
 
 
 def resumed_matches(tmp: Path, cfg: TrainerConfig, *, stop: int, n: int, name: str = "") -> bool:

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from test_trainer_resume import history, run, tiny
 
 from ckptkit import container, load
 from ckptkit.cli import main
@@ -30,9 +31,8 @@ from ckptkit.section import plan_section
 from ckptkit.trainer import TrainerConfig, compared_rows
 from ckptkit.trainer.data import ByteStream, load_bytes
 from ckptkit.trainer.history import History, f32_bits, f64_bits, read_rows
-from test_trainer_resume import history, run, tiny
 
-train_mod = importlib.import_module("ckptkit.trainer.train")
+train_mod = importlib.import_module("ckptkit.trainer.loop")
 model_mod = importlib.import_module("ckptkit.trainer.model")
 
 # ----------------------------------------------------------------------------- randomness

@@ -13,7 +13,7 @@ from typing import Any
 from ..container import Source, read_layout, section_infos
 from ..errors import CheckpointNotFound
 from ..section import TensorRef
-from .verify import report_json, _size
+from .verify import _size, report_json
 
 __all__ = ["add_parser", "run"]
 

@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"ckptkit train: --data {cfg.data.path}: no such file", file=sys.stderr)
         return 2
 
-    from ..trainer.train import train
+    from ..trainer.loop import train
 
     result = train(
         cfg, args.run_dir, resume=args.resume, allow_legacy=args.allow_legacy,

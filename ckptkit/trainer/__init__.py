@@ -6,7 +6,7 @@
 Modules: ``config`` (the plan: every knob a config key), ``data`` (the byte
 stream and its offset rule), ``model`` (GPT, int8 fake quant, EMA teacher),
 ``ngram`` (the bigram table kept in the ``.ngram`` sidecar), ``history``
-(``history.jsonl``), ``train`` (the loop). The format library never imports
+(``history.jsonl``), ``loop`` (the training loop: ``train``, ``train_step``). The format library never imports
 this package. ``spec/trainer.md`` is the contract for its files.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from .config import DataConfig, ModelConfig, TrainConfig, TrainerConfig
 from .history import compared_rows, read_rows
-from .train import StepResult, TrainResult, train, train_step
+from .loop import StepResult, TrainResult, train, train_step
 
 __all__ = [
     "DataConfig",

@@ -30,9 +30,9 @@ from typing import Any
 
 from ..compare import compare_checkpoints
 from ..environment import EnvDiff, diff_environment
+from ..errors import CheckpointError
 from ..fingerprint import differing_names, first_divergence, step_rows
 from ..runstate import ENVIRONMENT_FILE, checkpoint_name, list_checkpoints
-from ..errors import CheckpointError
 from ..snapshot import DEFAULT_EXEMPT, diff_keys, read_snapshot, snapshot_path
 from .config import TrainerConfig, flag_name, knobs
 from .history import HISTORY_FILE, compared_rows, read_rows
@@ -363,7 +363,7 @@ def _explain(a: str, b: str, rows_a: list[dict[str, Any]], rows_b: list[dict[str
         if before:
             start, ckpt = before[-1]
             with tempfile.TemporaryDirectory(prefix="ckptkit-audit-rerun-") as tmp:
-                from .train import deterministic_torch
+                from .loop import deterministic_torch
 
                 with deterministic_torch():
                     cfg = config_of(ckpt).replace(**{"train.steps": done})

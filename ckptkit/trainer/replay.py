@@ -15,7 +15,7 @@ every tensor and value it holds (``checkpoint`` rows). A replay:
 2. compares the environment with ``environment.json`` (refused on a difference unless
    ``allow_env_change``, exactly like a resume) and rebuilds the config from the
    checkpoint's snapshot (plus explicit overrides, which are reported);
-3. restores the checkpoint through the trainer's own :func:`~ckptkit.trainer.train.run_state`
+3. restores the checkpoint through the trainer's own :func:`~ckptkit.trainer.loop.run_state`
    in a private directory (never RUN) and re-runs every step, comparing each step row
    with the recording and, wherever the recording checkpointed, the whole state and
    the file RUN still holds there;
@@ -55,7 +55,7 @@ from .config import TrainerConfig
 from .data import data_fingerprint, load_bytes
 from .digests import MODEL_PREFIX
 from .history import HISTORY_FILE, WALL_FIELDS, read_rows
-from .train import Run, _after_resume, build, deterministic_torch, run_state, train_step
+from .loop import Run, _after_resume, build, deterministic_torch, run_state, train_step
 
 __all__ = ["FieldDiff", "Recording", "ReplayError", "ReplayReport", "Rerun", "StepDivergence", "TensorReport",
            "config_of", "divergence_json", "load_recording", "named_reports", "replay", "rerun_step", "step_fields",

@@ -56,6 +56,7 @@ import torch
 import xxhash
 
 from ..checkpoint import Checkpoint, load
+from ..codec import dtype_name, tensor_bytes
 from ..errors import (
     CheckpointNotFound,
     FormatError,
@@ -65,7 +66,6 @@ from ..errors import (
     TrainingUnstable,
     UnsupportedVersion,
 )
-from ..codec import dtype_name, tensor_bytes
 from ..runstate import checkpoint_name, list_checkpoints
 from ..section import sort_key
 from ..sidecar import read_sidecar, sidecar_path
@@ -75,7 +75,7 @@ from .history import f32_bits, json_float
 if TYPE_CHECKING:
     from ..runstate import RunState
     from .history import History
-    from .train import Run, StepResult
+    from .loop import Run, StepResult
 
 __all__ = ["RECORD_VERSION", "SPIKE_FACTOR", "VALUE_NAME", "Guard", "Kept", "RollbackState", "Ring", "kept_rows",
            "new_record", "skipped_batches"]
@@ -167,7 +167,7 @@ def skipped_batches(values: Mapping[str, Any]) -> int:
 class RollbackState:
     """The run state a rollback changes: the record, the LR scale, the ``--spike-at`` arrivals.
 
-    Lives on the :class:`~ckptkit.trainer.train.Run` (``run.rollback``), so a step
+    Lives on the :class:`~ckptkit.trainer.loop.Run` (``run.rollback``), so a step
     reads the LR scale and the injection from it and ``run_state`` registers it
     (``add_value("rollback")``, mode ``on`` only) wherever the run is restored.
     The record is never rewound by a rollback (R-R08).
@@ -366,7 +366,7 @@ def _digests(ckpt: Checkpoint, ngram: tuple[int, Any] | None, *, records: bool =
 
 
 class Guard:
-    """The spike-rollback controller of one :func:`~ckptkit.trainer.train.train` call.
+    """The spike-rollback controller of one :func:`~ckptkit.trainer.loop.train` call.
 
     Args:
         cfg: the run config (``train.auto_rollback`` and the ``rollback_*`` knobs).
@@ -398,7 +398,7 @@ class Guard:
         self._step_fn, self._lr_fn, self._probe_fn, self._offset_rule = step_fn, lr_fn, probe_fn, offset_rule
         self._log = log
         if run.rollback is None:
-            raise ValueError("run.rollback is None: build the run with ckptkit.trainer.train.build()")
+            raise ValueError("run.rollback is None: build the run with ckptkit.trainer.loop.build()")
         self.held: RollbackState = run.rollback  # the record lives on the run (run_state registers it)
         self.ring = Ring(self.k) if self.mode is RollbackMode.ON else None
         self.restored_step: int | None = None  # where training goes on after the last rollback
