@@ -21,13 +21,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_trainer_resume import Crash, assert_same_run, history, run, tiny
 
-from ckptkit.checkpoint import load
+from ckptkit.checkpoint import load, save
 from ckptkit.cli import main
 from ckptkit.errors import MalformedIndex, ReplayDivergence, StreamOffsetMismatch, TrainingUnstable
 from ckptkit.runstate import RunState, checkpoint_name, list_checkpoints
 from ckptkit.sidecar import read_sidecar
 from ckptkit.trainer import StepResult, TrainerConfig, train
 from ckptkit.trainer.history import History, f64_bits, read_rows
+from ckptkit.trainer.replay import replay
 from ckptkit.trainer.rollback import Guard, kept_rows, new_record, skipped_batches
 
 pytestmark = pytest.mark.slow
@@ -515,3 +516,67 @@ def test_acceptance_without_auto_rollback_on_the_spike_is_logged_and_training_co
     assert [(r["step"], r["action"]) for r in kinds(rows, "spike")] == [(200, "warn")]
     assert not kinds(rows, "rollback")
     assert [r["step"] for r in kinds(rows, "step")] == list(range(205))
+
+
+# ----------------------------------------------------------------------------- replay through rollbacks (R-P15)
+
+
+@pytest.fixture(scope="module")
+def replayable(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``--spike-at 9``, K = 3, 14 steps: one re-run and one rollback to 6 in the recording."""
+    d = tmp_path_factory.mktemp("replayable")
+    train(rb(**{"train.spike_at": 9, "train.steps": 14}), d, log=None)
+    return d
+
+
+def _files(run_dir: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(run_dir.iterdir())}
+
+
+@pytest.mark.parametrize("argv, executions", [
+    (["--from", "3"], 16),  # 3..9, the re-run of 9, then 6..13 of the new timeline
+    (["--from", "6"], 8),  # the rolled-back checkpoint 6 of the new timeline: 6..13
+    (["--from", "3", "--to", "9"], 6),  # before the spike, but its rows were superseded: 3..8 of the first timeline
+])
+def test_replay_goes_through_the_recorded_rollback_bit_for_bit_and_leaves_the_run_alone(
+        replayable: Path, capsys: pytest.CaptureFixture[str], argv: list[str], executions: int) -> None:
+    before = _files(replayable)
+    assert main(["replay", str(replayable), *argv]) == 0
+    out = capsys.readouterr().out
+    assert ("note: the recording re-ran or rolled back at step(s) 9 (--auto-rollback on): replayed by the trainer's "
+            "own guarded loop, every history row compared in order (R-P15)") in out
+    assert f"IDENTICAL: {executions} step execution(s) replayed through the recorded re-runs and rollbacks" in out
+    assert _files(replayable) == before
+
+
+def test_replay_through_a_rollback_names_the_perturbed_step_and_parameter(
+        replayable: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["replay", str(replayable), "--from", "3", "--perturb-at", "7", "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    d = report["divergence"]
+    assert report["guarded"] is True and (d["kind"], d["step"]) == ("step", 7)
+    assert [f["field"] for f in d["fields"]] == ["params_digest"]
+    assert [t["name"] for t in d["tensors"]] == ["model:model.wte"]  # --perturb-at's default: the first parameter
+
+
+def test_replay_of_a_run_that_stopped_unstable_stops_the_same_way(tmp_path: Path) -> None:
+    cfg = rb(**{"train.spike_at": 9, "train.spike_repeat": 6})
+    with pytest.raises(TrainingUnstable):
+        run(cfg, tmp_path, 14)
+    report = replay(tmp_path, 3)
+    assert report.ok and report.guarded and report.to == 10
+    assert "the replay stopped: training is unstable; investigate: 3 consecutive spikes (--rollback-bound 3):" in (
+        report.notes)
+
+
+def test_a_checkpoint_after_the_rollback_altered_and_resealed_is_named(replayable: Path, tmp_path: Path) -> None:
+    shutil.copytree(replayable, tmp_path / "altered")
+    path = tmp_path / "altered" / checkpoint_name(12)
+    ckpt = load(path)
+    ckpt.model["model"]["ln_f.weight"].view(-1)[0] += 1.0  # a valid file, with other contents
+    save(path, ckpt)
+    report = replay(tmp_path / "altered", 3)
+    d = report.divergence
+    assert d is not None and (d.kind, d.step, d.file) == ("checkpoint", 12, str(path))
+    assert [t.name for t in d.tensors] == ["model:model.ln_f.weight"]
+    assert f"DIVERGED at step 12: {path} differs from the file the replay wrote at that step" in report.describe()

@@ -4,7 +4,7 @@
     ckptkit replay runs/a --from 100 --to 120 --json
     python -c "from ckptkit.trainer.replay import replay; print(replay('runs/a', 100).describe())"
 
-Implements ``spec/replay.md`` R-P05..R-P09. The recording is the run's
+Implements ``spec/replay.md`` R-P05..R-P09 and R-P15. The recording is the run's
 ``history.jsonl``: per step, exact loss / grad-norm / LR bits and ``params_digest``;
 per step, per-parameter digests (``digests`` rows); per checkpoint, the digest of
 every tensor and value it holds (``checkpoint`` rows). A replay:
@@ -24,6 +24,9 @@ every tensor and value it holds (``checkpoint`` rows). A replay:
    deterministic *here* -- it is re-run twice from the same state with per-tensor
    capture of parameters, gradients and optimizer state (gradients are never recorded,
    so they can only be compared replay against replay).
+
+A range the recording re-ran or rolled back in (``--auto-rollback on``) is replayed by
+the trainer's own guarded loop instead, comparing every history row in order (R-P15).
 
 Names are those of :func:`ckptkit.compare.checkpoint_state` (``model:model.wte``,
 ``optim:optimizers.adamw.state.3.exp_avg``); gradients are ``grad:model.<param>``.
@@ -45,17 +48,24 @@ from typing import Any
 import torch
 
 from ..checkpoint import load
-from ..compare import TensorDiff, checkpoint_state, compare_states
+from ..compare import TensorDiff, checkpoint_state, compare_checkpoints, compare_states
 from ..environment import EnvDiff, capture, diff_environment
-from ..errors import CheckpointError, CheckpointNotFound, EnvironmentDrift, FormatError, ReplayDivergence
+from ..errors import (
+    CheckpointError,
+    CheckpointNotFound,
+    EnvironmentDrift,
+    FormatError,
+    ReplayDivergence,
+    TrainingUnstable,
+)
 from ..fingerprint import FINGERPRINT_FIELDS, Divergence, differing_names, first_divergence, leaf_digests
 from ..runstate import ENVIRONMENT_FILE, RunState, checkpoint_name, list_checkpoints, read_environment
-from ..snapshot import DEFAULT_EXEMPT, read_snapshot, snapshot_path
+from ..snapshot import DEFAULT_EXEMPT, read_snapshot, snapshot_path, write_snapshot
 from .config import TrainerConfig
 from .data import data_fingerprint, load_bytes
 from .digests import MODEL_PREFIX
-from .history import HISTORY_FILE, WALL_FIELDS, read_rows
-from .loop import Run, _after_resume, build, deterministic_torch, run_state, train_step
+from .history import HISTORY_FILE, WALL_FIELDS, compared_rows, read_rows
+from .loop import Run, _after_resume, build, deterministic_torch, run_state, train, train_step
 
 __all__ = ["FieldDiff", "Recording", "ReplayError", "ReplayReport", "Rerun", "StepDivergence", "TensorReport",
            "config_of", "divergence_json", "load_recording", "named_reports", "replay", "rerun_step", "step_fields",
@@ -121,8 +131,11 @@ class StepDivergence:
 
     Attributes:
         kind: ``checkpoint`` (a checkpoint file differs from the digests recorded when
-            it was written), ``step`` (a step row's fingerprints differ) or ``state``
-            (the state after ``step`` steps differs from the recorded ``checkpoint`` row).
+            it was written), ``step`` (a step row's fingerprints differ), ``state``
+            (the state after ``step`` steps differs from the recorded ``checkpoint`` row),
+            or, replaying through rollbacks (R-P15), ``spike`` / ``rollback`` /
+            ``digests`` (that history row differs) or ``rows`` (the rows' kinds or
+            count differ).
         step: for ``step``, the 0-based step index (the history row's ``step``); for
             ``checkpoint`` and ``state``, the number of steps done (the checkpoint's step).
         fields: the step row fields that differ (``step`` kind only).
@@ -156,6 +169,7 @@ class ReplayReport:
     environment: tuple[EnvDiff, ...] = ()
     notes: tuple[str, ...] = ()
     divergence: StepDivergence | None = None
+    guarded: bool = False  # replayed through rollbacks by the guarded loop (R-P15): executions, rows compared
 
     @property
     def ok(self) -> bool:
@@ -182,6 +196,7 @@ class ReplayReport:
             "from": self.start,
             "to": self.to,
             "steps_replayed": self.replayed,
+            "guarded": self.guarded,
             "overrides": [_field_json(f, "snapshot", "replay") for f in self.overrides],
             "environment": [{"key": e.key, "recorded": e.recorded, "current": e.current, "fatal": e.fatal}
                             for e in self.environment],
@@ -204,11 +219,18 @@ class ReplayReport:
         d = self.divergence
         if d is None:
             span = f"steps {self.start}..{self.to - 1}" if self.replayed else "no steps"
-            lines.append(f"IDENTICAL: {self.replayed} step(s) replayed ({span}), every fingerprint bit for bit")
+            what = ("step execution(s) replayed through the recorded re-runs and rollbacks" if self.guarded
+                    else "step(s) replayed")
+            lines.append(f"IDENTICAL: {self.replayed} {what} ({span}), every fingerprint bit for bit")
             return "\n".join(lines)
-        if d.kind == "checkpoint":
+        if d.kind == "checkpoint" and self.guarded:
+            lines.append(f"DIVERGED at step {d.step}: {d.file} differs from the file the replay wrote at that step")
+        elif d.kind == "checkpoint":
             lines.append(f"DIVERGED at step {d.step}: {d.file} does not match the digests recorded when it was "
                          "written (altered after the fact)")
+        elif self.guarded:
+            lines.append(f"DIVERGED at step {d.step}: the recording's history row differs from the replay's "
+                         f"({d.kind}; the rows before it matched)")
         elif d.kind == "state":
             lines.append(f"DIVERGED at step {d.step}: the state after {d.step} steps differs from the recorded "
                          "checkpoint digests")
@@ -574,11 +596,9 @@ def replay(
     if to < start or to > max(rec.last, start):
         raise ReplayError(f"--to {to} is outside the replayable range: the checkpoint is at step {start} and the "
                           f"recording ends at step {rec.last}")
-    inside = [s for s in rec.rollbacks if start <= s < to]
-    if inside:
-        raise ReplayError(f"the recording re-ran or rolled back step {inside[0]} (--auto-rollback on), inside "
-                          f"{start}..{to}; replay re-runs plain steps, not the rollback protocol: replay a range "
-                          "after it (--from a later checkpoint) or before it (--to)")
+    # A re-run or rollback at or after the start supersedes rows of the range (R-P15), even when
+    # the spike itself lies past --to: the plain loop would be compared with the wrong timeline.
+    inside = sorted({s for s in rec.rollbacks if s >= start})
     if out_dir is not None:
         out_dir = os.path.abspath(os.fspath(out_dir))
         if os.path.commonpath([out_dir, os.path.abspath(run_dir)]) == os.path.abspath(run_dir):
@@ -618,6 +638,11 @@ def replay(
 
         with contextlib.ExitStack() as stack:
             work = out_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="ckptkit-replay-"))
+            if inside:
+                notes.append(f"the recording re-ran or rolled back at step(s) {', '.join(map(str, inside))} "
+                             "(--auto-rollback on): replayed by the trainer's own guarded loop, every history "
+                             "row compared in order (R-P15)")
+                return _replay_guarded(cfg, run_dir, ckpt_path, start, to, rec.last, work, log, report)
             run, rs = _restore(cfg, ckpt_path, run_dir, work, exempt, log)
             replayed = 0
             for step in range(start, to):
@@ -675,6 +700,81 @@ def replay(
             return report.done(replayed, None)
 
 
+def _replay_guarded(cfg: TrainerConfig, run_dir: str, ckpt_path: str, start: int, to: int, last: int, work: str,
+                    log: Log, report: _Builder) -> ReplayReport:
+    """R-P15: a range holding spike re-runs or rollbacks, replayed by :func:`train` itself.
+
+    Re-running plain steps cannot reproduce a rollback (its state comes from the
+    ring), so the trainer resumes a private copy of the checkpoint and history, as
+    ``ckptkit train --resume`` would, and runs the guarded loop to ``to``. A
+    deterministic run then writes the recording's compared rows again, in order
+    (step, spike, rollback and digests rows: the resume invariant), so the first
+    row that differs is the divergence.
+    """
+    os.makedirs(work, exist_ok=True)
+    _copy_checkpoint(ckpt_path, run_dir, work)
+    # The replay's plan (--to, overrides) is its own, not drift from the recorded snapshot.
+    write_snapshot(snapshot_path(os.path.join(work, os.path.basename(ckpt_path))), cfg)
+    shutil.copyfile(os.path.join(run_dir, HISTORY_FILE), os.path.join(work, HISTORY_FILE))
+    executed = 0
+
+    def count(_result: Any) -> None:
+        nonlocal executed
+        executed += 1
+
+    try:  # the environment was compared with the recording already (R-P06)
+        train(cfg, work, resume=True, allow_env_change=True, log=log, on_step=count)
+    except TrainingUnstable as e:  # the recording may have stopped the same way: its rows say whether it did
+        report.notes.append(f"the replay stopped: {str(e).splitlines()[0]}")
+    recorded = compared_rows(read_rows(os.path.join(run_dir, HISTORY_FILE))[0])
+    replayed = compared_rows(read_rows(os.path.join(work, HISTORY_FILE))[0])
+    for i, (a, b) in enumerate(zip(recorded, replayed)):
+        if a != b:
+            return report.done(executed, guarded=True, divergence=_row_divergence(recorded, replayed, i))
+    if len(replayed) > len(recorded):
+        extra = replayed[len(recorded)]
+        return report.done(executed, guarded=True, divergence=StepDivergence(
+            "rows", extra["step"], fields=(FieldDiff("row", None, extra),),
+            hints=("the replay went on where the recording stopped",)))
+    if to == last and len(replayed) < len(recorded):
+        missing = recorded[len(replayed)]
+        return report.done(executed, guarded=True, divergence=StepDivergence(
+            "rows", missing["step"], fields=(FieldDiff("row", missing, None),),
+            hints=("the replay stopped where the recording went on (a rollback bound it did not reach?)",)))
+    if len(replayed) == len(recorded):  # the same timeline to the end: RUN's files must be the replay's bytes
+        for s, path in list_checkpoints(run_dir):
+            mine = os.path.join(work, checkpoint_name(s))
+            if s <= start or not os.path.isfile(mine) or _same_bytes(path, mine):
+                continue
+            diffs = compare_checkpoints(mine, path)
+            return report.done(executed, guarded=True, divergence=StepDivergence(
+                "checkpoint", s, file=path, tensors=tuple(tensor_reports(diffs, {})),
+                values=f"the replayed {checkpoint_name(s)}, compared as ckptkit diff --tensors does",
+                hints=("every history row matched, yet the file differs from the replay's: it was altered after "
+                       "the fact, or state outside the fingerprints was not reproduced",)))
+    return report.done(executed, None, guarded=True)
+
+
+def _same_bytes(a: str, b: str) -> bool:
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        return fa.read() == fb.read()
+
+
+def _row_divergence(recorded: list[dict[str, Any]], replayed: list[dict[str, Any]], i: int) -> StepDivergence:
+    """The first differing history row, and the tensors named by the next digests rows."""
+    a, b = recorded[i], replayed[i]
+    fields = tuple(FieldDiff(k, a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k))
+    da = next((r for r in recorded[i:] if r["kind"] == "digests"), None)
+    db = next((r for r in replayed[i:] if r["kind"] == "digests"), None)
+    tensors: list[TensorReport] = []
+    values = "the recording keeps digests, not values (inside a rollback range the ring holds the states)"
+    if da is not None and db is not None and da["step"] == db["step"]:
+        bad = differing_names(da["tensors"], db["tensors"])
+        tensors = named_reports(bad, da["tensors"], db["tensors"], "values unavailable")
+        values += f"; tensors named from the digests after {da['step']} steps"
+    return StepDivergence(a["kind"] if a["kind"] == b["kind"] else "rows", a["step"], fields, tuple(tensors), values)
+
+
 def _explain_step(cfg: TrainerConfig, rec: Recording, run_dir: str, origin: tuple[int, str],
                   exempt: frozenset[str], log: Log, run: Run, rs: RunState, step: int, d: Divergence | None,
                   out_dir: str | None) -> StepDivergence:
@@ -724,7 +824,7 @@ class _Builder:
         self.overrides, self.env, self.notes = overrides, env, notes
         self.recorded_env_overrides = recorded_env_overrides
 
-    def done(self, replayed: int, divergence: StepDivergence | None) -> ReplayReport:
+    def done(self, replayed: int, divergence: StepDivergence | None, *, guarded: bool = False) -> ReplayReport:
         run_dir, ckpt, start, to = self.args
         d = divergence
         recorded_env = [(s, e) for s, e in self.recorded_env_overrides if d is not None and s <= d.step]
@@ -740,5 +840,6 @@ class _Builder:
             if any(e.fatal for e in self.env):
                 extra.append("the environment differs from the recording (listed above): a likely cause")
             d = StepDivergence(d.kind, d.step, d.fields, d.tensors, d.values, d.rerun, d.file, tuple(extra) + d.hints)
-        return ReplayReport(run_dir, ckpt, start, to, replayed, self.overrides, self.env, tuple(self.notes), d)
+        return ReplayReport(run_dir, ckpt, start, to, replayed, self.overrides, self.env, tuple(self.notes), d,
+                            guarded)
 
