@@ -288,6 +288,7 @@ def mask_stream(
     seed: int,
     step: int,
     stream: int = Stream.MASK,
+    rows: int | None = None,
 ) -> np.ndarray:
     """A causal span mask of length ``t``, a pure function of (seed, step).
 
@@ -306,9 +307,14 @@ def mask_stream(
         mask_span: span length in positions, >= 1.
         seed, step: as :func:`draw`.
         stream: the stream id, :attr:`Stream.MASK` unless a model draws two masks.
+        rows: one mask per sequence of a batch: an ``(rows, t)`` array whose row
+            ``r`` draws its starts at indices ``r * t + j`` and is dilated within
+            the row (row 0 is the one-row mask). A batch sharing one mask would
+            leave the whole step without a masked position whenever its one row
+            has none.
 
     Returns:
-        A ``bool`` array of length ``t``.
+        A ``bool`` array of length ``t`` (of shape ``(rows, t)`` with ``rows``).
 
     Raises:
         ValueError: an argument is out of range; the message names it.
@@ -328,13 +334,15 @@ def mask_stream(
     frac = float(mask_frac)
     if not 0.0 <= frac <= 1.0:  # also refuses NaN
         raise ValueError(f"mask_frac must be in [0, 1] (got {mask_frac})")
+    n = 1 if rows is None else _count("rows", rows)
     p = frac / int(mask_span)
-    starts = uniforms(seed, step, t, stream) < p
-    # masked[i] = any(starts[max(0, i - span + 1) : i + 1]) via a prefix count.
-    counts = np.concatenate(([0], np.cumsum(starts, dtype=np.int64)))
+    starts = (uniforms(seed, step, n * t, stream) < p).reshape(n, t)
+    # masked[r, i] = any(starts[r, max(0, i - span + 1) : i + 1]) via a prefix count per row.
+    counts = np.concatenate((np.zeros((n, 1), np.int64), np.cumsum(starts, axis=1, dtype=np.int64)), axis=1)
     hi = np.arange(1, t + 1)
     lo = np.maximum(hi - int(mask_span), 0)
-    return (counts[hi] - counts[lo]) > 0
+    mask = (counts[:, hi] - counts[:, lo]) > 0
+    return mask[0] if rows is None else mask
 
 
 def torch_generator(seed: int, step: int, stream: int = 0, device: Any = "cpu") -> torch.Generator:

@@ -246,6 +246,25 @@ def test_mask_is_the_causal_dilation_of_its_starts(t: int, frac: float, span: in
     assert np.array_equal(mask, mask_stream(t, frac, span, seed=seed, step=step))
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 60), st.integers(0, 6), st.floats(0.0, 1.0), st.integers(1, 8), SMALL, SMALL)
+def test_a_mask_per_row_draws_row_r_at_indices_r_times_t(t: int, rows: int, frac: float, span: int, seed: int,
+                                                         step: int) -> None:
+    masks = mask_stream(t, frac, span, seed=seed, step=step, rows=rows)
+    assert masks.dtype == np.bool_ and masks.shape == (rows, t)
+    for r in range(rows):
+        starts = [uniform(seed, step, r * t + j, Stream.MASK) < frac / span for j in range(t)]
+        assert masks[r].tolist() == [any(starts[max(0, i - span + 1) : i + 1]) for i in range(t)]
+    if rows:
+        assert np.array_equal(masks[0], mask_stream(t, frac, span, seed=seed, step=step))
+
+
+def test_mask_rows_match_the_spec_vector() -> None:
+    masks = mask_stream(16, 0.5, 2, seed=1, step=7, rows=3)
+    assert ["".join("1" if x else "0" for x in row) for row in masks] == [
+        "0011001110001100", "0000001110111111", "0000000000111111"]
+
+
 def test_mask_every_masked_position_has_a_start_within_span_behind_it() -> None:
     t, span = 500, 7
     mask = mask_stream(t, 0.3, span, seed=5, step=9)
@@ -296,6 +315,13 @@ def test_mask_stream_refuses_bad_arguments_naming_them(args: tuple, exc: type, m
     with pytest.raises(exc) as info:
         mask_stream(*args, seed=1, step=0)
     assert str(info.value) == message
+
+
+def test_mask_stream_refuses_a_bad_row_count_naming_it() -> None:
+    with pytest.raises(ValueError, match=r"^rows must be >= 0 \(got -1\)$"):
+        mask_stream(8, 0.1, 2, seed=1, step=0, rows=-1)
+    with pytest.raises(TypeError, match=r"^rows must be an int \(got bool\)$"):
+        mask_stream(8, 0.1, 2, seed=1, step=0, rows=True)
 
 
 def test_mask_boundaries_are_accepted() -> None:

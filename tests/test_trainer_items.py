@@ -154,15 +154,16 @@ def test_item2_resumed_int8_run_keeps_training_int8(tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------- item 3: the mask
 
 
-def _mask_from_global_rng(t: int, mask_frac: float, mask_span: int, *, seed: int, step: int) -> np.ndarray:
+def _mask_from_global_rng(t: int, mask_frac: float, mask_span: int, *, seed: int, step: int,
+                          rows: int) -> np.ndarray:
     """The original bug: a mask from an unseeded global RNG."""
-    starts = np.random.random(t) < mask_frac / mask_span
-    return np.convolve(starts, np.ones(mask_span, dtype=bool))[:t] > 0
+    starts = np.random.random((rows, t)) < mask_frac / mask_span
+    return np.stack([np.convolve(s, np.ones(mask_span, dtype=bool))[:t] > 0 for s in starts])
 
 
 def test_item3_mask_is_a_function_of_seed_and_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two runs agree whatever the global RNGs hold, because the mask is
-    ``mask_stream(seq_len, mask_frac, mask_span, seed=, step=)``.
+    ``mask_stream(seq_len, mask_frac, mask_span, seed=, step=, rows=batch)``.
 
     Replacing that call in ``_aux_loss`` with a draw from a global RNG (the
     original bug, simulated below) makes two identical runs differ.

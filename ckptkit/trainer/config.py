@@ -187,15 +187,9 @@ class TrainerConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     # The spike monitor's detection parameters (ckptkit.monitor): changing them
-    # changes the stability report, so they are strict like any other key.
-    # Multiplier 3x as the PRD; window 100 and min_history 60 (not the monitor's
-    # 50 and 10) because the reference model's loss falls steeply for ~60 steps and
-    # the shipped corpus' chapter headings then spike 3.3-5.2x the median (steps 39,
-    # 41 and 55 on the default seed): acted on (--auto-rollback on) they roll back
-    # over every heading, the model never learns them, and the run thrashes into
-    # "training is unstable" by step 43. After step 60 the default run has no
-    # grad norm above 2x the median (spec/rollback.md R-R01).
-    monitor: SpikeConfig = field(default_factory=lambda: SpikeConfig(window=100, min_history=60))
+    # changes the stability report, so they are strict like any other key. The
+    # monitor's own defaults, the PRD's: window 50, multiplier 3x (spec/rollback.md R-R01).
+    monitor: SpikeConfig = field(default_factory=SpikeConfig)
 
     def __post_init__(self) -> None:
         if self.data.seq_len > self.model.block_size:

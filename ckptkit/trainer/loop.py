@@ -314,16 +314,17 @@ def build(cfg: TrainerConfig, data: bytes | None = None) -> Run:
 
 def _aux_loss(run: Run, x: torch.Tensor, depth: int, step: int) -> torch.Tensor:
     """JEPA-style: the student, seeing the mask embedding at masked positions,
-    predicts the teacher's (layer-normed) hidden states there. The mask is a
-    function of (seed, step) (design record item 3)."""
+    predicts the teacher's (layer-normed) hidden states there. The mask, one per
+    sequence, is a function of (seed, step) (design record item 3)."""
     tc, model = run.cfg.train, run.model
     assert run.teacher is not None
-    mask = torch.from_numpy(mask_stream(x.size(1), tc.mask_frac, tc.mask_span, seed=tc.seed, step=step))
+    mask = torch.from_numpy(mask_stream(x.size(1), tc.mask_frac, tc.mask_span, seed=tc.seed, step=step,
+                                        rows=x.size(0)))
     if not bool(mask.any()):
         return torch.zeros((), dtype=torch.float32)
-    pred = model.predictor(model.hidden(x, depth=depth, mask=mask)[:, mask])
+    pred = model.predictor(model.hidden(x, depth=depth, mask=mask)[mask])
     with torch.no_grad():
-        target = run.teacher.hidden(x, depth=run.cfg.model.n_layer)[:, mask]
+        target = run.teacher.hidden(x, depth=run.cfg.model.n_layer)[mask]
         target = F.layer_norm(target, target.shape[-1:])
     return F.mse_loss(pred, target)
 

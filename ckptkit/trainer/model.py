@@ -152,13 +152,14 @@ class GPT(nn.Module):
         Args:
             idx: ``(B, T)`` byte values.
             depth: blocks to run, ``1 ..= n_layer`` (rand-depth runs fewer).
-            mask: optional ``(T,)`` bool; masked positions see the mask embedding
-                instead of their byte (the JEPA student's view).
+            mask: optional ``(B, T)`` bool (or ``(T,)``, shared by the batch); masked
+                positions see the mask embedding instead of their byte (the JEPA
+                student's view).
         """
         T = idx.size(1)
         x = F.embedding(idx, self.wte)
         if mask is not None:
-            x = torch.where(mask[None, :, None], self.mask_emb, x)
+            x = torch.where(mask.expand(idx.shape)[:, :, None], self.mask_emb, x)
         x = x + self.wpe[:T]
         for block in self.blocks[:depth]:
             x = block(x)
