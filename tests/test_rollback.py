@@ -34,6 +34,7 @@ from ckptkit.trainer.rollback import Guard, kept_rows, new_record, skipped_batch
 pytestmark = pytest.mark.slow
 
 train_mod = importlib.import_module("ckptkit.trainer.loop")
+rollback_mod = importlib.import_module("ckptkit.trainer.rollback")
 
 BATCH = 4 * 16  # bytes a tiny step consumes
 PRE = 1  # the warm-up probe batch
@@ -374,11 +375,43 @@ def test_resume_checks_the_offset_rule_with_the_stored_skipped_batches(tmp_path:
 
 
 def test_a_restore_that_misses_run_state_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every restore from the ring is compared with the digests recorded when the
-    state was kept: a restore that forgets the n-gram table is caught, by name."""
+    """Every restore from the ring is compared with the digests of the kept copy: a
+    restore that forgets the n-gram table is caught, by name."""
     monkeypatch.setattr(train_mod.BigramTable, "load_sidecar", lambda self, *a, **kw: None)
     with pytest.raises(ReplayDivergence, match=r"state restored for step 9 differs .* in: sidecars\.ngram"):
         run(rb(**{"train.spike_at": 9}), tmp_path, 12)
+
+
+def _storages(*trees: Any) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in rollback_mod._tensors(trees) if t.numel()}
+
+
+def test_the_ring_never_shares_memory_with_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kept state is a private copy, before and after it is restored: its digest
+    (taken on first use, R-R03) is then the kept state's, never a later one's. A
+    ring that aliased the live tensors would roll back to the present."""
+    real_keep, real_restore = Guard.keep, Guard._restore
+    checked: list[str] = []
+
+    def live(self: Guard, step: int) -> set[int]:
+        ck = self.rs.checkpoint(step)
+        return _storages(ck.model, ck.optim, ck.teacher, self.run.ngram.sidecar() if self.run.ngram else None)
+
+    def keep(self: Guard, step: int) -> None:
+        real_keep(self, step)
+        kept = self.ring.get(step)
+        assert not live(self, step) & _storages(kept.ckpt.model, kept.ckpt.optim, kept.ckpt.teacher, kept.ngram)
+        checked.append("keep")
+
+    def restore(self: Guard, kept: Any, **kw: Any) -> None:
+        real_restore(self, kept, **kw)
+        assert not live(self, kept.step) & _storages(kept.ckpt.model, kept.ckpt.optim, kept.ckpt.teacher, kept.ngram)
+        checked.append("restore")
+
+    monkeypatch.setattr(Guard, "keep", keep)
+    monkeypatch.setattr(Guard, "_restore", restore)
+    run(rb(**{"train.spike_at": 9}), tmp_path, 12)
+    assert checked.count("restore") == 2 and checked.count("keep") >= 12  # the re-run and the rollback
 
 
 def test_a_ring_rebuild_that_does_not_reproduce_the_checkpoint_is_refused(tmp_path: Path,

@@ -21,8 +21,9 @@ on     the update is discarded and the step re-run once from the exact state
 
 Where the state at N-K comes from: a :class:`Ring` of the last K+1 pre-step
 states, each :meth:`RunState.checkpoint` tree (every tensor cloned) plus the
-n-gram sidecar, with per-part digests recorded when it was kept. Every restore
-from the ring is checked against those digests before training goes on. The
+n-gram sidecar. Every restore from the ring is checked against per-part digests
+of the kept copy before training goes on (computed on first use: the copy is
+private and never written, and most kept states are never restored). The
 ring is derived state, not saved: a resumed run rebuilds it by replaying from
 an older checkpoint (or from step 0) and requires the replay to reproduce the
 resumed checkpoint exactly.
@@ -49,7 +50,7 @@ import math
 import os
 import struct
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -233,13 +234,27 @@ class Kept:
         step: the steps done (the state before step ``step`` runs).
         ckpt: :meth:`RunState.checkpoint` at ``step``, every tensor cloned.
         ngram: the n-gram sidecar ``(table_step, tree)``, cloned; None without one.
-        digests: part name -> digest, recorded when the state was kept (R-R03).
+        records: whether :attr:`digests` covers the monitors' reports and the
+            rollback record (a rollback or re-run never restores them).
     """
 
     step: int
     ckpt: Checkpoint
     ngram: tuple[int, Any] | None
-    digests: dict[str, int]
+    records: bool = True
+    _digests: dict[str, int] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def digests(self) -> dict[str, int]:
+        """Part name -> digest of the kept copy (R-R03), computed on first use.
+
+        The copy shares no memory with the run and nothing writes it, so its digest
+        is the kept state's whenever it is taken; deferring it keeps the ring's
+        per-step cost to the copy (a state that is never restored is never hashed).
+        """
+        if self._digests is None:
+            self._digests = _digests(self.ckpt, self.ngram, records=self.records)
+        return self._digests
 
     @property
     def nbytes(self) -> int:
@@ -562,7 +577,7 @@ class Guard:
         if self.run.ngram is not None:
             table_step, tree = self.run.ngram.sidecar()
             ngram = (table_step, _clone(tree))
-        return Kept(step, ckpt, ngram, _digests(ckpt, ngram, records=records))
+        return Kept(step, ckpt, ngram, records)
 
     def _kept(self, step: int) -> Kept:
         assert self.ring is not None
@@ -680,7 +695,7 @@ class Guard:
                     ngram = (sc.table_step, sc.tree)
             except (FormatError, CheckpointNotFound):
                 continue  # as resume does: a damaged older checkpoint is passed over
-            return Kept(step, ckpt, ngram, _digests(ckpt, ngram)), os.path.basename(path)
+            return Kept(step, ckpt, ngram), os.path.basename(path)
         return None, "step 0 (a fresh build and the probes)"
 
     def _replay(self, frm: int, to: int, timeline: int) -> None:
