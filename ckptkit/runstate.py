@@ -349,7 +349,11 @@ class RunState:
     # ------------------------------------------------------------------ save
 
     def checkpoint(self, step: int) -> Checkpoint:
-        """The container contents for ``step``, built from the registered state."""
+        """The container contents for ``step``, built from the registered state.
+
+        The tensors are the live ones (``state_dict()`` references): copy them to keep
+        this state while training goes on (e.g. for :meth:`restore`).
+        """
         r = self._reg
         optim = {k: {n: o.state_dict() for n, o in group.items()}
                  for k, group in (("optimizers", r.optimizers), ("schedulers", r.schedulers), ("scalers", r.scalers))
@@ -549,7 +553,7 @@ class RunState:
         if legacy_missing:
             notes.append(f"LEGACY checkpoint {os.path.basename(path)}: proceeding without {', '.join(legacy_missing)}")
         self._check_contents(ckpt, path)
-        self._restore(ckpt, sidecars)
+        self.restore(ckpt, sidecars={k: (sc.table_step, sc.tree) for k, sc in sidecars.items()})
         for n in notes:
             self._log(n)
         return ResumeInfo(ckpt.step, path, tuple(notes), tuple(skipped), tuple(exempt), tuple(env),
@@ -645,34 +649,81 @@ class RunState:
                         "the stream offset rule changed or the checkpoint is from another run"
                     )
 
-    def _restore(self, ckpt: Checkpoint, sidecars: dict[str, Any]) -> None:
+    def restore(
+        self,
+        ckpt: Checkpoint,
+        *,
+        sidecars: Mapping[str, tuple[int, Any]] | None = None,
+        skip: Iterable[str] = (),
+    ) -> None:
+        """Put a checkpoint's contents into the registered objects, unchecked.
+
+        :meth:`resume` is this plus every check; call it directly to go back to a
+        state the run itself kept with :meth:`checkpoint` (an in-memory rollback),
+        so that what the rollback restores is exactly what is registered. The
+        teacher comes back frozen; the ``after_restore`` hooks run last.
+
+        Args:
+            ckpt: the contents, e.g. a :meth:`checkpoint` taken earlier and copied
+                then (its tensors are the live ones). ``load_state_dict`` may keep
+                references to the tensors given (an optimizer does): pass a copy
+                that nothing else will use.
+            sidecars: ``kind -> (table_step, tree)`` for every registered sidecar
+                not skipped.
+            skip: registrations to leave as they are, named ``"<kind>:<name>"``
+                with kind ``model``, ``optimizer``, ``scheduler``, ``scaler``,
+                ``teacher`` (name ``teacher``), ``monitor``, ``data``, ``value``,
+                ``flag`` or ``sidecar``: e.g. ``"data:train"`` to keep the stream
+                where it is.
+
+        Raises:
+            ValueError: a ``skip`` name that is not registered, or a registered
+                sidecar missing from ``sidecars``.
+        """
         r = self._reg
-        for name, m in r.models.items():
+        groups: dict[str, Mapping[str, Any]] = {
+            "model": r.models, "optimizer": r.optimizers, "scheduler": r.schedulers, "scaler": r.scalers,
+            "teacher": {"teacher": r.teacher} if r.teacher is not None else {}, "monitor": r.monitors,
+            "data": r.data, "value": r.values, "flag": r.flags, "sidecar": r.sidecars,
+        }
+        skip = set(skip)
+        unknown = sorted(s for s in skip if s.partition(":")[2] not in groups.get(s.partition(":")[0], {}))
+        if unknown:
+            raise ValueError(f"restore: skip names {', '.join(unknown)}, which this RunState does not register")
+        sidecars = dict(sidecars or {})
+        lacking = sorted(k for k in r.sidecars if f"sidecar:{k}" not in skip and k not in sidecars)
+        if lacking:
+            raise ValueError(f"restore: no contents given for the registered sidecar(s) {', '.join(lacking)}")
+
+        def todo(kind: str, regs: Mapping[str, Any]) -> list[tuple[str, Any]]:
+            return [(name, obj) for name, obj in regs.items() if f"{kind}:{name}" not in skip]
+
+        for name, m in todo("model", r.models):
             m.load_state_dict(ckpt.model[name])
         optim = ckpt.optim or {}
-        for group, regs in (("optimizers", r.optimizers), ("schedulers", r.schedulers), ("scalers", r.scalers)):
-            for name, obj in regs.items():
+        for group, kind, regs in (("optimizers", "optimizer", r.optimizers), ("schedulers", "scheduler", r.schedulers),
+                                  ("scalers", "scaler", r.scalers)):
+            for name, obj in todo(kind, regs):
                 obj.load_state_dict(optim[group][name])
-        if r.teacher is not None and ckpt.teacher is not None:
+        if r.teacher is not None and ckpt.teacher is not None and "teacher:teacher" not in skip:
             r.teacher.load_state_dict(ckpt.teacher)
             for p in r.teacher.parameters():
                 p.requires_grad_(False)
         mon = ckpt.monitor or {}
-        for name, m in r.monitors.items():
+        for name, m in todo("monitor", r.monitors):
             if "monitors" in mon:
                 m.load_state_dict(mon["monitors"][name])
-        for group, regs in (("data", r.data), ("values", r.values)):
-            for name, entry in regs.items():
+        for group, kind, regs in (("data", "data", r.data), ("values", "value", r.values)):
+            for name, entry in todo(kind, regs):
                 if group in mon:
                     entry.set(mon[group][name])
                 elif ckpt.legacy and group == "data" and entry.expected_at(ckpt.step, {}) is not None:
                     entry.set(entry.expected_at(ckpt.step, {}))  # v1 stored no position: derive it from the rule
         for bit, name in FLAG_NAMES.items():
-            if name in r.flags:
+            if name in r.flags and f"flag:{name}" not in skip:
                 r.flags[name].set(bool(ckpt.flags >> bit & 1))
-        for kind, entry in r.sidecars.items():
-            sc = sidecars[kind]
-            entry.set((sc.table_step, sc.tree))
+        for kind, entry in todo("sidecar", r.sidecars):
+            entry.set(sidecars[kind])
         for fn in self._after_restore:
             fn()
 

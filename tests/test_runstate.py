@@ -5,6 +5,7 @@ restored."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import shutil
@@ -349,3 +350,32 @@ def test_a_module_built_differently_is_refused_before_anything_is_restored(tmp_p
         assert line in msg
     assert_same(before, loop.head.state_dict())  # head's bias would have fit: still not restored
     assert loop.position == 0 and loop.restored == []
+
+
+# ----------------------------------------------------------------------------- restore: an in-memory rollback
+
+
+def test_restore_puts_a_kept_state_back_except_what_is_skipped(tmp_path: Path) -> None:
+    loop = trained(tmp_path, steps=2)
+    kept = copy.deepcopy(loop.state.checkpoint(2))  # its tensors are the live ones: keep a copy
+    kept_counts = copy.deepcopy(loop.table)
+    loop.step(2)
+    loop.step(3)
+    loop.state.restore(copy.deepcopy(kept), sidecars={"counts": (2, kept_counts)}, skip=["data:train", "value:tokens"])
+    assert_same(kept.model["body"], loop.body.state_dict())
+    assert_same(kept.optim["optimizers"]["adamw"], loop.opt_body.state_dict())
+    assert_same(kept.teacher, loop.teacher.state_dict())
+    assert (loop.position, loop.tokens_seen["total"], loop.table_step) == (16, 64, 2)  # skipped ones kept their place
+    assert_same(loop.table, kept_counts)
+    assert loop.restored == ["after restore at position 16"]
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"skip": ["data:nope", "model:body"]}, "restore: skip names data:nope, which this RunState does not register"),
+    ({"skip": ["teacher"]}, "restore: skip names teacher, which this RunState does not register"),
+    ({}, r"restore: no contents given for the registered sidecar\(s\) counts"),
+])
+def test_restore_refuses_unknown_skips_and_missing_sidecars(tmp_path: Path, kw: dict[str, Any], message: str) -> None:
+    loop = trained(tmp_path, steps=2)
+    with pytest.raises(ValueError, match=message):
+        loop.state.restore(loop.state.checkpoint(2), **kw)

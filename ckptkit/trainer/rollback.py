@@ -595,38 +595,28 @@ class Guard:
         ``full`` restores those too (rebuilding the ring). ``stream=False``
         leaves the stream where it is (skipping the window).
 
-        This mirrors the trainer's RunState registrations; anything registered and
-        not restored here shows up as a digest mismatch, never as a silent difference.
+        Everything goes back through the trainer's own RunState registrations
+        (:meth:`RunState.restore`), so a rollback restores exactly what a resume
+        does, except what it keeps on purpose; the digest check then proves it.
         """
-        run, ck = self.run, _clone(kept.ckpt)
-        run.model.load_state_dict(ck.model["model"])
-        run.optimizer.load_state_dict(ck.optim["optimizers"]["adamw"])
-        if run.teacher is not None:
-            run.teacher.load_state_dict(ck.teacher)
-            for p in run.teacher.parameters():
-                p.requires_grad_(False)
-        mon = ck.monitor or {}
-        for name, state in (mon.get("monitors") or {}).items():
-            monitor = {"spike": run.monitor}[name]
-            monitor.load_state_dict(state) if full else monitor.rewind(state)
-        if stream or full:
-            run.stream.seek(mon["data"]["train"])
-        if full and VALUE_NAME in (mon.get("values") or {}):
-            self.held.load(mon["values"][VALUE_NAME])
-        run.fp32_latched = ck.fp32_fallback
-        if run.ngram is not None and kept.ngram is not None:
-            run.ngram.load_sidecar(kept.ngram[0], kept.ngram[1])  # copies the table
-        run.apply_compute_settings()
+        ck = _clone(kept.ckpt)  # load_state_dict may keep references: the ring keeps its own
+        skip = set() if full else {"monitor:spike", f"value:{VALUE_NAME}"}  # the report and record: the whole run's
+        if not (stream or full):
+            skip.add("data:train")  # the window is skipped: the stream keeps its place (R-R05)
+        self.rs.restore(ck, sidecars={} if kept.ngram is None else {"ngram": kept.ngram}, skip=skip)
+        if not full:
+            self.run.monitor.rewind((ck.monitor or {})["monitors"]["spike"])  # the detector only (R-M07)
         # The check: the live state, digested the same way, must equal what was kept.
         now = _digests(self.rs.checkpoint(kept.step), self._live_ngram(), records=full)
         # (The reports and the record are not in a ring state's digests: never restored.)
-        skip = {"data.train"} if not (stream or full) else set()
-        differ = sorted(n for n in kept.digests.keys() | now.keys() if n not in skip and kept.digests.get(n) != now.get(n))
+        kept_apart = {"data.train"} if not (stream or full) else set()
+        differ = sorted(n for n in kept.digests.keys() | now.keys()
+                        if n not in kept_apart and kept.digests.get(n) != now.get(n))
         if differ:
             raise ReplayDivergence(
                 f"the state restored for step {kept.step} differs from the state kept at step {kept.step} in: "
-                f"{', '.join(differ)}; a restore that misses run state cannot roll back exactly (a registered "
-                "piece of run state not restored by ckptkit.trainer.rollback.Guard._restore?)")
+                f"{', '.join(differ)}; a restore that misses run state cannot roll back exactly (a registration "
+                "whose set() or load_state_dict() does not put everything back?)")
 
     def _live_ngram(self) -> tuple[int, Any] | None:
         return None if self.run.ngram is None else self.run.ngram.sidecar()
