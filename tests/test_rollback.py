@@ -566,16 +566,17 @@ def _files(run_dir: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(run_dir.iterdir())}
 
 
-@pytest.mark.parametrize("argv, executions", [
-    (["--from", "3"], 16),  # 3..9, the re-run of 9, then 6..13 of the new timeline
-    (["--from", "6"], 8),  # the rolled-back checkpoint 6 of the new timeline: 6..13
-    (["--from", "3", "--to", "9"], 6),  # before the spike, but its rows were superseded: 3..8 of the first timeline
+@pytest.mark.parametrize("argv, executions, ring", [
+    (["--from", "3"], 16, "0..3 from step 0"),  # 3..9, the re-run of 9, then 6..13 of the new timeline
+    (["--from", "6"], 8, "3..6 from step-00000003.ckpt"),  # the rolled-back checkpoint 6: 6..13
+    (["--from", "3", "--to", "9"], 6, "0..3 from step 0"),  # before the spike, its rows superseded: 3..8
 ])
 def test_replay_goes_through_the_recorded_rollback_bit_for_bit_and_leaves_the_run_alone(
-        replayable: Path, capsys: pytest.CaptureFixture[str], argv: list[str], executions: int) -> None:
+        replayable: Path, capsys: pytest.CaptureFixture[str], argv: list[str], executions: int, ring: str) -> None:
     before = _files(replayable)
     assert main(["replay", str(replayable), *argv]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert f"rollback ring rebuilt: replayed steps {ring}" in err  # from RUN's checkpoint at or before start - K
     assert ("note: the recording re-ran or rolled back at step(s) 9 (--auto-rollback on): replayed by the trainer's "
             "own guarded loop, every history row compared in order (R-P15)") in out
     assert f"IDENTICAL: {executions} step execution(s) replayed through the recorded re-runs and rollbacks" in out

@@ -713,6 +713,11 @@ def _replay_guarded(cfg: TrainerConfig, run_dir: str, ckpt_path: str, start: int
     """
     os.makedirs(work, exist_ok=True)
     _copy_checkpoint(ckpt_path, run_dir, work)
+    # The resume rebuilds the rollback ring by replaying from the newest checkpoint at or
+    # before start - K (rollback.md R-R12): give it RUN's, or it replays from step 0.
+    base = [p for s, p in list_checkpoints(run_dir) if s <= max(start - cfg.train.rollback_k, 0)]
+    if base and base[-1] != ckpt_path:
+        _copy_checkpoint(base[-1], run_dir, work)
     # The replay's plan (--to, overrides) is its own, not drift from the recorded snapshot.
     write_snapshot(snapshot_path(os.path.join(work, os.path.basename(ckpt_path))), cfg)
     shutil.copyfile(os.path.join(run_dir, HISTORY_FILE), os.path.join(work, HISTORY_FILE))
