@@ -513,6 +513,18 @@ def test_rollback_config_errors_name_the_flag(key: str, value: Any, message: str
         TrainerConfig().replace(**{key: value})
 
 
+def test_rollback_on_refuses_a_retention_that_could_leave_no_checkpoint() -> None:
+    with pytest.raises(ValueError, match=re.escape(
+            "--auto-rollback on needs (--keep - 1) x --ckpt-every >= --rollback-k (got (1 - 1) x 50 < 10): a crash "
+            "while a rollback is saved could leave no checkpoint to resume from; use --keep 2 or more")):
+        TrainerConfig().replace(**{"train.auto_rollback": "on", "train.keep": 1})
+    with pytest.raises(ValueError, match=re.escape("(got (2 - 1) x 4 < 10)") + ".*use --keep 4 or more"):
+        TrainerConfig().replace(**{"train.auto_rollback": "on", "train.keep": 2, "train.ckpt_every": 4})
+    ok = TrainerConfig().replace(**{"train.auto_rollback": "on", "train.keep": 3, "train.ckpt_every": 5})
+    assert (ok.train.keep - 1) * ok.train.ckpt_every == ok.train.rollback_k  # the boundary is accepted
+    assert TrainerConfig().replace(**{"train.keep": 1}).train.keep == 1  # warn (the default) keeps nothing in memory
+
+
 def test_rollback_config_boundaries_are_accepted() -> None:
     cfg = TrainerConfig().replace(**{"train.rollback_k": 0, "train.lr_drop": 1.0, "train.rollback_bound": 1,
                                      "train.rollback_cap": 0, "train.spike_at": 0, "train.spike_repeat": 1})

@@ -343,3 +343,10 @@ def _check_rollback(tc: Any) -> None:
         _non_negative(tc, "spike_at")
     if not isinstance(tc.spike_transient, bool):
         raise ValueError(f"--spike-transient must be true or false (got {tc.spike_transient!r})")
+    if tc.auto_rollback is RollbackMode.ON and (tc.keep - 1) * tc.ckpt_every < tc.rollback_k:
+        # R-R09: a rollback deletes the abandoned timeline's checkpoints before it saves its
+        # target; a checkpoint at or before the target must then still be on disk.
+        need = -(-tc.rollback_k // tc.ckpt_every) + 1
+        raise ValueError(f"--auto-rollback on needs (--keep - 1) x --ckpt-every >= --rollback-k (got ({tc.keep} - 1) "
+                         f"x {tc.ckpt_every} < {tc.rollback_k}): a crash while a rollback is saved could leave no "
+                         f"checkpoint to resume from; use --keep {need} or more")
