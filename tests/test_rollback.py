@@ -339,6 +339,7 @@ def scenarios(draw: Any) -> dict[str, Any]:
         # Each interruption: a clean stop at a step count, or a crash after the k-th step row
         # (re-runs and the new timeline's rows count, so crashes land before, at and after a rollback).
         "cuts": draw(st.lists(st.tuples(st.booleans(), st.integers(1, n + 6)), min_size=1, max_size=2)),
+        "replay_from": draw(st.integers(0, n)),  # replay the reference from the checkpoint nearest this step
     }
 
 
@@ -358,6 +359,12 @@ def test_interrupted_and_resumed_equals_uninterrupted_across_rollbacks(
             run(cfg, cut, at, resume=bool(saved))
     run(cfg, cut, n, resume=bool(list_checkpoints(cut)))
     assert_same_run(ref, cut, n)
+    # ... and replaying the reference from one of its checkpoints reproduces it (R-P15 when a
+    # re-run or rollback follows that checkpoint, the plain replay otherwise).
+    kept = [s for s, _ in list_checkpoints(ref)]
+    frm = max([s for s in kept if s <= sc["replay_from"]] or kept[:1])
+    report = replay(ref, frm)
+    assert report.ok, report.describe()
 
 
 def test_resume_checks_the_offset_rule_with_the_stored_skipped_batches(tmp_path: Path,
