@@ -479,11 +479,20 @@ class RunState:
                 except OSError as e:
                     self._log(f"retention: cannot delete orphan {name} ({e.strerror})")
 
+    def checkpoints(self) -> list[tuple[int, str]]:
+        """``(step, path)`` of the run directory's checkpoints, oldest first, once a
+        background save in flight has committed: the newest is the newest this run saved.
+
+        Raises:
+            SaveFailed: the background write failed; earlier checkpoints are intact.
+        """
+        self.wait()
+        return list_checkpoints(self.run_dir)
+
     def discard_after(self, step: int) -> list[str]:
         """Delete checkpoints newer than ``step`` (after a rollback they belong to an
         abandoned timeline and must never be resumed). Returns the paths deleted."""
-        self.wait()
-        gone = [p for s, p in list_checkpoints(self.run_dir) if s > step]
+        gone = [p for s, p in self.checkpoints() if s > step]
         for p in gone:
             self._delete(p)
         return gone

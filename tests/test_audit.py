@@ -9,9 +9,11 @@ from pathlib import Path
 import pytest
 from test_trainer_resume import run, tiny
 
+from ckptkit.checkpoint import load, save
 from ckptkit.cli import main
 from ckptkit.cli.train import add_parser as add_train_parser
 from ckptkit.cli.train import config_from_args
+from ckptkit.runstate import checkpoint_name
 from ckptkit.trainer.audit import compare_runs, knob_flags
 
 pytestmark = pytest.mark.slow
@@ -78,6 +80,20 @@ def test_compare_runs_names_the_first_divergence_the_tensor_and_the_config_diffe
                                             "b": d.fields[0].replayed}]
     run(cfg, tmp_path / "c", 4)
     assert compare_runs(tmp_path / "a", tmp_path / "c").ok
+
+
+def test_compare_runs_names_a_checkpoint_whose_bytes_differ_while_every_row_matches(tmp_path: Path) -> None:
+    cfg = tiny(**{"train.ckpt_every": 1, "train.keep": 100})
+    run(cfg, tmp_path / "a", 3)
+    run(cfg, tmp_path / "b", 3)
+    path = tmp_path / "b" / checkpoint_name(2)
+    ckpt = load(path)
+    ckpt.teacher["wte"].view(-1)[0] += 1.0  # no fingerprint covers the teacher: only the file can tell
+    save(path, ckpt)
+    d = compare_runs(tmp_path / "a", tmp_path / "b").divergence
+    assert d is not None and (d.kind, d.step, d.file) == ("checkpoint", 2, checkpoint_name(2))
+    assert [t.name for t in d.tensors] == ["teacher:wte"] and d.tensors[0].n_diff == 1
+    assert "state outside the fingerprints" in d.hints[0]
 
 
 def test_audit_help_shows_an_example_and_the_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:

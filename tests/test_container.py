@@ -36,7 +36,7 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int
 
 def bits(t: torch.Tensor) -> bytes:
     """The exact bytes of a tensor (NaN payloads and -0.0 included)."""
-    t = t.contiguous()
+    t = t.detach().contiguous()
     return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 

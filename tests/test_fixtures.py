@@ -16,13 +16,11 @@ from typing import Any
 
 import pytest
 import torch
-import xxhash
 import zstandard
 
 from ckptkit import errors
 from ckptkit.checkpoint import Checkpoint, load, save
 from ckptkit.cli import main
-from ckptkit.codec import tensor_bytes
 from ckptkit.container import LEGACY_MISSING, Source, read_layout, section_infos, verify
 from ckptkit.sidecar import read_sidecar, verify_sidecar, write_sidecar
 
@@ -38,6 +36,17 @@ VALID_SIDECAR = sorted(n for n, e in VALID.items() if e["kind"] == "sidecar")
 INVALID_CKPT = sorted(n for n, e in INVALID.items() if e["reader"] == "load")
 INVALID_SIDECAR = sorted(n for n, e in INVALID.items() if e["reader"] != "load")
 
+def _load_generator() -> Any:
+    spec = importlib.util.spec_from_file_location("fixtures_generate", FIXTURES / "generate.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# The generator defines the manifest's facts (``tensor_table``) and rebuilds every file.
+GENERATE = _load_generator()
+
 _ZSTD_NOW = ".".join(map(str, zstandard.ZSTD_VERSION))
 _ZSTD_THEN = MANIFEST["environment"]["zstd_version"]
 
@@ -46,26 +55,6 @@ def _skip_if_zstd_differs(entry: dict[str, Any]) -> None:
     if entry["zstd_dependent"] and _ZSTD_NOW != _ZSTD_THEN:
         pytest.skip(f"libzstd {_ZSTD_NOW} is installed but the fixture was compressed with libzstd {_ZSTD_THEN}; "
                     "compressed bytes may legitimately differ between libzstd versions")
-
-
-def _flatten(tree: Any, where: str, out: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-    if isinstance(tree, torch.Tensor):
-        out.append((where, tree))
-    elif isinstance(tree, dict):
-        for k, v in tree.items():
-            _flatten(v, f"{where}[{k!r}]", out)
-    elif isinstance(tree, (list, tuple)):
-        for i, v in enumerate(tree):
-            _flatten(v, f"{where}[{i}]", out)
-    return out
-
-
-def _tensor_rows(name: str, tree: Any) -> list[dict[str, Any]]:
-    rows = []
-    for path, t in _flatten(tree, name, []):
-        rows.append({"path": path, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
-                     "xxh3": f"0x{xxhash.xxh3_64_intdigest(tensor_bytes(t)[1]):016x}"})
-    return rows
 
 
 # ---------------------------------------------------------------------------- valid files
@@ -82,7 +71,7 @@ def test_valid_checkpoint_loads_with_the_manifest_content(name: str) -> None:
     for section in ("model", "optim", "teacher", "monitor"):
         tree = getattr(ckpt, section)
         if section in entry["sections"]:
-            assert _tensor_rows(section, tree) == entry["sections"][section]["tensors"], section
+            assert GENERATE.tensor_table(section, tree) == entry["sections"][section]["tensors"], section
         else:
             assert tree is None, section
 
@@ -124,7 +113,7 @@ def test_valid_sidecar_reads_with_its_stamp_and_the_manifest_content(name: str) 
     path = FIXTURES / "valid" / name
     sc = read_sidecar(path, expect_step=entry["train_step"])
     assert (sc.train_step, sc.table_step) == (entry["train_step"], entry["table_step"])
-    assert _tensor_rows("table", sc.tree) == entry["tensors"]
+    assert GENERATE.tensor_table("table", sc.tree) == entry["tensors"]
     assert verify_sidecar(path, expect_step=entry["train_step"]) == entry["train_step"]
 
 
@@ -133,12 +122,8 @@ def test_valid_sidecar_reads_with_its_stamp_and_the_manifest_content(name: str) 
 
 @pytest.fixture(scope="module")
 def regenerated(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    spec = importlib.util.spec_from_file_location("fixtures_generate", FIXTURES / "generate.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
     out = tmp_path_factory.mktemp("fixtures")
-    assert module.main([str(out)]) == 0
+    assert GENERATE.main([str(out)]) == 0
     return out
 
 

@@ -16,6 +16,7 @@ import time
 import pytest
 import torch
 import xxhash
+from test_container import bits, same
 
 import ckptkit.container as container
 from ckptkit import (
@@ -33,11 +34,6 @@ from ckptkit import (
     verify,
 )
 from ckptkit.container import Source, read_layout
-
-
-def bits(t: torch.Tensor) -> bytes:
-    t = t.detach().contiguous()
-    return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 
 def state() -> dict:
@@ -72,16 +68,6 @@ def flip(path, offset: int) -> None:
     path.write_bytes(bytes(data))
 
 
-def same_tree(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and bits(a) == bits(b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same_tree(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(same_tree(x, y) for x, y in zip(a, b))
-    return type(a) is type(b) and a == b
-
-
 # ================================================================ lazy (mapped) reads
 
 
@@ -91,7 +77,7 @@ def test_open_checkpoint_returns_every_value_bit_exact(tmp_path):
         assert (ck.step, ck.flags, ck.legacy, ck.sections) == (5, 0, False, ("model", "optim"))
         assert ck.keys("model", "net") == sorted(state())
         assert ck.keys("model", "net", "nested", "t") == [0, 1, 2, 3, 4, 5]
-        assert same_tree(ck.get("model"), load(path).model)
+        assert same(ck.get("model"), load(path).model)
         assert ck.get("optim", "lr") == 0.1
         assert ck.tensor("model", "net", "tied") is ck.tensor("model", "net", "w")  # one tensor, one object
 
@@ -148,7 +134,7 @@ def test_lazy_reads_a_zstd_section(tmp_path):
     ckpt = Checkpoint(step=1, model={"net": state()})
     save(path, ckpt, compression="zstd")
     with open_checkpoint(path) as ck:
-        assert same_tree(ck.get("model"), load(path).model)
+        assert same(ck.get("model"), load(path).model)
 
 
 # ================================================================ restore into existing tensors
@@ -248,7 +234,7 @@ def test_a_corrupt_tensor_met_while_restoring_in_threads_is_the_earliest_in_the_
     path, ckpt = saved(tmp_path)
     dest = {k: torch.zeros_like(v) for k, v in state().items() if k not in ("nested", "tied", "wT")}
     got = load(path, into={"model": {"net": dest}}, strict=False)
-    assert same_tree(got.model, ckpt.model)
+    assert same(got.model, ckpt.model)
     first, _ = tensor_offset(path, "model", 3)  # "i": int64[5]
     later, _ = tensor_offset(path, "model", 6)  # "w": float32[16, 8]
     flip(path, later + 100)
@@ -272,7 +258,7 @@ def test_chunk_size_changes_neither_the_bytes_nor_what_is_read(tmp_path, monkeyp
         p = tmp_path / f"{codec}-{chunk}.ckpt"
         save(p, ckpt, compression=codec)
         assert p.read_bytes() == want.read_bytes()
-        assert same_tree(load(p).model, ckpt.model)
+        assert same(load(p).model, ckpt.model)
         assert verify(p).ok
 
 

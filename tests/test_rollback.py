@@ -19,11 +19,17 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_container import same
 from test_trainer_resume import Crash, assert_same_run, history, run, tiny
 
 from ckptkit.checkpoint import load, save
 from ckptkit.cli import main
-from ckptkit.errors import MalformedIndex, ReplayDivergence, StreamOffsetMismatch, TrainingUnstable
+from ckptkit.errors import (
+    MalformedIndex,
+    ReplayDivergence,
+    StreamOffsetMismatch,
+    TrainingUnstable,
+)
 from ckptkit.runstate import RunState, checkpoint_name, list_checkpoints
 from ckptkit.sidecar import read_sidecar
 from ckptkit.trainer import StepResult, TrainerConfig, train
@@ -86,17 +92,6 @@ def sections(path: Path) -> dict[str, Any]:
             "detector": ck.monitor["monitors"]["spike"]["detector"]}
 
 
-def same_tree(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):  # bit for bit: NaN == NaN, -0.0 != 0.0
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and bool(
-            torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same_tree(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(same_tree(x, y) for x, y in zip(a, b))
-    return a == b or (a != a and b != b)
-
-
 # ----------------------------------------------------------------------------- one rollback, read every way
 
 
@@ -157,7 +152,7 @@ def test_the_rolled_back_state_is_the_state_kept_at_n_minus_k(rolled: dict[str, 
     monitor's detector; only the stream position and the rollback record differ."""
     new, old = rolled["dir"] / checkpoint_name(6), rolled["old6"] / checkpoint_name(6)
     a, b = sections(new), sections(old)
-    assert all(same_tree(a[k], b[k]) for k in a), [k for k in a if not same_tree(a[k], b[k])]
+    assert all(same(a[k], b[k]) for k in a), [k for k in a if not same(a[k], b[k])]
     na, nb = read_sidecar(str(new) + ".ngram"), read_sidecar(str(old) + ".ngram")
     assert na.table_step == nb.table_step == 6 and torch.equal(na.tree["counts"], nb.tree["counts"])
     ma, mb = load(new).monitor, load(old).monitor
@@ -222,7 +217,7 @@ def test_a_transient_spike_is_rerun_kept_and_not_rolled_back(tmp_path: Path) -> 
     # The re-run's result is used: the run is the run that never spiked, in every learned tensor.
     run(rb(), tmp_path / "clean", 12)
     a, b = sections(tmp_path / "t" / checkpoint_name(12)), sections(tmp_path / "clean" / checkpoint_name(12))
-    assert all(same_tree(a[k], b[k]) for k in ("model", "optim", "teacher", "flags"))
+    assert all(same(a[k], b[k]) for k in ("model", "optim", "teacher", "flags"))
 
 
 def test_rollback_skip_none_replays_the_window_with_the_lower_lr(tmp_path: Path) -> None:

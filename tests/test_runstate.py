@@ -9,11 +9,13 @@ import copy
 import dataclasses
 import os
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from test_container import same
 
 import ckptkit
 from ckptkit import (
@@ -121,21 +123,6 @@ def trained(run_dir: Path, steps: int = 4, **kw: Any) -> Loop:
     return loop
 
 
-def assert_same(a: Any, b: Any, where: str = "") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), where
-        for k in a:
-            assert_same(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, where
-
-
 # ----------------------------------------------------------------------------- every kind of state comes back
 
 
@@ -145,18 +132,18 @@ def test_every_registered_kind_of_state_comes_back_exactly(tmp_path: Path) -> No
     info = b.state.resume()
     assert (info.step, info.path) == (4, str(tmp_path / checkpoint_name(4)))
     for name in ("body", "head", "teacher", "opt_body", "opt_head", "sched", "scaler", "monitor"):
-        assert_same(getattr(a, name).state_dict(), getattr(b, name).state_dict(), name)
+        assert same(getattr(a, name).state_dict(), getattr(b, name).state_dict()), name
     assert b.scaler.get_scale() == a.scaler.get_scale() != 1024.0  # grew: the scaler state is real
     assert b.sched.get_last_lr() == a.sched.get_last_lr() != [0.01]
     assert (b.position, b.tokens_seen, b.fp32, b.table_step) == (16, {"total": 64, "by_source": [32, 32]}, True, 4)
-    assert_same(b.table, a.table)
+    assert same(b.table, a.table)
     assert all(not p.requires_grad for p in b.teacher.parameters())  # restored frozen
     assert b.restored == ["after restore at position 16"]  # after everything else is back
     # ... and the resumed loop trains on exactly as the first one does.
     a.step(4)
     b.step(4)
-    assert_same(a.body.state_dict(), b.body.state_dict())
-    assert_same(a.opt_body.state_dict(), b.opt_body.state_dict())
+    assert same(a.body.state_dict(), b.body.state_dict())
+    assert same(a.opt_body.state_dict(), b.opt_body.state_dict())
 
 
 def test_a_save_writes_the_container_its_snapshot_and_each_sidecar(tmp_path: Path) -> None:
@@ -327,7 +314,7 @@ def test_a_checkpoint_for_other_registrations_is_refused_listing_every_differenc
     assert str(e.value) == (
         f"{tmp_path / checkpoint_name(2)}: does not match this run's registered state: model section lacks adapter; "
         "optim['optimizers'] lacks adam2")
-    assert_same(before, loop.body.state_dict())  # nothing was restored
+    assert same(before, loop.body.state_dict())  # nothing was restored
 
 
 def test_a_module_built_differently_is_refused_before_anything_is_restored(tmp_path: Path) -> None:
@@ -348,7 +335,7 @@ def test_a_module_built_differently_is_refused_before_anything_is_restored(tmp_p
         "teacher['weight']: shape [8, 4] in the checkpoint, [16, 4] in the module")
     for line in e.value.problems:
         assert line in msg
-    assert_same(before, loop.head.state_dict())  # head's bias would have fit: still not restored
+    assert same(before, loop.head.state_dict())  # head's bias would have fit: still not restored
     assert loop.position == 0 and loop.restored == []
 
 
@@ -362,11 +349,11 @@ def test_restore_puts_a_kept_state_back_except_what_is_skipped(tmp_path: Path) -
     loop.step(2)
     loop.step(3)
     loop.state.restore(copy.deepcopy(kept), sidecars={"counts": (2, kept_counts)}, skip=["data:train", "value:tokens"])
-    assert_same(kept.model["body"], loop.body.state_dict())
-    assert_same(kept.optim["optimizers"]["adamw"], loop.opt_body.state_dict())
-    assert_same(kept.teacher, loop.teacher.state_dict())
+    assert same(kept.model["body"], loop.body.state_dict())
+    assert same(kept.optim["optimizers"]["adamw"], loop.opt_body.state_dict())
+    assert same(kept.teacher, loop.teacher.state_dict())
     assert (loop.position, loop.tokens_seen["total"], loop.table_step) == (16, 64, 2)  # skipped ones kept their place
-    assert_same(loop.table, kept_counts)
+    assert same(loop.table, kept_counts)
     assert loop.restored == ["after restore at position 16"]
 
 
@@ -379,3 +366,24 @@ def test_restore_refuses_unknown_skips_and_missing_sidecars(tmp_path: Path, kw: 
     loop = trained(tmp_path, steps=2)
     with pytest.raises(ValueError, match=message):
         loop.state.restore(loop.state.checkpoint(2), **kw)
+
+
+def test_checkpoints_waits_for_the_save_in_flight(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bare listing can miss a background save still being written; checkpoints() cannot."""
+    rs = RunState(tmp_path, config=Cfg(), async_save=True)
+    net = torch.nn.Linear(64, 64)
+    rs.add_model("net", net)
+    rs.start()
+    real = ckptkit.runstate.save
+    gate = threading.Event()
+
+    def slow_save(*a: Any, **kw: Any) -> None:
+        gate.wait(10)
+        real(*a, **kw)
+
+    monkeypatch.setattr(ckptkit.runstate, "save", slow_save)
+    rs.save(1)
+    assert list_checkpoints(tmp_path) == []  # still in flight
+    gate.set()
+    assert [s for s, _ in rs.checkpoints()] == [1]
+    rs.close()

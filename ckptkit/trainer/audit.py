@@ -32,7 +32,7 @@ from ..compare import compare_checkpoints
 from ..environment import EnvDiff, diff_environment
 from ..errors import CheckpointError
 from ..fingerprint import differing_names, first_divergence, step_rows
-from ..runstate import ENVIRONMENT_FILE, checkpoint_name, list_checkpoints
+from ..runstate import checkpoint_name, list_checkpoints, read_environment
 from ..snapshot import DEFAULT_EXEMPT, diff_keys, read_snapshot, snapshot_path
 from .config import TrainerConfig, flag_name, knobs
 from .history import HISTORY_FILE, compared_rows, read_rows
@@ -40,9 +40,12 @@ from .replay import (
     FieldDiff,
     StepDivergence,
     config_of,
+    divergence_fields,
     divergence_json,
+    first_differing_checkpoint,
     named_reports,
     rerun_step,
+    row_fields,
     step_fields,
     tensor_reports,
 )
@@ -239,10 +242,10 @@ def audit(
 
 
 def _environment(run_dir: str) -> dict[str, Any]:
+    """The run's recorded facts; {} when it has no readable record (every fact then shows as a difference)."""
     try:
-        with open(os.path.join(run_dir, ENVIRONMENT_FILE), encoding="utf-8") as f:
-            facts = json.load(f)
-    except (OSError, ValueError):
+        facts = read_environment(run_dir)
+    except CheckpointError:
         return {}
     return facts if isinstance(facts, dict) else {}
 
@@ -252,8 +255,7 @@ def _first_row_difference(rows_a: list[dict[str, Any]], rows_b: list[dict[str, A
     b = [r for r in compared_rows(rows_b) if r["kind"] == kind]
     for ra, rb in zip(a, b):
         if ra != rb:
-            keys = sorted(k for k in set(ra) | set(rb) if ra.get(k) != rb.get(k))
-            return StepDivergence(kind, ra["step"], fields=tuple(FieldDiff(k, ra.get(k), rb.get(k)) for k in keys))
+            return StepDivergence(kind, ra["step"], fields=row_fields(ra, rb))
     if len(a) != len(b):
         return StepDivergence(kind, 0, fields=(FieldDiff(f"{kind} rows", len(a), len(b)),))
     return None
@@ -298,7 +300,7 @@ def compare_runs(a: str | os.PathLike[str], b: str | os.PathLike[str], *, rerun:
                                      fields=(FieldDiff("step rows", len(steps_a), len(steps_b)),)))
     if d is not None:
         div = _explain(a, b, rows_a, rows_b, d.step,
-                       tuple(FieldDiff(f, d.expected.get(f), d.actual.get(f)) for f in d.fields), rerun, log)
+                       divergence_fields(d), rerun, log)
         drift = _config_drift(a, b)
         if drift:
             div = StepDivergence(div.kind, div.step, div.fields, div.tensors, div.values, div.rerun, div.file,
@@ -306,17 +308,16 @@ def compare_runs(a: str | os.PathLike[str], b: str | os.PathLike[str], *, rerun:
         return report(div)
     # Every history row matched: the checkpoints both runs wrote must be the same bytes.
     common = sorted({s for s, _ in list_checkpoints(a)} & {s for s, _ in list_checkpoints(b)})
-    for s in common:
-        pa, pb = os.path.join(a, checkpoint_name(s)), os.path.join(b, checkpoint_name(s))
-        if _read(pa) != _read(pb):
-            diffs = compare_checkpoints(pa, pb)
-            return report(StepDivergence(
-                "checkpoint", s, file=checkpoint_name(s), tensors=tuple(tensor_reports(diffs, {})),
-                values=f"both runs' {checkpoint_name(s)}, compared as ckptkit diff --tensors does",
-                hints=("the container bytes differ while every fingerprint matched: state outside the "
-                       "fingerprints (see the tensors) was not reproduced",) if diffs else
-                      ("the states are equal but the bytes are not: the writer is not canonical (a bug)",)),
-                len(common))
+    differ = first_differing_checkpoint(a, b, common)
+    if differ is not None:
+        s, diffs = differ
+        return report(StepDivergence(
+            "checkpoint", s, file=checkpoint_name(s), tensors=tuple(tensor_reports(diffs, {})),
+            values=f"both runs' {checkpoint_name(s)}, compared as ckptkit diff --tensors does",
+            hints=("the container bytes differ while every fingerprint matched: state outside the "
+                   "fingerprints (see the tensors) was not reproduced",) if diffs else
+                  ("the states are equal but the bytes are not: the writer is not canonical (a bug)",)),
+            len(common))
     return report(None, len(common))
 
 
@@ -330,11 +331,6 @@ def _config_drift(a: str, b: str) -> list[str]:
     except (CheckpointError, OSError):
         return []
     return [d.key for d in diffs if d.strict]
-
-
-def _read(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
 
 
 def _digests(rows: list[dict[str, Any]], kind: str, step: int) -> dict[str, int]:

@@ -68,8 +68,8 @@ from .history import HISTORY_FILE, WALL_FIELDS, compared_rows, read_rows
 from .loop import Run, _after_resume, build, deterministic_torch, run_state, train, train_step
 
 __all__ = ["FieldDiff", "Recording", "ReplayError", "ReplayReport", "Rerun", "StepDivergence", "TensorReport",
-           "config_of", "divergence_json", "load_recording", "named_reports", "replay", "rerun_step", "step_fields",
-           "tensor_reports"]
+           "config_of", "divergence_fields", "divergence_json", "first_differing_checkpoint", "load_recording",
+           "named_reports", "replay", "rerun_step", "row_fields", "step_fields", "tensor_reports"]
 
 Log = Callable[[str], None]
 
@@ -319,6 +319,7 @@ class Recording:
     checkpoints: Mapping[int, Mapping[str, int]]
     rollbacks: tuple[int, ...]  # steps the loop re-ran or rolled back (spike rows with an action, rollback rows)
     env_overrides: tuple[tuple[int, tuple[str, ...]], ...]
+    rows: tuple[Mapping[str, Any], ...] = ()  # every row, in file order (compared in order through rollbacks)
 
     @property
     def last(self) -> int:
@@ -354,7 +355,7 @@ def load_recording(run_dir: str | os.PathLike[str]) -> Recording:
             rollbacks.append(step)  # the loop re-ran or rolled back here (spec/rollback.md): not a plain step
         elif kind == "resume" and r.get("env_overrides"):
             overrides.append((step, tuple(r["env_overrides"])))
-    return Recording(steps, digests, ckpts, tuple(rollbacks), tuple(overrides))
+    return Recording(steps, digests, ckpts, tuple(rollbacks), tuple(overrides), tuple(rows))
 
 
 # ----------------------------------------------------------------------------- restoring
@@ -423,7 +424,8 @@ def step_fields(recorded: Mapping[str, Any]) -> list[str]:
     return first + sorted(k for k in recorded if k not in skip and k not in first)
 
 
-def _diff_fields(d: Divergence) -> tuple[FieldDiff, ...]:
+def divergence_fields(d: Divergence) -> tuple[FieldDiff, ...]:
+    """A :class:`~ckptkit.fingerprint.Divergence`'s differing fields, recorded against replayed."""
     return tuple(FieldDiff(f, d.expected.get(f), d.actual.get(f)) for f in d.fields)
 
 
@@ -483,7 +485,7 @@ def rerun_step(cfg: TrainerConfig, ckpt_path: str, start: int, run_dir: str, ste
         captures.append(_capture(run, rs, step + 1))
     d = first_divergence([rows[0]], [rows[1]], step_fields(rows[0]))
     diffs = compare_states(captures[0], captures[1])
-    return Rerun(d is None and not diffs, _diff_fields(d) if d else (), tuple(tensor_reports(diffs, {})))
+    return Rerun(d is None and not diffs, divergence_fields(d) if d else (), tuple(tensor_reports(diffs, {})))
 
 
 # ----------------------------------------------------------------------------- replay
@@ -642,7 +644,7 @@ def replay(
                 notes.append(f"the recording re-ran or rolled back at step(s) {', '.join(map(str, inside))} "
                              "(--auto-rollback on): replayed by the trainer's own guarded loop, every history "
                              "row compared in order (R-P15)")
-                return _replay_guarded(cfg, run_dir, ckpt_path, start, to, rec.last, work, log, report)
+                return _replay_guarded(cfg, rec, run_dir, ckpt_path, start, to, work, log, report)
             run, rs = _restore(cfg, ckpt_path, run_dir, work, exempt, log)
             replayed = 0
             for step in range(start, to):
@@ -700,8 +702,8 @@ def replay(
             return report.done(replayed, None)
 
 
-def _replay_guarded(cfg: TrainerConfig, run_dir: str, ckpt_path: str, start: int, to: int, last: int, work: str,
-                    log: Log, report: _Builder) -> ReplayReport:
+def _replay_guarded(cfg: TrainerConfig, rec: Recording, run_dir: str, ckpt_path: str, start: int, to: int,
+                    work: str, log: Log, report: _Builder) -> ReplayReport:
     """R-P15: a range holding spike re-runs or rollbacks, replayed by :func:`train` itself.
 
     Re-running plain steps cannot reproduce a rollback (its state comes from the
@@ -731,7 +733,7 @@ def _replay_guarded(cfg: TrainerConfig, run_dir: str, ckpt_path: str, start: int
         train(cfg, work, resume=True, allow_env_change=True, log=log, on_step=count)
     except TrainingUnstable as e:  # the recording may have stopped the same way: its rows say whether it did
         report.notes.append(f"the replay stopped: {str(e).splitlines()[0]}")
-    recorded = compared_rows(read_rows(os.path.join(run_dir, HISTORY_FILE))[0])
+    recorded = compared_rows(rec.rows)
     replayed = compared_rows(read_rows(os.path.join(work, HISTORY_FILE))[0])
     for i, (a, b) in enumerate(zip(recorded, replayed)):
         if a != b:
@@ -741,34 +743,46 @@ def _replay_guarded(cfg: TrainerConfig, run_dir: str, ckpt_path: str, start: int
         return report.done(executed, guarded=True, divergence=StepDivergence(
             "rows", extra["step"], fields=(FieldDiff("row", None, extra),),
             hints=("the replay went on where the recording stopped",)))
-    if to == last and len(replayed) < len(recorded):
+    if to == rec.last and len(replayed) < len(recorded):
         missing = recorded[len(replayed)]
         return report.done(executed, guarded=True, divergence=StepDivergence(
             "rows", missing["step"], fields=(FieldDiff("row", missing, None),),
             hints=("the replay stopped where the recording went on (a rollback bound it did not reach?)",)))
     if len(replayed) == len(recorded):  # the same timeline to the end: RUN's files must be the replay's bytes
-        for s, path in list_checkpoints(run_dir):
-            mine = os.path.join(work, checkpoint_name(s))
-            if s <= start or not os.path.isfile(mine) or _same_bytes(path, mine):
-                continue
-            diffs = compare_checkpoints(mine, path)
+        mine = {s for s, _ in list_checkpoints(work)}
+        differ = first_differing_checkpoint(work, run_dir, [s for s, _ in list_checkpoints(run_dir)
+                                                           if s > start and s in mine])
+        if differ is not None:
+            s, diffs = differ
             return report.done(executed, guarded=True, divergence=StepDivergence(
-                "checkpoint", s, file=path, tensors=tuple(tensor_reports(diffs, {})),
+                "checkpoint", s, file=os.path.join(run_dir, checkpoint_name(s)), tensors=tuple(tensor_reports(diffs, {})),
                 values=f"the replayed {checkpoint_name(s)}, compared as ckptkit diff --tensors does",
                 hints=("every history row matched, yet the file differs from the replay's: it was altered after "
                        "the fact, or state outside the fingerprints was not reproduced",)))
     return report.done(executed, None, guarded=True)
 
 
-def _same_bytes(a: str, b: str) -> bool:
-    with open(a, "rb") as fa, open(b, "rb") as fb:
-        return fa.read() == fb.read()
+def row_fields(a: Mapping[str, Any], b: Mapping[str, Any]) -> tuple[FieldDiff, ...]:
+    """Every key whose value differs between two history rows, sorted (``a`` recorded, ``b`` replayed)."""
+    return tuple(FieldDiff(k, a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k))
+
+
+def first_differing_checkpoint(a: str, b: str, steps: Sequence[int]) -> tuple[int, list[TensorDiff]] | None:
+    """The first of ``steps`` whose checkpoint files in run directories ``a`` and ``b``
+    differ in bytes, with the differences as ``ckptkit diff --tensors`` lists them
+    (``a`` first); None when every one is byte-identical."""
+    for s in steps:
+        pa, pb = os.path.join(a, checkpoint_name(s)), os.path.join(b, checkpoint_name(s))
+        with open(pa, "rb") as fa, open(pb, "rb") as fb:
+            if fa.read() != fb.read():
+                return s, compare_checkpoints(pa, pb)
+    return None
 
 
 def _row_divergence(recorded: list[dict[str, Any]], replayed: list[dict[str, Any]], i: int) -> StepDivergence:
     """The first differing history row, and the tensors named by the next digests rows."""
     a, b = recorded[i], replayed[i]
-    fields = tuple(FieldDiff(k, a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k))
+    fields = row_fields(a, b)
     da = next((r for r in recorded[i:] if r["kind"] == "digests"), None)
     db = next((r for r in replayed[i:] if r["kind"] == "digests"), None)
     tensors: list[TensorReport] = []
@@ -817,7 +831,7 @@ def _explain_step(cfg: TrainerConfig, rec: Recording, run_dir: str, origin: tupl
     else:
         hints.append("the step is deterministic here, so the recording ran something else: another config, "
                      "environment, code version, or a run that was itself nondeterministic")
-    return StepDivergence("step", step, fields=_diff_fields(d) if d is not None else (), tensors=tuple(tensors),
+    return StepDivergence("step", step, fields=divergence_fields(d) if d is not None else (), tensors=tuple(tensors),
                           values=values, rerun=rerun, hints=tuple(hints))
 
 

@@ -555,8 +555,7 @@ class Guard:
         lines.append(f"  {len(lines) + 1}. step {rerun.step}: {_describe(rerun)}; not rolled back")
         why = (f"{consecutive} consecutive spikes (--rollback-bound {tc.rollback_bound})" if bound_hit else
                f"--rollback-cap {tc.rollback_cap} rollbacks already done in this run")
-        self.rs.wait()  # an async save still in flight is part of "the newest"; name it only once it is on disk
-        ckpts = list_checkpoints(self.rs.run_dir)
+        ckpts = self.rs.checkpoints()  # a save still in flight is "the newest": named once it is on disk
         resume_from = ckpts[-1][1] if ckpts else None
         where = (f"the last good checkpoint is {resume_from} (the newest; intact: nothing was saved after it, "
                  f"`ckptkit verify {self.rs.run_dir}` checks it); resume from it once the cause is found, "
