@@ -33,7 +33,7 @@ from ckptkit.errors import (
 from ckptkit.runstate import RunState, checkpoint_name, list_checkpoints
 from ckptkit.sidecar import read_sidecar
 from ckptkit.trainer import StepResult, TrainerConfig, train
-from ckptkit.trainer.history import History, f64_bits, read_rows
+from ckptkit.history import History, f64_bits, read_rows
 from ckptkit.trainer.replay import replay
 from ckptkit.trainer.rollback import Guard, kept_rows, new_record, skipped_batches
 

@@ -30,7 +30,7 @@ from ckptkit.runstate import checkpoint_name
 from ckptkit.section import plan_section
 from ckptkit.trainer import TrainerConfig, compared_rows
 from ckptkit.trainer.data import ByteStream, load_bytes
-from ckptkit.trainer.history import History, f32_bits, f64_bits, read_rows
+from ckptkit.history import History, f32_bits, f64_bits, read_rows
 
 train_mod = importlib.import_module("ckptkit.trainer.loop")
 model_mod = importlib.import_module("ckptkit.trainer.model")

@@ -35,7 +35,7 @@ from ..fingerprint import differing_names, first_divergence, step_rows
 from ..runstate import checkpoint_name, list_checkpoints, read_environment
 from ..snapshot import DEFAULT_EXEMPT, diff_keys, read_snapshot, snapshot_path
 from .config import TrainerConfig, flag_name, knobs
-from .history import HISTORY_FILE, compared_rows, read_rows
+from ..history import HISTORY_FILE, compared_rows, read_rows
 from .replay import (
     FieldDiff,
     StepDivergence,

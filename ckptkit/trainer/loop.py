@@ -54,7 +54,7 @@ from ..snapshot import DEFAULT_EXEMPT
 from .config import RollbackMode, TrainConfig, TrainerConfig
 from .data import ByteStream, data_fingerprint, load_bytes
 from .digests import checkpoint_row, digests_row, param_digests, params_digest, perturb, perturb_target
-from .history import History, f32_bits, f64_bits, json_float
+from ..history import History, f32_bits, f64_bits, json_float
 from .model import GPT, apply_compute_settings, make_teacher
 from .ngram import BigramTable
 from .rollback import Guard, RollbackState, skipped_batches

@@ -64,7 +64,7 @@ from ..snapshot import DEFAULT_EXEMPT, read_snapshot, snapshot_path, write_snaps
 from .config import TrainerConfig
 from .data import data_fingerprint, load_bytes
 from .digests import MODEL_PREFIX
-from .history import HISTORY_FILE, WALL_FIELDS, compared_rows, read_rows
+from ..history import HISTORY_FILE, WALL_FIELDS, compared_rows, read_rows
 from .loop import Run, _after_resume, build, deterministic_torch, run_state, train, train_step
 
 __all__ = ["FieldDiff", "Recording", "ReplayError", "ReplayReport", "Rerun", "StepDivergence", "TensorReport",

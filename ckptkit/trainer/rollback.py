@@ -71,11 +71,11 @@ from ..runstate import checkpoint_name, list_checkpoints
 from ..section import sort_key
 from ..sidecar import read_sidecar, sidecar_path
 from .config import RollbackMode, RollbackSkip, TrainerConfig
-from .history import f32_bits, json_float
+from ..history import f32_bits, json_float
 
 if TYPE_CHECKING:
     from ..runstate import RunState
-    from .history import History
+    from ..history import History
     from .loop import Run, StepResult
 
 __all__ = ["RECORD_VERSION", "SPIKE_FACTOR", "VALUE_NAME", "Guard", "Kept", "RollbackState", "Ring", "kept_rows",

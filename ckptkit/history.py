@@ -39,8 +39,8 @@ import struct
 from collections.abc import Iterable
 from typing import IO, Any
 
-from ..atomic import write_bytes_atomic
-from ..errors import FormatError
+from .atomic import write_bytes_atomic
+from .errors import FormatError
 
 __all__ = ["COMPARED_KINDS", "HISTORY_FILE", "WALL_FIELDS", "History", "compared_rows", "f32_bits", "f64_bits",
            "json_float", "read_rows"]
