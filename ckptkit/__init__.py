@@ -18,6 +18,7 @@ from .checkpoint import Checkpoint, import_torch_checkpoint, load, save
 from .container import FLAG_FP32_FALLBACK, VERSION, Report, SectionInfo, verify
 from .errors import (
     BadMagic,
+    BadTensorValue,
     CheckpointError,
     CheckpointNotFound,
     ChecksumMismatch,
@@ -60,6 +61,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AsyncSaver",
     "BadMagic",
+    "BadTensorValue",
     "Checkpoint",
     "CheckpointError",
     "CheckpointNotFound",

@@ -37,6 +37,7 @@ import xxhash
 from ._threads import cpus, run_parallel
 from .errors import (
     BadMagic,
+    BadTensorValue,
     CheckpointError,
     CheckpointNotFound,
     ChecksumMismatch,
@@ -407,6 +408,55 @@ def tensor_mismatch(src_path: str | None, sec: SectionIndex, i: int, got: int) -
     )
 
 
+class TensorCheck:
+    """Every check on one tensor's bytes, fed piece by piece as they are read or decoded.
+
+    The digest (R-007) and, for ``bool``, that every byte is 0 or 1 (R-017: torch would
+    read 0x07 as True, so two files with different bytes would load as the same
+    state). Every reader (``load``, ``verify``, the lazy reader) uses this one class.
+    """
+
+    __slots__ = ("_bad", "_bool", "_h", "_pos", "i", "sec")
+
+    def __init__(self, sec: SectionIndex, i: int) -> None:
+        self.sec, self.i = sec, i
+        self._h = xxhash.xxh3_64()
+        self._bool = sec.tensors[i].dtype == "bool"
+        self._pos = 0
+        self._bad: tuple[int, int] | None = None  # (byte index in the tensor, value) of the first bad bool
+
+    def update(self, piece: memoryview | bytes) -> None:
+        self._h.update(piece)
+        if self._bool and self._bad is None:
+            data = bytes(piece)
+            junk = data.translate(None, b"\x00\x01")
+            if junk:
+                k = data.index(junk[:1])
+                self._bad = (self._pos + k, junk[0])
+        self._pos += len(piece)
+
+    def finish(self, path: str | None) -> None:
+        """Raise for the first check that failed: the digest first (damage), then the values.
+
+        Raises:
+            ChecksumMismatch: the bytes do not match the record's digest (R-007).
+            BadTensorValue: a bool byte other than 0 or 1 (R-017).
+        """
+        sec, rec = self.sec, self.sec.tensors[self.i]
+        got = self._h.intdigest()
+        if rec.digest is not None and got != rec.digest:
+            raise tensor_mismatch(path, sec, self.i, got)
+        if self._bad is not None:
+            k, value = self._bad
+            raw = sec.codec == "raw"
+            raise BadTensorValue(
+                f"tensor {self.i} ({rec.dtype}{list(rec.shape)}): element {k} is byte 0x{value:02x}; "
+                "a bool is stored as 0 or 1",
+                path=path, offset=sec.data_start + rec.offset + k if raw else sec.data_start,
+                field=f"{sec.name} data", hint="R-017",
+            )
+
+
 def decoded_region(src: Source, sec: SectionIndex) -> bytearray:
     """The raw data region of a compressed section, decompressed and length-checked (R-008).
 
@@ -428,11 +478,10 @@ def check_tensors(src: Source, sec: SectionIndex, scratch: bytearray) -> int:
     if sec.codec == "raw":
         total = 0
         for i, rec in enumerate(sec.tensors):
-            h = xxhash.xxh3_64()
+            check = TensorCheck(sec, i)
             a = sec.data_start + rec.offset
-            src.feed(a, a + rec.nbytes, h.update, scratch)
-            if h.intdigest() != rec.digest:
-                raise tensor_mismatch(src.path, sec, i, h.intdigest())
+            src.feed(a, a + rec.nbytes, check.update, scratch)
+            check.finish(src.path)
             total += rec.nbytes
         return total
     _scatter_region(src, sec, [None] * len(sec.tensors))
@@ -482,11 +531,10 @@ def check_all_tensors(src: Source, layout: Layout, *, threads: int = 0) -> tuple
 
 def _hash_tensor(src: Source, sec: SectionIndex, i: int) -> int:
     rec = sec.tensors[i]
-    h = xxhash.xxh3_64()
+    check = TensorCheck(sec, i)
     a = sec.data_start + rec.offset
-    src.feed(a, a + rec.nbytes, h.update, bytearray(min(rec.nbytes, _CHUNK)))
-    if h.intdigest() != rec.digest:
-        raise tensor_mismatch(src.path, sec, i, h.intdigest())
+    src.feed(a, a + rec.nbytes, check.update, bytearray(min(rec.nbytes, _CHUNK)))
+    check.finish(src.path)
     return rec.nbytes
 
 
@@ -503,28 +551,76 @@ class _RangeReader:
         return out
 
 
-def _region_pieces(src: Source, sec: SectionIndex) -> Iterator[bytes]:
-    """The decoded data region of a zstd section as consecutive pieces (R-008).
+#: The largest zstd window a reader must support (libzstd's default limit): a frame
+#: that needs more decoder memory is refused before decoding (R-008).
+MAX_ZSTD_WINDOW = 128 << 20
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
-    Same checks as :func:`decoded_region` — the region must decode, to exactly
-    ``raw_len`` bytes — but streamed: at most one 1 MiB piece is held at a time.
+
+def _check_zstd_frame(src: Source, sec: SectionIndex) -> None:
+    """Check that a zstd data region is exactly one zstd frame within the window limit (R-008).
+
+    Walks the frame's block headers (3 bytes per block of at most 128 KiB, so a
+    few thousand small reads for a gigabyte) to find where the frame ends: a
+    skippable frame before or after it, a second frame, or any other byte after
+    it is refused, because §7 allows exactly one frame and nothing else. The
+    blocks' contents are left to the decoder.
     """
     import zstandard
 
+    field = f"{sec.name} data"
+
+    def bad(problem: str, **kw: Any) -> MalformedIndex:
+        return MalformedIndex(problem, path=src.path, offset=sec.data_start, field=field, hint="R-008", **kw)
+
+    head = src.pread(sec.data_start, min(sec.data_len, 18), field)
+    if head[:4] != _ZSTD_MAGIC:
+        skippable = len(head) >= 4 and head[0] & 0xF0 == 0x50 and head[1:4] == b"\x2a\x4d\x18"
+        what = "a skippable frame" if skippable else f"bytes {head[:4].hex(' ')}"
+        raise bad(f"zstd data region starts with {what}, not a zstd frame (exactly one frame is allowed)")
+    try:
+        params = zstandard.get_frame_parameters(head)
+        pos = zstandard.frame_header_size(head)
+    except zstandard.ZstdError as e:
+        raise bad(f"zstd frame header does not parse: {e}") from None
+    if params.window_size > MAX_ZSTD_WINDOW:
+        raise bad("zstd frame needs a larger window than a reader must support",
+                  expected=f"<= {MAX_ZSTD_WINDOW} bytes", actual=params.window_size)
+    while True:
+        if pos + 3 > sec.data_len:
+            raise bad("zstd frame is cut short (its blocks run past the data region)")
+        b = int.from_bytes(src.pread(sec.data_start + pos, 3, field), "little")
+        block_type, size = b >> 1 & 3, b >> 3
+        pos += 3 + (1 if block_type == 1 else size)  # an RLE block stores one byte
+        if b & 1:  # last block
+            break
+    pos += 4 if params.has_checksum else 0
+    if pos > sec.data_len:
+        raise bad("zstd frame is cut short (its blocks run past the data region)")
+    if pos < sec.data_len:
+        extra = sec.data_len - pos
+        raise bad(f"{extra} byte{'s' if extra != 1 else ''} after the zstd frame (exactly one frame, nothing after it)",
+                  expected=f"frame end at {sec.data_start + sec.data_len}", actual=sec.data_start + pos)
+
+
+def _region_pieces(src: Source, sec: SectionIndex) -> Iterator[bytes]:
+    """The decoded data region of a zstd section as consecutive pieces (R-008).
+
+    Same checks as :func:`decoded_region` — the region is one frame
+    (:func:`_check_zstd_frame`) that decodes to exactly ``raw_len`` bytes — but
+    streamed: at most one 1 MiB piece is held at a time.
+    """
+    import zstandard
+
+    _check_zstd_frame(src, sec)
     source = _RangeReader(src, sec.data_start, sec.data_start + sec.data_len, f"{sec.name} data")
     total = 0
-    frame_ended = False
     try:
         reader = zstandard.ZstdDecompressor().stream_reader(source, read_across_frames=False)
         while total <= sec.raw_len:
-            want = min(_CHUNK, sec.raw_len + 1 - total)
-            piece = reader.read(want)
+            piece = reader.read(min(_CHUNK, sec.raw_len + 1 - total))
             if not piece:
                 break
-            if frame_ended:  # a short read ended the first frame; the region holds another
-                raise MalformedIndex("zstd data region holds more than one frame", path=src.path,
-                                     offset=sec.data_start, field=f"{sec.name} data", hint="R-008")
-            frame_ended = len(piece) < want
             total += len(piece)
             if total <= sec.raw_len:
                 yield piece
@@ -545,7 +641,7 @@ def _scatter_region(src: Source, sec: SectionIndex, dests: Sequence[memoryview |
     before R-007, as when the region was decoded whole.
     """
     recs = sec.tensors
-    hashes = [xxhash.xxh3_64() for _ in recs]
+    checks = [TensorCheck(sec, i) for i in range(len(recs))]
     pos, first = 0, 0  # region offset of the next piece; first tensor not yet complete
     for piece in _region_pieces(src, sec):
         end = pos + len(piece)
@@ -556,7 +652,7 @@ def _scatter_region(src: Source, sec: SectionIndex, dests: Sequence[memoryview |
             a, b = max(pos, rec.offset), min(end, rec.offset + rec.nbytes)
             if b > a:
                 chunk = mv[a - pos : b - pos]
-                hashes[i].update(chunk)
+                checks[i].update(chunk)
                 dest = dests[i]
                 if dest is not None:
                     dest[a - rec.offset : b - rec.offset] = chunk
@@ -564,9 +660,8 @@ def _scatter_region(src: Source, sec: SectionIndex, dests: Sequence[memoryview |
                 first = i + 1
             i += 1
         pos = end
-    for i, rec in enumerate(recs):
-        if rec.digest is not None and hashes[i].intdigest() != rec.digest:
-            raise tensor_mismatch(src.path, sec, i, hashes[i].intdigest())
+    for check in checks:
+        check.finish(src.path)
 
 
 def read_tensors(src: Source, jobs: Sequence[tuple[SectionIndex, int, memoryview]], *, threads: int = 0) -> None:
@@ -615,13 +710,12 @@ def _raw_task(src: Source, sec: SectionIndex, i: int, dest: memoryview) -> Calla
     def run() -> None:
         rec = sec.tensors[i]
         base = sec.data_start + rec.offset
-        h = xxhash.xxh3_64()
+        check = TensorCheck(sec, i)
         for a in range(0, rec.nbytes, _READ_PIECE):
             piece = dest[a : a + _READ_PIECE]
             src.readinto(base + a, piece)
-            h.update(piece)
-        if rec.digest is not None and h.intdigest() != rec.digest:
-            raise tensor_mismatch(src.path, sec, i, h.intdigest())
+            check.update(piece)
+        check.finish(src.path)
 
     return run
 

@@ -12,6 +12,7 @@ around a load keeps working::
     │   ├── TruncatedFile                     a length points past the end of the file
     │   ├── ChecksumMismatch                  stored digest != digest of the bytes
     │   ├── MalformedIndex                    a section index breaks the codec rules
+    │   ├── BadTensorValue                    tensor bytes that are no value of their dtype
     │   └── SidecarMismatch                   a sidecar does not belong to its checkpoint
     ├── CheckpointNotFound (FileNotFoundError) no checkpoint where one was expected
     ├── SaveFailed (OSError)                  a write failed; the previous file is intact
@@ -38,6 +39,7 @@ from typing import Any
 
 __all__ = [
     "BadMagic",
+    "BadTensorValue",
     "CheckpointError",
     "CheckpointNotFound",
     "ChecksumMismatch",
@@ -149,6 +151,16 @@ class MalformedIndex(FormatError):
     """A section's msgpack index, or a value in it, breaks the codec rules."""
 
     action = "the file is damaged or was not written by ckptkit; resume from an earlier checkpoint"
+
+
+class BadTensorValue(FormatError):
+    """A tensor's bytes are no value of its dtype (a bool byte other than 0 or 1), though its digest matches.
+
+    The digest matching means the file holds what its writer wrote: that writer was
+    not a correct ckptkit (or the bytes were crafted).
+    """
+
+    action = "the file was not written by a correct ckptkit writer; do not load it"
 
 
 class SidecarMismatch(FormatError):

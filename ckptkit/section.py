@@ -362,15 +362,12 @@ def decode_index(
         return MalformedIndex(problem, path=path, offset=at, field=f"{name} index", **kw)
 
     try:
-        index = msgpack.unpackb(
-            raw,
-            raw=False,
-            strict_map_key=False,
-            use_list=True,
-        )
+        index = msgpack.unpackb(raw, raw=False, strict_map_key=False, use_list=True, object_pairs_hook=_map)
     except Exception as e:  # msgpack raises many types (ValueError, StackError, ExtraData...)
         why = f"msgpack {type(e).__name__}" + (f": {e}" if str(e) else "")
         raise bad(f"not a valid msgpack index ({why})", hint="R-010") from None
+    if isinstance(index, _BadMap):
+        raise bad(f"the index {index.problem}", hint="R-010")
     if not isinstance(index, dict) or sorted(index, key=str) != sorted(_INDEX_KEYS):
         got = sorted(map(str, index)) if isinstance(index, dict) else type(index).__name__
         raise bad("index must be a map with exactly the keys " + ", ".join(_INDEX_KEYS), actual=got, hint="R-010")
@@ -397,6 +394,9 @@ def decode_index(
     if codec == "raw" and raw_len != data_len:
         raise bad("raw_len must equal data_len for codec 'raw'", expected=data_len, actual=raw_len, hint="R-012")
     records = _decode_records(index["tensors"], raw_len, legacy=legacy, bad=bad)
+    if index["tree"] is None:
+        raise bad("the tree of a present section is nil (a section without state is absent: length 0)",
+                  hint="R-016")
     referenced: set[int] = set()
     tree = _unpack_tree(index["tree"], len(records), referenced, bad, 0)
     if len(referenced) != len(records):
@@ -414,6 +414,36 @@ _SHOW.maxstring = _SHOW.maxother = 80
 def _show(v: Any, n: int) -> str:
     """A bounded ``repr`` of a value read from a file, for messages."""
     return _SHOW.repr(v)[:n]
+
+
+class _BadMap:
+    """A msgpack map that cannot be a dict of the format: a key that is not str or int, or one given twice.
+
+    The decoder builds it in place of the dict, and the reader of the index or tree
+    that meets it reports ``problem`` under its own rule (R-010 for the index map,
+    R-016 for a tree map). Keys repeated would make the last one win silently, so two
+    files with different bytes would load as the same state.
+    """
+
+    __slots__ = ("problem",)
+
+    def __init__(self, problem: str) -> None:
+        self.problem = problem
+
+    def __repr__(self) -> str:
+        return "<map: " + self.problem + ">"
+
+
+def _map(pairs: list[tuple[Any, Any]]) -> dict[Any, Any] | _BadMap:
+    """msgpack's ``object_pairs_hook``: a dict, or a :class:`_BadMap` saying why not."""
+    out: dict[Any, Any] = {}
+    for k, v in pairs:
+        if isinstance(k, bool) or not isinstance(k, (int, str)):
+            return _BadMap(f"map key {_show(k, 40)} is not a string or integer")
+        if k in out:
+            return _BadMap(f"map key {_show(k, 40)} appears twice")
+        out[k] = v
+    return out
 
 
 def _is_uint(v: Any) -> bool:
@@ -480,10 +510,9 @@ def _unpack_tree(v: Any, n_tensors: int, referenced: set[int], bad: Callable[...
         if v and isinstance(v[0], msgpack.ExtType) and v[0] == _TUPLE_MARK:
             return tuple(_unpack_tree(x, n_tensors, referenced, bad, depth + 1) for x in v[1:])
         return [_unpack_tree(x, n_tensors, referenced, bad, depth + 1) for x in v]
+    if isinstance(v, _BadMap):
+        raise bad(v.problem, hint="R-016")
     if isinstance(v, dict):
-        for k in v:
-            if isinstance(k, bool) or not isinstance(k, (int, str)):
-                raise bad(f"map key {k!r} is not a string or integer", hint="R-016")
         return {k: _unpack_tree(x, n_tensors, referenced, bad, depth + 1) for k, x in v.items()}
     if v is None or isinstance(v, (bool, int, float, str, bytes)):
         return v

@@ -7,7 +7,7 @@ import inspect
 import ckptkit
 
 PUBLIC = [
-    "AsyncSaver", "BadMagic", "Checkpoint", "CheckpointError", "CheckpointNotFound", "ChecksumMismatch", "ConfigDrift",
+    "AsyncSaver", "BadMagic", "BadTensorValue", "Checkpoint", "CheckpointError", "CheckpointNotFound", "ChecksumMismatch", "ConfigDrift",
     "DEFAULT_EXEMPT", "EnvironmentDrift", "FLAG_FP32_FALLBACK", "FormatError", "KeyDiff", "LazyCheckpoint", "LegacyCheckpoint",
     "MalformedIndex", "ReplayDivergence", "Report", "ReservedBitSet", "ResumeInfo", "ResumeRefused", "RunState",
     "SaveFailed", "SectionInfo", "Sidecar", "SidecarMismatch", "Snapshot", "SpikeConfig", "SpikeMonitor",
