@@ -28,7 +28,7 @@ from .errors import StateMismatch, UnsupportedValue
 from .section import CODECS, DTYPE_SIZES, MAX_NDIM, SectionIndex, SectionPlan, TensorRef, check_plain, plan_section
 
 __all__ = [
-    "check_tensor", "decode_tree", "dtype_name", "encode_tree", "load_section", "load_sections", "match_destinations",
+    "check_tensor", "decode_tree", "dtype_name", "encode_tree", "flat_bytes", "load_section", "load_sections", "match_destinations",
     "plan_trees", "storage_key", "tensor_bytes", "torch_dtype",
 ]
 
@@ -63,6 +63,21 @@ def torch_dtype(name: str) -> torch.dtype:
         raise UnsupportedValue(f"dtype {name} is not available in torch {torch.__version__}") from None
 
 
+def flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The memory of a contiguous CPU tensor as a 1-d ``uint8`` tensor (shared, not copied).
+
+    The one place tensors become bytes (save, async save, ``load(into=...)``).
+    ``is_contiguous()`` ignores the stride of a size-1 dimension, so a one-element
+    view such as ``torch.ones(2)[::2]`` is "contiguous" with stride 2, and torch
+    refuses to view it as bytes; its one element is dense, so it is re-viewed with a
+    unit stride (same storage, same offset).
+    """
+    flat = t.detach().reshape(-1)
+    if flat.numel() == 1 and flat.stride(0) != 1:
+        flat = flat.as_strided((1,), (1,))
+    return flat.view(torch.uint8)
+
+
 def tensor_bytes(t: torch.Tensor) -> tuple[torch.Tensor, memoryview]:
     """A contiguous CPU tensor with the same values, and a byte view of its memory.
 
@@ -71,7 +86,7 @@ def tensor_bytes(t: torch.Tensor) -> tuple[torch.Tensor, memoryview]:
     t = t.detach().cpu().resolve_conj().resolve_neg().contiguous()  # each a no-op when already so
     if t.numel() == 0:
         return t, memoryview(b"")
-    return t, memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return t, memoryview(flat_bytes(t).numpy())
 
 
 def storage_key(t: torch.Tensor) -> tuple[Any, ...]:
@@ -150,9 +165,7 @@ def decode_tree(tree: Any, tensors: list[torch.Tensor] | Mapping[int, torch.Tens
 def empty_like_record(dtype: str, shape: tuple[int, ...]) -> tuple[torch.Tensor, memoryview]:
     """A fresh CPU tensor for a record, and a writable byte view of it."""
     t = torch.empty(shape, dtype=torch_dtype(dtype))
-    if t.numel() == 0:
-        return t, memoryview(bytearray(0))
-    return t, memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return t, _byte_view(t)
 
 
 def _compressor(level: int) -> Any:
@@ -296,7 +309,7 @@ def _writable_in_place(t: torch.Tensor) -> bool:
 def _byte_view(t: torch.Tensor) -> memoryview:
     if t.numel() == 0:
         return memoryview(bytearray(0))
-    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
+    return memoryview(flat_bytes(t).numpy())
 
 
 def _key(k: Any) -> str:
@@ -341,6 +354,9 @@ def match_destinations(
                 problems.append(f"{at}: dtype {rec.dtype} in the checkpoint, {got} in the destination")
             elif tuple(rec.shape) != tuple(d.shape):
                 problems.append(f"{at}: shape {list(rec.shape)} in the checkpoint, {list(d.shape)} in the destination")
+            elif d.numel() > 1 and any(n > 1 and s == 0 for n, s in zip(d.shape, d.stride())):
+                problems.append(f"{at}: the destination (shape {list(d.shape)}, stride {list(d.stride())}) overlaps "
+                                "itself, an expand() view: it cannot hold distinct values; pass a tensor of its own")
             else:
                 out.setdefault(stored.id, d)
         elif isinstance(d, Mapping):
