@@ -23,6 +23,7 @@ Invariants:
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import stat
@@ -45,6 +46,7 @@ from .errors import (
     MalformedIndex,
     ReservedBitSet,
     TruncatedFile,
+    UnreadableFile,
     UnsupportedVersion,
 )
 from .section import SectionIndex, SectionPlan, decode_index
@@ -112,20 +114,7 @@ class Source:
         self._fd = -1
         if data is None:
             assert self.path is not None
-            try:
-                # O_NONBLOCK: opening a FIFO named like a checkpoint must not hang.
-                self._fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
-            except FileNotFoundError:
-                raise CheckpointNotFound(f"{self.path}: no such {kind} file") from None
-            except IsADirectoryError:
-                raise CheckpointNotFound(f"{self.path}: is a directory, not a {kind} file") from None
-            st = os.fstat(self._fd)
-            if not stat.S_ISREG(st.st_mode):
-                os.close(self._fd)
-                self._fd = -1
-                raise CheckpointNotFound(f"{self.path}: not a regular file (a pipe, device or socket?)")
-            os.set_blocking(self._fd, True)
-            self.size = st.st_size
+            self._fd, self.size = _open_regular(self.path, kind)
         else:
             self.size = len(data)
 
@@ -209,6 +198,36 @@ class Source:
             pos = stop
 
 
+def _open_regular(path: str, kind: str) -> tuple[int, int]:
+    """Open ``path`` for reading if it is a regular file: ``(fd, size)``.
+
+    Raises:
+        CheckpointNotFound: nothing at ``path`` (a dangling symlink included).
+        UnreadableFile: something is there but is no readable file: a directory,
+            FIFO, device, socket, a symlink loop, no permission.
+    """
+    try:
+        # O_NONBLOCK: opening a FIFO named like a checkpoint must not hang.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise CheckpointNotFound(f"{path}: no such {kind} file") from None
+    except IsADirectoryError:
+        raise UnreadableFile(f"{path}: is a directory, not a {kind} file", errno=errno.EISDIR, path=path) from None
+    except OSError as e:
+        code = errno.errorcode.get(e.errno or 0, "error")
+        raise UnreadableFile(f"{path}: cannot open the {kind} file ({code}: {e.strerror})", errno=e.errno,
+                             path=path) from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        what = next((name for test, name in _FILE_KINDS if test(st.st_mode)), "not a regular file")
+        raise UnreadableFile(f"{path}: is {what}, not a {kind} file (a {kind} is a regular file)", path=path)
+    os.set_blocking(fd, True)
+    return fd, st.st_size
+
+
+_FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+               (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 _CAN_MAP = hasattr(mmap, "MAP_SHARED") and hasattr(mmap, "PROT_READ")
 # MAP_POPULATE reads the window in one go (readahead-sized requests, no per-page faults).
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
@@ -252,20 +271,47 @@ def _read_v2(src: Source, head: bytes) -> Layout:
         raise BadMagic("malformed magic", path=src.path, offset=0, field="magic",
                        expected=repr(MAGIC), actual=repr(head), hint="R-001")
     version = struct.unpack_from("<H", head, 5)[0]
-    if version == VERSION and src.size < _HEADER.size + _TRAILER.size:
+    if version != VERSION:
+        raise _version_error(src, version)
+    return _read_v2_body(src)
+
+
+def _read_v2_body(src: Source) -> Layout:
+    if src.size < _HEADER.size + _TRAILER.size:
         raise TruncatedFile("file ends inside the header or before the trailer", path=src.path, offset=src.size,
                             field="header", expected=f">= {_HEADER.size + _TRAILER.size} bytes", actual=src.size,
                             hint="R-003")
-    if version != VERSION:
-        newer = "a newer ckptkit wrote it; upgrade ckptkit" if version > VERSION else "not a version ckptkit ever wrote"
-        raise UnsupportedVersion(f"container version {version} is not supported", path=src.path, offset=5,
-                                 field="magic", expected=f"version {VERSION} (or a legacy v1 file)",
-                                 actual=version, hint=f"{newer} (R-002)")
     _, step, m, o, t, flags, mon = _HEADER.unpack(src.pread(0, _HEADER.size, "header"))
     lengths = {"model": m, "optim": o, "teacher": t, "monitor": mon}
     offsets = {name: _FIELD_OFFSET[name] for name in lengths}
     sections, trailer_at, digest = read_framed(src, _HEADER.size, lengths, offsets, _TRAILER_MAGIC)
     return Layout(src.path, VERSION, step, flags, sections, False, (), src.size, trailer_at, digest)
+
+
+def _version_error(src: Source, version: int) -> FormatError:
+    """The error for a magic whose version is not 2: unsupported, or a damaged v2 header.
+
+    A version this reader lacks is refused (R-002). But one flipped bit in the
+    version field of a v2 file must read as damage, not as "a newer ckptkit wrote
+    it": so when the rest of the file is a well-formed v2 file (lengths, trailer,
+    indexes) whose skeleton digest, which covers the version field, fails, the
+    header is damaged (R-005). A newer writer signs what it writes, so its file
+    either is not laid out as v2 or carries a digest that matches.
+    """
+    try:
+        layout = _read_v2_body(src)
+        check_skeleton(src, layout)
+    except ChecksumMismatch as e:
+        return ChecksumMismatch(
+            f"header damaged: the version field reads {version}, but the file is laid out as a v{VERSION} "
+            "container and its skeleton digest (which covers the version) does not match",
+            path=src.path, offset=5, field="magic", expected=e.expected, actual=e.actual, hint="R-005")
+    except FormatError:
+        pass  # not laid out as v2: a format this reader does not know
+    newer = "a newer ckptkit wrote it; upgrade ckptkit" if version > VERSION else "not a version ckptkit ever wrote"
+    return UnsupportedVersion(f"container version {version} is not supported", path=src.path, offset=5,
+                              field="magic", expected=f"version {VERSION} (or a legacy v1 file)",
+                              actual=version, hint=f"{newer} (R-002)")
 
 
 def read_framed(
@@ -295,9 +341,14 @@ def _read_v1(src: Source, head: bytes) -> Layout:
                        field="magic", expected=f">= {_V1_HEADER.size} bytes", actual=src.size, hint=_foreign_hint(head))
     step, m, o = _V1_HEADER.unpack(src.pread(0, _V1_HEADER.size, "v1 header"))
     if _V1_HEADER.size + m + o != src.size:
+        start = src.pread(0, min(src.size, 64), "magic")
+        if _looks_like_text(start):
+            raise BadMagic(f"not a ckptkit file: it starts with text ({_text_preview(start)})", path=src.path,
+                           offset=0, field="magic", expected=repr(MAGIC),
+                           hint="a text file; check the path: a checkpoint is a binary file (R-001)")
         raise BadMagic(
-            f"no DMCK magic, and not a legacy v1 container either: its header claims "
-            f"24 + model {m} + optim {o} bytes",
+            f"not a ckptkit file: no DMCK magic, and not a legacy v1 container either: read as v1, its header "
+            f"claims 24 + model {m} + optim {o} bytes",
             path=src.path, offset=0, field="magic", expected=f"file size {_V1_HEADER.size + m + o}",
             actual=src.size, hint=_foreign_hint(head),
         )
@@ -308,6 +359,21 @@ def _read_v1(src: Source, head: bytes) -> Layout:
     }
     sections.update({"teacher": None, "monitor": None})
     return Layout(src.path, 1, step, 0, sections, True, LEGACY_MISSING, src.size, None, None, _V1_HEADER.size)
+
+
+def _looks_like_text(data: bytes) -> bool:
+    """UTF-8 without control characters other than tab, newline and carriage return."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:  # a multi-byte character cut at the end of the sample still counts
+        text = data[:-3].decode("utf-8", errors="replace")
+        if "\ufffd" in text:
+            return False
+    return all(c.isprintable() or c in "\t\n\r" for c in text)
+
+
+def _text_preview(data: bytes) -> str:
+    return repr(data[:24].decode("utf-8", errors="replace")) + ("..." if len(data) > 24 else "")
 
 
 def _foreign_hint(head: bytes) -> str:
@@ -789,11 +855,13 @@ def verify(path: str | os.PathLike[str]) -> Report:
     Returns:
         A :class:`Report`; ``report.ok`` is False and ``report.error`` holds the typed
         error when the file is corrupt, truncated, of an unknown version, or has a
-        reserved flag set. A legacy v1 file that parses is ``ok`` (it has no digests to
-        check; ``missing`` says so).
+        reserved flag set, or when the path is no readable file (a directory, FIFO,
+        device, symlink loop: :class:`~ckptkit.errors.UnreadableFile`, ``size`` 0).
+        A legacy v1 file that parses is ``ok`` (it has no digests to check;
+        ``missing`` says so).
 
     Raises:
-        CheckpointNotFound: ``path`` does not exist or is a directory.
+        CheckpointNotFound: nothing exists at ``path``.
 
     Example:
         >>> report = verify("run/step-00000100.ckpt")  # doctest: +SKIP
@@ -801,7 +869,11 @@ def verify(path: str | os.PathLike[str]) -> Report:
         (True, 100)
     """
     path = os.fspath(path)
-    with Source(path) as src:
+    try:
+        opened = Source(path)
+    except UnreadableFile as e:
+        return _report(path, 0, None, e, 0)
+    with opened as src:
         layout: Layout | None = None
         hashed = 0
         try:

@@ -15,6 +15,8 @@ around a load keeps working::
     │   ├── BadTensorValue                    tensor bytes that are no value of their dtype
     │   └── SidecarMismatch                   a sidecar does not belong to its checkpoint
     ├── CheckpointNotFound (FileNotFoundError) no checkpoint where one was expected
+    ├── UnreadableFile (OSError)              a path that is there but is no readable file
+    ├── InsufficientMemory (MemoryError)      a load would allocate more than is available
     ├── SaveFailed (OSError)                  a write failed; the previous file is intact
     ├── UnsupportedValue (TypeError)          state the container cannot carry
     ├── ResumeRefused (RuntimeError)          a resume would continue a different run
@@ -46,6 +48,7 @@ __all__ = [
     "ConfigDrift",
     "EnvironmentDrift",
     "FormatError",
+    "InsufficientMemory",
     "LegacyCheckpoint",
     "MalformedIndex",
     "ReplayDivergence",
@@ -57,6 +60,7 @@ __all__ = [
     "StreamOffsetMismatch",
     "TrainingUnstable",
     "TruncatedFile",
+    "UnreadableFile",
     "UnsupportedValue",
     "UnsupportedVersion",
 ]
@@ -169,6 +173,33 @@ class SidecarMismatch(FormatError):
 
 class CheckpointNotFound(CheckpointError, FileNotFoundError):
     """No checkpoint where one was expected (missing file, empty run directory)."""
+
+
+class UnreadableFile(CheckpointError, OSError):
+    """Something is at the path, but not a file ckptkit can read: a directory, FIFO,
+    device or socket, a symlink loop, a permission denied. ``errno`` is the cause's
+    where there is one. ``verify`` reports it (``ok=False``) rather than raising.
+    """
+
+    def __init__(self, message: str, *, errno: int | None = None, path: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.errno = errno
+        self.filename = path
+
+    def __str__(self) -> str:  # OSError would render "[Errno 40] ..." instead of our sentence
+        return self.message
+
+
+class InsufficientMemory(CheckpointError, MemoryError):
+    """A load would allocate more memory than is available or allowed.
+
+    Raised before anything is allocated, naming the largest tensor and the total.
+    The limit is the memory available to this process (``MemAvailable``, the cgroup
+    limit, the address-space limit ``RLIMIT_AS``) unless ``load(max_memory=...)``
+    sets one. A zstd section may declare up to 32768 x its stored size
+    (spec/validation.md R-008), so a small file can ask for gigabytes.
+    """
 
 
 class SaveFailed(CheckpointError, OSError):

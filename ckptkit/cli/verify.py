@@ -13,7 +13,7 @@ import sys
 from typing import Any
 
 from ..container import Report, verify
-from ..errors import CheckpointNotFound
+from ..errors import CheckpointNotFound, UnreadableFile
 from ._paths import expand_checkpoints
 
 __all__ = ["add_parser", "run"]
@@ -71,8 +71,11 @@ def _verify_any(path: str) -> Report:
     """A container or a sidecar, told apart by the magic."""
     from ..container import Source
 
-    with Source(path) as src:  # refuses FIFOs and devices instead of blocking on them
-        magic = src.pread(0, min(4, src.size), "magic")
+    try:
+        with Source(path) as src:  # refuses FIFOs and devices instead of blocking on them
+            magic = src.pread(0, min(4, src.size), "magic")
+    except UnreadableFile:  # a directory, FIFO, device, symlink loop: verify reports it as FAIL
+        return verify(path)
     if magic == b"DMSC":
         from ..sidecar import sidecar_report
 
