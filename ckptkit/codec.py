@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from .container import Source, read_tensors
-from .errors import StateMismatch, UnsupportedValue
+from .errors import InsufficientMemory, StateMismatch, UnsupportedValue
 from .section import CODECS, DTYPE_SIZES, MAX_NDIM, SectionIndex, SectionPlan, TensorRef, check_plain, plan_section
 
 __all__ = [
@@ -214,6 +214,19 @@ def plan_trees(
     return plans, keep
 
 
+def read_section_tensors(src: Source, sec: SectionIndex, max_memory: int | None = None) -> list[torch.Tensor]:
+    """Every tensor of a section in new memory, in table order, each digest checked.
+
+    Raises:
+        InsufficientMemory: the tensors would not fit (before anything is allocated).
+        ChecksumMismatch, BadTensorValue, MalformedIndex: as :func:`~ckptkit.container.read_tensors`.
+    """
+    check_memory(src.path, [(sec, i) for i in range(len(sec.tensors))], max_memory)
+    made = [empty_like_record(rec.dtype, rec.shape) for rec in sec.tensors]
+    read_tensors(src, [(sec, i, view) for i, (_, view) in enumerate(made)])
+    return [t for t, _ in made]
+
+
 def load_section(src: Source, sec: SectionIndex | None, map_location: Any = "cpu") -> Any:
     """Read one section's tree with its tensors, checking each digest as it is read.
 
@@ -231,6 +244,7 @@ def load_sections(
     map_location: Any = "cpu",
     into: Mapping[str, Any] | None = None,
     strict: bool = True,
+    max_memory: int | None = None,
 ) -> dict[str, Any]:
     """Read sections' trees, each tensor straight into its destination, verified in the same pass.
 
@@ -242,6 +256,8 @@ def load_sections(
             a matching stored tensor is read into the destination tensor's own
             memory, and the returned tree holds that destination tensor.
         strict: refuse stored tensors that ``into`` has no destination for.
+        max_memory: the most bytes of new tensor memory to allocate (see
+            :func:`check_memory`; None: what the process has available).
 
     Returns:
         section name -> tree (None for an absent section).
@@ -249,6 +265,7 @@ def load_sections(
     Raises:
         StateMismatch: ``into`` does not fit the file (every problem listed);
             raised before any byte is read.
+        InsufficientMemory: the new tensors would not fit (before anything is allocated).
         ChecksumMismatch, MalformedIndex, TruncatedFile: as :func:`~ckptkit.container.read_tensors`.
             Destinations filled before the failure keep what was read: treat
             them as garbage and restore again from a good checkpoint.
@@ -267,6 +284,9 @@ def load_sections(
                 "the checkpoint was written for another model or optimizer layout",
                 problems,
             )
+    fresh = [(sec, i) for name, sec in sections.items() if sec is not None
+             for i in range(len(sec.tensors)) if not _writable_in_place(dests.get(name, {}).get(i))]
+    check_memory(src.path, fresh, max_memory)
     jobs: list[tuple[SectionIndex, int, memoryview]] = []
     staged: list[tuple[torch.Tensor, torch.Tensor]] = []  # (read into, copy to) for indirect destinations
     out_tensors: dict[str, list[torch.Tensor]] = {}
@@ -278,7 +298,7 @@ def load_sections(
         tensors: list[torch.Tensor] = []
         for i, rec in enumerate(sec.tensors):
             d = mine.get(i)
-            if d is not None and _writable_in_place(d):
+            if _writable_in_place(d):
                 view = _byte_view(d)
                 tensors.append(d)
             else:
@@ -301,8 +321,91 @@ def load_sections(
     return {name: None if sec is None else decode_tree(sec.tree, out_tensors[name]) for name, sec in sections.items()}
 
 
-def _writable_in_place(t: torch.Tensor) -> bool:
-    return (t.device.type == "cpu" and t.layout == torch.strided and t.is_contiguous() and not t.is_conj()
+def check_memory(path: str | None, fresh: list[tuple[SectionIndex, int]], limit: int | None) -> None:
+    """Refuse, before allocating anything, a load whose new tensors exceed the memory limit.
+
+    Args:
+        path: the file, for the message.
+        fresh: ``(section, tensor id)`` of every tensor that will get new memory.
+        limit: bytes allowed; None: :func:`memory_available` (no check where that is unknown).
+
+    Raises:
+        InsufficientMemory: naming the largest such tensor by its key path, the total and the limit.
+    """
+    total = sum(sec.tensors[i].nbytes for sec, i in fresh)
+    source = "max_memory"
+    if limit is None:
+        found = memory_available()
+        if found is None:
+            return
+        limit, source = found
+    if total <= limit:
+        return
+    sec, i = max(fresh, key=lambda f: f[0].tensors[f[1]].nbytes)
+    rec = sec.tensors[i]
+    raise InsufficientMemory(
+        f"{path or 'checkpoint'}: loading needs {total} bytes ({_gib(total)}) of new tensor memory but only {limit} "
+        f"({_gib(limit)}) are available ({source}); the largest tensor is {_ref_path(sec, i)} "
+        f"({rec.dtype}{list(rec.shape)}, {rec.nbytes} bytes); nothing was allocated. Free memory, load into "
+        "existing tensors (into=...), or pass max_memory=N bytes "
+        "if the file is trusted"
+    )
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB"
+
+
+def memory_available() -> tuple[int, str] | None:
+    """Bytes this process can still allocate, and what bounds it; None where it cannot be known (not Linux).
+
+    The least of: ``MemAvailable`` (/proc/meminfo), the cgroup v2 limit minus its
+    usage (memory.max - memory.current), and the address-space limit ``RLIMIT_AS``
+    minus this process's ``VmSize``.
+    """
+    found: list[tuple[int, str]] = []
+    try:
+        with open("/proc/meminfo") as f:
+            found += [(int(line.split()[1]) * 1024, "MemAvailable") for line in f if line.startswith("MemAvailable:")]
+    except OSError:
+        return None
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f, open("/sys/fs/cgroup/memory.current") as g:
+            cap = f.read().strip()
+            if cap != "max":
+                found.append((int(cap) - int(g.read()), "the cgroup memory limit"))
+    except (OSError, ValueError):
+        pass
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if soft != resource.RLIM_INFINITY:
+        with open("/proc/self/status") as f:
+            vm = next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:")), 0)
+        found.append((soft - vm, "the address-space limit RLIMIT_AS"))
+    if not found:
+        return None
+    n, source = min(found)
+    return max(n, 0), source
+
+
+def _ref_path(sec: SectionIndex, tid: int) -> str:
+    """The first key path at which the tree refers to tensor ``tid`` (``model['net']['w']``)."""
+    stack: list[tuple[Any, str]] = [(sec.tree, sec.name)]
+    while stack:
+        node, at = stack.pop()
+        if isinstance(node, TensorRef):
+            if node.id == tid:
+                return at
+        elif isinstance(node, dict):
+            stack.extend((v, f"{at}{_key(k)}") for k, v in reversed(list(node.items())))
+        elif isinstance(node, (list, tuple)):
+            stack.extend((v, f"{at}[{k}]") for k, v in reversed(list(enumerate(node))))
+    return f"{sec.name} tensor {tid}"
+
+
+def _writable_in_place(t: torch.Tensor | None) -> bool:
+    return (t is not None and t.device.type == "cpu" and t.layout == torch.strided and t.is_contiguous() and not t.is_conj()
             and not t.is_neg() and not t.is_quantized)
 
 

@@ -523,18 +523,6 @@ class TensorCheck:
             )
 
 
-def decoded_region(src: Source, sec: SectionIndex) -> bytearray:
-    """The raw data region of a compressed section, decompressed and length-checked (R-008).
-
-    The whole region in memory; :func:`check_tensors` and :func:`read_tensors`
-    stream it instead. Both use :func:`_region_pieces`, the one decoder.
-    """
-    out = bytearray()
-    for piece in _region_pieces(src, sec):
-        out += piece
-    return out
-
-
 def check_tensors(src: Source, sec: SectionIndex, scratch: bytearray) -> int:
     """Hash every tensor of a v2 section against its digest; returns bytes hashed (R-007).
 
@@ -672,9 +660,9 @@ def _check_zstd_frame(src: Source, sec: SectionIndex) -> None:
 def _region_pieces(src: Source, sec: SectionIndex) -> Iterator[bytes]:
     """The decoded data region of a zstd section as consecutive pieces (R-008).
 
-    Same checks as :func:`decoded_region` — the region is one frame
-    (:func:`_check_zstd_frame`) that decodes to exactly ``raw_len`` bytes — but
-    streamed: at most one 1 MiB piece is held at a time.
+    The region must be one frame (:func:`_check_zstd_frame`) that decodes to
+    exactly ``raw_len`` bytes; it is streamed: at most one 1 MiB piece is held at
+    a time, whatever ``raw_len`` is.
     """
     import zstandard
 
