@@ -150,16 +150,27 @@ def encode_tree(tree: Any, where: str) -> tuple[Any, list[tuple[str, tuple[int, 
 
 
 def decode_tree(tree: Any, tensors: list[torch.Tensor] | Mapping[int, torch.Tensor]) -> Any:
-    """Replace every :class:`TensorRef` in ``tree`` by its tensor (shared refs share)."""
+    """Replace every :class:`TensorRef` in ``tree`` by its tensor (shared refs share).
+
+    Leaves are replaced in the loop over their container, not by a call each: a
+    tree of a million references stays a million dictionary lookups.
+    """
     if isinstance(tree, TensorRef):
         return tensors[tree.id]
+
+    def one(v: Any) -> Any:
+        return tensors[v.id] if type(v) is TensorRef else v if type(v) in _LEAVES else decode_tree(v, tensors)
+
     if isinstance(tree, tuple):
-        return tuple(decode_tree(v, tensors) for v in tree)
+        return tuple(map(one, tree))
     if isinstance(tree, list):
-        return [decode_tree(v, tensors) for v in tree]
+        return list(map(one, tree))
     if isinstance(tree, dict):
-        return {k: decode_tree(v, tensors) for k, v in tree.items()}
+        return {k: one(v) for k, v in tree.items()}
     return tree
+
+
+_LEAVES = (type(None), bool, int, float, str, bytes)
 
 
 def empty_like_record(dtype: str, shape: tuple[int, ...]) -> tuple[torch.Tensor, memoryview]:

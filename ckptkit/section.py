@@ -362,7 +362,8 @@ def decode_index(
         return MalformedIndex(problem, path=path, offset=at, field=f"{name} index", **kw)
 
     try:
-        index = msgpack.unpackb(raw, raw=False, strict_map_key=False, use_list=True, object_pairs_hook=_map)
+        index = msgpack.unpackb(raw, raw=False, strict_map_key=False, use_list=True, object_pairs_hook=_map,
+                                ext_hook=_Exts().hook)
     except Exception as e:  # msgpack raises many types (ValueError, StackError, ExtraData...)
         why = f"msgpack {type(e).__name__}" + (f": {e}" if str(e) else "")
         raise bad(f"not a valid msgpack index ({why})", hint="R-010") from None
@@ -495,27 +496,74 @@ def _decode_records(
     return tuple(out)
 
 
+class _Ext:
+    """An extension value that is not a tensor reference: the tuple marker, or one the format lacks."""
+
+    __slots__ = ("code",)
+
+    def __init__(self, code: int) -> None:
+        self.code = code
+
+    def __repr__(self) -> str:
+        return f"ExtType({self.code})"
+
+
+_TUPLE = _Ext(_EXT_TUPLE)
+
+
+class _Exts:
+    """msgpack's ``ext_hook`` for one index: one :class:`TensorRef` object per tensor id.
+
+    A tree may refer to one tensor a million times (spec: G-05); each reference then
+    costs a pointer, not an object, and the tree walk below meets finished leaves.
+    """
+
+    def __init__(self) -> None:
+        self._refs: dict[bytes, TensorRef] = {}
+
+    def hook(self, code: int, data: bytes) -> Any:
+        if code == _EXT_TENSOR and len(data) == 4:
+            ref = self._refs.get(data)
+            if ref is None:
+                ref = self._refs[data] = TensorRef(struct.unpack("<I", data)[0])
+            return ref
+        if code == _EXT_TUPLE and not data:
+            return _TUPLE
+        return _Ext(code)
+
+
+_LEAVES = (type(None), bool, int, float, str, bytes)
+
+
 def _unpack_tree(v: Any, n_tensors: int, referenced: set[int], bad: Callable[..., FormatError], depth: int) -> Any:
+    """Check a decoded tree (R-015, R-016) and turn tuple-marked arrays into tuples.
+
+    Leaves are checked in the loop over their container rather than by a call
+    each, so a tree of a million references costs a million set insertions.
+    """
     if depth > MAX_DEPTH:
         raise bad(f"tree nested deeper than {MAX_DEPTH} levels", hint="R-016")
-    if isinstance(v, msgpack.ExtType):
-        if v.code != _EXT_TENSOR or len(v.data) != 4:
-            raise bad(f"unexpected extension type {v.code} in the tree", hint="R-016")
-        tid = struct.unpack("<I", v.data)[0]
-        if tid >= n_tensors:
-            raise bad(f"tree references tensor {tid}, the table has {n_tensors}", hint="R-015")
-        referenced.add(tid)
-        return TensorRef(tid)
-    if isinstance(v, list):
-        if v and isinstance(v[0], msgpack.ExtType) and v[0] == _TUPLE_MARK:
-            return tuple(_unpack_tree(x, n_tensors, referenced, bad, depth + 1) for x in v[1:])
-        return [_unpack_tree(x, n_tensors, referenced, bad, depth + 1) for x in v]
+    if type(v) in _LEAVES:
+        return v
+    if isinstance(v, TensorRef):
+        return _unpack_tree([v], n_tensors, referenced, bad, depth - 1)[0]  # the root is a tensor
     if isinstance(v, _BadMap):
         raise bad(v.problem, hint="R-016")
-    if isinstance(v, dict):
-        return {k: _unpack_tree(x, n_tensors, referenced, bad, depth + 1) for k, x in v.items()}
-    if v is None or isinstance(v, (bool, int, float, str, bytes)):
-        return v
+    if isinstance(v, (list, dict)):
+        is_tuple = isinstance(v, list) and bool(v) and v[0] is _TUPLE
+        items = v[1:] if is_tuple else v
+        for k, x in (items.items() if isinstance(items, dict) else enumerate(items)):
+            if type(x) is TensorRef:
+                if x.id >= n_tensors:
+                    raise bad(f"tree references tensor {x.id}, the table has {n_tensors}", hint="R-015")
+                referenced.add(x.id)
+            elif type(x) not in _LEAVES:
+                items[k] = _unpack_tree(x, n_tensors, referenced, bad, depth + 1)
+        if depth == MAX_DEPTH and items:
+            raise bad(f"tree nested deeper than {MAX_DEPTH} levels", hint="R-016")
+        return tuple(items) if is_tuple else items
+    if isinstance(v, _Ext):
+        raise bad(f"unexpected extension type {v.code} in the tree", hint="R-016")
     raise bad(f"unexpected value of type {type(v).__name__} in the tree (e.g. a msgpack timestamp)", hint="R-016")
 
 

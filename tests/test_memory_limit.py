@@ -3,7 +3,8 @@
 A zstd section may declare up to 32768 x its stored size, so a 128 KiB file can hold a
 4 GiB tensor. ``load`` and the lazy reader compare what the file declares with the
 memory available (or ``max_memory``) and raise ``InsufficientMemory`` naming the tensor
-before they allocate anything -- checked here under a real address-space limit.
+before they allocate anything -- checked here under a real address-space limit. And
+the cheapest thing a file can repeat, a tensor reference, costs a pointer (G-05).
 """
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ import re
 import subprocess
 import sys
 import textwrap
+import tracemalloc
 from pathlib import Path
 import pytest
 import torch
 
 from ckptkit import Checkpoint, InsufficientMemory, load, save, verify
+from ckptkit.container import Source, read_layout
 from test_hostile import gen as hostile  # the independent writer of fixtures/hostile
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,3 +92,24 @@ def test_tensors_loaded_into_existing_memory_do_not_count(tmp_path: Path) -> Non
     assert dest[999] == 999.0
 
 
+
+
+def test_a_million_references_to_one_tensor_cost_a_pointer_each_not_an_object(tmp_path: Path) -> None:
+    """G-05: a 5.7 MiB tree of 10^6 references decodes to one reference object and one tensor."""
+    n = 10**6
+    index = hostile.idx([["float32", [4], 0, 16, hostile.d8(bytes(16))]], {"w": [hostile.ref(0)] * n}, 16)
+    path = tmp_path / "refs.ckpt"
+    path.write_bytes(hostile.model_index(index, bytes(16)))
+    assert 5 << 20 < path.stat().st_size < 6 << 20
+    tracemalloc.start()
+    try:
+        with Source(path) as src:
+            tree = read_layout(src).sections["model"].tree["w"]
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(tree) == n and len({id(r) for r in tree}) == 1
+    assert peak < 3 * path.stat().st_size  # the index bytes and one list of pointers
+    assert verify(path).ok
+    loaded = load(path).model["w"]
+    assert len(loaded) == n and all(t is loaded[0] for t in loaded)
