@@ -17,6 +17,7 @@ Invariants:
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -28,7 +29,7 @@ from .errors import InsufficientMemory, StateMismatch, UnsupportedValue
 from .section import CODECS, DTYPE_SIZES, MAX_NDIM, SectionIndex, SectionPlan, TensorRef, check_plain, plan_section
 
 __all__ = [
-    "check_tensor", "decode_tree", "dtype_name", "encode_tree", "flat_bytes", "load_section", "load_sections", "match_destinations",
+    "check_tensor", "decode_tree", "dtype_name", "encode_tree", "flat_bytes", "load_section", "mapped_tensor", "load_sections", "match_destinations",
     "plan_trees", "storage_key", "tensor_bytes", "torch_dtype",
 ]
 
@@ -295,10 +296,13 @@ def load_sections(
                 "the checkpoint was written for another model or optimizer layout",
                 problems,
             )
-    fresh = [(sec, i) for name, sec in sections.items() if sec is not None
-             for i in range(len(sec.tensors)) if not _writable_in_place(dests.get(name, {}).get(i))]
+    homeless = [(name, sec, i) for name, sec in sections.items() if sec is not None
+                for i in range(len(sec.tensors)) if dests.get(name, {}).get(i) is None]
+    mapping = src.map_private() if any(sec.codec == "raw" for _, sec, _ in homeless) else None
+    fresh = [(sec, i) for name, sec in sections.items() if sec is not None for i in range(len(sec.tensors))
+             if not _writable_in_place(dests.get(name, {}).get(i)) and not (mapping and sec.codec == "raw")]
     check_memory(src.path, fresh, max_memory)
-    jobs: list[tuple[SectionIndex, int, memoryview]] = []
+    jobs: list[tuple[SectionIndex, int, memoryview | None]] = []
     staged: list[tuple[torch.Tensor, torch.Tensor]] = []  # (read into, copy to) for indirect destinations
     out_tensors: dict[str, list[torch.Tensor]] = {}
     moved: list[tuple[str, int]] = []
@@ -309,9 +313,14 @@ def load_sections(
         tensors: list[torch.Tensor] = []
         for i, rec in enumerate(sec.tensors):
             d = mine.get(i)
+            view: memoryview | None
             if _writable_in_place(d):
                 view = _byte_view(d)
                 tensors.append(d)
+            elif d is None and mapping is not None and sec.codec == "raw":
+                view = None  # checked where it lies: the tensor is a view of the private mapping
+                tensors.append(mapped_tensor(mapping, sec.data_start + rec.offset, rec.dtype, rec.shape))
+                moved.append((name, i))
             else:
                 t, view = empty_like_record(rec.dtype, rec.shape)
                 if d is not None:
@@ -322,7 +331,7 @@ def load_sections(
                     moved.append((name, i))
             jobs.append((sec, i, view))
         out_tensors[name] = tensors
-    read_tensors(src, jobs)
+    read_tensors(src, jobs, mapping=mapping)
     for t, d in staged:
         with torch.no_grad():
             d.copy_(t)
@@ -413,6 +422,14 @@ def _ref_path(sec: SectionIndex, tid: int) -> str:
         elif isinstance(node, (list, tuple)):
             stack.extend((v, f"{at}[{k}]") for k, v in reversed(list(enumerate(node))))
     return f"{sec.name} tensor {tid}"
+
+
+def mapped_tensor(mapping: Any, at: int, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """A CPU tensor over ``mapping[at:]`` (no copy); an empty one owns its (no) memory."""
+    n = math.prod(shape) * DTYPE_SIZES[dtype]
+    if n == 0:
+        return empty_like_record(dtype, shape)[0]
+    return torch.frombuffer(mapping, dtype=torch.uint8, count=n, offset=at).view(torch_dtype(dtype)).reshape(shape)
 
 
 def _writable_in_place(t: torch.Tensor | None) -> bool:

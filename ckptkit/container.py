@@ -122,6 +122,25 @@ class Source:
     def fd(self) -> int:
         return self._fd
 
+    def map_private(self) -> mmap.mmap | None:
+        """The whole file mapped copy-on-write (writes stay in this process), or None where it cannot be.
+
+        Nothing is read until touched; the kernel is asked to read ahead. Tensors
+        handed out as views of the mapping keep it alive after the file is closed.
+        Known limit: a file truncated in place by another program while mapped
+        faults (SIGBUS) on access, and one rewritten in place may show the new bytes
+        in pages not yet written to; ckptkit replaces files by rename, never in place.
+        """
+        if self._fd < 0 or not self.size or not _CAN_MAP:
+            return None
+        try:
+            m = mmap.mmap(self._fd, 0, access=mmap.ACCESS_COPY)
+        except (OSError, ValueError):  # a file system without mmap: the caller reads instead
+            return None
+        if hasattr(mmap, "MADV_WILLNEED"):
+            m.madvise(mmap.MADV_WILLNEED)
+        return m
+
     def close(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)
@@ -438,8 +457,10 @@ def check_skeleton(src: Source, layout: Layout, scratch: bytearray | None = None
         ChecksumMismatch: naming the trailer offset and both digests.
     """
     h = xxhash.xxh3_64()
-    scratch = scratch if scratch is not None else bytearray(_CHUNK)
-    for a, b in skeleton_extents(layout):
+    extents = skeleton_extents(layout)
+    if scratch is None:  # sized to the longest extent: indexes are kilobytes, and a 1 MiB buffer costs its zeroing
+        scratch = bytearray(min(_CHUNK, max((b - a for a, b in extents), default=0)))
+    for a, b in extents:
         src.feed(a, b, h.update, scratch)
     got = h.intdigest()
     if got != layout.skeleton_digest:
@@ -718,7 +739,8 @@ def _scatter_region(src: Source, sec: SectionIndex, dests: Sequence[memoryview |
         check.finish(src.path)
 
 
-def read_tensors(src: Source, jobs: Sequence[tuple[SectionIndex, int, memoryview]], *, threads: int = 0) -> None:
+def read_tensors(src: Source, jobs: Sequence[tuple[SectionIndex, int, memoryview | None]], *,
+                 mapping: mmap.mmap | None = None, threads: int = 0) -> None:
     """Read tensors straight into their destinations, checking each digest in the same pass (R-007, R-008).
 
     Args:
@@ -727,7 +749,10 @@ def read_tensors(src: Source, jobs: Sequence[tuple[SectionIndex, int, memoryview
             writable byte view of exactly the tensor's ``nbytes``. Tensors of a
             raw section are read with positional reads in 256 KiB pieces, each piece
             hashed while it is still in cache; a zstd section is decoded as a
-            stream into its destinations.
+            stream into its destinations. A raw tensor whose destination is None
+            is checked where it lies in ``mapping`` (a mapping of the whole file,
+            :meth:`Source.map_private`): its bytes are the ones the caller hands out.
+        mapping: required when a raw job has no destination.
         threads: reader threads; 0 picks one per available core (at most 4) when
             there is enough to read. ``os.preadv`` and xxh3 release the GIL, so
             the threads overlap the copy out of the page cache with hashing.
@@ -738,7 +763,7 @@ def read_tensors(src: Source, jobs: Sequence[tuple[SectionIndex, int, memoryview
         MalformedIndex: a zstd region that does not decode to ``raw_len`` bytes.
         TruncatedFile: the file shrank while being read.
     """
-    raw: list[tuple[int, SectionIndex, int, memoryview]] = []
+    raw: list[tuple[int, SectionIndex, int, memoryview | None]] = []
     zstd: dict[int, tuple[SectionIndex, list[memoryview | None]]] = {}
     for sec, i, dest in jobs:
         if sec.codec == "raw":
@@ -746,14 +771,16 @@ def read_tensors(src: Source, jobs: Sequence[tuple[SectionIndex, int, memoryview
         else:
             zstd.setdefault(sec.start, (sec, [None] * len(sec.tensors)))[1][i] = dest
     # Largest first: a thread that picks the last task finishes soon after the others.
-    tasks: list[Callable[[], None]] = [_raw_task(src, *t[1:]) for t in sorted(raw, key=lambda t: -t[3].nbytes)]
-    keys = [t[0] for t in sorted(raw, key=lambda t: -t[3].nbytes)]
+    raw.sort(key=lambda t: -t[1].tensors[t[2]].nbytes)
+    tasks: list[Callable[[], None]] = [_raw_task(src, sec, i, dest) if dest is not None
+                                       else _mapped_task(src.path, sec, i, mapping) for _, sec, i, dest in raw]
+    keys = [t[0] for t in raw]
     for start, (sec, dests) in zstd.items():
         tasks.insert(0, lambda sec=sec, dests=dests: _scatter_region(src, sec, dests))
         keys.insert(0, sec.data_start)
     errors: dict[int, BaseException] = {}
     if threads <= 0:
-        big = sum(t[3].nbytes for t in raw) >= _PARALLEL_MIN
+        big = sum(t[1].tensors[t[2]].nbytes for t in raw) >= _PARALLEL_MIN
         threads = min(4, cpus()) if big else 1
     _run_tasks(tasks, keys, errors, min(threads, len(tasks)))
     if errors:
@@ -772,6 +799,26 @@ def _raw_task(src: Source, sec: SectionIndex, i: int, dest: memoryview) -> Calla
         check.finish(src.path)
 
     return run
+
+
+def _mapped_task(path: str | None, sec: SectionIndex, i: int, mapping: mmap.mmap | None) -> Callable[[], None]:
+    if mapping is None:
+        raise AssertionError("a raw job without destination needs the file's mapping")
+    return lambda: check_mapped(path, sec, i, mapping)
+
+
+def check_mapped(path: str | None, sec: SectionIndex, i: int, mapping: mmap.mmap) -> None:
+    """Check raw tensor ``i`` where it lies in a mapping of the whole file (R-007, R-017).
+
+    Raises:
+        ChecksumMismatch, BadTensorValue: as :meth:`TensorCheck.finish`.
+    """
+    rec = sec.tensors[i]
+    at = sec.data_start + rec.offset
+    check = TensorCheck(sec, i)
+    with memoryview(mapping) as whole, whole[at : at + rec.nbytes] as view:
+        check.update(view)
+    check.finish(path)
 
 
 def _run_tasks(tasks: list[Callable[[], None]], keys: list[int], errors: dict[int, BaseException], threads: int) -> None:

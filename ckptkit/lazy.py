@@ -31,8 +31,8 @@ from .container import (
     SECTIONS,
     Layout,
     Source,
-    TensorCheck,
     check_flags,
+    check_mapped,
     check_skeleton,
     read_layout,
 )
@@ -205,12 +205,8 @@ class LazyCheckpoint:
             return t
 
     def _read(self, sec: SectionIndex, i: int) -> torch.Tensor:
-        import torch  # torch-side work; importing ckptkit stays torch-free
+        from .codec import mapped_tensor, read_section_tensors  # torch-side work; importing ckptkit stays torch-free
 
-        from .codec import empty_like_record, read_section_tensors, torch_dtype
-
-        rec = sec.tensors[i]
-        dtype = torch_dtype(rec.dtype)
         if sec.codec != "raw":
             decoded = self._decoded.get(sec.name)
             if decoded is None:
@@ -218,19 +214,9 @@ class LazyCheckpoint:
             return decoded[i]
         if self._map is None:
             raise ValueError(f"{self.path}: the checkpoint is closed")
-        buf = self._map
-        at = sec.data_start + rec.offset
-        if rec.nbytes >= 1 << 20 and hasattr(mmap, "MADV_WILLNEED"):  # one big readahead, not per-page faults
-            base = at - at % mmap.PAGESIZE
-            self._map.madvise(mmap.MADV_WILLNEED, base, at + rec.nbytes - base)
-        check = TensorCheck(sec, i)
-        with memoryview(buf) as whole, whole[at : at + rec.nbytes] as view:
-            check.update(view)
-        check.finish(self.path)
-        if rec.nbytes == 0:
-            return empty_like_record(rec.dtype, rec.shape)[0]  # the loader's own rules for empty shapes
-        flat = torch.frombuffer(buf, dtype=torch.uint8, count=rec.nbytes, offset=at)
-        return flat.view(dtype).reshape(rec.shape)
+        check_mapped(self.path, sec, i, self._map)
+        rec = sec.tensors[i]
+        return mapped_tensor(self._map, sec.data_start + rec.offset, rec.dtype, rec.shape)
 
 
 def _refs(node: Any) -> list[TensorRef]:

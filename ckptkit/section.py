@@ -467,10 +467,11 @@ def _decode_records(
         if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
             raise bad(f"{where}: unknown dtype", expected="a name from the dtype table", actual=_show(dtype, 40),
                       hint="R-013")
-        if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(_is_uint(d) for d in shape):
+        # type() is int: msgpack decodes integers as int, and a bool is not a dimension
+        if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(type(d) is int and d >= 0 for d in shape):
             raise bad(f"{where}: shape must be at most {MAX_NDIM} non-negative integers", actual=_show(shape, 80),
                       hint="R-013")
-        if any(d >= 2**63 for d in shape) or math.prod(max(d, 1) for d in shape) >= 2**63:
+        if max(shape, default=0) >= 2**63 or math.prod(d or 1 for d in shape) >= 2**63:
             raise bad(f"{where}: shape does not fit in int64 element counts", actual=_show(shape, 80), hint="R-013")
         if not _is_uint(offset) or not _is_uint(nbytes):
             raise bad(f"{where}: offset and nbytes must be non-negative integers", actual=_show(r[2:4], 80), hint="R-013")
