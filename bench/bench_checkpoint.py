@@ -868,6 +868,9 @@ def _report(args, r, nbytes, file_size, parts, d, lazy_bytes, asyncres, memory, 
         "restore_into / pread limit": RI / RL,
         "verify speed / read bandwidth (warm)": RB / V,
         "lazy one tensor (ms)": med["ckptkit open_checkpoint + one tensor"] * 1e3,
+        "load + load_state_dict / safetensors": med["ckptkit load + load_state_dict (verified)"] / SL,
+        "lazy one tensor / safetensors safe_open": med["ckptkit open_checkpoint + one tensor"]
+        / med["safetensors safe_open + get_tensor"],
     }
     if "ckptkit verify, cold cache" in med:
         ratios["verify speed / read bandwidth (cold)"] = med["read file, cold cache (read bandwidth)"] / med[
@@ -886,6 +889,11 @@ def _report(args, r, nbytes, file_size, parts, d, lazy_bytes, asyncres, memory, 
         ("verified restore_into <= 1.2x safetensors restore", ratios["restore_into / safetensors"], 1.2, "<="),
         ("verified restore_into <= 0.3x torch.load path", ratios["restore_into / torch.load path"], 0.3, "<="),
         ("lazy: one tensor in milliseconds (<= 20 ms)", ratios["lazy one tensor (ms)"], 20, "<="),
+        ("verified load + load_state_dict <= 1.2x safetensors", ratios["load + load_state_dict / safetensors"], 1.2,
+         "<="),
+        ("verified restore_into <= 1.0x safetensors restore", ratios["restore_into / safetensors"], 1.0, "<="),
+        ("lazy open + one tensor <= 2x safetensors safe_open", ratios["lazy one tensor / safetensors safe_open"], 2,
+         "<="),
         ("verify >= 0.8x read bandwidth (warm)", ratios["verify speed / read bandwidth (warm)"], 0.8, ">="),
     ]
     if "verify speed / read bandwidth (cold)" in ratios:

@@ -132,13 +132,15 @@ def load(
     strict: bool = True,
     max_memory: int | None = None,
 ) -> Checkpoint:
-    """Read a v2 or legacy v1 container, verifying every byte as it is read.
+    """Read a v2 or legacy v1 container, verifying every byte it returns.
 
-    Tensor bytes are read straight into their final memory and hashed in the same
-    pass, in one thread per core. With ``into``, that final memory is your own
-    tensors': a restore into an existing model or optimizer writes each stored
-    tensor directly into the matching parameter, buffer or state tensor — no
-    second copy, no ``load_state_dict`` copy afterwards.
+    Without ``into``, tensors of a raw section are views of a private
+    (copy-on-write) mapping of the file, each hashed where it lies before the
+    call returns, in one thread per core: nothing is copied, and writing into a
+    tensor never changes the file. With ``into``, each stored tensor is read
+    straight into your own tensor (parameter, buffer, optimizer state) and hashed
+    in the same pass — no second copy, no ``load_state_dict`` copy afterwards.
+    Tensors of a zstd section are decoded into new memory.
 
     Args:
         path: the checkpoint file.
