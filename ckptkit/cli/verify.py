@@ -13,7 +13,7 @@ import sys
 from typing import Any
 
 from ..container import Report, verify
-from ..errors import CheckpointNotFound
+from ..errors import CheckpointError, CheckpointNotFound
 from ._paths import expand_checkpoints
 
 __all__ = ["add_parser", "run"]
@@ -23,6 +23,14 @@ example:
   $ ckptkit verify run/
   OK    run/step-00000100.ckpt  v2 step 100  1.2 MiB  flags: -
   FAIL  run/step-00000200.ckpt: offset 1156 (0x484): monitor_len: ... runs past the end of the file
+
+  OK    run/step-00000100.ckpt.config.json  snapshot, bound to step-00000100.ckpt
+  FAIL  run/step-00000200.ckpt.config.json: damaged: its xxh3-64 does not match the digest step-00000200.ckpt records ...
+
+A checkpoint's companions (its config snapshot, its sidecars, the run's environment.json)
+are checked against the digests it records (spec/companions.md); in a run directory a
+missing one fails too. A checkpoint that records none (written before companion binding)
+gets a WARN line: its companions are not protected.
 
 exit codes: 0 every file valid, 1 any file invalid, 2 usage error or unreadable path
 """
@@ -96,9 +104,11 @@ def run(args: argparse.Namespace) -> int:
                 return 2
             # Deleted between listing and reading (retention in a live run): not a failure.
             print(f"ckptkit verify: {path}: deleted while verifying (retention?); skipped", file=sys.stderr)
+    companions = _companion_checks(reports, args.paths)
+    ok = all(r.ok for r in reports) and all(c["ok"] for c in companions)
     if args.json:
-        print(json.dumps({"schema_version": 1, "ok": all(r.ok for r in reports),
-                          "files": [report_json(r) for r in reports]}, sort_keys=True))
+        print(json.dumps({"schema_version": 1, "ok": ok, "files": [report_json(r) for r in reports],
+                          "companions": companions}, sort_keys=True))
     else:
         for r in reports:
             if r.ok:
@@ -108,4 +118,53 @@ def run(args: argparse.Namespace) -> int:
                 print(f"OK    {r.path}  {kind} step {r.step}  {_size(r.size)}  flags: {flags}{legacy}")
             else:
                 print(f"FAIL  {r.error}" if str(r.error).startswith(r.path) else f"FAIL  {r.path}: {r.error}")
-    return 0 if all(r.ok for r in reports) else 1
+        for c in companions:
+            _print_companion(c)
+    return 0 if ok else 1
+
+
+def _companion_checks(reports: list[Report], paths: list[str]) -> list[dict[str, Any]]:
+    """The companions of every checkpoint that verified, one entry per file (spec/companions.md).
+
+    In a run directory a recorded companion that is missing fails (the checkpoint
+    cannot be resumed); beside a checkpoint named on its own, only those present
+    are checked, and its sidecars are verified byte for byte too.
+    """
+    from ..companions import companion_checks, read_record
+    from ..sidecar import sidecar_report
+
+    run_dirs = {os.path.normpath(p) for p in paths if os.path.isdir(p)}
+    merged: dict[str, dict[str, Any]] = {}
+    for r in reports:
+        if not r.ok or r.kind != "container":
+            continue
+        in_run = os.path.normpath(os.path.dirname(r.path) or ".") in run_dirs
+        try:
+            record = read_record(r.path)
+        except CheckpointError:  # deleted or replaced since it verified: its own line says so
+            continue
+        for c in companion_checks(r.path, record, missing_ok=not in_run):
+            error = c.error
+            if error is None and c.kind == "sidecar" and not in_run:
+                error = sidecar_report(c.path).error
+            entry = merged.setdefault(c.path, {"path": c.path, "kind": c.kind, "checkpoints": [], "ok": True,
+                                               "protected": c.protected, "error": None})
+            entry["checkpoints"].append(r.path)
+            if error is not None and entry["ok"]:
+                entry.update(ok=False, error={"type": type(error).__name__, "message": str(error)})
+    # A sidecar of a run directory has its own line already; its binding is news only when it fails.
+    return [e for _, e in sorted(merged.items())
+            if not (e["kind"] == "sidecar" and e["ok"] and os.path.normpath(os.path.dirname(e["path"])) in run_dirs)]
+
+
+def _print_companion(c: dict[str, Any]) -> None:
+    n = len(c["checkpoints"])
+    names = os.path.basename(c["checkpoints"][0]) if n == 1 else f"{n} checkpoints"
+    if not c["ok"]:
+        message = c["error"]["message"]
+        print(f"FAIL  {message}" if message.startswith(c["path"]) else f"FAIL  {c['path']}: {message}")
+    elif not c["protected"]:
+        print(f"WARN  {c['path']}: not protected: {names} records no companion digests "
+              "(written before companion binding); it parses, nothing more is checked")
+    else:
+        print(f"OK    {c['path']}  {c['kind']}, bound to {names}")
