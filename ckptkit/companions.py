@@ -109,7 +109,8 @@ def record_of(monitor: Any, path: str | None = None) -> dict[str, Any] | None:
 
     def bad(problem: str, actual: Any) -> MalformedIndex:
         return MalformedIndex(problem, path=path, field=f"monitor[{COMPANIONS_KEY!r}]", actual=actual,
-                              hint="R-C01: the checkpoint is damaged or was written by a newer ckptkit")
+                              hint="the checkpoint is damaged or was written by a newer ckptkit; "
+                                   "upgrade, or resume from another (R-C01)")
 
     if not isinstance(record, Mapping):
         raise bad("the companion record is not a map", type(record).__name__)

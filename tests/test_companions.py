@@ -352,3 +352,58 @@ def test_verifying_a_run_and_its_companions_does_not_import_torch(tmp_path: Path
     code = ("import sys, ckptkit.companions; from ckptkit.cli import main; "
             f"assert main(['verify', {str(tmp_path)!r}]) == 0; assert 'torch' not in sys.modules, 'torch'")
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+
+
+# ----------------------------------------------------------------------------- the run fixtures
+
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNS: dict[str, dict[str, object]] = json.loads((ROOT / "fixtures" / "MANIFEST.json").read_text())["runs"]
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_verify_reports_each_run_fixture_as_the_manifest_says(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    run = ROOT / "fixtures" / "runs" / name
+    want: dict[str, dict[str, object]] = RUNS[name]["companions"]  # type: ignore[assignment]
+    capsys.readouterr()
+    code = main(["verify", str(run), "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert code == (1 if any(c["error"] for c in want.values()) else 0)
+    got = {Path(c["path"]).name: c for c in doc["companions"]}
+    for file, entry in want.items():
+        if entry["error"] is None:
+            assert file not in got or (got[file]["ok"] and got[file]["protected"] == entry["protected"]), file
+        else:
+            assert got[file]["error"] == {"type": entry["error"],
+                                          "message": str(entry["message"]).replace("<run>", str(run))}, file
+    if name == "unbound":
+        assert got[checkpoint_name(7) + ".config.json"]["protected"] is False
+
+
+def test_the_generator_rebuilds_the_run_fixtures_byte_for_byte(tmp_path: Path) -> None:
+    import hashlib
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fixtures_generate", ROOT / "fixtures" / "generate.py")
+    assert spec is not None and spec.loader is not None
+    generate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generate)
+    assert generate.build_runs(tmp_path) == RUNS
+    for name, entry in RUNS.items():
+        files = entry["files"]
+        assert sorted(p.name for p in (ROOT / "fixtures" / "runs" / name).iterdir()) == sorted(files)  # type: ignore[arg-type]
+        for file, facts in files.items():  # type: ignore[attr-defined]
+            assert hashlib.sha256((ROOT / "fixtures" / "runs" / name / file).read_bytes()).hexdigest() == facts["sha256"]
+
+
+def test_resume_skips_a_checkpoint_whose_record_is_malformed(tmp_path: Path) -> None:
+    import ckptkit
+
+    trained(tmp_path, steps=4)
+    path = tmp_path / checkpoint_name(4)
+    ckpt = ckptkit.load(path)
+    ckpt.monitor["companions"]["history"] = 0
+    ckptkit.save(path, ckpt)
+    _, info, _ = resume(tmp_path)
+    assert info.step == 2
+    assert "the companion record needs snapshot and sidecars" in info.skipped[0][1] and "(R-C01" in info.skipped[0][1]

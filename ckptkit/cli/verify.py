@@ -141,7 +141,11 @@ def _companion_checks(reports: list[Report], paths: list[str]) -> list[dict[str,
         in_run = os.path.normpath(os.path.dirname(r.path) or ".") in run_dirs
         try:
             record = read_record(r.path)
-        except CheckpointError:  # deleted or replaced since it verified: its own line says so
+        except CheckpointNotFound:  # deleted since it verified (retention in a live run)
+            continue
+        except CheckpointError as e:  # a record this reader cannot trust checks nothing (R-C01)
+            merged[r.path] = {"path": r.path, "kind": "record", "checkpoints": [r.path], "ok": False,
+                              "protected": True, "error": {"type": type(e).__name__, "message": str(e)}}
             continue
         for c in companion_checks(r.path, record, missing_ok=not in_run):
             error = c.error
