@@ -407,3 +407,67 @@ def test_resume_skips_a_checkpoint_whose_record_is_malformed(tmp_path: Path) -> 
     _, info, _ = resume(tmp_path)
     assert info.step == 2
     assert "the companion record needs snapshot and sidecars" in info.skipped[0][1] and "(R-C01" in info.skipped[0][1]
+
+
+# ----------------------------------------------------------------------------- history.jsonl
+
+
+def _trained_history(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Path:
+    assert main(["train", "--run-dir", str(tmp_path), "--steps", "4", "--quiet", *TINY_FLAGS]) == 0
+    capsys.readouterr()
+    return tmp_path / "history.jsonl"
+
+
+@pytest.mark.slow
+def test_verify_checks_what_it_can_in_history(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    hist = _trained_history(tmp_path, capsys)
+    code, lines = verify(capsys, tmp_path)
+    assert code == 0
+    assert lines[-1].startswith(f"OK    {hist}  history, ") and "steps 0..3" in lines[-1]
+    original = hist.read_bytes()
+
+    rows = original.split(b"\n")
+    step_lines = [i for i, r in enumerate(rows) if b'"kind":"step"' in r]
+    # A digit of one loss changed: its loss_bits twin disagrees.
+    i = step_lines[1]
+    row = json.loads(rows[i])
+    row["loss"] = row["loss"] * 2
+    rows[i] = json.dumps(row, sort_keys=True, separators=(",", ":")).encode()
+    hist.write_bytes(b"\n".join(rows))
+    code, lines = verify(capsys, tmp_path)
+    assert code == 1
+    assert [line for line in lines if line.startswith("FAIL")] == [
+        f"FAIL  {hist}: line {i + 1} (offset {sum(len(r) + 1 for r in rows[:i])}): "
+        f"loss {json.dumps(row['loss'])} disagrees with loss_bits {row['loss_bits']}"]
+
+    # A step row lost, a line that is not JSON, and a torn tail.
+    rows = original.split(b"\n")
+    del rows[step_lines[2]]
+    rows.insert(1, b"{not json")
+    hist.write_bytes(b"\n".join(rows) + b'{"kind":"st')
+    code, lines = verify(capsys, tmp_path)
+    assert code == 1
+    fails = [line for line in lines if line.startswith(("FAIL", "WARN"))]
+    assert fails[0].startswith(f"FAIL  {hist}: line 2 (offset ") and "not JSON" in fails[0]
+    assert fails[1].endswith("step 2 missing before step row 3")
+    assert fails[2] == f"WARN  {hist}: torn last line (a crash mid-append); the next resume drops it"
+
+
+def test_check_history_follows_reruns_rollbacks_and_resumes(tmp_path: Path) -> None:
+    from ckptkit.history import check_history
+
+    def rows(*pairs: tuple[str, int, dict[str, object]]) -> Path:
+        path = tmp_path / "history.jsonl"
+        path.write_text("".join(json.dumps({"kind": k, "step": s, **extra}) + "\n" for k, s, extra in pairs))
+        return path
+
+    good = rows(("start", 0, {}), ("step", 0, {}), ("step", 1, {}), ("step", 1, {"rerun": True}),
+                ("rollback", 1, {"to": 0}), ("step", 0, {}), ("step", 1, {}), ("resume", 2, {}), ("step", 2, {}))
+    check = check_history(good)
+    assert check.ok and check.rows == 9 and check.steps == (0, 2) and not check.torn
+    bad = rows(("start", 0, {}), ("step", 1, {}), ("step", 1, {}), ("resume", 5, {}))
+    assert check_history(bad).problems == (
+        "line 2 (offset 29): step 0 missing before step row 1",
+        "line 3 (offset 57): step row 1 out of order (expected step 2)",
+        "line 4 (offset 85): resume at step 5, but the step rows before it end at 1",
+    )

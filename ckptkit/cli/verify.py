@@ -105,10 +105,14 @@ def run(args: argparse.Namespace) -> int:
             # Deleted between listing and reading (retention in a live run): not a failure.
             print(f"ckptkit verify: {path}: deleted while verifying (retention?); skipped", file=sys.stderr)
     companions = _companion_checks(reports, args.paths)
-    ok = all(r.ok for r in reports) and all(c["ok"] for c in companions)
+    histories = _history_checks(args.paths)
+    ok = all(r.ok for r in reports) and all(c["ok"] for c in companions) and all(h.ok for h in histories)
     if args.json:
         print(json.dumps({"schema_version": 1, "ok": ok, "files": [report_json(r) for r in reports],
-                          "companions": companions}, sort_keys=True))
+                          "companions": companions,
+                          "history": [{"path": h.path, "ok": h.ok, "rows": h.rows, "torn": h.torn,
+                                       "steps": None if h.steps is None else list(h.steps),
+                                       "problems": list(h.problems)} for h in histories]}, sort_keys=True))
     else:
         for r in reports:
             if r.ok:
@@ -120,7 +124,30 @@ def run(args: argparse.Namespace) -> int:
                 print(f"FAIL  {r.error}" if str(r.error).startswith(r.path) else f"FAIL  {r.path}: {r.error}")
         for c in companions:
             _print_companion(c)
+        for h in histories:
+            _print_history(h)
     return 0 if ok else 1
+
+
+def _history_checks(paths: list[str]) -> list[Any]:
+    """``history.jsonl`` of each run directory given: no checksum, so what can be
+    checked is (spec/trainer.md R-T13)."""
+    from ..history import HISTORY_FILE, check_history
+
+    found = sorted({os.path.join(p, HISTORY_FILE) for p in paths if os.path.isdir(p)})
+    return [check_history(h) for h in found if os.path.isfile(h)]
+
+
+def _print_history(h: Any) -> None:
+    for problem in h.problems[:10]:
+        print(f"FAIL  {h.path}: {problem}")
+    if len(h.problems) > 10:
+        print(f"FAIL  {h.path}: and {len(h.problems) - 10} more problem(s)")
+    if h.torn:
+        print(f"WARN  {h.path}: torn last line (a crash mid-append); the next resume drops it")
+    if h.ok:
+        steps = "no step rows" if h.steps is None else f"steps {h.steps[0]}..{h.steps[1]}"
+        print(f"OK    {h.path}  history, {h.rows} rows, {steps} (no checksum: rows, order and _bits checked)")
 
 
 def _companion_checks(reports: list[Report], paths: list[str]) -> list[dict[str, Any]]:
