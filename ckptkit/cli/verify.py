@@ -1,4 +1,4 @@
-"""``ckptkit verify PATH...``: check every byte of checkpoint files (torch-free).
+"""``ckptkit verify PATH...``: check every byte of checkpoint files and their companions (torch-free).
 
     ckptkit verify run/step-00000100.ckpt
     ckptkit verify run/ --json
@@ -39,7 +39,8 @@ exit codes: 0 every file valid, 1 any file invalid, 2 usage error or unreadable 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "verify", help="check every byte of checkpoint files",
-        description="Check every byte of one or more checkpoints (files, or run directories).",
+        description="Check every byte of one or more checkpoints (files, or run directories), the "
+                    "companions each records (snapshot, sidecars, environment.json), and a run's history.jsonl.",
         epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("paths", nargs="+", metavar="PATH", help="checkpoint file or run directory")
