@@ -31,8 +31,8 @@ from typing import Any
 import xxhash
 
 from .container import Source, read_layout
-from .errors import CheckpointError, CheckpointNotFound, ChecksumMismatch, FormatError, MalformedIndex
-from .snapshot import SNAPSHOT_SUFFIX, read_snapshot
+from .errors import CheckpointError, ChecksumMismatch, FormatError, MalformedIndex
+from .snapshot import SNAPSHOT_SUFFIX, read_small_file, read_snapshot
 
 __all__ = [
     "COMPANIONS_KEY",
@@ -55,8 +55,6 @@ COMPANIONS_KEY = "companions"
 ENVIRONMENT_FILE = "environment.json"
 """The run's environment record, one per run directory (spec/determinism.md)."""
 
-# Snapshots and environment records are kilobytes; the cap bounds what a hostile file costs.
-_MAX_DIGESTED_BYTES = 16 * 1024 * 1024
 _U64 = 1 << 64
 UNBOUND_NOTE = ("records no companion digests (written before companion binding): "
                 "its snapshot, sidecars and environment.json are not integrity-checked")
@@ -71,17 +69,7 @@ def file_digest(path: str | os.PathLike[str], what: str) -> int:
             record is), or cannot be read.
     """
     name = os.fspath(path)
-    try:
-        with open(name, "rb") as f:
-            data = f.read(_MAX_DIGESTED_BYTES + 1)
-    except FileNotFoundError:
-        raise CheckpointNotFound(f"{name}: {what} is missing") from None
-    except OSError as e:
-        raise FormatError(f"cannot read the {what} ({e.strerror})", path=name) from None
-    if len(data) > _MAX_DIGESTED_BYTES:
-        raise FormatError(f"file too large for a {what}", path=name, expected=f"<= {_MAX_DIGESTED_BYTES} bytes",
-                          actual=f"> {_MAX_DIGESTED_BYTES}", hint="R-C01")
-    return xxhash.xxh3_64_intdigest(data)
+    return xxhash.xxh3_64_intdigest(read_small_file(name, what, missing=f"{what} is missing", hint="R-C02"))
 
 
 def make_record(*, snapshot: int, environment: int | None, sidecars: Mapping[str, int]) -> dict[str, Any]:

@@ -175,7 +175,10 @@ def _companion_checks(reports: list[Report], paths: list[str]) -> list[dict[str,
             merged[r.path] = {"path": r.path, "kind": "record", "checkpoints": [r.path], "ok": False,
                               "protected": True, "error": {"type": type(e).__name__, "message": str(e)}}
             continue
-        for c in companion_checks(r.path, record, missing_ok=not in_run):
+        checks = companion_checks(r.path, record, missing_ok=not in_run)
+        if any(isinstance(c.error, CheckpointNotFound) for c in checks) and not os.path.exists(r.path):
+            continue  # retention deleted the checkpoint, then its companions, while we read (G-31)
+        for c in checks:
             error = c.error
             if error is None and c.kind == "sidecar" and not in_run:
                 error = sidecar_report(c.path).error
