@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from ..checkpoint import load
+from ..companions import rebind, unbound_bytes
 from ..compare import TensorDiff, checkpoint_state, compare_checkpoints, compare_states
 from ..environment import EnvDiff, capture, diff_environment
 from ..errors import (
@@ -721,7 +722,9 @@ def _replay_guarded(cfg: TrainerConfig, rec: Recording, run_dir: str, ckpt_path:
     if base and base[-1] != ckpt_path:
         _copy_checkpoint(base[-1], run_dir, work)
     # The replay's plan (--to, overrides) is its own, not drift from the recorded snapshot.
-    write_snapshot(snapshot_path(os.path.join(work, os.path.basename(ckpt_path))), cfg)
+    copy = os.path.join(work, os.path.basename(ckpt_path))
+    write_snapshot(snapshot_path(copy), cfg)
+    rebind(copy)  # the private copy's checkpoint binds the replay's snapshot (spec/companions.md)
     shutil.copyfile(os.path.join(run_dir, HISTORY_FILE), os.path.join(work, HISTORY_FILE))
     executed = 0
 
@@ -769,12 +772,13 @@ def row_fields(a: Mapping[str, Any], b: Mapping[str, Any]) -> tuple[FieldDiff, .
 
 def first_differing_checkpoint(a: str, b: str, steps: Sequence[int]) -> tuple[int, list[TensorDiff]] | None:
     """The first of ``steps`` whose checkpoint files in run directories ``a`` and ``b``
-    differ in bytes, with the differences as ``ckptkit diff --tensors`` lists them
+    differ in bytes (their companion records set aside), with the differences as ``ckptkit diff --tensors`` lists them
     (``a`` first); None when every one is byte-identical."""
     for s in steps:
         pa, pb = os.path.join(a, checkpoint_name(s)), os.path.join(b, checkpoint_name(s))
         with open(pa, "rb") as fa, open(pb, "rb") as fb:
-            if fa.read() != fb.read():
+            # A checkpoint binds its own snapshot (spec/companions.md), whose exempt keys may differ.
+            if fa.read() != fb.read() and unbound_bytes(pa) != unbound_bytes(pb):
                 return s, compare_checkpoints(pa, pb)
     return None
 
