@@ -284,8 +284,8 @@ def render(series: RunSeries, *, title: str = "", start: int | None = None, end:
     losses = series.loss_names
     panels = ["loss"] if losses else []
     panels += [n for n in ("grad_norm", "lr") if n in series.scalars]
-    heights = {"loss": 3.0, "grad_norm": 2.4, "lr": 1.3}
-    fig = Figure(figsize=(11, 1.2 + 1.75 * sum(heights[p] for p in panels) / 2.2), dpi=100, layout="constrained")
+    heights = {"loss": 2.8, "grad_norm": 2.2, "lr": 1.4}  # inches per panel, plus 0.6 for the title and axis
+    fig = Figure(figsize=(11, 0.6 + sum(heights[p] for p in panels)), dpi=100, layout="constrained")
     axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False, height_ratios=[heights[p] for p in panels])[:, 0]
     ax_of = dict(zip(panels, axes))
     palette = (COLORS["part0"], COLORS["part1"], *_EXTRA_COLORS)
@@ -362,7 +362,7 @@ def render(series: RunSeries, *, title: str = "", start: int | None = None, end:
                      color=COLORS["spike"], annotation_clip=False)
     for k, s in enumerate(x for x in series.resumes if lo <= x <= hi):
         for ax in axes:
-            ax.axvline(s, color=COLORS["resume"], lw=1.3, ls=":", gid="resume", zorder=5,
+            ax.axvline(s, color=COLORS["resume"], lw=2.0, ls=(0, (3, 2)), gid="resume", zorder=5,
                        label="resume" if k == 0 and ax is axes[0] else "_nolegend_")
 
     for ax in axes:
