@@ -80,7 +80,7 @@ class RunSeries:
         steps: the step of every ``step`` row, in file order.
         kept: per row, whether the final state descends from it (else it was abandoned).
         scalars: per drawn name (``loss``, its parts, ``grad_norm``, ``lr``), one value per
-            row (NaN where the row lacks it).
+            row (None where the row does not record it).
         threshold: per row, the detector's grad-norm threshold before the row's step was
             observed (None while warming up, or without grad norms).
         spikes: ``(step, grad_norm)`` of every row judged a spike (recorded ``spike``, or
@@ -92,13 +92,23 @@ class RunSeries:
 
     steps: tuple[int, ...]
     kept: tuple[bool, ...]
-    scalars: dict[str, tuple[float, ...]]
+    scalars: dict[str, tuple[float | None, ...]]
     threshold: tuple[float | None, ...]
     spikes: tuple[tuple[int, float], ...]
     rollbacks: tuple[tuple[int, int, float | None, float | None], ...]
     resumes: tuple[int, ...]
     spike_config: SpikeConfig
     config_source: str
+
+    def kept_scalars(self) -> list[tuple[int, dict[str, float]]]:
+        """``(step, {name: value})`` for every kept row, ascending: what to log to an experiment
+        tracker (one value per step, the lineage of the final state). Names a row does not record
+        are left out; a recorded non-finite value is kept (NaN, inf)."""
+        out = []
+        for i, (step, kept) in enumerate(zip(self.steps, self.kept)):
+            if kept:
+                out.append((step, {n: v[i] for n, v in self.scalars.items() if v[i] is not None}))
+        return out
 
     @property
     def loss_names(self) -> list[str]:
@@ -175,7 +185,7 @@ def read_series(rows: Sequence[dict[str, Any]], spike_config: SpikeConfig | None
     step_rows = [r for r in rows if r["kind"] == "step"]
     names = sorted({k for r in step_rows for k, v in r.items()
                     if (_LOSS_NAME.match(k) or k in ("grad_norm", "lr")) and _number(v) is not None})
-    scalars: dict[str, list[float]] = {n: [] for n in names}
+    scalars: dict[str, list[float | None]] = {n: [] for n in names}
     threshold: list[float | None] = []
     spikes: list[tuple[int, float]] = []
     lineage: dict[int, int] = {}  # step -> index of the row the final state descends from
@@ -192,8 +202,7 @@ def read_series(rows: Sequence[dict[str, Any]], spike_config: SpikeConfig | None
             del lineage[s]
         lineage[step] = i
         for n in names:
-            v = _number(r.get(n))
-            scalars[n].append(math.nan if v is None else v)
+            scalars[n].append(_number(r.get(n)))
         g = _number(r.get("grad_norm"))
         if g is None:
             threshold.append(None)
@@ -293,7 +302,7 @@ def render(series: RunSeries, *, title: str = "", start: int | None = None, end:
     colors |= {"loss": COLORS["loss"], "grad_norm": COLORS["grad_norm"], "lr": COLORS["lr"]}
 
     def line(ax: Any, name: str, label: str, width: float) -> None:
-        values = series.scalars[name]
+        values = [math.nan if v is None else v for v in series.scalars[name]]
         kept = [k and s for k, s in zip(series.kept, shown)]
         abandoned = [not k and s for k, s in zip(series.kept, shown)]
         xs = [st for st, k in zip(series.steps, kept) if k]

@@ -220,3 +220,30 @@ def test_missing_files_remote_paths_and_storage_options(tmp_path: Path) -> None:
     assert ckptkit.load(tmp_path / "sub" / "x.ckpt").step == 3
     io.remove_checkpoint(tmp_path / "sub" / "x.ckpt")
     assert not (tmp_path / "sub" / "x.ckpt").exists()
+
+
+def test_fabric_saves_and_loads_through_the_plugin(tmp_path: Path) -> None:
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[CheckpointIO()])
+    net, opt = _stepped()
+    net, opt = fabric.setup(net, opt)
+    fabric.save(tmp_path / "f.ckpt", {"model": net, "optimizer": opt, "step": 3})
+    assert ckptkit.verify(tmp_path / "f.ckpt").ok
+    net2, opt2 = fabric.setup(*_stepped(steps=0))
+    state = {"model": net2, "optimizer": opt2, "step": 0}
+    fabric.load(tmp_path / "f.ckpt", state)
+    assert state["step"] == 3
+    assert_bitwise(net.state_dict(), net2.state_dict(), "model")
+    assert_bitwise(opt.state_dict(), opt2.state_dict(), "optimizer")
+
+
+def _stepped(steps: int = 1) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    net = torch.nn.Linear(3, 2)
+    with torch.no_grad():
+        net.weight.copy_(torch.arange(6.0).reshape(2, 3) if steps else torch.zeros(2, 3))
+    opt = torch.optim.AdamW(net.parameters())
+    for _ in range(steps):
+        net(torch.ones(1, 3)).sum().backward()
+        opt.step()
+    return net, opt

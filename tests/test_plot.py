@@ -248,3 +248,17 @@ def test_non_finite_grad_norms_are_spikes_and_leave_the_threshold_alone() -> Non
     assert math.isnan(series.spikes[0][1]) and series.spikes[0][0] == 3
     assert series.threshold[3:] == (3.0, 3.0)
     render(series)  # a NaN point is not drawn as a marker, and nothing raises
+
+
+def test_kept_scalars_are_what_a_tracker_logs_one_value_per_step(rolled: Path) -> None:
+    """The parsing half of docs/integrations.md's TensorBoard / W&B snippet."""
+    rows = rows_of(rolled)
+    logged = read_series(rows).kept_scalars()
+    assert [step for step, _ in logged] == list(range(14))
+    from ckptkit.trainer.rollback import kept_rows
+
+    for (step, values), row in zip(logged, kept_rows(rows)):
+        assert values == {k: row[k] for k in ("loss", "lm_loss", "aux_loss", "grad_norm", "lr")}, step
+    outside = [{"kind": "step", "step": 0, "loss": 1.0}, {"kind": "step", "step": 1, "loss": "NaN", "lr": 0.1}]
+    got = read_series(outside).kept_scalars()
+    assert got[0] == (0, {"loss": 1.0}) and got[1][0] == 1 and math.isnan(got[1][1]["loss"]) and got[1][1]["lr"] == 0.1
