@@ -33,6 +33,7 @@ canvas: no pyplot, no display, no global backend switch.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import os
@@ -67,8 +68,12 @@ COLORS = {
 }
 _EXTRA_COLORS = ("#2ca02c", "#17becf", "#bcbd22", "#7f7f7f")
 _ABANDONED_ALPHA = 0.35
+_DEFAULTS = "SpikeConfig defaults"
 # Spike actions after which the spiking step's update is discarded (spec/rollback.md R-R04, R-R07).
 _DISCARDED = frozenset({"rerun", "rollback", "unstable"})
+# Detector states kept for rewinds (each a copy of the window): a re-run or rollback further back than
+# this many steps leaves the threshold of its rows undrawn.
+_REWIND_LIMIT = 10_000
 _LOSS_NAME = re.compile(r"^(loss.*|.+_loss)$")
 
 
@@ -167,21 +172,22 @@ def spike_config_of(run_dir: str | os.PathLike[str]) -> tuple[SpikeConfig, str]:
                 return SpikeConfig(**table), name
             except (TypeError, ValueError) as e:
                 raise FormatError(f"monitor table is not a spike config ({e})", path=path, field="monitor") from None
-    return SpikeConfig(), "SpikeConfig defaults"
+    return SpikeConfig(), _DEFAULTS
 
 
 def read_series(rows: Sequence[dict[str, Any]], spike_config: SpikeConfig | None = None,
-                config_source: str = "SpikeConfig defaults") -> RunSeries:
+                config_source: str = "") -> RunSeries:
     """Turn history rows into the series a plot draws (see the module docstring for the rules).
 
     Args:
         rows: the recording's rows in file order (:func:`ckptkit.history.read_rows`).
         spike_config: the detector's parameters; ``SpikeConfig()`` if omitted.
-        config_source: where ``spike_config`` came from (shown in the legend).
+        config_source: where ``spike_config`` came from; the legend says so when it is the defaults.
     """
     config = spike_config or SpikeConfig()
+    config_source = config_source or ("given" if spike_config else _DEFAULTS)
     monitor = SpikeMonitor(dataclasses.replace(config, history=0))  # the detector only: no report to keep
-    before: dict[int, dict[str, Any]] = {}  # step -> detector state before that step was observed
+    before: collections.OrderedDict[int, dict[str, Any]] = collections.OrderedDict()  # step -> state before it
     step_rows = [r for r in rows if r["kind"] == "step"]
     names = sorted({k for r in step_rows for k, v in r.items()
                     if (_LOSS_NAME.match(k) or k in ("grad_norm", "lr")) and _number(v) is not None})
@@ -213,6 +219,9 @@ def read_series(rows: Sequence[dict[str, Any]], spike_config: SpikeConfig | None
                 continue
             monitor.rewind(before[step])
         before[step] = monitor.state_dict()
+        before.move_to_end(step)
+        if len(before) > _REWIND_LIMIT:
+            before.popitem(last=False)
         verdict = monitor.observe(step, grad_norm=max(g, 0.0) if not math.isnan(g) else g,
                                   loss=_number(r.get("loss")) or 0.0)
         last = step
@@ -249,10 +258,6 @@ def _runs(flags: Sequence[bool]) -> list[tuple[int, int]]:
             out.append((start, i))
             start = None
     return out
-
-
-def _fmt(x: float) -> str:
-    return f"{x:.3g}"
 
 
 def render(series: RunSeries, *, title: str = "", start: int | None = None, end: int | None = None) -> Figure:
@@ -326,8 +331,9 @@ def render(series: RunSeries, *, title: str = "", start: int | None = None, end:
                  if v and k and t is not None]
         tx, ty = [d[0] for d in drawn], [d[1] for d in drawn]
         if tx:
+            source = "" if series.config_source != _DEFAULTS else f"; {_DEFAULTS}"
             ax.plot(tx, ty, color=COLORS["threshold"], lw=1.6, ls=(0, (4, 2)), gid="threshold", zorder=4,
-                    label=f"threshold: {cfg.multiplier:g}x rolling median ({cfg.window} steps)")
+                    label=f"threshold: {cfg.multiplier:g}x rolling median ({cfg.window} steps{source})")
         pts = [(s, g) for s, g in series.spikes if lo <= s <= hi and math.isfinite(g)]
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], ls="none", marker="X", ms=9, mec="white", mew=0.8,

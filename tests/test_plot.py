@@ -168,6 +168,9 @@ def test_an_outside_loops_recording_is_drawn_with_its_own_scalar_names(tmp_path:
     assert summary.series == ("grad_norm", "loss", "loss_ce", "lr", "resume", "spike", "threshold")
     assert summary.spikes == 1  # the detector's verdict: the loop records no `spike` field
     assert pixels_near(out, COLORS["part0"]) >= 20  # loss_ce, the first part
+    fig = render(read_series(read_rows(tmp_path / "history.jsonl")[0]))
+    threshold = next(line for ax in fig.axes for line in ax.lines if line.get_gid() == "threshold")
+    assert threshold.get_label() == "threshold: 3x rolling median (50 steps; SpikeConfig defaults)"
 
 
 def test_a_recording_of_losses_only_is_one_panel(tmp_path: Path) -> None:
