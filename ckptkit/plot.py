@@ -354,7 +354,7 @@ def render(series: RunSeries, *, title: str = "", start: int | None = None, end:
             for (_n, t, before, after) in series.rollbacks:
                 if lo <= t <= hi and before and after and t - labelled >= gap:
                     labelled = t
-                    ax.annotate(f"\u00d7{after / before:.3g}", (t, after), textcoords="offset points", xytext=(6, -12),
+                    ax.annotate(f"\u00d7{after / before:.3g}", (t, after), textcoords="offset points", xytext=(8, 4),
                                 fontsize=8, color=COLORS["spike"])
         ax.set_ylabel("LR")
         ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))

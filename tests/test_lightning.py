@@ -247,3 +247,16 @@ def _stepped(steps: int = 1) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         net(torch.ones(1, 3)).sum().backward()
         opt.step()
     return net, opt
+
+
+def test_without_lightning_the_import_names_the_extra() -> None:
+    """A real process in which lightning cannot be imported."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['lightning'] = None\n"
+            "try:\n    import ckptkit.integrations.lightning\n"
+            "except ModuleNotFoundError as e:\n    print(e)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stderr) == (0, "")
+    assert proc.stdout == "ckptkit.integrations.lightning needs Lightning: pip install 'ckptkit[lightning]'\n"

@@ -265,3 +265,9 @@ def test_kept_scalars_are_what_a_tracker_logs_one_value_per_step(rolled: Path) -
     outside = [{"kind": "step", "step": 0, "loss": 1.0}, {"kind": "step", "step": 1, "loss": "NaN", "lr": 0.1}]
     got = read_series(outside).kept_scalars()
     assert got[0] == (0, {"loss": 1.0}) and got[1][0] == 1 and math.isnan(got[1][1]["loss"]) and got[1][1]["lr"] == 0.1
+
+
+def test_plot_help_shows_an_example_and_the_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plot", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "ckptkit plot runs/b -o runs/b.png" in out and "exit codes: 0 written, 2" in out
