@@ -35,12 +35,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import io
 import math
 import os
 import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from .atomic import write_bytes_atomic
 from .errors import CheckpointNotFound, FormatError
 from .history import HISTORY_FILE, read_rows
 from .monitor import SpikeConfig, SpikeMonitor
@@ -412,7 +414,9 @@ def plot_run(run: str | os.PathLike[str], out: str | os.PathLike[str], *, start:
     Raises:
         CheckpointNotFound: ``run`` has no ``history.jsonl``.
         FormatError: a line of the recording is not a history row.
-        ValueError: the recording has no step row with a loss, grad norm or LR in the range.
+        ValueError: the recording has no step row with a loss, grad norm or LR in the range,
+            or matplotlib does not write ``out``'s format.
+        SaveFailed: the image could not be written (a previous file at ``out`` is intact).
         ModuleNotFoundError: matplotlib is missing (the message names the extra).
 
     Example:
@@ -435,7 +439,9 @@ def plot_run(run: str | os.PathLike[str], out: str | os.PathLike[str], *, start:
              f"{len(series.rollbacks)} rollback(s) \u00b7 {len(series.resumes)} resume(s)")
     fig = render(series, title=title, start=start, end=end)
     out = os.fspath(out)
-    fig.savefig(out, dpi=100)
+    image = io.BytesIO()
+    fig.savefig(image, format=os.path.splitext(out)[1][1:].lower() or "png", dpi=100)
+    write_bytes_atomic(out, image.getvalue())  # the image appears whole or not at all
     drawn = sorted({str(a.get_gid()) for ax in fig.axes for a in [*ax.lines, *ax.patches] if a.get_gid()})
     return PlotSummary(path=out, steps=len(series.steps), spikes=len(series.spikes),
                        rollbacks=len(series.rollbacks), resumes=len(series.resumes), series=tuple(drawn))

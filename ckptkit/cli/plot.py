@@ -61,8 +61,5 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:  # nothing in the range; an image format matplotlib does not write
         print(f"ckptkit plot: {e}", file=sys.stderr)
         return 2
-    except OSError as e:
-        print(f"ckptkit plot: cannot write {args.output}: {e.strerror or e}", file=sys.stderr)
-        return 2
     print(summary.describe())
     return 0
