@@ -207,6 +207,15 @@ def test_a_container_not_written_by_the_plugin_is_refused(tmp_path: Path) -> Non
         "ckptkit.import_torch_checkpoint")
 
 
+def test_a_plugin_container_without_its_lightning_keys_is_refused(tmp_path: Path) -> None:
+    altered = tmp_path / "x.ckpt"
+    ckptkit.save(altered, ckptkit.Checkpoint(step=1, monitor={"layout": LAYOUT, "checkpoint": [1]}))
+    with pytest.raises(FormatError) as e:
+        CheckpointIO().load_checkpoint(altered)
+    assert str(e.value) == (f"{altered}: monitor.checkpoint: the Lightning keys are missing or not a map; "
+                            "the file was altered after it was written")
+
+
 def test_missing_files_remote_paths_and_storage_options(tmp_path: Path) -> None:
     io = CheckpointIO()
     with pytest.raises(FileNotFoundError):

@@ -123,11 +123,14 @@ def from_container(ckpt: Checkpoint, path: str = "") -> dict[str, Any]:
 
     Raises:
         FormatError: the container was not written by this plug-in (its monitor section
-            lacks the layout, or names another).
+            lacks the layout, or names another), or its ``monitor.checkpoint`` is not a map.
     """
     monitor = ckpt.monitor
     layout = monitor.get("layout") if isinstance(monitor, dict) else None
-    if layout != LAYOUT or not isinstance(monitor.get("checkpoint"), dict):
+    if layout == LAYOUT and not isinstance(monitor.get("checkpoint"), dict):
+        raise FormatError("the Lightning keys are missing or not a map", path=path or None,
+                          field="monitor.checkpoint", hint="the file was altered after it was written")
+    if layout != LAYOUT:
         raise FormatError(
             "not a Lightning checkpoint written by ckptkit.integrations.lightning.CheckpointIO",
             path=path or None, field="monitor.layout", expected=LAYOUT, actual=layout or "none",
