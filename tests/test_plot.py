@@ -143,6 +143,16 @@ def test_the_kept_rows_are_the_trainers_lineage(rolled: Path) -> None:
     assert series.resumes == (7,)  # the run stopped at 7 wrote checkpoint 7
 
 
+def test_json_names_what_was_drawn(plain: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    out = tmp_path / "p.png"
+    assert main(["plot", str(plain), "-o", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {
+        "schema_version": 1, "path": str(out), "steps": 24, "spikes": 0, "rollbacks": 0, "resumes": 0,
+        "series": ["aux_loss", "grad_norm", "lm_loss", "loss", "lr", "threshold"]}
+
+
 def test_from_and_to_zoom_the_step_axis(rolled: Path, tmp_path: Path) -> None:
     fig = render(read_series(rows_of(rolled)), start=4, end=11)
     assert fig.axes[-1].get_xlim() == (4, 11)

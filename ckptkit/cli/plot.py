@@ -7,6 +7,8 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import sys
 from typing import Any
 
@@ -40,6 +42,7 @@ def add_parser(sub: Any) -> None:
                    help="the image to write; its suffix picks the format (.png, .svg, .pdf)")
     p.add_argument("--from", dest="start", type=int, default=None, metavar="STEP", help="first step drawn")
     p.add_argument("--to", dest="end", type=int, default=None, metavar="STEP", help="last step drawn")
+    p.add_argument("--json", action="store_true", help="print what was drawn as one JSON object (schema_version 1)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -61,5 +64,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:  # nothing in the range; an image format matplotlib does not write
         print(f"ckptkit plot: {e}", file=sys.stderr)
         return 2
-    print(summary.describe())
+    if args.json:
+        print(json.dumps({"schema_version": 1, **dataclasses.asdict(summary)}, sort_keys=True))
+    else:
+        print(summary.describe())
     return 0
