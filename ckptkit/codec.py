@@ -380,8 +380,8 @@ def memory_available() -> tuple[int, str] | None:
     """Bytes this process can still allocate, and what bounds it; None where it cannot be known (not Linux).
 
     The least of: ``MemAvailable`` (/proc/meminfo), the cgroup v2 limit minus its
-    usage (memory.max - memory.current), and the address-space limit ``RLIMIT_AS``
-    minus this process's ``VmSize``.
+    usage other than page cache (memory.max - memory.current + memory.stat ``file``),
+    and the address-space limit ``RLIMIT_AS`` minus this process's ``VmSize``.
     """
     found: list[tuple[int, str]] = []
     try:
@@ -391,9 +391,11 @@ def memory_available() -> tuple[int, str] | None:
         return None
     try:
         with open("/sys/fs/cgroup/memory.max") as f, open("/sys/fs/cgroup/memory.current") as g:
-            cap = f.read().strip()
-            if cap != "max":
-                found.append((int(cap) - int(g.read()), "the cgroup memory limit"))
+            cap, used = f.read().strip(), int(g.read())
+        if cap != "max":
+            with open("/sys/fs/cgroup/memory.stat") as f:  # page cache counts in usage but is reclaimed on demand
+                cache = next((int(line.split()[1]) for line in f if line.startswith("file ")), 0)
+            found.append((int(cap) - (used - cache), "the cgroup memory limit"))
     except (OSError, ValueError):
         pass
     import resource
