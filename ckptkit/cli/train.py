@@ -16,6 +16,7 @@ import enum
 import json
 import os
 import sys
+import time
 from typing import Any
 
 __all__ = ["add_knobs", "add_parser", "config_from_args", "run"]
@@ -82,7 +83,12 @@ def add_parser(sub: Any) -> None:
                            help="accept a v1 checkpoint that lacks state (recorded in history.jsonl)")
     run_group.add_argument("--allow-env-change", action="store_true",
                            help="accept a different environment (recorded in history.jsonl)")
-    run_group.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    run_group.add_argument("--threads", type=int, default=None, metavar="N",
+                           help="torch intra-op threads (default: torch's own; with --resume, the count the run "
+                                "recorded). Part of the run's environment: another count on resume is refused "
+                                "unless --allow-env-change")
+    run_group.add_argument("--quiet", action="store_true",
+                           help="no progress bar and no log lines on stderr (the summary still prints)")
     run_group.add_argument("--json", action="store_true", help="print the result as one JSON object")
     add_knobs(p)
 
@@ -109,12 +115,28 @@ def run(args: argparse.Namespace) -> int:
         print(f"ckptkit train: --data {cfg.data.path}: no such file", file=sys.stderr)
         return 2
 
-    from ..trainer.loop import train
+    if args.threads is not None and args.threads < 1:
+        print(f"ckptkit train: --threads must be >= 1 (got {args.threads})", file=sys.stderr)
+        return 2
 
-    result = train(
-        cfg, args.run_dir, resume=args.resume, allow_legacy=args.allow_legacy,
-        allow_env_change=args.allow_env_change, log=None if args.quiet else _progress,
-    )
+    from ..trainer.loop import intra_op_threads, train
+    from ._progress import Progress
+
+    began = time.monotonic()
+    with Progress("train", quiet=args.quiet) as progress:
+        threads = args.threads if args.threads is not None or not args.resume else _recorded_threads(args.run_dir)
+        if threads is not None and args.threads is None:
+            progress.log(f"threads: {threads} intra-op, as the run recorded (environment.json)")
+
+        def on_step(result: Any) -> None:
+            progress.at(result.step + 1, cfg.train.steps, loss=f"{result.loss:.4f}")
+
+        with intra_op_threads(threads):
+            result = train(
+                cfg, args.run_dir, resume=args.resume, allow_legacy=args.allow_legacy,
+                allow_env_change=args.allow_env_change, log=progress.log, on_step=on_step,
+            )
+    seconds = time.monotonic() - began
     if args.json:
         print(json.dumps({
             "schema_version": 1,
@@ -128,8 +150,28 @@ def run(args: argparse.Namespace) -> int:
         }, sort_keys=True))
     else:
         print(f"step {result.step}: {result.checkpoint or '(no new checkpoint)'}")
+        print("\n".join(_summary(args.run_dir, cfg, result.step, seconds).lines()))
     return 0
 
 
-def _progress(msg: str) -> None:
-    print(f"ckptkit train: {msg}", file=sys.stderr, flush=True)
+def _recorded_threads(run_dir: str) -> int | None:
+    """The intra-op thread count the run recorded, or None (no record: the resume names the problem)."""
+    from ..errors import CheckpointError
+    from ..runstate import read_environment
+
+    try:
+        count = read_environment(run_dir).get("intra_op_threads")
+    except CheckpointError:
+        return None
+    return count if type(count) is int and count >= 1 else None
+
+
+def _summary(run_dir: str, cfg: Any, step: int, seconds: float) -> Any:
+    """The end-of-run summary, read back from the run directory (``_summary``)."""
+    from ..trainer.audit import knob_flags
+    from ._summary import extend_command, summarize
+
+    default_steps = type(cfg.train)().steps  # --steps is spelled out in the command, whatever its value
+    flags = knob_flags(cfg.replace(**{"train.steps": default_steps}))
+    extend = extend_command(run_dir, max(2 * step, step + 1), flags)
+    return summarize(run_dir, seconds=seconds, keep=cfg.train.keep, extend=extend)

@@ -41,7 +41,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,7 +65,7 @@ from .config import TrainerConfig
 from .data import data_fingerprint, load_bytes
 from .digests import MODEL_PREFIX
 from ..history import HISTORY_FILE, WALL_FIELDS, compared_rows, read_rows
-from .loop import Run, _after_resume, build, deterministic_torch, run_state, train, train_step
+from .loop import Run, _after_resume, build, deterministic_torch, intra_op_threads, run_state, train, train_step
 
 __all__ = ["FieldDiff", "Recording", "ReplayError", "ReplayReport", "Rerun", "StepDivergence", "TensorReport",
            "config_of", "divergence_fields", "divergence_json", "first_differing_checkpoint", "load_recording",
@@ -361,19 +361,6 @@ def load_recording(run_dir: str | os.PathLike[str]) -> Recording:
 # ----------------------------------------------------------------------------- restoring
 
 
-@contextlib.contextmanager
-def _threads(n: int | None) -> Iterator[None]:
-    if n is None:
-        yield
-        return
-    was = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(was)
-
-
 def _copy_checkpoint(ckpt_path: str, run_dir: str, dest: str) -> None:
     """The checkpoint, its companions and the environment record, into ``dest`` (read-only use of RUN)."""
     base = os.path.basename(ckpt_path)
@@ -613,7 +600,7 @@ def replay(
             notes.append(f"the recording resumed at step {s} with an environment override ({'; '.join(envs)}); "
                          "environment.json describes the steps before it")
 
-    with deterministic_torch(), _threads(threads):
+    with deterministic_torch(), intra_op_threads(threads):
         env = _env_check(run_dir, allow_env_change)
         cfg = config_of(ckpt_path).replace(**{"train.steps": to})
         cfg, changed = _overrides(cfg, overrides or {})
