@@ -212,6 +212,41 @@ def test_a_terminal_shows_the_bar_with_rate_and_eta_and_the_summary_ends_the_out
     assert after[-1].startswith(f"extend       ckptkit train --run-dir {tmp_path / 'run'} --steps 80 --resume ")
 
 
+def test_replay_and_verify_show_their_bars_in_a_terminal(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("pty", reason="the pseudo-terminal module is POSIX-only")
+    run = tmp_path / "run"
+    assert main(train(run, "--steps", "6", "--ckpt-every", "2", "--quiet")) == 0
+    code, screen = run_in_terminal([sys.executable, "-m", "ckptkit", "replay", str(run), "--from", "2"], cwd=tmp_path)
+    assert code == 0, screen
+    pieces = [p.strip() for p in re.split(r"[\r\n]", screen) if p.strip()]
+    # The bar starts where the replay starts: 4 of the 6 steps are replayed.
+    assert any(re.search(r"replay: 100%\|[^|]*\| 6/6 \[\d\d:\d\d<00:00, +[\d.]+(step/s|s/step)\]", p)
+               for p in pieces), screen
+    assert pieces[-1] == "IDENTICAL: 4 step(s) replayed (steps 2..5), every fingerprint bit for bit"
+    # verify: a bar in bytes for two or more files, before the result lines (which go to stdout).
+    code, screen = run_in_terminal([sys.executable, "-m", "ckptkit", "verify", str(run)], cwd=tmp_path)
+    assert code == 0, screen
+    pieces = [p.strip() for p in re.split(r"[\r\n]", screen) if p.strip()]
+    bar = next(i for i, p in enumerate(pieces) if re.search(r"verify: 100%\|[^|]*\| [\d.]+[kMG]?/[\d.]+[kMG]? \[", p))
+    assert all(p.startswith("OK    ") for p in pieces[bar + 1:]) and len(pieces[bar + 1:]) == 6  # 3 ckpts + 3 sidecars
+    # Off a terminal, verify prints its results only: nothing on stderr.
+    assert main(["verify", str(run)]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_audit_reports_the_steps_both_runs_trained(tmp_path: Path) -> None:
+    from ckptkit.trainer import TrainerConfig
+    from ckptkit.trainer.audit import audit
+
+    cfg = TrainerConfig().replace(**{"model.d_model": 32, "model.block_size": 16, "data.seq_len": 16, "data.batch": 4,
+                                     "train.steps": 3, "train.ckpt_every": 1, "train.keep": 4})
+    seen: list[tuple[int, int]] = []
+    assert audit(cfg, tmp_path / "audit", on_step=lambda done, total: seen.append((done, total))).ok
+    assert {total for _, total in seen} == {6}
+    assert [done for done, _ in seen] == sorted(done for done, _ in seen)  # never goes back
+    assert (3, 6) in seen and seen[-1] == (6, 6)  # run a's end, then run b's
+
+
 # ----------------------------------------------------------------------------- --threads
 
 

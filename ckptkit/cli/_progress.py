@@ -48,9 +48,12 @@ class Progress:
         self.mode = "quiet" if quiet else ("bar" if isatty is not None and isatty() else "lines")
         self._bar: Any = None
 
-    def log(self, msg: str) -> None:
-        """One line, ``ckptkit COMMAND: msg``: above the bar, or alone (a ``Log`` callable)."""
-        if self.mode == "quiet":
+    def log(self, msg: str, *, always: bool = False) -> None:
+        """One line, ``ckptkit COMMAND: msg``: above the bar, or alone (a ``Log`` callable).
+
+        ``always``: a diagnostic that ``--quiet`` does not silence (a file skipped, an error).
+        """
+        if self.mode == "quiet" and not always:
             return
         line = f"ckptkit {self.command}: {msg}"
         if self._bar is not None:
@@ -71,7 +74,8 @@ class Progress:
             # The bar starts one unit before the first report, so the first update
             # is a real unit of work and the rate never counts what a resume skipped.
             self._bar = tqdm(total=total, initial=max(done - 1, 0), unit=self.unit, desc=self.command,
-                             file=self.stream, dynamic_ncols=True, leave=True)
+                             file=self.stream, dynamic_ncols=True, leave=True,
+                             unit_scale=self.unit == "B", unit_divisor=1024)  # bytes: KiB, MiB, GiB
         self._bar.total = total
         if postfix:
             self._bar.set_postfix(postfix, refresh=False)
