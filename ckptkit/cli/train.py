@@ -26,8 +26,18 @@ example:
   $ ckptkit train --run-dir runs/a --steps 100 --quant int8
   ckptkit train: warm-up probe: start loss 5.5423 (ln 256 = 5.5452), forward deterministic
   ckptkit train: step 10/100 | loss 3.3908 | lm 2.9129 | aux 0.9559 | gnorm 0.809 | lr 2.73e-03 | ...
+  train: 100%|##########| 100/100 [00:01<00:00, 70.71step/s, loss=2.4655]   (on a terminal only)
   step 100: runs/a/step-00000100.ckpt
+  summary:
+    trained      100 step(s) (0 -> 100) in 1.9 s, 52.1 steps/s
+    ...
+    extend       ckptkit train --run-dir runs/a --steps 200 --resume --quant int8
   $ ckptkit train --run-dir runs/a --steps 200 --quant int8 --resume      # extend it
+
+progress (stderr): a bar with rate and ETA when stderr is a terminal, the log lines
+otherwise, nothing with --quiet; results and the summary go to stdout (README "What you
+see when you train" explains each line). --threads N is part of the run: a resume uses the
+recorded count, and another --threads on resume is refused unless --allow-env-change.
 
 files in the run directory: step-XXXXXXXX.ckpt (+ .config.json, .ngram), environment.json,
 history.jsonl (one row per step, exact floats; spec/trainer.md)
