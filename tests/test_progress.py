@@ -250,28 +250,34 @@ def test_audit_reports_the_steps_both_runs_trained(tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------- --threads
 
 
-def test_threads_is_recorded_adopted_on_resume_and_another_count_is_an_environment_change(
+def test_threads_is_part_of_the_run_and_another_count_on_resume_is_an_environment_change(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    before = torch.get_num_threads()
-    other = 2 if before != 2 else 3
-    assert main(train(tmp_path, "--steps", "2", "--threads", "1", "--quiet")) == 0
-    assert torch.get_num_threads() == before  # restored: the count is the run's, not the process's
-    assert read_environment(tmp_path)["intra_op_threads"] == 1
-    assert read_rows(tmp_path / "history.jsonl")[0][0]["intra_op_threads"] == 1  # the start row
+    default = torch.get_num_threads()
+    mine = default + 1  # differs from what a call without --threads runs under
+    assert main(train(tmp_path, "--steps", "2", "--threads", str(mine), "--quiet")) == 0
+    assert torch.get_num_threads() == default  # restored: the count is the run's, not the process's
+    assert read_environment(tmp_path)["intra_op_threads"] == mine
+    assert read_rows(tmp_path / "history.jsonl")[0][0]["intra_op_threads"] == mine  # the start row
+    assert shlex.split(summary(capsys.readouterr().out)["extend"])[-2:] == ["--threads", str(mine)]
+    # A resume under another count -- torch's default here -- is refused as the environment check says ...
+    refusal = (f"ckptkit train: the environment differs from the run's recording in 1 fact(s):\n"
+               f"  intra_op_threads: recorded {mine}, now {default}\n"
+               "pass --allow-env-change to resume anyway (the override is recorded in the run history)\n")
+    assert main(train(tmp_path, "--steps", "3", "--resume")) == 1
+    assert capsys.readouterr().err == refusal
+    assert main(train(tmp_path, "--steps", "3", "--resume", "--threads", str(default))) == 1
+    assert capsys.readouterr().err == refusal
+    # ... the recorded count resumes ...
+    assert main(train(tmp_path, "--steps", "3", "--resume", "--threads", str(mine), "--quiet")) == 0
     capsys.readouterr()
-    # Without --threads a resume runs with the run's count: no environment change.
-    assert main(train(tmp_path, "--steps", "3", "--resume")) == 0
-    assert "ckptkit train: threads: 1 intra-op, as the run recorded (environment.json)" in capsys.readouterr().err
-    # Another count is refused as the environment check says ...
-    assert main(train(tmp_path, "--steps", "4", "--resume", "--threads", str(other))) == 1
-    err = capsys.readouterr().err
-    assert f"  intra_op_threads: recorded 1, now {other}" in err and "--allow-env-change" in err
-    # ... or accepted with --allow-env-change, and recorded in the history.
-    assert main(train(tmp_path, "--steps", "4", "--resume", "--threads", str(other), "--allow-env-change",
-                      "--quiet")) == 0
+    # ... and --allow-env-change accepts another one, recorded in the history; the extend command keeps both.
+    assert main(train(tmp_path, "--steps", "4", "--resume", "--allow-env-change", "--quiet")) == 0
     resumes = [r for r in read_rows(tmp_path / "history.jsonl")[0] if r["kind"] == "resume"]
-    assert resumes[-1]["env_overrides"] == [f"intra_op_threads: recorded 1, now {other}"]
-    assert torch.get_num_threads() == before
+    assert resumes[-1]["env_overrides"] == [f"intra_op_threads: recorded {mine}, now {default}"]
+    extend = shlex.split(summary(capsys.readouterr().out)["extend"])
+    assert extend[-3:] == ["--threads", str(default), "--allow-env-change"]
+    assert main([*extend[1:], "--quiet"]) == 0  # the printed command works as printed
+    assert torch.get_num_threads() == default
 
 
 def test_threads_below_one_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -36,8 +36,8 @@ example:
 
 progress (stderr): a bar with rate and ETA when stderr is a terminal, the log lines
 otherwise, nothing with --quiet; results and the summary go to stdout (README "What you
-see when you train" explains each line). --threads N is part of the run: a resume uses the
-recorded count, and another --threads on resume is refused unless --allow-env-change.
+see when you train" explains each line). --threads N is part of the run: a resume under
+another thread count is refused unless --allow-env-change (spec/cli.md "--threads").
 
 files in the run directory: step-XXXXXXXX.ckpt (+ .config.json, .ngram), environment.json,
 history.jsonl (one row per step, exact floats; spec/trainer.md)
@@ -94,9 +94,9 @@ def add_parser(sub: Any) -> None:
     run_group.add_argument("--allow-env-change", action="store_true",
                            help="accept a different environment (recorded in history.jsonl)")
     run_group.add_argument("--threads", type=int, default=None, metavar="N",
-                           help="torch intra-op threads (default: torch's own; with --resume, the count the run "
-                                "recorded). Part of the run's environment: another count on resume is refused "
-                                "unless --allow-env-change")
+                           help="torch intra-op threads (default: torch's own, e.g. from OMP_NUM_THREADS). "
+                                "Recorded with the run (environment.json): a resume under another count is "
+                                "refused unless --allow-env-change; the summary's extend command repeats it")
     run_group.add_argument("--quiet", action="store_true",
                            help="no progress bar and no log lines on stderr (the summary still prints)")
     run_group.add_argument("--json", action="store_true", help="print the result as one JSON object")
@@ -129,19 +129,21 @@ def run(args: argparse.Namespace) -> int:
         print(f"ckptkit train: --threads must be >= 1 (got {args.threads})", file=sys.stderr)
         return 2
 
+    from torch import get_num_threads as torch_threads
+
     from ..trainer.loop import intra_op_threads, train
     from ._progress import Progress
 
     began = time.monotonic()
     with Progress("train", quiet=args.quiet) as progress:
-        threads = args.threads if args.threads is not None or not args.resume else _recorded_threads(args.run_dir)
-        if threads is not None and args.threads is None:
-            progress.log(f"threads: {threads} intra-op, as the run recorded (environment.json)")
 
         def on_step(result: Any) -> None:
             progress.at(result.step + 1, cfg.train.steps, loss=f"{result.loss:.4f}")
 
-        with intra_op_threads(threads):
+        # The count is an environment fact of the run: a resume under another one is
+        # refused by the environment check (or recorded with --allow-env-change).
+        with intra_op_threads(args.threads):
+            threads = torch_threads()
             result = train(
                 cfg, args.run_dir, resume=args.resume, allow_legacy=args.allow_legacy,
                 allow_env_change=args.allow_env_change, log=progress.log, on_step=on_step,
@@ -160,28 +162,22 @@ def run(args: argparse.Namespace) -> int:
         }, sort_keys=True))
     else:
         print(f"step {result.step}: {result.checkpoint or '(no new checkpoint)'}")
-        print("\n".join(_summary(args.run_dir, cfg, result.step, seconds).lines()))
+        print("\n".join(_summary(args, cfg, result.step, threads, seconds).lines()))
     return 0
 
 
-def _recorded_threads(run_dir: str) -> int | None:
-    """The intra-op thread count the run recorded, or None (no record: the resume names the problem)."""
-    from ..errors import CheckpointError
-    from ..runstate import read_environment
+def _summary(args: argparse.Namespace, cfg: Any, step: int, threads: int, seconds: float) -> Any:
+    """The end-of-run summary, read back from the run directory (``_summary``).
 
-    try:
-        count = read_environment(run_dir).get("intra_op_threads")
-    except CheckpointError:
-        return None
-    return count if type(count) is int and count >= 1 else None
-
-
-def _summary(run_dir: str, cfg: Any, step: int, seconds: float) -> Any:
-    """The end-of-run summary, read back from the run directory (``_summary``)."""
+    Its extend command repeats what this call ran under: every config flag that
+    differs from its default, the thread count, and --allow-env-change if given.
+    """
     from ..trainer.audit import knob_flags
     from ._summary import extend_command, summarize
 
     default_steps = type(cfg.train)().steps  # --steps is spelled out in the command, whatever its value
-    flags = knob_flags(cfg.replace(**{"train.steps": default_steps}))
-    extend = extend_command(run_dir, max(2 * step, step + 1), flags)
-    return summarize(run_dir, seconds=seconds, keep=cfg.train.keep, extend=extend)
+    flags = knob_flags(cfg.replace(**{"train.steps": default_steps})) + ["--threads", str(threads)]
+    if args.allow_env_change:  # environment.json keeps the facts the run started with
+        flags.append("--allow-env-change")
+    extend = extend_command(args.run_dir, max(2 * step, step + 1), flags)
+    return summarize(args.run_dir, seconds=seconds, keep=cfg.train.keep, extend=extend)
