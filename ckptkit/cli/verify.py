@@ -15,6 +15,7 @@ from typing import Any
 from ..container import Report, verify
 from ..errors import CheckpointError, CheckpointNotFound, UnreadableFile
 from ._paths import expand_checkpoints
+from ._progress import Progress
 
 __all__ = ["add_parser", "run"]
 
@@ -45,6 +46,7 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("paths", nargs="+", metavar="PATH", help="checkpoint file or run directory")
     p.add_argument("--json", action="store_true", help="print one JSON object (schema_version 1)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar on stderr (shown on a terminal for 2+ files)")
 
 
 def _size(n: int) -> str:
@@ -76,6 +78,13 @@ def report_json(r: Report) -> dict[str, Any]:
     }
 
 
+def _file_size(path: str) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:  # gone already: the loop reports it
+        return 0
+
+
 def _verify_any(path: str) -> Report:
     """A container or a sidecar, told apart by the magic."""
     from ..container import Source
@@ -99,15 +108,22 @@ def run(args: argparse.Namespace) -> int:
         print(f"ckptkit verify: {e}", file=sys.stderr)
         return 2
     reports = []
-    for path in files:
-        try:
-            reports.append(_verify_any(path))
-        except CheckpointNotFound as e:
-            if os.path.lexists(path):  # there, but not a regular file
-                print(f"ckptkit verify: {e}", file=sys.stderr)
-                return 2
-            # Deleted between listing and reading (retention in a live run): not a failure.
-            print(f"ckptkit verify: {path}: deleted while verifying (retention?); skipped", file=sys.stderr)
+    # The bar counts bytes, so its rate and ETA hold for a few large files as for many small ones.
+    sizes = [_file_size(p) for p in files]
+    done, total = 0, sum(sizes)
+    with Progress("verify", quiet=args.quiet or len(files) < 2, unit="B") as progress:
+        progress.at(0, total)
+        for path, size in zip(files, sizes):
+            try:
+                reports.append(_verify_any(path))
+            except CheckpointNotFound as e:
+                if os.path.lexists(path):  # there, but not a regular file
+                    progress.log(str(e), always=True)
+                    return 2
+                # Deleted between listing and reading (retention in a live run): not a failure.
+                progress.log(f"{path}: deleted while verifying (retention?); skipped", always=True)
+            done += size
+            progress.at(done, total)
     companions = _companion_checks(reports, args.paths)
     histories = _history_checks(args.paths)
     ok = all(r.ok for r in reports) and all(c["ok"] for c in companions) and all(h.ok for h in histories)
