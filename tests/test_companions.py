@@ -215,7 +215,7 @@ def test_ckptkit_train_resume_falls_back_from_a_damaged_snapshot(
     assert f"skipped {checkpoint_name(4)}: {snap}: damaged: " in err
     assert f"falling back to {checkpoint_name(2)} (step 2)" in err
     assert "drift" not in err
-    assert out.strip() == f"step 6: {tmp_path / checkpoint_name(6)}"
+    assert out.splitlines()[0] == f"step 6: {tmp_path / checkpoint_name(6)}"
 
 
 # ----------------------------------------------------------------------------- ckptkit verify

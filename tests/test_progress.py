@@ -231,7 +231,8 @@ def test_replay_and_verify_show_their_bars_in_a_terminal(tmp_path: Path, capsys:
     assert code == 0, screen
     pieces = [p.strip() for p in re.split(r"[\r\n]", screen) if p.strip()]
     bar = next(i for i, p in enumerate(pieces) if re.search(r"verify: 100%\|[^|]*\| [\d.]+[kMG]?/[\d.]+[kMG]? \[", p))
-    assert all(p.startswith("OK    ") for p in pieces[bar + 1:]) and len(pieces[bar + 1:]) == 6  # 3 ckpts + 3 sidecars
+    assert all(p.startswith("OK    ") for p in pieces[bar + 1:]) and len(pieces[bar + 1:]) == 11
+    # 3 checkpoints + 3 sidecars, then their companions (3 snapshots, environment.json) and history.jsonl
     # Off a terminal, verify prints its results only: nothing on stderr.
     assert main(["verify", str(run)]) == 0
     assert capsys.readouterr().err == ""
