@@ -38,11 +38,14 @@ from .errors import (
     UnsupportedValue,
     UnsupportedVersion,
 )
+from .history import History
 from .lazy import LazyCheckpoint, open_checkpoint
 from .monitor import SpikeConfig, SpikeMonitor, Verdict
-from .rng import mask_stream, numpy_generator, torch_generator
+from .rng import mask_stream, numpy_generator, step_rng, torch_generator
+from .rollback_record import RollbackEvent, RollbackRecord
 from .runstate import ResumeInfo, RunState
 from .sidecar import Sidecar, read_sidecar, write_sidecar
+from .spikeguard import Continue, Executed, RolledBack, SpikeGuard
 from .snapshot import (
     DEFAULT_EXEMPT,
     KeyDiff,
@@ -65,10 +68,13 @@ __all__ = [
     "CheckpointNotFound",
     "ChecksumMismatch",
     "ConfigDrift",
+    "Continue",
     "DEFAULT_EXEMPT",
     "EnvironmentDrift",
+    "Executed",
     "FLAG_FP32_FALLBACK",
     "FormatError",
+    "History",
     "KeyDiff",
     "LazyCheckpoint",
     "LegacyCheckpoint",
@@ -78,6 +84,9 @@ __all__ = [
     "ReservedBitSet",
     "ResumeInfo",
     "ResumeRefused",
+    "RollbackEvent",
+    "RollbackRecord",
+    "RolledBack",
     "RunState",
     "SaveFailed",
     "SectionInfo",
@@ -85,6 +94,7 @@ __all__ = [
     "SidecarMismatch",
     "Snapshot",
     "SpikeConfig",
+    "SpikeGuard",
     "SpikeMonitor",
     "StateMismatch",
     "StreamOffsetMismatch",
@@ -107,6 +117,7 @@ __all__ = [
     "read_sidecar",
     "read_snapshot",
     "save",
+    "step_rng",
     "torch_generator",
     "verify",
     "write_sidecar",

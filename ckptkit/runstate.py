@@ -39,6 +39,8 @@ import contextlib
 import dataclasses
 import json
 import os
+import shlex
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +50,7 @@ from .atomic import clean_stale_temps, write_bytes_atomic
 from .checkpoint import Checkpoint, load, save
 from .container import FLAG_NAMES, SECTIONS
 from .environment import EnvDiff, capture, check_environment
+from .preemption import DEFAULT_SIGNALS, RunStopped, StopRequests
 from .errors import (
     CheckpointNotFound,
     FormatError,
@@ -224,6 +227,8 @@ class RunState:
         self._reg = _Registry()
         self._after_restore: list[Callable[[], None]] = []
         self._saver: AsyncSaver | None = AsyncSaver(compression=compression) if async_save else None
+        self._stops = StopRequests()
+        self._resume_hint: str | None = None
 
     # ------------------------------------------------------------------ registration
 
@@ -345,6 +350,11 @@ class RunState:
         """Call ``fn()`` after every restore: re-apply compute settings (quant format,
         latched fallbacks) that ``load_state_dict`` does not carry (design record item 2)."""
         self._after_restore.append(fn)
+
+    def sidecar_contents(self) -> dict[str, tuple[int, Any]]:
+        """``kind -> (table_step, tree)`` of every registered sidecar, as :meth:`restore` takes them
+        (the live trees: copy them to keep this state while training goes on)."""
+        return {kind: entry.get() for kind, entry in self._reg.sidecars.items()}
 
     # ------------------------------------------------------------------ save
 
@@ -567,6 +577,72 @@ class RunState:
             self._log(n)
         return ResumeInfo(ckpt.step, path, tuple(notes), tuple(skipped), tuple(exempt), tuple(env),
                           legacy_missing)
+
+    def resume_or_start(self, *, allow_legacy: bool = False, allow_env_change: bool = False) -> int:
+        """Resume the newest consistent checkpoint if the run directory holds one, else start
+        fresh; returns the step to continue from. The same command line then starts the run
+        and continues it after a preemption (``ckptkit audit`` relies on that).
+
+        Raises:
+            As :meth:`resume` (never :class:`CheckpointNotFound` for an empty directory).
+        """
+        if list_checkpoints(self.run_dir):
+            return self.resume(allow_legacy=allow_legacy, allow_env_change=allow_env_change).step
+        return self.start()
+
+    # ------------------------------------------------------------------ stopping (spec/runstate.md "Stopping")
+
+    def preemptible(self, signals: Iterable[int] = DEFAULT_SIGNALS, *,
+                    resume_hint: str | None = None) -> contextlib.AbstractContextManager[None]:
+        """Opt in to preemption while the returned context is open: the first SIGTERM or
+        SIGINT requests a stop (the loop finishes its step, :meth:`step_done` saves it and
+        exits with ``EXIT_STOPPED``, 75); a second aborts at once, leaving every checkpoint
+        on disk intact.
+
+        Args:
+            signals: the signals that request a stop.
+            resume_hint: the command the stop line tells the user to run (default: this
+                process's command line, which resumes by itself through :meth:`resume_or_start`).
+
+        Example::
+
+            with state.preemptible():
+                for step in range(state.resume_or_start(), steps):
+                    train_step(step)
+                    state.step_done(step + 1)
+        """
+        self._resume_hint = resume_hint
+        return self._stops.installed(signals)
+
+    def stop_requested(self, steps_done: int) -> str | None:
+        """What asks the run to stop after ``steps_done`` steps (a signal caught by
+        :meth:`preemptible`, or ``CKPTKIT_STOP_AT``), or None. For a loop that saves
+        its own way; :meth:`step_done` is this plus the save and the exit.
+
+        Raises:
+            CheckpointError: ``CKPTKIT_STOP_AT`` is not a step count.
+        """
+        return self._stops.reason(steps_done)
+
+    def step_done(self, steps_done: int) -> None:
+        """Call once after every step with the number of steps done: when a stop was
+        requested, saves that step, prints how to resume and raises :class:`RunStopped`
+        (a ``SystemExit`` with code 75: uncaught, the process ends there).
+
+        Raises:
+            RunStopped: a stop was requested; the checkpoint at ``steps_done`` is committed.
+            SaveFailed: the save failed (earlier checkpoints are intact).
+        """
+        why = self._stops.reason(steps_done)
+        if why is None:
+            return
+        path = self.save(steps_done)
+        self.wait()
+        hint = self._resume_hint or shlex.join(
+            [sys.executable, *sys.argv] if sys.argv and sys.argv[0].endswith(".py") else sys.argv)
+        print(f"ckptkit: stopped at step {steps_done} ({why}): saved {path}; resume with: {hint}",
+              file=sys.stderr, flush=True)
+        raise RunStopped(steps_done, path, why)
 
     def _newest_consistent(self) -> tuple[Checkpoint, str, dict[str, Any], list[tuple[str, str]]]:
         skipped: list[tuple[str, str]] = []

@@ -1,11 +1,14 @@
 """A plain PyTorch training loop, made resumable with ckptkit.
 
-    python examples/resumable_loop.py --run-dir runs/example --steps 200
-    python examples/resumable_loop.py --run-dir runs/example --steps 400 --resume
+    python examples/resumable_loop.py --run-dir runs/example --steps 200   # starts, or resumes what is there
+    python examples/resumable_loop.py --run-dir runs/example --steps 400 --resume   # requires a checkpoint
+    ckptkit audit -- python examples/resumable_loop.py --run-dir {run_dir} --steps 40
 
-Lines marked ``# ckptkit`` are everything that was added to the plain loop (23 lines):
-the RunState registrations, ``start()``/``resume()``, ``save()``, and drawing the
-step's randomness from ``(seed, step)`` instead of torch's global generator.
+Lines marked ``# ckptkit`` are everything that was added to the plain loop:
+the RunState registrations, ``resume_or_start()``, ``save()``, preemption
+(``preemptible()`` + ``step_done()``: SIGTERM saves the step and exits 75, and
+the same command resumes), and drawing the step's randomness from ``(seed, step)``
+instead of torch's global generator.
 """
 
 from __future__ import annotations
@@ -92,12 +95,14 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     cfg = Config(steps=args.steps)
     run = make_run(cfg, args.run_dir)
-    start = run.state.resume().step if args.resume else run.state.start()  # ckptkit
-    for step in range(start, cfg.steps):
-        loss = train_step(run, step)
-        if (step + 1) % cfg.ckpt_every == 0 or step + 1 == cfg.steps:
-            run.state.save(step + 1)  # ckptkit
-            print(f"step {step + 1}: loss {loss:.4f}")
+    with run.state.preemptible():  # ckptkit: SIGTERM/SIGINT finish the step, save it, exit 75
+        start = run.state.resume().step if args.resume else run.state.resume_or_start()  # ckptkit
+        for step in range(start, cfg.steps):
+            loss = train_step(run, step)
+            if (step + 1) % cfg.ckpt_every == 0 or step + 1 == cfg.steps:
+                run.state.save(step + 1)  # ckptkit
+                print(f"step {step + 1}: loss {loss:.4f}", flush=True)
+            run.state.step_done(step + 1)  # ckptkit: a requested stop saves this step and exits here
 
 
 if __name__ == "__main__":

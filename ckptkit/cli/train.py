@@ -36,9 +36,15 @@ spike rollback (spec/rollback.md):
   ckptkit train: spike at step 200 (...): update discarded; re-running step 200 from the state before it
   ckptkit train: ROLLED BACK to step 190 (rollback 1, 1 in a row): lr 0.00295 -> 0.00147 (x0.5 from now on); ...
 
+Ctrl-C (SIGINT) or SIGTERM: the step in progress finishes and is saved, and the command to
+resume is printed (exit 75); a second Ctrl-C aborts at once, leaving every checkpoint intact:
+  ckptkit train: stopped at step 57 (SIGINT): saved runs/a/step-00000057.ckpt
+  resume with: ckptkit train --run-dir runs/a --steps 100 --quant int8 --resume
+
 exit codes: 0 trained, 1 resume refused (config drift, environment drift, stream offset,
 legacy checkpoint) or a corrupt file, 2 usage error or unreadable path, 3 training unstable
-(--auto-rollback on: --rollback-bound consecutive spikes, or more than --rollback-cap rollbacks)
+(--auto-rollback on: --rollback-bound consecutive spikes, or more than --rollback-cap rollbacks),
+75 stopped on request (SIGINT, SIGTERM, CKPTKIT_STOP_AT): resumable
 """
 
 
@@ -109,12 +115,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"ckptkit train: --data {cfg.data.path}: no such file", file=sys.stderr)
         return 2
 
+    from ..preemption import RunStopped
     from ..trainer.loop import train
 
-    result = train(
-        cfg, args.run_dir, resume=args.resume, allow_legacy=args.allow_legacy,
-        allow_env_change=args.allow_env_change, log=None if args.quiet else _progress,
-    )
+    try:
+        result = train(
+            cfg, args.run_dir, resume=args.resume, allow_legacy=args.allow_legacy,
+            allow_env_change=args.allow_env_change, log=None if args.quiet else _progress, preemptible=True,
+        )
+    except RunStopped as stop:
+        print(f"ckptkit train: stopped at step {stop.step} ({stop.reason}): saved {stop.path}\n"
+              f"resume with: {_resume_command(args, cfg)}", file=sys.stderr, flush=True)
+        return stop.code  # type: ignore[return-value]
     if args.json:
         print(json.dumps({
             "schema_version": 1,
@@ -129,6 +141,16 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"step {result.step}: {result.checkpoint or '(no new checkpoint)'}")
     return 0
+
+
+def _resume_command(args: argparse.Namespace, cfg: Any) -> str:
+    """The ``ckptkit train`` line that continues this run: the same knobs, ``--resume``."""
+    import shlex
+
+    from ..trainer.audit import knob_flags
+
+    flags = [f for f in ("--allow-legacy", "--allow-env-change") if getattr(args, f[2:].replace("-", "_"))]
+    return shlex.join(["ckptkit", "train", "--run-dir", str(args.run_dir), *knob_flags(cfg), *flags, "--resume"])
 
 
 def _progress(msg: str) -> None:

@@ -65,7 +65,7 @@ from .config import TrainerConfig
 from .data import data_fingerprint, load_bytes
 from .digests import MODEL_PREFIX
 from ..history import HISTORY_FILE, WALL_FIELDS, compared_rows, read_rows
-from .loop import Run, _after_resume, build, deterministic_torch, run_state, train, train_step
+from .loop import Run, _after_resume, build, deterministic_torch, observed_step, run_state, spike_guard, train
 
 __all__ = ["FieldDiff", "Recording", "ReplayError", "ReplayReport", "Rerun", "StepDivergence", "TensorReport",
            "config_of", "divergence_fields", "divergence_json", "first_differing_checkpoint", "load_recording",
@@ -396,6 +396,7 @@ def _restore(cfg: TrainerConfig, ckpt_path: str, run_dir: str, work: str, exempt
     data = load_bytes(cfg.data.path)
     run = build(cfg, data)
     rs = run_state(run, work, data_fingerprint(data), exempt=exempt)
+    spike_guard(run, rs)  # registers what the guard keeps in a checkpoint; judges each step as train() does
     # The environment was compared with the recording already (R-P06), with replay's own
     # wording; this second check would only repeat it.
     info = rs.resume(allow_env_change=True)
@@ -480,8 +481,8 @@ def rerun_step(cfg: TrainerConfig, ckpt_path: str, start: int, run_dir: str, ste
     for _ in range(2):
         run, rs = _restore(cfg, ckpt_path, run_dir, work, exempt, log)
         for s in range(start, step):
-            train_step(run, s)
-        rows.append(train_step(run, step).row())
+            observed_step(run, s)
+        rows.append(observed_step(run, step).row())
         captures.append(_capture(run, rs, step + 1))
     d = first_divergence([rows[0]], [rows[1]], step_fields(rows[0]))
     diffs = compare_states(captures[0], captures[1])
@@ -648,7 +649,7 @@ def replay(
             run, rs = _restore(cfg, ckpt_path, run_dir, work, exempt, log)
             replayed = 0
             for step in range(start, to):
-                result = train_step(run, step)
+                result = observed_step(run, step)
                 replayed += 1
                 done = step + 1
                 recorded_row = rec.steps.get(step)
