@@ -17,6 +17,7 @@ from .asyncsave import AsyncSaver
 from .checkpoint import Checkpoint, import_torch_checkpoint, load, save
 from .container import FLAG_FP32_FALLBACK, VERSION, Report, SectionInfo, verify
 from .errors import (
+    AuditError,
     BadMagic,
     CheckpointError,
     CheckpointNotFound,
@@ -27,6 +28,7 @@ from .errors import (
     LegacyCheckpoint,
     MalformedIndex,
     ReplayDivergence,
+    ReplayError,
     ReservedBitSet,
     ResumeRefused,
     SaveFailed,
@@ -62,6 +64,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AsyncSaver",
+    "AuditError",
     "BadMagic",
     "Checkpoint",
     "CheckpointError",
@@ -80,6 +83,7 @@ __all__ = [
     "LegacyCheckpoint",
     "MalformedIndex",
     "ReplayDivergence",
+    "ReplayError",
     "Report",
     "ReservedBitSet",
     "ResumeInfo",

@@ -43,7 +43,7 @@ from .atomic import write_bytes_atomic
 from .errors import FormatError
 
 __all__ = ["COMPARED_KINDS", "HISTORY_FILE", "WALL_FIELDS", "History", "compared_rows", "f32_bits", "f64_bits",
-           "json_float", "kept_rows", "read_rows"]
+           "append_rows", "json_float", "kept_rows", "read_rows"]
 
 HISTORY_FILE = "history.jsonl"
 WALL_FIELDS = frozenset({"time", "step_ms"})  # wall clock: allowed to differ between runs
@@ -107,6 +107,13 @@ def read_rows(path: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], bool]
         rows.append(row)
         offset += len(line) + 1
     return rows, torn
+
+
+def append_rows(path: str | os.PathLike[str], rows: Iterable[dict[str, Any]]) -> None:
+    """Append rows to a history file, opened and closed in the call (for a loop that
+    records without holding the file open: :meth:`RunState.record`)."""
+    with open(path, "ab") as f:
+        f.write(b"".join(_encode(r) for r in rows))
 
 
 def compared_rows(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:

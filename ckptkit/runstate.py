@@ -229,6 +229,7 @@ class RunState:
         self._saver: AsyncSaver | None = AsyncSaver(compression=compression) if async_save else None
         self._stops = StopRequests()
         self._resume_hint: str | None = None
+        self._recording = False  # record() has opened history.jsonl in this process
 
     # ------------------------------------------------------------------ registration
 
@@ -589,6 +590,43 @@ class RunState:
         if list_checkpoints(self.run_dir):
             return self.resume(allow_legacy=allow_legacy, allow_env_change=allow_env_change).step
         return self.start()
+
+    def record(self, step: int, **scalars: Any) -> None:
+        """Record step ``step`` (0-based, just finished) in ``history.jsonl``: a ``step`` row
+        with the loop's scalars (floats also as exact bits) and a ``digests`` row with the
+        digest of every tensor and value registered, after the step (spec/replay.md "Any
+        loop"). ``ckptkit audit -- CMD`` and ``ckptkit replay RUN --from S -- CMD`` compare
+        these rows and name the first step and tensor that differ.
+
+        The first call in a process at step ``S`` makes the file the run's history up to
+        ``S``: a fresh one at step 0, else the rows an interrupted run wrote from ``S`` on
+        (in the timeline of the restored rollback record, if a SpikeGuard registered one)
+        are dropped.
+
+        Example::
+
+            state.record(step, loss=loss.item(), grad_norm=gn.item(), lr=sched.get_last_lr()[0])
+
+        Raises:
+            TypeError: a scalar that is not a number, string or one-element tensor.
+        """
+        from .compare import checkpoint_state
+        from .history import HISTORY_FILE, History, append_rows
+        from .recording import digests_row, step_row
+
+        row = step_row(step, scalars)
+        if not self._recording:
+            os.makedirs(self.run_dir, exist_ok=True)
+            history = History(self.run_dir)
+            if step == 0:
+                history.start_fresh()
+            else:
+                rollback = self._reg.values.get("rollback")
+                history.resume_at(step, rollback.get()["count"] if rollback is not None else 0)
+            history.close()
+            self._recording = True
+        append_rows(os.path.join(self.run_dir, HISTORY_FILE),
+                    [row, digests_row(step + 1, checkpoint_state(self.checkpoint(step + 1)))])
 
     # ------------------------------------------------------------------ stopping (spec/runstate.md "Stopping")
 

@@ -7,9 +7,9 @@ import inspect
 import ckptkit
 
 PUBLIC = [
-    "AsyncSaver", "BadMagic", "Checkpoint", "CheckpointError", "CheckpointNotFound", "ChecksumMismatch", "ConfigDrift", "Continue",
+    "AsyncSaver", "AuditError", "BadMagic", "Checkpoint", "CheckpointError", "CheckpointNotFound", "ChecksumMismatch", "ConfigDrift", "Continue",
     "DEFAULT_EXEMPT", "EnvironmentDrift", "Executed", "FLAG_FP32_FALLBACK", "FormatError", "History", "KeyDiff", "LazyCheckpoint", "LegacyCheckpoint",
-    "MalformedIndex", "ReplayDivergence", "Report", "ReservedBitSet", "ResumeInfo", "ResumeRefused", "RollbackEvent", "RollbackRecord", "RolledBack", "RunState",
+    "MalformedIndex", "ReplayDivergence", "ReplayError", "Report", "ReservedBitSet", "ResumeInfo", "ResumeRefused", "RollbackEvent", "RollbackRecord", "RolledBack", "RunState",
     "SaveFailed", "SectionInfo", "Sidecar", "SidecarMismatch", "Snapshot", "SpikeConfig", "SpikeGuard", "SpikeMonitor",
     "StateMismatch", "StreamOffsetMismatch", "TrainingUnstable", "TruncatedFile", "UnsupportedValue", "UnsupportedVersion",
     "VERSION", "Verdict", "__version__", "assert_field_coverage", "check_field_coverage", "check_resume",

@@ -56,6 +56,7 @@ from ..errors import (
     EnvironmentDrift,
     FormatError,
     ReplayDivergence,
+    ReplayError,
     TrainingUnstable,
 )
 from ..fingerprint import FINGERPRINT_FIELDS, Divergence, differing_names, first_divergence, leaf_digests
@@ -79,10 +80,6 @@ JSON_SCHEMA_VERSION = 1
 _ORDER = ("grad", "model", "optim", "teacher", "monitor", "header")
 
 ENV_REPLAY_HINT = "pass --allow-env-change to replay anyway (the differences are then listed with the result)"
-
-
-class ReplayError(CheckpointError, ValueError):
-    """A replay that cannot be asked for (a step outside the recording, a bad override): exit 2."""
 
 
 # ----------------------------------------------------------------------------- the report
