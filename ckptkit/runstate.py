@@ -320,6 +320,21 @@ class RunState:
         check_plain(get(), f"value {name!r}")
         self._reg.values[name] = _Entry(get, set)
 
+    def add_stateful(self, name: str, obj: Any) -> None:
+        """Register any object with ``state_dict()`` / ``load_state_dict()`` whose state is
+        plain values: torchdata's ``StatefulDataLoader``, a resumable sampler, a counter.
+        It is stored like :meth:`add_value` (``values.<name>`` in the monitor section) and
+        restored with ``load_state_dict``.
+
+        Raises:
+            UnsupportedValue: the object has no ``state_dict``/``load_state_dict``, or its
+                state holds something other than plain values (tensors: register the
+                object with :meth:`add_scheduler`, whose section carries tensors).
+        """
+        if not _has_state_dict(obj):
+            raise UnsupportedValue(f"stateful {name!r}: a {type(obj).__name__} has no state_dict()/load_state_dict()")
+        self.add_value(name, get=obj.state_dict, set=obj.load_state_dict)
+
     def add_flag(self, name: str, *, get: Callable[[], bool], set: Callable[[bool], None]) -> None:  # noqa: A002
         """Register a container flag bit by name (``fp32_fallback`` = bit 0)."""
         if name not in FLAG_NAMES.values():

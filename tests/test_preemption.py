@@ -61,18 +61,24 @@ def _finish(proc: subprocess.Popen[str], timeout: float = 60.0) -> tuple[int, st
     return proc.returncode, out, err
 
 
+def _stop(proc: subprocess.Popen[str], stream: str, ready: str, sig: int, line: str) -> re.Match[str]:
+    """Once ``proc`` prints ``ready``, send ``sig``; it must exit 75 with a stderr line matching ``line``."""
+    _wait_for_line(proc, stream, ready)
+    proc.send_signal(sig)
+    code, _out, err = _finish(proc)
+    assert code == EXIT_STOPPED, err
+    m = re.search(line, err)
+    assert m, err
+    return m
+
+
 def _train(run_dir: Path, steps: int, *extra: str) -> list[str]:
     return [sys.executable, "-m", "ckptkit", "train", "--run-dir", str(run_dir), "--steps", str(steps), *TINY, *extra]
 
 
 def test_ctrl_c_saves_the_current_step_prints_the_resume_command_and_the_resume_is_bit_exact(tmp_path: Path) -> None:
-    proc = _start(_train(tmp_path / "cut", 100000))
-    _wait_for_line(proc, "stderr", r"step 3/100000 ")
-    proc.send_signal(signal.SIGINT)
-    code, _out, err = _finish(proc)
-    assert code == EXIT_STOPPED, err
-    m = re.search(r"ckptkit train: stopped at step (\d+) \(SIGINT\): saved (\S+)\nresume with: (.+)", err)
-    assert m, err
+    m = _stop(_start(_train(tmp_path / "cut", 100000)), "stderr", r"step 3/100000 ", signal.SIGINT,
+              r"ckptkit train: stopped at step (\d+) \(SIGINT\): saved (\S+)\nresume with: (.+)")
     stop = int(m.group(1))
     assert m.group(2) == str(tmp_path / "cut" / checkpoint_name(stop))
     assert list_checkpoints(tmp_path / "cut")[-1][0] == stop  # the step in progress was finished and saved
@@ -130,13 +136,8 @@ def test_a_second_ctrl_c_aborts_at_once_and_damages_nothing(tmp_path: Path) -> N
 def test_sigterm_to_a_plain_loop_leaves_a_checkpoint_at_the_current_step_and_the_same_command_resumes(
         tmp_path: Path) -> None:
     argv = [sys.executable, str(EXAMPLE), "--run-dir", str(tmp_path / "cut"), "--steps", "100000000"]
-    proc = _start(argv)
-    _wait_for_line(proc, "stdout", r"^step 50: loss ")
-    proc.send_signal(signal.SIGTERM)
-    code, _out, err = _finish(proc)
-    assert code == EXIT_STOPPED, err
-    m = re.search(r"ckptkit: stopped at step (\d+) \(SIGTERM\): saved (\S+); resume with: (.+)", err)
-    assert m, err
+    m = _stop(_start(argv), "stdout", r"^step 50: loss ", signal.SIGTERM,
+              r"ckptkit: stopped at step (\d+) \(SIGTERM\): saved (\S+); resume with: (.+)")
     stop = int(m.group(1))
     assert stop >= 50 and list_checkpoints(tmp_path / "cut")[-1] == (stop, m.group(2))
     assert m.group(3).endswith(f"{EXAMPLE} --run-dir {tmp_path / 'cut'} --steps 100000000")

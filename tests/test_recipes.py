@@ -1,4 +1,4 @@
-"""ckptkit.step_rng: global-generator draws inside a step as a function of (seed, step) (docs/adopting.md)."""
+"""The data and dropout recipes (docs/adopting.md): ckptkit.step_rng, and any object with a state_dict."""
 
 from __future__ import annotations
 
@@ -73,3 +73,33 @@ def test_plain_dropout_without_it_is_caught_and_the_message_names_the_recipe(tmp
     with pytest.raises(AssertionError, match=r"model:net\.0\.weight(.|\n)*wrap the step in `with "
                                              r"ckptkit\.step_rng\(seed, step\):`"):
         assert_resume_equivalent(_make(False), step, Cfg(), steps=8, stops=[3], workdir=tmp_path)
+
+
+class Cursor:
+    """A loader-like object that carries its own state (the StatefulDataLoader shape)."""
+
+    def __init__(self) -> None:
+        self.epoch, self.batch = 0, 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "batch": self.batch}
+
+    def load_state_dict(self, sd: dict[str, int]) -> None:
+        self.epoch, self.batch = sd["epoch"], sd["batch"]
+
+
+def test_any_object_with_a_plain_state_dict_is_registered_and_restored(tmp_path: Path) -> None:
+    cursor = Cursor()
+    state = ckptkit.RunState(tmp_path, config=Cfg())
+    state.add_stateful("loader", cursor)
+    state.start()
+    cursor.epoch, cursor.batch = 2, 7
+    state.save(5)
+    again = Cursor()
+    fresh = ckptkit.RunState(tmp_path, config=Cfg())
+    fresh.add_stateful("loader", again)
+    assert fresh.resume().step == 5 and again.state_dict() == {"epoch": 2, "batch": 7}
+    with pytest.raises(ckptkit.UnsupportedValue, match="stateful 'x': a int has no state_dict"):
+        fresh.add_stateful("x", 3)
+    with pytest.raises(ckptkit.UnsupportedValue):
+        fresh.add_stateful("net", torch.nn.Linear(2, 2))  # tensors: not plain values
