@@ -220,5 +220,14 @@ class GradSpike:
     def state(self) -> int:
         return self.arrivals
 
-    def load(self, arrivals: int) -> None:
-        self.arrivals = int(arrivals)
+    def load(self, arrivals: Any) -> None:
+        """Restore the arrival count (``values.spike_injection``).
+
+        Raises:
+            MalformedIndex: the stored count is not an int >= 0.
+        """
+        if isinstance(arrivals, bool) or not isinstance(arrivals, int) or arrivals < 0:
+            from .errors import MalformedIndex
+
+            raise MalformedIndex(f"must be an int >= 0 (got {arrivals!r})", field="values.spike_injection")
+        self.arrivals = arrivals
