@@ -426,7 +426,7 @@ class SpikeGuard:
         return lr_at_target * old / at_target, self._lr_now(to)
 
     def _check_offset_rule(self, to: int) -> None:
-        values = {VALUE_NAME: self.record.state()}
+        values = {n: e.get() for n, e in self.state._reg.values.items()}  # as a checkpoint at `to` would hold them
         for name, entry in self.state._reg.data.items():
             want = entry.expected_at(to, values)
             if want is not None and entry.get() != want:
