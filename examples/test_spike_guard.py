@@ -12,6 +12,8 @@ import pytest
 import ckptkit
 from ckptkit.history import kept_rows, read_rows
 
+pytestmark = pytest.mark.slow
+
 sys.path.insert(0, str(Path(__file__).parent))
 from spike_guard import main  # noqa: E402
 

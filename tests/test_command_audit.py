@@ -17,6 +17,8 @@ import pytest
 
 from ckptkit.cli import main
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 LOOP = [sys.executable, str(ROOT / "examples" / "resumable_loop.py"), "--run-dir", "{run_dir}"]
 

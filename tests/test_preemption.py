@@ -25,6 +25,8 @@ from ckptkit.history import compared_rows, read_rows
 from ckptkit.preemption import EXIT_STOPPED, STOP_AT_ENV, RunStopped
 from ckptkit.runstate import checkpoint_name, list_checkpoints
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "resumable_loop.py"
 TINY = ["--n-layer", "2", "--n-head", "2", "--d-model", "32", "--block-size", "16", "--seq-len", "16", "--batch", "4",
