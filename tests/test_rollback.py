@@ -553,7 +553,7 @@ def test_replay_of_a_run_that_stopped_unstable_stops_the_same_way(tmp_path: Path
         run(cfg, tmp_path, 14)
     report = replay(tmp_path, 3)
     assert report.ok and report.guarded and report.to == 10
-    assert "the replay stopped: training is unstable; investigate: 3 consecutive spikes (--rollback-bound 3):" in (
+    assert "the replay stopped: training is unstable; investigate: 3 consecutive spikes (rollback bound 3):" in (
         report.notes)
 
 
