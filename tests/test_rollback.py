@@ -29,6 +29,7 @@ from ckptkit.errors import (
     ReplayDivergence,
     StreamOffsetMismatch,
     TrainingUnstable,
+    UnsupportedVersion,
 )
 from ckptkit.runstate import RunState, checkpoint_name, list_checkpoints
 from ckptkit.sidecar import read_sidecar
@@ -397,6 +398,9 @@ def test_a_malformed_rollback_record_is_refused_whole() -> None:
     with pytest.raises(MalformedIndex, match=r"values\.rollback: unknown key\(s\) extra"):
         skipped_batches({"rollback": {**RollbackRecord().state(), "extra": 1}})
     assert skipped_batches({}) == 0
+    with pytest.raises(UnsupportedVersion, match=r"values\.rollback\.version: rollback record version not supported "
+                                                 r"\(expected 2, got 1\)"):
+        skipped_batches({"rollback": {**RollbackRecord().state(), "version": 1}})
 
 
 # ----------------------------------------------------------------------------- history, without training
