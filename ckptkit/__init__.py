@@ -17,6 +17,7 @@ from .asyncsave import AsyncSaver
 from .checkpoint import Checkpoint, import_torch_checkpoint, load, save
 from .container import FLAG_FP32_FALLBACK, VERSION, Report, SectionInfo, verify
 from .errors import (
+    AuditError,
     BadMagic,
     BadTensorValue,
     CheckpointError,
@@ -29,6 +30,7 @@ from .errors import (
     LegacyCheckpoint,
     MalformedIndex,
     ReplayDivergence,
+    ReplayError,
     ReservedBitSet,
     ResumeRefused,
     SaveFailed,
@@ -41,11 +43,14 @@ from .errors import (
     UnsupportedValue,
     UnsupportedVersion,
 )
+from .history import History
 from .lazy import LazyCheckpoint, open_checkpoint
 from .monitor import SpikeConfig, SpikeMonitor, Verdict
-from .rng import mask_stream, numpy_generator, torch_generator
+from .rng import mask_stream, numpy_generator, step_rng, torch_generator
+from .rollback_record import RollbackEvent, RollbackRecord
 from .runstate import ResumeInfo, RunState
 from .sidecar import Sidecar, read_sidecar, write_sidecar
+from .spikeguard import Continue, Executed, RolledBack, SpikeGuard
 from .snapshot import (
     DEFAULT_EXEMPT,
     KeyDiff,
@@ -62,6 +67,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AsyncSaver",
+    "AuditError",
     "BadMagic",
     "BadTensorValue",
     "Checkpoint",
@@ -69,20 +75,27 @@ __all__ = [
     "CheckpointNotFound",
     "ChecksumMismatch",
     "ConfigDrift",
+    "Continue",
     "DEFAULT_EXEMPT",
     "EnvironmentDrift",
+    "Executed",
     "FLAG_FP32_FALLBACK",
     "FormatError",
     "InsufficientMemory",
+    "History",
     "KeyDiff",
     "LazyCheckpoint",
     "LegacyCheckpoint",
     "MalformedIndex",
     "ReplayDivergence",
+    "ReplayError",
     "Report",
     "ReservedBitSet",
     "ResumeInfo",
     "ResumeRefused",
+    "RollbackEvent",
+    "RollbackRecord",
+    "RolledBack",
     "RunState",
     "SaveFailed",
     "SectionInfo",
@@ -90,6 +103,7 @@ __all__ = [
     "SidecarMismatch",
     "Snapshot",
     "SpikeConfig",
+    "SpikeGuard",
     "SpikeMonitor",
     "StateMismatch",
     "StreamOffsetMismatch",
@@ -113,6 +127,7 @@ __all__ = [
     "read_sidecar",
     "read_snapshot",
     "save",
+    "step_rng",
     "torch_generator",
     "verify",
     "write_sidecar",

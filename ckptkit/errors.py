@@ -26,7 +26,9 @@ around a load keeps working::
     │   ├── StateMismatch                     stored state does not fit the live objects
     │   └── LegacyCheckpoint                  a v1 file lacks state the run needs
     ├── TrainingUnstable (RuntimeError)       spike rollbacks hit their bound
-    └── ReplayDivergence (RuntimeError)       a re-run parts from its recording
+    ├── ReplayDivergence (RuntimeError)       a re-run parts from its recording
+    ├── ReplayError (ValueError)              a replay that cannot be asked for
+    └── AuditError (RuntimeError)             an audited command failed, timed out or ignored the stop
 
 Format errors carry ``path``, ``offset``, ``field``, ``expected``, ``actual`` and
 ``hint`` and render one line, e.g.::
@@ -40,6 +42,7 @@ import os
 from typing import Any
 
 __all__ = [
+    "AuditError",
     "BadMagic",
     "BadTensorValue",
     "CheckpointError",
@@ -52,6 +55,7 @@ __all__ = [
     "LegacyCheckpoint",
     "MalformedIndex",
     "ReplayDivergence",
+    "ReplayError",
     "ReservedBitSet",
     "ResumeRefused",
     "SaveFailed",
@@ -292,3 +296,12 @@ class ReplayDivergence(CheckpointError, RuntimeError):
     - a different torch / numpy version, or a different default dtype;
     - state not restored on resume (scheduler, scaler, EMA teacher, monitor).
     """
+
+
+class ReplayError(CheckpointError, ValueError):
+    """A replay that cannot be asked for (a step outside the recording, a bad override): exit 2."""
+
+
+class AuditError(CheckpointError, RuntimeError):
+    """An audit that could not run: a training process failed, timed out, or ignored the
+    stop request (its stderr and a hint are in the message): exit 2."""

@@ -44,8 +44,8 @@ from typing import IO, Any
 from .atomic import write_bytes_atomic
 from .errors import FormatError
 
-__all__ = ["COMPARED_KINDS", "HISTORY_FILE", "WALL_FIELDS", "History", "HistoryCheck", "check_history",
-           "compared_rows", "f32_bits", "f64_bits", "json_float", "read_rows"]
+__all__ = ["COMPARED_KINDS", "HISTORY_FILE", "WALL_FIELDS", "History", "HistoryCheck", "append_rows", "check_history",
+           "compared_rows", "f32_bits", "f64_bits", "json_float", "kept_rows", "read_rows"]
 
 HISTORY_FILE = "history.jsonl"
 WALL_FIELDS = frozenset({"time", "step_ms"})  # wall clock: allowed to differ between runs
@@ -111,9 +111,42 @@ def read_rows(path: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], bool]
     return rows, torn
 
 
+def append_rows(path: str | os.PathLike[str], rows: Iterable[dict[str, Any]]) -> None:
+    """Append rows to a history file, opened and closed in the call (for a loop that
+    records without holding the file open: :meth:`RunState.record`)."""
+    with open(path, "ab") as f:
+        f.write(b"".join(_encode(r) for r in rows))
+
+
 def compared_rows(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     """The rows two runs of the same experiment must agree on, without wall-clock fields."""
     return [{k: v for k, v in r.items() if k not in WALL_FIELDS} for r in rows if r["kind"] in COMPARED_KINDS]
+
+
+def kept_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The ``step`` rows whose updates the run's final state descends from (spec/rollback.md R-R10).
+
+    A step row is left out when its update was discarded on the spot (the next
+    ``step``/``spike``/``rollback`` row is a ``spike`` row with action ``rerun``,
+    ``rollback`` or ``unstable``; rows of other kinds in between, such as
+    ``digests``, are passed over) or when a later ``rollback`` row abandoned it
+    (a row of that timeline with ``step >= to``). The result is the loss curve of
+    the run as it stands: one row per step, steps ascending.
+
+    Args:
+        rows: every row of ``history.jsonl``, in file order.
+    """
+    story = [r for r in rows if r["kind"] in _DURING_STEP]
+    out: list[dict[str, Any]] = []
+    for i, r in enumerate(story):
+        if r["kind"] == "rollback":
+            while out and out[-1]["step"] >= r["to"]:  # the kept rows are one lineage, steps ascending
+                out.pop()
+        elif r["kind"] == "step":
+            nxt = story[i + 1] if i + 1 < len(story) else None
+            if nxt is None or nxt["kind"] != "spike" or nxt.get("action") not in ("rerun", "rollback", "unstable"):
+                out.append(r)
+    return out
 
 
 class History:

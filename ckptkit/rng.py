@@ -25,8 +25,10 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import operator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -44,6 +46,7 @@ __all__ = [
     "numpy_generator",
     "randint",
     "sample_depth",
+    "step_rng",
     "torch_generator",
     "uniform",
     "uniforms",
@@ -388,3 +391,34 @@ def numpy_generator(seed: int, step: int, stream: int = 0) -> np.random.Generato
         environment fact (ckptkit.environment).
     """
     return np.random.Generator(np.random.PCG64(draw(seed, step, 0, stream)))
+
+
+@contextlib.contextmanager
+def step_rng(seed: int, step: int, stream: int = Stream.DROPOUT) -> Iterator[None]:
+    """Make the global-generator draws inside a block a function of ``(seed, step)``.
+
+    For code that draws from torch's global generator and cannot be handed one:
+    ``nn.Dropout``, ``torch.randn`` / ``torch.rand`` without ``generator=``,
+    ``torch.randperm`` inside a library. Inside the block the global CPU generator
+    (and every CUDA generator, when CUDA is initialised) is seeded with
+    ``draw(seed, step, 0, stream)``; after it, they are exactly as before, so the
+    rest of the program (and ``ckptkit.testing.assert_step_leaves_global_rng_alone``)
+    sees no change. A resumed run then draws the same dropout masks as the run that
+    never stopped.
+
+    Example::
+
+        with ckptkit.step_rng(cfg.seed, step):
+            loss = loss_fn(model(x), y)      # model has nn.Dropout layers
+        loss.backward()                      # dropout's backward reuses the saved mask
+    """
+    import torch
+
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    devices = list(range(torch.cuda.device_count())) if cuda else []
+    with torch.random.fork_rng(devices=devices):
+        value = draw(seed, step, 0, stream)
+        torch.default_generator.manual_seed(value)
+        if cuda:
+            torch.cuda.manual_seed_all(value)
+        yield

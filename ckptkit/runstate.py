@@ -39,6 +39,8 @@ import contextlib
 import dataclasses
 import json
 import os
+import shlex
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,6 +70,7 @@ from .errors import (
     StreamOffsetMismatch,
     UnsupportedValue,
 )
+from .preemption import DEFAULT_SIGNALS, RunStopped, StopRequests
 from .section import check_plain
 from .sidecar import read_sidecar, sidecar_path, write_sidecar
 from .snapshot import DEFAULT_EXEMPT, KeyDiff, check_resume, encode_snapshot, read_snapshot, snapshot_path
@@ -234,6 +237,9 @@ class RunState:
         self._reg = _Registry()
         self._after_restore: list[Callable[[], None]] = []
         self._saver: AsyncSaver | None = AsyncSaver(compression=compression) if async_save else None
+        self._stops = StopRequests()
+        self._resume_hint: str | None = None
+        self._recording = False  # record() has opened history.jsonl in this process
 
     # ------------------------------------------------------------------ registration
 
@@ -324,6 +330,21 @@ class RunState:
         check_plain(get(), f"value {name!r}")
         self._reg.values[name] = _Entry(get, set)
 
+    def add_stateful(self, name: str, obj: Any) -> None:
+        """Register any object with ``state_dict()`` / ``load_state_dict()`` whose state is
+        plain values: torchdata's ``StatefulDataLoader``, a resumable sampler, a counter.
+        It is stored like :meth:`add_value` (``values.<name>`` in the monitor section) and
+        restored with ``load_state_dict``.
+
+        Raises:
+            UnsupportedValue: the object has no ``state_dict``/``load_state_dict``, or its
+                state holds something other than plain values (tensors: register the
+                object with :meth:`add_scheduler`, whose section carries tensors).
+        """
+        if not _has_state_dict(obj):
+            raise UnsupportedValue(f"stateful {name!r}: a {type(obj).__name__} has no state_dict()/load_state_dict()")
+        self.add_value(name, get=obj.state_dict, set=obj.load_state_dict)
+
     def add_flag(self, name: str, *, get: Callable[[], bool], set: Callable[[bool], None]) -> None:  # noqa: A002
         """Register a container flag bit by name (``fp32_fallback`` = bit 0)."""
         if name not in FLAG_NAMES.values():
@@ -355,6 +376,11 @@ class RunState:
         """Call ``fn()`` after every restore: re-apply compute settings (quant format,
         latched fallbacks) that ``load_state_dict`` does not carry (design record item 2)."""
         self._after_restore.append(fn)
+
+    def sidecar_contents(self) -> dict[str, tuple[int, Any]]:
+        """``kind -> (table_step, tree)`` of every registered sidecar, as :meth:`restore` takes them
+        (the live trees: copy them to keep this state while training goes on)."""
+        return {kind: entry.get() for kind, entry in self._reg.sidecars.items()}
 
     # ------------------------------------------------------------------ save
 
@@ -590,6 +616,109 @@ class RunState:
             self._log(n)
         return ResumeInfo(ckpt.step, path, tuple(notes), tuple(skipped), tuple(exempt), tuple(env),
                           legacy_missing)
+
+    def resume_or_start(self, *, allow_legacy: bool = False, allow_env_change: bool = False) -> int:
+        """Resume the newest consistent checkpoint if the run directory holds one, else start
+        fresh; returns the step to continue from. The same command line then starts the run
+        and continues it after a preemption (``ckptkit audit`` relies on that).
+
+        Raises:
+            As :meth:`resume` (never :class:`CheckpointNotFound` for an empty directory).
+        """
+        if list_checkpoints(self.run_dir):
+            return self.resume(allow_legacy=allow_legacy, allow_env_change=allow_env_change).step
+        return self.start()
+
+    def record(self, step: int, **scalars: Any) -> None:
+        """Record step ``step`` (0-based, just finished) in ``history.jsonl``: a ``step`` row
+        with the loop's scalars (floats also as exact bits) and a ``digests`` row with the
+        digest of every tensor and value registered, after the step (spec/replay.md "Any
+        loop"). ``ckptkit audit -- CMD`` and ``ckptkit replay RUN --from S -- CMD`` compare
+        these rows and name the first step and tensor that differ.
+
+        The first call in a process at step ``S`` makes the file the run's history up to
+        ``S``: a fresh one at step 0, else the rows an interrupted run wrote from ``S`` on
+        (in the timeline of the restored rollback record, if a SpikeGuard registered one)
+        are dropped.
+
+        Example::
+
+            state.record(step, loss=loss.item(), grad_norm=gn.item(), lr=sched.get_last_lr()[0])
+
+        Raises:
+            TypeError: a scalar that is not a number, string or one-element tensor.
+        """
+        from .compare import checkpoint_state
+        from .history import HISTORY_FILE, History, append_rows
+        from .recording import digests_row, step_row
+
+        row = step_row(step, scalars)
+        if not self._recording:
+            os.makedirs(self.run_dir, exist_ok=True)
+            history = History(self.run_dir)
+            if step == 0:
+                history.start_fresh()
+            else:
+                rollback = self._reg.values.get("rollback")
+                history.resume_at(step, rollback.get()["count"] if rollback is not None else 0)
+            history.close()
+            self._recording = True
+        append_rows(os.path.join(self.run_dir, HISTORY_FILE),
+                    [row, digests_row(step + 1, checkpoint_state(self.checkpoint(step + 1)))])
+
+    # ------------------------------------------------------------------ stopping (spec/runstate.md "Stopping")
+
+    def preemptible(self, signals: Iterable[int] = DEFAULT_SIGNALS, *,
+                    resume_hint: str | None = None) -> contextlib.AbstractContextManager[None]:
+        """Opt in to preemption while the returned context is open: the first SIGTERM or
+        SIGINT requests a stop (the loop finishes its step, :meth:`step_done` saves it and
+        exits with ``EXIT_STOPPED``, 75); a second aborts at once, leaving every checkpoint
+        on disk intact.
+
+        Args:
+            signals: the signals that request a stop.
+            resume_hint: the command the stop line tells the user to run (default: this
+                process's command line, which resumes by itself through :meth:`resume_or_start`).
+
+        Example::
+
+            with state.preemptible():
+                for step in range(state.resume_or_start(), steps):
+                    train_step(step)
+                    state.step_done(step + 1)
+        """
+        self._resume_hint = resume_hint
+        return self._stops.installed(signals)
+
+    def stop_requested(self, steps_done: int) -> str | None:
+        """What asks the run to stop after ``steps_done`` steps (a signal caught by
+        :meth:`preemptible`, or ``CKPTKIT_STOP_AT``), or None. For a loop that saves
+        its own way; :meth:`step_done` is this plus the save and the exit.
+
+        Raises:
+            CheckpointError: ``CKPTKIT_STOP_AT`` is not a step count.
+        """
+        return self._stops.reason(steps_done)
+
+    def step_done(self, steps_done: int) -> None:
+        """Call once after every step with the number of steps done: when a stop was
+        requested, saves that step, prints how to resume and raises :class:`RunStopped`
+        (a ``SystemExit`` with code 75: uncaught, the process ends there).
+
+        Raises:
+            RunStopped: a stop was requested; the checkpoint at ``steps_done`` is committed.
+            SaveFailed: the save failed (earlier checkpoints are intact).
+        """
+        why = self._stops.reason(steps_done)
+        if why is None:
+            return
+        path = self.save(steps_done)
+        self.wait()
+        hint = self._resume_hint or shlex.join(
+            [sys.executable, *sys.argv] if sys.argv and sys.argv[0].endswith(".py") else sys.argv)
+        print(f"ckptkit: stopped at step {steps_done} ({why}): saved {path}; resume with: {hint}",
+              file=sys.stderr, flush=True)
+        raise RunStopped(steps_done, path, why)
 
     def _newest_consistent(self) -> tuple[Checkpoint, str, Any, dict[str, Any], list[tuple[str, str]]]:
         skipped: list[tuple[str, str]] = []

@@ -1,11 +1,14 @@
 """A plain PyTorch training loop, made resumable with ckptkit.
 
-    python examples/resumable_loop.py --run-dir runs/example --steps 200
-    python examples/resumable_loop.py --run-dir runs/example --steps 400 --resume
+    python examples/resumable_loop.py --run-dir runs/example --steps 200   # starts, or resumes what is there
+    python examples/resumable_loop.py --run-dir runs/example --steps 400 --resume   # requires a checkpoint
+    ckptkit audit -- python examples/resumable_loop.py --run-dir {run_dir} --steps 40
 
-Lines marked ``# ckptkit`` are everything that was added to the plain loop (23 lines):
-the RunState registrations, ``start()``/``resume()``, ``save()``, and drawing the
-step's randomness from ``(seed, step)`` instead of torch's global generator.
+Lines marked ``# ckptkit`` are everything that was added to the plain loop:
+the RunState registrations, ``resume_or_start()``, ``save()``, preemption
+(``preemptible()`` + ``step_done()``: SIGTERM saves the step and exits 75, and
+the same command resumes), and drawing the step's randomness from ``(seed, step)``
+instead of torch's global generator.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ class Config:
     seed: int = 1  # the run's seed: every random draw is a function of (seed, step)
     steps: int = 200  # total steps (exempt from drift: extending a run is a resume)
     ckpt_every: int = 50  # steps between checkpoints (exempt)
+    global_dropout: bool = False  # TESTING AID: draw dropout from torch's global generator (not resumable)
 
 
 class Stream:
@@ -75,7 +79,10 @@ def train_step(run: Run, step: int) -> float:
     x, y = run.data.batch(run.cfg.batch)
     gen = ckptkit.torch_generator(run.cfg.seed, step, stream=5)  # ckptkit: dropout mask from (seed, step)
     h = run.net[1](run.net[0](x))
-    keep = (torch.rand(h.shape, generator=gen) >= 0.1).to(h.dtype) / 0.9  # dropout, drawn from the step's generator
+    if run.cfg.global_dropout:  # what the (seed, step) generator avoids: a resumed process draws other masks
+        keep = (torch.rand(h.shape) >= 0.1).to(h.dtype) / 0.9
+    else:
+        keep = (torch.rand(h.shape, generator=gen) >= 0.1).to(h.dtype) / 0.9  # dropout from the step's generator
     loss = torch.nn.functional.mse_loss(run.net[3](h * keep), y)
     run.opt.zero_grad()
     loss.backward()
@@ -89,15 +96,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--run-dir", type=Path, required=True)
     p.add_argument("--steps", type=int, default=Config.steps)
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--global-dropout", action="store_true",
+                   help="TESTING AID: draw dropout from the global generator; `ckptkit audit` then exits 1")
     args = p.parse_args(argv)
-    cfg = Config(steps=args.steps)
+    cfg = Config(steps=args.steps, global_dropout=args.global_dropout)
     run = make_run(cfg, args.run_dir)
-    start = run.state.resume().step if args.resume else run.state.start()  # ckptkit
-    for step in range(start, cfg.steps):
-        loss = train_step(run, step)
-        if (step + 1) % cfg.ckpt_every == 0 or step + 1 == cfg.steps:
-            run.state.save(step + 1)  # ckptkit
-            print(f"step {step + 1}: loss {loss:.4f}")
+    with run.state.preemptible():  # ckptkit: SIGTERM/SIGINT finish the step, save it, exit 75
+        start = run.state.resume().step if args.resume else run.state.resume_or_start()  # ckptkit
+        for step in range(start, cfg.steps):
+            loss = train_step(run, step)
+            run.state.record(step, loss=loss)  # ckptkit: history.jsonl rows that audit and replay compare
+            if (step + 1) % cfg.ckpt_every == 0 or step + 1 == cfg.steps:
+                run.state.save(step + 1)  # ckptkit
+                print(f"step {step + 1}: loss {loss:.4f}", flush=True)
+            run.state.step_done(step + 1)  # ckptkit: a requested stop saves this step and exits here
 
 
 if __name__ == "__main__":

@@ -133,7 +133,7 @@ def test_the_threshold_is_the_trainers_own_detector(rolled: Path, plain: Path) -
 
 
 def test_the_kept_rows_are_the_trainers_lineage(rolled: Path) -> None:
-    from ckptkit.trainer.rollback import kept_rows
+    from ckptkit.history import kept_rows
 
     rows = rows_of(rolled)
     series = read_series(rows)
@@ -271,7 +271,7 @@ def test_kept_scalars_are_what_a_tracker_logs_one_value_per_step(rolled: Path) -
     rows = rows_of(rolled)
     logged = read_series(rows).kept_scalars()
     assert [step for step, _ in logged] == list(range(14))
-    from ckptkit.trainer.rollback import kept_rows
+    from ckptkit.history import kept_rows
 
     for (step, values), row in zip(logged, kept_rows(rows)):
         assert values == {k: row[k] for k in ("loss", "lm_loss", "aux_loss", "grad_norm", "lr")}, step

@@ -7,13 +7,14 @@ import inspect
 import ckptkit
 
 PUBLIC = [
-    "AsyncSaver", "BadMagic", "BadTensorValue", "Checkpoint", "CheckpointError", "CheckpointNotFound", "ChecksumMismatch", "ConfigDrift",
-    "DEFAULT_EXEMPT", "EnvironmentDrift", "FLAG_FP32_FALLBACK", "FormatError", "InsufficientMemory", "KeyDiff", "LazyCheckpoint", "LegacyCheckpoint",
-    "MalformedIndex", "ReplayDivergence", "Report", "ReservedBitSet", "ResumeInfo", "ResumeRefused", "RunState",
-    "SaveFailed", "SectionInfo", "Sidecar", "SidecarMismatch", "Snapshot", "SpikeConfig", "SpikeMonitor",
+    "AsyncSaver", "AuditError", "BadMagic", "BadTensorValue", "Checkpoint", "CheckpointError", "CheckpointNotFound", "ChecksumMismatch",
+    "ConfigDrift", "Continue", "DEFAULT_EXEMPT", "EnvironmentDrift", "Executed", "FLAG_FP32_FALLBACK", "FormatError", "History",
+    "InsufficientMemory", "KeyDiff", "LazyCheckpoint", "LegacyCheckpoint", "MalformedIndex", "ReplayDivergence", "ReplayError", "Report",
+    "ReservedBitSet", "ResumeInfo", "ResumeRefused", "RollbackEvent", "RollbackRecord", "RolledBack", "RunState",
+    "SaveFailed", "SectionInfo", "Sidecar", "SidecarMismatch", "Snapshot", "SpikeConfig", "SpikeGuard", "SpikeMonitor",
     "StateMismatch", "StreamOffsetMismatch", "TrainingUnstable", "TruncatedFile", "UnreadableFile", "UnsupportedValue", "UnsupportedVersion",
     "VERSION", "Verdict", "__version__", "assert_field_coverage", "check_field_coverage", "check_resume",
-    "diff_keys", "import_torch_checkpoint", "load", "mask_stream", "numpy_generator", "open_checkpoint", "read_sidecar", "read_snapshot", "save",
+    "diff_keys", "import_torch_checkpoint", "load", "mask_stream", "numpy_generator", "open_checkpoint", "read_sidecar", "read_snapshot", "save", "step_rng",
     "torch_generator", "verify", "write_sidecar", "write_snapshot",
 ]
 

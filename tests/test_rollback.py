@@ -29,18 +29,18 @@ from ckptkit.errors import (
     ReplayDivergence,
     StreamOffsetMismatch,
     TrainingUnstable,
+    UnsupportedVersion,
 )
 from ckptkit.runstate import RunState, checkpoint_name, list_checkpoints
 from ckptkit.sidecar import read_sidecar
 from ckptkit.trainer import StepResult, TrainerConfig, train
-from ckptkit.history import History, f64_bits, read_rows
+from ckptkit.history import History, f64_bits, kept_rows, read_rows
+from ckptkit.rollback_record import RollbackRecord, skipped_batches
 from ckptkit.trainer.replay import replay
-from ckptkit.trainer.rollback import Guard, kept_rows, new_record, skipped_batches
 
 pytestmark = pytest.mark.slow
 
 train_mod = importlib.import_module("ckptkit.trainer.loop")
-rollback_mod = importlib.import_module("ckptkit.trainer.rollback")
 
 BATCH = 4 * 16  # bytes a tiny step consumes
 PRE = 1  # the warm-up probe batch
@@ -244,9 +244,9 @@ def test_three_consecutive_spikes_stop_the_run_with_exit_3(tmp_path: Path, capsy
                  "--spike-at", "9", "--spike-repeat", "6", *knobs])
     err = capsys.readouterr().err
     assert code == 3
-    assert "training is unstable; investigate: 3 consecutive spikes (--rollback-bound 3)" in err
+    assert "training is unstable; investigate: 3 consecutive spikes (rollback bound 3)" in err
     assert re.search(r"1\. step 9: grad_norm: grad norm [\d.]+, median [\d.]+, ratio [\d.]+; rolled back to "
-                     r"step 6, lr [\d.e-]+ -> [\d.e-]+, skipped stream bytes \[448, 704\) \(4 batches\)", err)
+                     r"step 6, lr [\d.e-]+ -> [\d.e-]+, skipped data positions \[448, 704\) \(4 batches\)", err)
     assert "2. step 9:" in err and "3. step 9:" in err and "not rolled back" in err
     # Step 9 of the third timeline was never applied; checkpoint 9 (before it) is the newest.
     assert f"the last good checkpoint is {tmp_path / checkpoint_name(9)} (the newest; intact" in err
@@ -261,21 +261,10 @@ def test_three_consecutive_spikes_stop_the_run_with_exit_3(tmp_path: Path, capsy
 
 def test_the_rollback_cap_stops_a_run_that_keeps_rolling_back(tmp_path: Path) -> None:
     cfg = rb(**{"train.spike_at": 9, "train.spike_repeat": 4, "train.rollback_cap": 1, "train.rollback_bound": 5})
-    with pytest.raises(TrainingUnstable, match=r"--rollback-cap 1 rollbacks already done in this run") as e:
+    with pytest.raises(TrainingUnstable, match=r"rollback cap 1: 1 rollbacks already done in this run") as e:
         run(cfg, tmp_path, 14)
     assert e.value.checkpoint == str(tmp_path / checkpoint_name(9))  # type: ignore[attr-defined]
     assert [ev["step"] for ev in e.value.events] == [9, 9]  # type: ignore[attr-defined]
-
-
-def test_a_chain_ends_once_the_run_passes_the_spiking_step() -> None:
-    """Consecutive (R-R07): a confirmed spike at or before the previous one's step
-    while the run has not applied that step's update again."""
-    rec = new_record()
-    for step, expect in ((20, 1), (18, 2), (20, 3), (21, 1)):
-        chained = rec["horizon"] is not None and step <= rec["horizon"]
-        rec["consecutive"] = rec["consecutive"] + 1 if chained else 1
-        rec["horizon"] = max(step, rec["horizon"]) if chained else step
-        assert rec["consecutive"] == expect
 
 
 # ----------------------------------------------------------------------------- resume: the same run, bit for bit
@@ -384,54 +373,6 @@ def test_a_restore_that_misses_run_state_is_refused(tmp_path: Path, monkeypatch:
         run(rb(**{"train.spike_at": 9}), tmp_path, 12)
 
 
-def _storages(*trees: Any) -> set[int]:
-    return {t.untyped_storage().data_ptr() for t in rollback_mod._tensors(trees) if t.numel()}
-
-
-def test_the_ring_never_shares_memory_with_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A kept state is a private copy, before and after it is restored: its digest
-    (taken on first use, R-R03) is then the kept state's, never a later one's. A
-    ring that aliased the live tensors would roll back to the present."""
-    real_keep, real_restore = Guard.keep, Guard._restore
-    checked: list[str] = []
-
-    def live(self: Guard, step: int) -> set[int]:
-        ck = self.rs.checkpoint(step)
-        return _storages(ck.model, ck.optim, ck.teacher, self.run.ngram.sidecar() if self.run.ngram else None)
-
-    def keep(self: Guard, step: int) -> None:
-        real_keep(self, step)
-        kept = self.ring.get(step)
-        assert not live(self, step) & _storages(kept.ckpt.model, kept.ckpt.optim, kept.ckpt.teacher, kept.ngram)
-        checked.append("keep")
-
-    def restore(self: Guard, kept: Any, **kw: Any) -> None:
-        real_restore(self, kept, **kw)
-        assert not live(self, kept.step) & _storages(kept.ckpt.model, kept.ckpt.optim, kept.ckpt.teacher, kept.ngram)
-        checked.append("restore")
-
-    monkeypatch.setattr(Guard, "keep", keep)
-    monkeypatch.setattr(Guard, "_restore", restore)
-    run(rb(**{"train.spike_at": 9}), tmp_path, 12)
-    assert checked.count("restore") == 2 and checked.count("keep") >= 12  # the re-run and the rollback
-
-
-def test_a_ring_rebuild_that_does_not_reproduce_the_checkpoint_is_refused(tmp_path: Path,
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    cfg = rb(**{"train.spike_at": 9})
-    run(cfg, tmp_path, 8)
-    real = Guard._replay
-
-    def drifting(self: Guard, frm: int, to: int, timeline: int) -> None:  # a nondeterministic step, simulated
-        real(self, frm, to, timeline)
-        with torch.no_grad():
-            next(self.run.model.parameters()).view(-1)[0] += 1e-3
-
-    monkeypatch.setattr(Guard, "_replay", drifting)
-    with pytest.raises(ReplayDivergence, match=r"did not reproduce step-00000008\.ckpt \(differs in: model"):
-        run(cfg, tmp_path, 12, resume=True)
-
-
 def test_the_abandoned_timeline_is_deleted_before_the_rollback_is_saved(tmp_path: Path,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[str, int]] = []
@@ -453,10 +394,13 @@ def test_the_abandoned_timeline_is_deleted_before_the_rollback_is_saved(tmp_path
 
 def test_a_malformed_rollback_record_is_refused_whole() -> None:
     with pytest.raises(MalformedIndex, match=r"values\.rollback\.skipped_batches: must be int"):
-        skipped_batches({"rollback": {**new_record(), "skipped_batches": "4"}})
+        skipped_batches({"rollback": {**RollbackRecord().state(), "skipped_batches": "4"}})
     with pytest.raises(MalformedIndex, match=r"values\.rollback: unknown key\(s\) extra"):
-        skipped_batches({"rollback": {**new_record(), "extra": 1}})
+        skipped_batches({"rollback": {**RollbackRecord().state(), "extra": 1}})
     assert skipped_batches({}) == 0
+    with pytest.raises(UnsupportedVersion, match=r"values\.rollback\.version: rollback record version not supported "
+                                                 r"\(expected 2, got 1\)"):
+        skipped_batches({"rollback": {**RollbackRecord().state(), "version": 1}})
 
 
 # ----------------------------------------------------------------------------- history, without training
@@ -613,7 +557,7 @@ def test_replay_of_a_run_that_stopped_unstable_stops_the_same_way(tmp_path: Path
         run(cfg, tmp_path, 14)
     report = replay(tmp_path, 3)
     assert report.ok and report.guarded and report.to == 10
-    assert "the replay stopped: training is unstable; investigate: 3 consecutive spikes (--rollback-bound 3):" in (
+    assert "the replay stopped: training is unstable; investigate: 3 consecutive spikes (rollback bound 3):" in (
         report.notes)
 
 

@@ -26,7 +26,9 @@ def test_a_step_that_touches_a_global_rng_is_named(step, changed):
     with pytest.raises(AssertionError) as e:
         assert_step_leaves_global_rng_alone(step)
     assert str(e.value) == (f"the step changed global RNG state: {changed}; draw from "
-                            "ckptkit.torch_generator(seed, step, stream) instead of the global generator")
+                            "ckptkit.torch_generator(seed, step, stream) instead of the global generator, or "
+                            "wrap the draws you cannot hand a generator (nn.Dropout, torch.randn) in "
+                            "`with ckptkit.step_rng(seed, step):`")
 
 
 def test_a_step_drawing_from_its_own_generator_passes():

@@ -78,6 +78,11 @@ def _exit_code(e: CheckpointError) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``ckptkit`` command line; returns the exit code."""
     args_list = list(sys.argv[1:] if argv is None else argv)
+    # `audit` and `replay` take the user's command after `--` (ckptkit audit -- python train.py ...):
+    # split it off before argparse, which would read its flags as ours.
+    given_command = "--" in args_list
+    split = args_list.index("--") if given_command else len(args_list)
+    args_list, trailing = args_list[:split], args_list[split + 1:]
     chosen = next((a for a in args_list if a in _COMMANDS), None)
     parser = _build_parser(chosen)
     try:
@@ -87,6 +92,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return EXIT_TROUBLE
+    if given_command and args.command not in ("audit", "replay"):
+        print(f"ckptkit {args.command}: takes no command after --", file=sys.stderr)
+        return EXIT_TROUBLE
+    args.cmd = trailing
     module = importlib.import_module(f"{__name__}.{_COMMANDS[args.command]}")
     try:
         return int(module.run(args))

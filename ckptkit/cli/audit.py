@@ -3,6 +3,8 @@
     ckptkit audit                           # two 10-step runs, each in a fresh process
     ckptkit audit --resume-at 4             # uninterrupted vs stopped at 4 + resumed in a fresh process
     ckptkit audit --steps 20 --quant int8 --rand-depth --keep-dir /tmp/audit --json
+    ckptkit audit -- python examples/resumable_loop.py --run-dir {run_dir} --steps 40   # any loop
+    ckptkit audit --stop-at 17 --timeout 120 -- python train.py --run-dir {run_dir}
 
 The logic is ``ckptkit.trainer.audit`` (spec/replay.md R-P11..R-P13); this module is
 its command line. The trainer's flags are the train command's own.
@@ -31,10 +33,20 @@ Defaults differ from `ckptkit train` in three knobs, unless given: --steps 10,
 --ckpt-every 1 (a checkpoint after every step, so a divergence has values on both
 sides), --keep steps+1 (all of them kept).
 
+any loop: after --, your command with {run_dir} where its run directory goes. It runs once
+uninterrupted (a) and once stopped at --stop-at K (default: half its end) and resumed in a new
+process with the same arguments (b). The command must use ckptkit.RunState on {run_dir}, start
+with state.resume_or_start() and call state.step_done(step + 1) after every step (the stop
+request is CKPTKIT_STOP_AT=K); state.record(step, loss=...) lets the report name the first step:
+  $ ckptkit audit -- python examples/resumable_loop.py --run-dir {run_dir} --steps 40
+  audit: a: 40 steps uninterrupted; b: stopped at 20, resumed in a new process with the same arguments
+  IDENTICAL: 80 recorded row(s) and 1 checkpoint(s) bit for bit
+
 exit codes:
   0  the two runs are bit-identical (history fingerprints and checkpoint bytes)
   1  they differ: the first step, fingerprint and tensors are named
-  2  trouble: a usage error, or a training process failed"""
+  2  trouble: a usage error, a training process failed or timed out (--timeout), a command that
+     saves no checkpoint or ignores the stop request, --stop-at outside the run"""
 
 
 def add_parser(sub: Any) -> None:
@@ -55,6 +67,10 @@ def add_parser(sub: Any) -> None:
                    help="keep the two runs in DIR/a and DIR/b (an empty or new directory); default: a temporary one")
     g.add_argument("--json", action="store_true", help="print one JSON object (schema_version 1)")
     g.add_argument("--quiet", action="store_true", help="no progress bar and no progress lines on stderr")
+    g.add_argument("--stop-at", type=int, default=None, metavar="K",
+                   help="with -- CMD: run b stops after K steps (default: half of run a's end)")
+    g.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="with -- CMD: the most each process may take (default 600)")
     add_knobs(p)
 
 
@@ -80,6 +96,10 @@ def run(args: argparse.Namespace) -> int:
     from ..errors import CheckpointError
     from ..trainer.audit import audit
 
+    command = args.cmd
+    if command or args.stop_at is not None:
+        return _run_command(args, command)
+
     try:
         cfg = config_for_audit(args)
         if args.keep_dir is not None and os.path.isdir(args.keep_dir) and os.listdir(args.keep_dir):
@@ -93,4 +113,23 @@ def run(args: argparse.Namespace) -> int:
             raise
         print(f"ckptkit audit: {e}", file=sys.stderr)
         return 2
+    return print_verdict(report, args.json)
+
+
+def _run_command(args: argparse.Namespace, command: list[str]) -> int:
+    """``ckptkit audit [--stop-at K] -- CMD ARGS...``: any loop (ckptkit.command_runs)."""
+    from ..command_runs import audit_command
+    from ..trainer.config import knobs
+
+    given = [key for key, _ in knobs() if getattr(args, key, None) is not None]
+    if given or args.resume_at is not None:
+        print("ckptkit audit: the trainer's flags (and --resume-at) audit `ckptkit train`; with -- CMD the "
+              "command has its own arguments (use --stop-at K)", file=sys.stderr)
+        return 2
+    if args.timeout <= 0:
+        print(f"ckptkit audit: --timeout must be > 0 (got {args.timeout:g})", file=sys.stderr)
+        return 2
+    with Progress("audit", quiet=args.quiet) as progress:
+        report = audit_command(command, stop_at=args.stop_at, timeout=args.timeout, keep_dir=args.keep_dir,
+                               log=progress.log)
     return print_verdict(report, args.json)

@@ -115,7 +115,7 @@ def _rollback_lines(run_state: Any) -> list[str]:
             lines.append(f"  {e!r}")
             continue
         skipped = e.get("skipped")
-        skip = (f"skipped stream bytes [{skipped.get('start')}, {skipped.get('end')}) ({skipped.get('batches')} batches)"
+        skip = (f"skipped data positions [{skipped.get('start')}, {skipped.get('end')}) ({skipped.get('batches')} batches)"
                 if isinstance(skipped, dict) else "replayed the window")
         lines.append(f"  step {e.get('step')} -> {e.get('to')}: {e.get('reason')}, grad norm {e.get('grad_norm')}, "
                      f"median {e.get('median')}, ratio {e.get('ratio')}; lr {e.get('lr_before')} -> "

@@ -4,6 +4,7 @@
     ckptkit replay runs/a --from 100 --to 120 --json
     ckptkit replay runs/a --from 100 --out /tmp/replayed     # keep the replay's checkpoints
     ckptkit replay runs/a --from 100 --threads 1 --allow-env-change
+    ckptkit replay runs/b --from 20 -- python train.py --run-dir {run_dir} --steps 40   # any loop
 
 The logic is ``ckptkit.trainer.replay`` (spec/replay.md); this module is its command
 line. RUN is only read.
@@ -37,6 +38,11 @@ example:
 
 Any trainer flag below overrides the value in the checkpoint's config snapshot (the
 override is printed with the result); --no-perturb clears the --perturb-at testing aid.
+
+any loop: after --, the command that made RUN, with {run_dir} where its run directory goes.
+RUN's checkpoint at (or before) --from, its companions and history.jsonl are copied into a fresh
+directory; the command resumes from it (state.resume_or_start()) and what it records and saves
+is compared with RUN's. --timeout bounds it (default 600 s).
 
 exit codes:
   0  every replayed step matched the recording bit for bit
@@ -74,6 +80,8 @@ def add_parser(sub: Any) -> None:
     g.add_argument("--no-perturb", action="store_true",
                    help="TESTING AID: replay without the recording's --perturb-at")
     g.add_argument("--quiet", action="store_true", help="no progress bar and no progress lines on stderr")
+    g.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="with -- CMD: the most the command may take (default 600)")
     add_knobs(p)
 
 
@@ -82,6 +90,14 @@ def run(args: argparse.Namespace) -> int:
     from ..trainer.config import knobs
     from ..trainer.replay import replay
 
+    command = args.cmd
+    if command:
+        from ..command_runs import replay_command
+
+        with Progress("replay", quiet=args.quiet) as progress:
+            report = replay_command(args.run_dir, args.from_step, command, timeout=args.timeout, keep_dir=args.out,
+                                    log=progress.log)
+        return print_verdict(report, args.json)
     overrides = {key: getattr(args, key) for key, _ in knobs() if getattr(args, key, None) is not None}
     overrides.pop("train.steps", None)  # --to says where to stop
     if args.no_perturb:

@@ -47,9 +47,15 @@ spike rollback (spec/rollback.md):
   ckptkit train: spike at step 200 (...): update discarded; re-running step 200 from the state before it
   ckptkit train: ROLLED BACK to step 190 (rollback 1, 1 in a row): lr 0.00295 -> 0.00147 (x0.5 from now on); ...
 
+Ctrl-C (SIGINT) or SIGTERM: the step in progress finishes and is saved, and the command to
+resume is printed (exit 75); a second Ctrl-C aborts at once, leaving every checkpoint intact:
+  ckptkit train: stopped at step 57 (SIGINT): saved runs/a/step-00000057.ckpt
+  resume with: ckptkit train --run-dir runs/a --steps 100 --quant int8 --resume
+
 exit codes: 0 trained, 1 resume refused (config drift, environment drift, stream offset,
 legacy checkpoint) or a corrupt file, 2 usage error or unreadable path, 3 training unstable
-(--auto-rollback on: --rollback-bound consecutive spikes, or more than --rollback-cap rollbacks)
+(--auto-rollback on: --rollback-bound consecutive spikes, or more than --rollback-cap rollbacks),
+75 stopped on request (SIGINT, SIGTERM, CKPTKIT_STOP_AT): resumable
 """
 
 
@@ -131,23 +137,30 @@ def run(args: argparse.Namespace) -> int:
 
     from torch import get_num_threads as torch_threads
 
+    from ..preemption import RunStopped
     from ..trainer.loop import intra_op_threads, train
     from ._progress import Progress
 
     began = time.monotonic()
-    with Progress("train", quiet=args.quiet) as progress:
+    try:
+        with Progress("train", quiet=args.quiet) as progress:
 
-        def on_step(result: Any) -> None:
-            progress.at(result.step + 1, cfg.train.steps, loss=f"{result.loss:.4f}")
+            def on_step(result: Any) -> None:
+                progress.at(result.step + 1, cfg.train.steps, loss=f"{result.loss:.4f}")
 
-        # The count is an environment fact of the run: a resume under another one is
-        # refused by the environment check (or recorded with --allow-env-change).
-        with intra_op_threads(args.threads):
-            threads = torch_threads()
-            result = train(
-                cfg, args.run_dir, resume=args.resume, allow_legacy=args.allow_legacy,
-                allow_env_change=args.allow_env_change, log=progress.log, on_step=on_step,
-            )
+            # The count is an environment fact of the run: a resume under another one is
+            # refused by the environment check (or recorded with --allow-env-change).
+            with intra_op_threads(args.threads):
+                threads = torch_threads()
+                result = train(
+                    cfg, args.run_dir, resume=args.resume, allow_legacy=args.allow_legacy,
+                    allow_env_change=args.allow_env_change, log=progress.log, on_step=on_step,
+                    preemptible=True,
+                )
+    except RunStopped as stop:  # Ctrl-C / SIGTERM: the step in progress was saved (after the bar closed)
+        print(f"ckptkit train: stopped at step {stop.step} ({stop.reason}): saved {stop.path}\n"
+              f"resume with: {_resume_command(args, cfg)}", file=sys.stderr, flush=True)
+        return stop.code  # type: ignore[return-value]
     seconds = time.monotonic() - began
     if args.json:
         print(json.dumps({
@@ -181,3 +194,15 @@ def _summary(args: argparse.Namespace, cfg: Any, step: int, threads: int, second
         flags.append("--allow-env-change")
     extend = extend_command(args.run_dir, max(2 * step, step + 1), flags)
     return summarize(args.run_dir, seconds=seconds, keep=cfg.train.keep, extend=extend)
+
+
+def _resume_command(args: argparse.Namespace, cfg: Any) -> str:
+    """The ``ckptkit train`` line that continues this run: the same knobs, ``--resume``."""
+    import shlex
+
+    from ..trainer.audit import knob_flags
+
+    flags = [f for f in ("--allow-legacy", "--allow-env-change") if getattr(args, f[2:].replace("-", "_"))]
+    if args.threads is not None:  # the thread count is an environment fact of the run
+        flags += ["--threads", str(args.threads)]
+    return shlex.join(["ckptkit", "train", "--run-dir", str(args.run_dir), *knob_flags(cfg), *flags, "--resume"])

@@ -30,7 +30,7 @@ from typing import Any
 
 from ..compare import compare_checkpoints
 from ..environment import EnvDiff, diff_environment
-from ..errors import CheckpointError
+from ..errors import AuditError, CheckpointError
 from ..fingerprint import differing_names, first_divergence, step_rows
 from ..runstate import checkpoint_name, list_checkpoints, read_environment
 from ..snapshot import DEFAULT_EXEMPT, diff_keys, read_snapshot, snapshot_path
@@ -61,10 +61,6 @@ AUDIT_DEFAULTS: dict[str, Any] = {"train.steps": 10, "train.ckpt_every": 1, "tra
 #: Environment facts worth a line in the report (all are compared).
 _SHOWN = ("torch", "python", "numpy", "intra_op_threads", "inter_op_threads", "deterministic_algorithms",
           "platform_system", "platform_machine", "cuda_device")
-
-
-class AuditError(CheckpointError, RuntimeError):
-    """A training process of the audit failed (its stderr is in the message): exit 2."""
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,9 @@ stream offset          ``add_data_position`` with the rule as ``expected`` (item
 bigram table           ``add_sidecar("ngram")``, stamped with the step (item 7)
 the LR                 nothing: a function of the step and the config, times
                        the spike-rollback LR scale
-spike rollback         ``add_value("rollback")`` with ``--auto-rollback on``: LR
-                       scale, events, skipped batches (spec/rollback.md, rollback.py)
+spike rollback         the library's :class:`~ckptkit.SpikeGuard` (:func:`spike_guard`):
+                       it registers its record with ``--auto-rollback on``
+                       (LR scale, events, skipped batches; spec/rollback.md)
 =====================  =====================================================
 
 A step (:func:`train_step`) touches no global RNG: the batch comes from the
@@ -35,6 +36,7 @@ checkpoint bytes and the same history rows as the run that never stopped;
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import sys
@@ -47,20 +49,23 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ReplayDivergence, ResumeRefused, SidecarMismatch
+from ..history import History, f32_bits, f64_bits, json_float
 from ..monitor import SpikeMonitor, Verdict
+from ..preemption import RunStopped
 from ..rng import Stream, mask_stream, sample_depth, torch_generator
+from ..rollback_record import skipped_batches
 from ..runstate import RunState, checkpoint_name
 from ..snapshot import DEFAULT_EXEMPT
-from .config import RollbackMode, TrainConfig, TrainerConfig
+from ..spikeguard import Executed, RolledBack, SpikeGuard
+from ..testing import GradSpike
+from .config import RollbackSkip, TrainConfig, TrainerConfig
 from .data import ByteStream, data_fingerprint, load_bytes
 from .digests import checkpoint_row, digests_row, param_digests, params_digest, perturb, perturb_target
-from ..history import History, f32_bits, f64_bits, json_float
 from .model import GPT, apply_compute_settings, make_teacher
 from .ngram import BigramTable
-from .rollback import Guard, RollbackState, skipped_batches
 
-__all__ = ["Run", "StepResult", "TrainResult", "build", "get_lr", "intra_op_threads", "pre_batches", "run_state", "train",
-           "train_step"]
+__all__ = ["Run", "StepResult", "TrainResult", "build", "get_lr", "intra_op_threads", "observed_step", "pre_batches",
+           "run_state", "spike_guard", "train", "train_step"]
 
 Log = Callable[[str], None]
 
@@ -84,12 +89,12 @@ class Run:
     optimizer: torch.optim.AdamW
     monitor: SpikeMonitor
     fp32_latched: bool = False  # the one-way fallback; never goes back to False in a run
-    rollback: RollbackState | None = None  # spike rollback: LR scale, record, --spike-at (spec/rollback.md)
+    guard: SpikeGuard | None = None  # spike rollback (spec/rollback.md): set by spike_guard()
 
     @property
     def lr_scale(self) -> float:
         """Multiplies the scheduled LR: 1.0 until a spike rollback drops it (spec/rollback.md R-R06)."""
-        return 1.0 if self.rollback is None else self.rollback.lr_scale
+        return 1.0 if self.guard is None else self.guard.lr_scale
 
     @property
     def quant_active(self) -> bool:
@@ -119,7 +124,7 @@ class StepResult:
     depth: int  # blocks the student ran
     compute: str  # "int8" or "fp32": the factor format the step trained
     latch: str | None  # why the fp32 fallback latched at this step, else None
-    verdict: Verdict  # the spike monitor's judgement
+    verdict: Verdict | None  # the spike monitor's judgement (None until the guard has observed the step)
     offset: int  # stream offset after the step (bytes)
     step_ms: float  # wall time of the step (not compared)
     # Per-parameter digests after the step (spec/replay.md R-P01), named as the checkpoint names them.
@@ -127,6 +132,7 @@ class StepResult:
     rerun: bool = False  # the re-run of a spiking step from the state before it (spec/rollback.md R-R04)
 
     def row(self) -> dict[str, Any]:
+        assert self.verdict is not None, "a step row needs the monitor's verdict (observed_step / the guard)"
         aux = self.aux_loss
         return {
             "kind": "step",
@@ -154,6 +160,7 @@ class StepResult:
         }
 
     def line(self, steps: int) -> str:
+        assert self.verdict is not None
         aux = "" if self.aux_loss is None else f" | aux {self.aux_loss:.4f}"
         spike = f" | SPIKE ({self.verdict.reason})" if self.verdict.is_spike else ""
         latch = f" | LATCHED fp32: {self.latch}" if self.latch else ""
@@ -304,7 +311,7 @@ def build(cfg: TrainerConfig, data: bytes | None = None) -> Run:
     ]
     optimizer = torch.optim.AdamW(groups, lr=get_lr(0, tc), betas=(tc.beta1, tc.beta2), foreach=False)
     monitor = SpikeMonitor(cfg.monitor)
-    run = Run(cfg, stream, model, teacher, ngram, optimizer, monitor, rollback=RollbackState(cfg))
+    run = Run(cfg, stream, model, teacher, ngram, optimizer, monitor)
     run.apply_compute_settings()
     perturb_target(cfg, model)  # refuse a --perturb-param that names no parameter now, not at that step
     return run
@@ -333,8 +340,9 @@ def _aux_loss(run: Run, x: torch.Tensor, depth: int, step: int) -> torch.Tensor:
 def train_step(run: Run, step: int) -> StepResult:
     """One optimisation step; reads only the run's state, the stream and (seed, step).
 
-    The loop calls this once per step; a later rollback can re-run it from a
-    restored state and get the same result.
+    The loop calls this once per step, through the spike guard, which observes
+    the grad norm (:func:`observed_step` does the same without a guard); a later
+    rollback can re-run it from a restored state and get the same result.
     """
     cfg, tc = run.cfg, run.cfg.train
     t0 = time.perf_counter()
@@ -362,16 +370,13 @@ def train_step(run: Run, step: int) -> StepResult:
     compute = "int8" if run.quant_active else "fp32"
     aux_loss = _aux_loss(run, x, depth, step) if run.teacher is not None else None
     loss = lm_loss if aux_loss is None else lm_loss + tc.aux_weight * aux_loss
-    # -- backward; the monitor sees the grad norm before clipping --
+    # -- backward; the guard's monitor sees the grad norm before clipping --
     run.optimizer.zero_grad(set_to_none=True)
     loss.backward()
     params = [p for p in run.model.parameters() if p.grad is not None]
-    if run.rollback is not None:
-        run.rollback.inject(step, params)  # TESTING AID (--spike-at): gradients x10 (spec/rollback.md R-R11)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip if tc.grad_clip > 0 else math.inf,
                                                foreach=False)
     loss_value, grad_norm_value = loss.item(), grad_norm.item()
-    verdict = run.monitor.observe(step, grad_norm_value, loss_value)  # acted on by the loop (--auto-rollback)
     # -- update: optimizer, then the EMA teacher and the n-gram table, outside autograd --
     lr = get_lr(step, tc) * run.lr_scale  # after the schedule and any optimizer load (spec/rollback.md R-R06)
     for group in run.optimizer.param_groups:
@@ -388,9 +393,26 @@ def train_step(run: Run, step: int) -> StepResult:
     return StepResult(
         step=step, loss=loss_value, lm_loss=lm_loss.item(),
         aux_loss=None if aux_loss is None else aux_loss.item(), grad_norm=grad_norm_value, lr=lr,
-        depth=depth, compute=compute, latch=latch, verdict=verdict, offset=run.stream.offset,
+        depth=depth, compute=compute, latch=latch, verdict=None, offset=run.stream.offset,
         step_ms=step_ms, param_digests=param_digests(run.model),  # fingerprints: spec/replay.md R-P01
     )
+
+
+def observed_step(run: Run, step: int) -> StepResult:
+    """:func:`train_step` through the run's guard (:func:`spike_guard`: its monitor and
+    testing aids), for a re-run that needs the step's row: the replay of a range in
+    which the recording neither re-ran nor rolled back (one that did is replayed by
+    :func:`train` itself).
+
+    Raises:
+        ReplayDivergence: the step rolled back here, though the recording did not.
+    """
+    assert run.guard is not None, "spike_guard(run, rs) first"
+    outcome = run.guard.step(step, lambda s: train_step(run, s))
+    if isinstance(outcome, RolledBack):
+        raise ReplayDivergence(f"step {step} rolled back to step {outcome.to} in the replay, but not in the "
+                               "recording; see ReplayDivergence's docstring for the usual causes")
+    return _judged(outcome.executed)
 
 
 # ----------------------------------------------------------------------------- the whole run
@@ -464,8 +486,6 @@ def run_state(
     rs.add_monitor("spike", run.monitor)  # item 4: the stability report survives a resume
     rs.add_data_position("train", get=lambda: run.stream.offset, set=run.stream.seek,  # item 6, spec/rollback.md R-R05:
                          expected=lambda step, values: expected_offset(cfg, step, skipped_batches(values)))
-    if run.rollback is not None and cfg.train.auto_rollback is RollbackMode.ON:  # a rollback is run state (R-R08)
-        rs.add_value("rollback", get=run.rollback.state, set=run.rollback.load)
     rs.add_value("data", get=lambda: fingerprint, set=lambda stored: _check_same_data(stored, fingerprint, cfg))
     rs.add_flag("fp32_fallback", get=lambda: run.fp32_latched,
                 set=lambda latched: setattr(run, "fp32_latched", latched))  # item 2
@@ -473,6 +493,34 @@ def run_state(
         rs.add_sidecar("ngram", get=run.ngram.sidecar, set=run.ngram.load_sidecar)  # item 7
     rs.after_restore(run.apply_compute_settings)  # the forward follows the restored latch
     return rs
+
+
+def spike_guard(
+    run: Run,
+    rs: RunState,
+    *,
+    history: History | None = None,
+    save: Callable[[int], object] | None = None,
+    on_step: Callable[[Executed], None] | None = None,
+    log: Log | None = None,
+) -> SpikeGuard:
+    """The library's :class:`~ckptkit.SpikeGuard` configured by ``--auto-rollback`` and the
+    ``--rollback-*`` knobs, on ``rs`` (after :func:`run_state`); sets ``run.guard``.
+
+    With ``on`` it registers the rollback record (``values.rollback``), with ``--spike-at``
+    the testing aid's arrival count (``values.spike_injection``): build it wherever the
+    run is restored (train, replay), before ``resume()``.
+    """
+    tc = run.cfg.train
+    inject = None
+    if tc.spike_at is not None:  # TESTING AID (spec/rollback.md R-R11): armed by the guard, not the step
+        inject = GradSpike([run.model], at=tc.spike_at, repeat=1 if tc.spike_transient else tc.spike_repeat)
+    run.guard = SpikeGuard(
+        rs, tc.auto_rollback.value, monitor=run.monitor, k=tc.rollback_k, lr_drop=tc.lr_drop,
+        skip_data=RollbackSkip(tc.rollback_skip) is RollbackSkip.WINDOW, data="train", bound=tc.rollback_bound,
+        cap=tc.rollback_cap, lr=lambda step: get_lr(step, tc), history=history, save=save, on_step=on_step,
+        prepare=lambda: run_probes(run, lambda _msg: None), inject=inject, log=log)
+    return run.guard
 
 
 def train(
@@ -484,6 +532,7 @@ def train(
     allow_env_change: bool = False,
     log: Log | None = _stderr,
     on_step: Callable[[StepResult], None] | None = None,
+    preemptible: bool = False,
 ) -> TrainResult:
     """Train ``cfg`` in ``run_dir`` until ``cfg.train.steps`` steps are done.
 
@@ -497,6 +546,9 @@ def train(
         allow_env_change: accept a different environment (recorded in history).
         log: progress and notes (default: stderr); None for silence.
         on_step: called after each step's history row is written (tests, tools).
+        preemptible: SIGTERM / SIGINT request a stop (:meth:`RunState.preemptible`):
+            the step in progress finishes, is saved, and :class:`RunStopped` is raised.
+            ``CKPTKIT_STOP_AT`` is honoured either way.
 
     Returns:
         A :class:`TrainResult`.
@@ -509,6 +561,8 @@ def train(
         SidecarMismatch: the n-gram table does not belong to the checkpoint's step.
         ReplayDivergence: the warm-up probe found a nondeterministic forward.
         SaveFailed: a checkpoint could not be written (earlier ones are intact).
+        RunStopped: a stop was requested (a signal with ``preemptible``, ``CKPTKIT_STOP_AT``);
+            the checkpoint at the step reached is committed.
 
     Example:
         >>> cfg = TrainerConfig().replace(**{"train.steps": 20})  # doctest: +SKIP
@@ -525,15 +579,10 @@ def train(
 
         # -- run state: everything a checkpoint carries, registered once --
         rs = run_state(run, run_dir, fingerprint, log=log, async_save=True)
-        # -- what a spike verdict does (--auto-rollback; spec/rollback.md) --
-        guard = Guard(cfg, run, rs, step_fn=train_step, lr_fn=lambda step: get_lr(step, tc),
-                      probe_fn=lambda: run_probes(run, lambda _msg: None),
-                      offset_rule=lambda step, skipped: expected_offset(cfg, step, skipped), log=log)
-
-        # -- start or resume --
         history = History(run_dir)
 
-        def emit(result: StepResult) -> None:  # a step's rows (the guard writes a re-run's too)
+        def emit(e: Executed) -> None:  # a step's rows, re-runs included (the guard calls it)
+            result = _judged(e)
             history.append(result.row())
             history.append(digests_row(result.step + 1, result.param_digests or {}))  # spec/replay.md R-P02
             if on_step is not None:
@@ -544,16 +593,24 @@ def train(
             history.sync()  # every row before the checkpoint is on disk before it
             return rs.save(step)
 
-        guard.attach(history, emit=emit, save=save)
+        # -- what a spike verdict does (--auto-rollback; spec/rollback.md) --
+        guard = spike_guard(run, rs, history=history, save=save, on_step=emit, log=log)
+
+        def step_fn(step: int) -> StepResult:
+            return train_step(run, step)
+
+        # -- start or resume --
         notes: list[str] = []
+        stops = contextlib.ExitStack()
         try:
+            if preemptible:  # SIGTERM / SIGINT: finish the step, save it, stop (spec/runstate.md)
+                stops.enter_context(rs.preemptible())
             if resume:
-                guard.before_resume()  # --auto-rollback on: step 0 as built, to rebuild the ring from
                 info = rs.resume(allow_legacy=allow_legacy, allow_env_change=allow_env_change)
                 start = info.step
                 notes = list(info.notes) + _after_resume(run, info, log)
-                notes += history.resume_at(start, run.rollback.timeline if run.rollback else 0)
-                notes += guard.after_resume(start)  # the ring, rebuilt by a checked replay (R-R12)
+                notes += history.resume_at(start, guard.record.count)
+                notes += guard.rebuild(start, step_fn)  # --auto-rollback on: the ring, by a checked replay (R-R12)
                 history.append({
                     "kind": "resume", "step": start, "checkpoint": os.path.basename(info.path),
                     "allow_legacy": allow_legacy, "legacy_missing": list(info.legacy_missing),
@@ -578,33 +635,39 @@ def train(
                 log(f"the run is at step {start} and --steps is {tc.steps}: nothing to train")
             step = start
             while step < tc.steps:
-                guard.keep(step)  # --auto-rollback on: the state before the step, kept in memory (R-R02)
-                result = train_step(run, step)
-                emit(result)
-                if result.verdict.is_spike:
-                    got = guard.on_spike(result)  # warn: a spike row; on: re-run, then roll back or stop
-                    if got is None:  # rolled back: training goes on from the restored step
-                        assert guard.restored_step is not None
-                        step = guard.restored_step
-                        continue
-                    result = got
+                outcome = guard.step(step, step_fn)  # warn: a spike row; on: re-run, then roll back or stop
+                if isinstance(outcome, RolledBack):  # training goes on from the restored step
+                    step = outcome.to
+                    continue
+                result = _judged(outcome.executed)
                 done = step + 1
-                if done % tc.log_every == 0 or done == tc.steps or result.latch or result.verdict.is_spike:
+                if done % tc.log_every == 0 or done == tc.steps or result.latch or outcome.executed.verdict.is_spike:
                     log(result.line(tc.steps))
                 if done % tc.ckpt_every == 0 or done == tc.steps:
                     path = save(done)
                     last_saved = done
+                why = rs.stop_requested(done)  # preemption or CKPTKIT_STOP_AT: save this step, stop
+                if why is not None:
+                    path = path if last_saved == done else save(done)
+                    rs.wait()
+                    raise RunStopped(done, path, why)
                 step = done
             final = max(start, tc.steps)
             if last_saved != final:  # a fresh run of 0 steps still leaves its step-0 checkpoint
                 path = save(final)
         finally:
+            stops.close()
             try:
                 rs.close()  # the last background save is committed (or its error raised) before we return
             finally:
                 history.close()
     return TrainResult(final, path, history.path, run.fp32_latched, run.monitor.report(), tuple(notes),
-                       rollback=run.rollback.state() if guard.on and run.rollback is not None else None)
+                       rollback=guard.record.state() if guard.on else None)
+
+
+def _judged(e: Executed) -> StepResult:
+    """A step's result with the guard's verdict and re-run flag (what its row shows)."""
+    return dataclasses.replace(e.result, verdict=e.verdict, rerun=e.rerun)
 
 
 def _check_same_data(stored: Any, fingerprint: dict[str, Any], cfg: TrainerConfig) -> None:

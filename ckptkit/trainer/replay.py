@@ -57,6 +57,7 @@ from ..errors import (
     EnvironmentDrift,
     FormatError,
     ReplayDivergence,
+    ReplayError,
     TrainingUnstable,
 )
 from ..fingerprint import FINGERPRINT_FIELDS, Divergence, differing_names, first_divergence, leaf_digests
@@ -66,7 +67,17 @@ from .config import TrainerConfig
 from .data import data_fingerprint, load_bytes
 from .digests import MODEL_PREFIX
 from ..history import HISTORY_FILE, WALL_FIELDS, compared_rows, read_rows
-from .loop import Run, _after_resume, build, deterministic_torch, intra_op_threads, run_state, train, train_step
+from .loop import (
+    Run,
+    _after_resume,
+    build,
+    deterministic_torch,
+    intra_op_threads,
+    observed_step,
+    run_state,
+    spike_guard,
+    train,
+)
 
 __all__ = ["FieldDiff", "Recording", "ReplayError", "ReplayReport", "Rerun", "StepDivergence", "TensorReport",
            "config_of", "divergence_fields", "divergence_json", "first_differing_checkpoint", "load_recording",
@@ -80,10 +91,6 @@ JSON_SCHEMA_VERSION = 1
 _ORDER = ("grad", "model", "optim", "teacher", "monitor", "header")
 
 ENV_REPLAY_HINT = "pass --allow-env-change to replay anyway (the differences are then listed with the result)"
-
-
-class ReplayError(CheckpointError, ValueError):
-    """A replay that cannot be asked for (a step outside the recording, a bad override): exit 2."""
 
 
 # ----------------------------------------------------------------------------- the report
@@ -384,6 +391,7 @@ def _restore(cfg: TrainerConfig, ckpt_path: str, run_dir: str, work: str, exempt
     data = load_bytes(cfg.data.path)
     run = build(cfg, data)
     rs = run_state(run, work, data_fingerprint(data), exempt=exempt)
+    spike_guard(run, rs)  # registers what the guard keeps in a checkpoint; judges each step as train() does
     # The environment was compared with the recording already (R-P06), with replay's own
     # wording; this second check would only repeat it.
     info = rs.resume(allow_env_change=True)
@@ -468,8 +476,8 @@ def rerun_step(cfg: TrainerConfig, ckpt_path: str, start: int, run_dir: str, ste
     for _ in range(2):
         run, rs = _restore(cfg, ckpt_path, run_dir, work, exempt, log)
         for s in range(start, step):
-            train_step(run, s)
-        rows.append(train_step(run, step).row())
+            observed_step(run, s)
+        rows.append(observed_step(run, step).row())
         captures.append(_capture(run, rs, step + 1))
     d = first_divergence([rows[0]], [rows[1]], step_fields(rows[0]))
     diffs = compare_states(captures[0], captures[1])
@@ -586,23 +594,12 @@ def replay(
     rec = load_recording(run_dir)
     start, ckpt_path = _choose(run_dir, from_step)
     to = rec.last if to_step is None else to_step
-    if to < start or to > max(rec.last, start):
-        raise ReplayError(f"--to {to} is outside the replayable range: the checkpoint is at step {start} and the "
-                          f"recording ends at step {rec.last}")
+    out_dir = _check_request(run_dir, rec, start, to, out_dir)
     # A re-run or rollback at or after the start supersedes rows of the range (R-P15), even when
     # the spike itself lies past --to: the plain loop would be compared with the wrong timeline.
     inside = sorted({s for s in rec.rollbacks if s >= start})
-    if out_dir is not None:
-        out_dir = os.path.abspath(os.fspath(out_dir))
-        if os.path.commonpath([out_dir, os.path.abspath(run_dir)]) == os.path.abspath(run_dir):
-            raise ReplayError(f"--out {out_dir} is inside the run directory; replay never writes into RUN")
-        if os.path.isdir(out_dir) and os.listdir(out_dir):
-            raise ReplayError(f"--out {out_dir} is not empty")
-    notes = []
-    for s, envs in rec.env_overrides:
-        if s < to:
-            notes.append(f"the recording resumed at step {s} with an environment override ({'; '.join(envs)}); "
-                         "environment.json describes the steps before it")
+    notes = [f"the recording resumed at step {s} with an environment override ({'; '.join(envs)}); "
+             "environment.json describes the steps before it" for s, envs in rec.env_overrides if s < to]
 
     with deterministic_torch(), intra_op_threads(threads):
         env = _env_check(run_dir, allow_env_change)
@@ -610,25 +607,9 @@ def replay(
         cfg, changed = _overrides(cfg, overrides or {})
         exempt = frozenset(DEFAULT_EXEMPT) | {f.field for f in changed}
         report = _Builder(run_dir, ckpt_path, start, to, changed, tuple(env), notes, rec.env_overrides)
-
-        # R-P06: the starting checkpoint against the digests recorded when it was written.
-        recorded = rec.checkpoints.get(start)
-        file_state = checkpoint_state(load(ckpt_path))
-        if recorded is None:
-            notes.append(f"the recording holds no digests for {os.path.basename(ckpt_path)} (an older ckptkit wrote "
-                         "it): the starting checkpoint is trusted as it is")
-        else:
-            file_digests = leaf_digests(file_state)
-            bad = differing_names(recorded, file_digests)
-            if bad:
-                return report.done(0, StepDivergence(
-                    "checkpoint", start, file=ckpt_path,
-                    tensors=tuple(named_reports(bad, recorded, file_digests, "values unavailable")),
-                    values="the recording keeps digests, not values; replay from an earlier checkpoint "
-                           "(--from a smaller step) re-derives the recorded values and measures the difference",
-                    hints=("the file verifies (its container checksums were re-sealed) but is not what the run "
-                           "wrote: it was altered after the fact; do not resume from it",)))
-
+        altered = _check_start(rec, ckpt_path, start, notes)  # R-P06
+        if altered is not None:
+            return report.done(0, altered)
         with contextlib.ExitStack() as stack:
             work = out_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="ckptkit-replay-"))
             if inside:
@@ -636,62 +617,126 @@ def replay(
                              "(--auto-rollback on): replayed by the trainer's own guarded loop, every history "
                              "row compared in order (R-P15)")
                 return _replay_guarded(cfg, rec, run_dir, ckpt_path, start, to, work, log, report, step_done)
-            run, rs = _restore(cfg, ckpt_path, run_dir, work, exempt, log)
-            replayed = 0
-            for step in range(start, to):
-                result = train_step(run, step)
-                replayed += 1
-                done = step + 1
-                step_done(done, to)
-                recorded_row = rec.steps.get(step)
-                if recorded_row is None:
-                    notes.append(f"the recording has no row for step {step}: not compared")
-                    continue
-                row = result.row()
-                d = first_divergence([recorded_row], [row], step_fields(recorded_row))
-                rec_params = rec.digests.get(done)
-                bad_params = ([] if rec_params is None or result.param_digests is None
-                              else differing_names(rec_params, result.param_digests))
-                if d is not None or bad_params:
-                    return report.done(replayed, _explain_step(
-                        cfg, rec, run_dir, (start, ckpt_path), exempt, log, run, rs, step, d, out_dir))
-                rec_state = rec.checkpoints.get(done)
-                if rec_state is None:
-                    continue
-                state = _capture(run, rs, done)
-                state = {k: v for k, v in state.items() if not k.startswith("grad:")}
-                digests = leaf_digests(state)
-                bad = differing_names(rec_state, digests)
-                if out_dir is not None:
-                    rs.save(done)
-                if bad:
-                    values, why = _verified_file_state(run_dir, done, rec)
-                    tensors = (tensor_reports([t for t in compare_states(values, state) if t.name in bad],
-                                           {n: (rec_state.get(n), digests.get(n)) for n in bad})
-                               if values is not None else named_reports(bad, rec_state, digests, "values unavailable"))
-                    return report.done(replayed, StepDivergence(
-                        "state", done, tensors=tuple(tensors), values=why,
-                        hints=("every step row matched, yet the state differs: state outside the step fingerprints "
-                               "(optimizer moments, teacher, monitor) was not reproduced",)))
-                # R-P07: the file RUN still holds at this step, against the same recording.
-                file = os.path.join(run_dir, checkpoint_name(done))
-                if os.path.isfile(file):
-                    try:
-                        fstate = checkpoint_state(load(file))
-                    except FormatError as e:
-                        notes.append(f"{file} does not verify ({e}); not compared")
-                        continue
-                    fdig = leaf_digests(fstate)
-                    fbad = differing_names(rec_state, fdig)
-                    if fbad:
-                        tensors = tensor_reports([t for t in compare_states(state, fstate) if t.name in fbad],
-                                              {n: (rec_state.get(n), fdig.get(n)) for n in fbad})
-                        return report.done(replayed, StepDivergence(
-                            "checkpoint", done, file=file, tensors=tuple(tensors),
-                            values=f"the replayed state after {done} steps, whose digests match the recording",
-                            hints=("the file verifies (its container checksums were re-sealed) but is not what the "
-                                   "run wrote: it was altered after the fact; do not resume from it",)))
-            return report.done(replayed, None)
+            return _replay_plain(cfg, rec, (start, ckpt_path), to, work, exempt, log, report, out_dir, step_done)
+
+
+#: The hint for a file that verifies but is not what the run wrote (R-P06, R-P07).
+_ALTERED = ("the file verifies (its container checksums were re-sealed) but is not what the run wrote: it was "
+            "altered after the fact; do not resume from it")
+
+
+def _check_request(run_dir: str, rec: Recording, start: int, to: int,
+                   out_dir: str | os.PathLike[str] | None) -> str | None:
+    """``--to`` inside the recording, ``--out`` empty and outside RUN; returns ``--out`` made absolute.
+
+    Raises:
+        ReplayError: naming the option.
+    """
+    if to < start or to > max(rec.last, start):
+        raise ReplayError(f"--to {to} is outside the replayable range: the checkpoint is at step {start} and the "
+                          f"recording ends at step {rec.last}")
+    if out_dir is None:
+        return None
+    out = os.path.abspath(os.fspath(out_dir))
+    if os.path.commonpath([out, os.path.abspath(run_dir)]) == os.path.abspath(run_dir):
+        raise ReplayError(f"--out {out} is inside the run directory; replay never writes into RUN")
+    if os.path.isdir(out) and os.listdir(out):
+        raise ReplayError(f"--out {out} is not empty")
+    return out
+
+
+def _check_start(rec: Recording, ckpt_path: str, start: int, notes: list[str]) -> StepDivergence | None:
+    """R-P06: the starting checkpoint against the digests recorded when it was written."""
+    recorded = rec.checkpoints.get(start)
+    if recorded is None:
+        notes.append(f"the recording holds no digests for {os.path.basename(ckpt_path)} (an older ckptkit wrote "
+                     "it): the starting checkpoint is trusted as it is")
+        return None
+    file_digests = leaf_digests(checkpoint_state(load(ckpt_path)))
+    bad = differing_names(recorded, file_digests)
+    if not bad:
+        return None
+    return StepDivergence("checkpoint", start, file=ckpt_path,
+                          tensors=tuple(named_reports(bad, recorded, file_digests, "values unavailable")),
+                          values="the recording keeps digests, not values; replay from an earlier checkpoint "
+                                 "(--from a smaller step) re-derives the recorded values and measures the difference",
+                          hints=(_ALTERED,))
+
+
+def _replay_plain(cfg: TrainerConfig, rec: Recording, origin: tuple[int, str], to: int, work: str,
+                  exempt: frozenset[str], log: Log, report: _Builder, out_dir: str | None,
+                  step_done: Callable[[int, int], None]) -> ReplayReport:
+    """R-P07: re-run steps ``start..to-1`` from the checkpoint, each compared with its row,
+    its ``digests`` row and, at a recorded checkpoint, the state and RUN's file."""
+    start, ckpt_path = origin
+    run_dir = report.run_dir
+    run, rs = _restore(cfg, ckpt_path, run_dir, work, exempt, log)
+    replayed = 0
+    for step in range(start, to):
+        result = observed_step(run, step)
+        replayed += 1
+        done = step + 1
+        step_done(done, to)
+        recorded_row = rec.steps.get(step)
+        if recorded_row is None:
+            report.notes.append(f"the recording has no row for step {step}: not compared")
+            continue
+        d = first_divergence([recorded_row], [result.row()], step_fields(recorded_row))
+        rec_params = rec.digests.get(done)
+        bad_params = ([] if rec_params is None or result.param_digests is None
+                      else differing_names(rec_params, result.param_digests))
+        if d is not None or bad_params:
+            return report.done(replayed, _explain_step(cfg, rec, run_dir, origin, exempt, log, run, rs, step, d,
+                                                       out_dir))
+        rec_state = rec.checkpoints.get(done)
+        if rec_state is None:
+            continue
+        state = {k: v for k, v in _capture(run, rs, done).items() if not k.startswith("grad:")}
+        if out_dir is not None:
+            rs.save(done)
+        divergence = (_state_divergence(run_dir, rec, done, rec_state, state)
+                      or _file_divergence(run_dir, done, rec_state, state, report.notes))
+        if divergence is not None:
+            return report.done(replayed, divergence)
+    return report.done(replayed, None)
+
+
+def _state_divergence(run_dir: str, rec: Recording, done: int, rec_state: Mapping[str, int],
+                      state: dict[str, Any]) -> StepDivergence | None:
+    """The replayed state after ``done`` steps against the recorded checkpoint digests."""
+    digests = leaf_digests(state)
+    bad = differing_names(rec_state, digests)
+    if not bad:
+        return None
+    values, why = _verified_file_state(run_dir, done, rec)
+    tensors = (tensor_reports([t for t in compare_states(values, state) if t.name in bad],
+                              {n: (rec_state.get(n), digests.get(n)) for n in bad})
+               if values is not None else named_reports(bad, rec_state, digests, "values unavailable"))
+    return StepDivergence("state", done, tensors=tuple(tensors), values=why,
+                          hints=("every step row matched, yet the state differs: state outside the step fingerprints "
+                                 "(optimizer moments, teacher, monitor) was not reproduced",))
+
+
+def _file_divergence(run_dir: str, done: int, rec_state: Mapping[str, int], state: dict[str, Any],
+                     notes: list[str]) -> StepDivergence | None:
+    """R-P07: the file RUN still holds at this step, against the same recording."""
+    file = os.path.join(run_dir, checkpoint_name(done))
+    if not os.path.isfile(file):
+        return None
+    try:
+        fstate = checkpoint_state(load(file))
+    except FormatError as e:
+        notes.append(f"{file} does not verify ({e}); not compared")
+        return None
+    fdig = leaf_digests(fstate)
+    fbad = differing_names(rec_state, fdig)
+    if not fbad:
+        return None
+    tensors = tensor_reports([t for t in compare_states(state, fstate) if t.name in fbad],
+                             {n: (rec_state.get(n), fdig.get(n)) for n in fbad})
+    return StepDivergence("checkpoint", done, file=file, tensors=tuple(tensors),
+                          values=f"the replayed state after {done} steps, whose digests match the recording",
+                          hints=(_ALTERED,))
 
 
 def _replay_guarded(cfg: TrainerConfig, rec: Recording, run_dir: str, ckpt_path: str, start: int, to: int,
@@ -836,6 +881,7 @@ class _Builder:
                  env: tuple[EnvDiff, ...], notes: list[str],
                  recorded_env_overrides: tuple[tuple[int, tuple[str, ...]], ...]) -> None:
         self.args = (run_dir, ckpt, start, to)
+        self.run_dir = run_dir
         self.overrides, self.env, self.notes = overrides, env, notes
         self.recorded_env_overrides = recorded_env_overrides
 

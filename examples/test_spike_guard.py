@@ -1,0 +1,62 @@
+"""The spike-guard example against the PRD's acceptance criteria (spec/rollback.md)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import ckptkit
+from ckptkit.history import kept_rows, read_rows
+
+pytestmark = pytest.mark.slow
+
+sys.path.insert(0, str(Path(__file__).parent))
+from spike_guard import main  # noqa: E402
+
+
+def rows(run_dir: Path, kind: str | None = None) -> list[dict[str, Any]]:
+    got, _ = read_rows(run_dir / "history.jsonl")
+    return [r for r in got if kind is None or r["kind"] == kind]
+
+
+def test_a_spike_at_200_rolls_back_to_190_drops_the_lr_and_training_proceeds_normally(tmp_path: Path) -> None:
+    assert main(["--run-dir", str(tmp_path), "--steps", "300", "--spike-at", "200"]) == 0
+    (rb,) = rows(tmp_path, "rollback")
+    assert (rb["step"], rb["to"], rb["lr_scale"]) == (200, 190, 0.5)
+    assert rb["rollbacks"] == [{"step": 200, "to": 190, "reason": "grad_norm", "lr_after": rb["lr_after"]}]
+    assert rb["skipped"] == {"start": 190, "end": 201, "batches": 11}  # the spike's data window is never seen again
+    assert [(r["step"], r["action"]) for r in rows(tmp_path, "spike")] == [(200, "rerun"), (200, "rollback")]
+    lineage = kept_rows(rows(tmp_path))
+    assert [r["step"] for r in lineage] == list(range(300))
+    first = {r["step"]: r for r in rows(tmp_path, "step")[:200]}  # the abandoned timeline's LR at 190..199
+    assert all(r["lr"] == pytest.approx(first[r["step"]]["lr"] * 0.5, rel=1e-12) for r in lineage[190:200])
+    assert all(r["verdict"] == "ok" for r in lineage[190:])  # the rest of training proceeds normally
+    assert sum(r["loss"] for r in lineage[-20:]) < sum(r["loss"] for r in lineage[170:190])
+    assert ckptkit.load(tmp_path / "step-00000300.ckpt").monitor["values"]["rollback"]["count"] == 1
+
+
+def test_without_mode_on_the_spike_is_logged_and_training_continues(tmp_path: Path) -> None:
+    assert main(["--run-dir", str(tmp_path), "--steps", "50", "--spike-at", "40", "--mode", "warn"]) == 0
+    assert [(r["step"], r["action"]) for r in rows(tmp_path, "spike")] == [(40, "warn")]
+    assert not rows(tmp_path, "rollback") and [r["step"] for r in rows(tmp_path, "step")] == list(range(50))
+
+
+def test_three_spikes_in_a_row_fail_the_run_as_unstable(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--run-dir", str(tmp_path), "--steps", "50", "--spike-at", "40", "--spike-repeat", "6"]) == 3
+    err = capsys.readouterr().err
+    assert "spike_guard: training is unstable; investigate: 3 consecutive spikes (rollback bound 3):" in err
+    assert f"the last good checkpoint is {tmp_path / 'step-00000040.ckpt'}" in err
+    assert [r["action"] for r in rows(tmp_path, "spike")][-1] == "unstable"
+
+
+def test_a_resume_after_a_rollback_equals_the_uninterrupted_run(tmp_path: Path) -> None:
+    assert main(["--run-dir", str(tmp_path / "ref"), "--steps", "60", "--spike-at", "40"]) == 0
+    assert main(["--run-dir", str(tmp_path / "cut"), "--steps", "45", "--spike-at", "40"]) == 0  # past the rollback
+    assert main(["--run-dir", str(tmp_path / "cut"), "--steps", "60", "--spike-at", "40", "--resume"]) == 0
+    name = "step-00000060.ckpt"
+    assert (tmp_path / "ref" / name).read_bytes() == (tmp_path / "cut" / name).read_bytes()
+    assert json.dumps(kept_rows(rows(tmp_path / "ref"))) == json.dumps(kept_rows(rows(tmp_path / "cut")))

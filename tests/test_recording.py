@@ -1,0 +1,73 @@
+"""RunState.record and ckptkit.recording: one call per step, exact rows, the first difference named."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckptkit
+from ckptkit.history import read_rows
+from ckptkit.recording import RunRecording, first_difference
+
+
+@dataclasses.dataclass
+class Cfg:
+    steps: int = 6
+
+
+def _loop(run_dir: Path, steps: int, *, nudge_at: int | None = None, resume: bool = False) -> None:
+    net = torch.nn.Linear(2, 1)
+    with torch.no_grad():
+        net.weight.fill_(0.5)
+        net.bias.zero_()
+    state = ckptkit.RunState(run_dir, config=Cfg())
+    state.add_model("net", net)
+    start = state.resume().step if resume else state.start()
+    for step in range(start, steps):
+        with torch.no_grad():
+            net.weight.add_(0.25 if step != nudge_at else 0.2500001)
+        state.record(step, loss=float(net.weight.detach().sum()), lr=torch.tensor(0.1), tag="x")
+        if (step + 1) % 2 == 0:
+            state.save(step + 1)
+
+
+def test_record_writes_a_step_row_with_exact_bits_and_a_digests_row(tmp_path: Path) -> None:
+    _loop(tmp_path, 2)
+    rows, _ = read_rows(tmp_path / "history.jsonl")
+    assert [(r["kind"], r["step"]) for r in rows] == [("step", 0), ("digests", 1), ("step", 1), ("digests", 2)]
+    assert rows[0]["loss"] == 1.5 and rows[0]["loss_bits"] == "0x3ff8000000000000" and rows[0]["tag"] == "x"
+    assert rows[0]["lr_bits"] == "0x3dcccccd"  # a float32 tensor: its own width
+    assert set(rows[1]["tensors"]) == {"header:flags", "header:step", "model:net.bias", "model:net.weight"}
+
+
+def test_a_resumed_loop_drops_what_the_interrupted_run_recorded_after_its_checkpoint(tmp_path: Path) -> None:
+    _loop(tmp_path / "ref", 6)
+    _loop(tmp_path / "cut", 5)  # checkpoint 4, rows up to step 4
+    _loop(tmp_path / "cut", 6, resume=True)
+    assert first_difference(RunRecording(tmp_path / "ref"), RunRecording(tmp_path / "cut")) is None
+    assert read_rows(tmp_path / "ref" / "history.jsonl") == read_rows(tmp_path / "cut" / "history.jsonl")
+
+
+def test_the_first_difference_names_the_step_the_fields_and_the_tensor(tmp_path: Path) -> None:
+    _loop(tmp_path / "a", 6)
+    _loop(tmp_path / "b", 6, nudge_at=3)
+    d = first_difference(RunRecording(tmp_path / "a"), RunRecording(tmp_path / "b"))
+    assert d is not None and (d.step, d.kind) == (3, "step")
+    assert d.fields == ("loss", "loss_bits") and d.tensors == ("model:net.weight",)
+
+
+@pytest.mark.parametrize(("scalars", "message"), [
+    ({"kind": "x"}, "record(): 'kind' is a reserved row field"),
+    ({"loss_bits": 1.0}, "record(): 'loss_bits' is a reserved row field"),
+    ({"loss": None}, "record(): loss must be a number, a string or a one-element tensor (got NoneType)"),
+    ({"loss": torch.ones(2)}, "record(): loss must be a scalar (got a tensor of shape [2])"),
+])
+def test_a_scalar_that_cannot_be_recorded_is_named(tmp_path: Path, scalars: dict, message: str) -> None:
+    state = ckptkit.RunState(tmp_path, config=Cfg())
+    state.start()
+    with pytest.raises(TypeError, match=re.escape(message)):
+        state.record(0, **scalars)
