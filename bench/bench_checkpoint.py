@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import functools
 import gc
 import json
 import math
@@ -78,7 +79,7 @@ def width_for(size_mb: float) -> int:
     params = size_mb * MiB / 14
     a, b = 12 * N_LAYER, VOCAB + CTX
     d = (-b + math.sqrt(b * b + 4 * a * params)) / (2 * a)
-    return max(64, int(round(d / 64)) * 64)
+    return max(64, round(d / 64) * 64)
 
 
 def empty_model(d: int, dtype: torch.dtype = torch.float32) -> GPT:
@@ -107,7 +108,7 @@ def build_state(d: int, seed: int = 0) -> tuple[GPT, GPT, torch.optim.AdamW]:
         p.grad = None
     teacher = empty_model(d, torch.bfloat16)
     with torch.no_grad():
-        for pt, p in zip(teacher.parameters(), net.parameters()):
+        for pt, p in zip(teacher.parameters(), net.parameters(), strict=True):
             pt.copy_(p)
     teacher.requires_grad_(False)
     return net, teacher, opt
@@ -569,7 +570,7 @@ def _run_flat(args: argparse.Namespace, log: Callable[[str], None], work: str) -
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     del state
     ops = flat_ops(ck_path, st_path, live)
-    warm = {k: (lambda p=(st_path if k.startswith("safetensors") else ck_path): warm_cache(p)) for k in ops}
+    warm = {k: functools.partial(warm_cache, st_path if k.startswith("safetensors") else ck_path) for k in ops}
     r = Runner(args.reps, log)
     r.interleaved({k: (warm[k], op) for k, op in ops.items()})
     med = {k: r.median(k) for k in ops}
@@ -652,14 +653,17 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear script
+def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.child:
         flat_child(args) if args.state == "flat" else child_main(args)
         return 0
     started = time.perf_counter()
     skip = set(filter(None, args.skip.split(",")))
-    log = (lambda m: print(m, file=sys.stderr, flush=True))
+
+    def log(m: str) -> None:
+        print(m, file=sys.stderr, flush=True)
+
     own_dir = args.dir is None
     work = tempfile.mkdtemp(prefix="ckptkit-bench-") if own_dir else args.dir
     os.makedirs(work, exist_ok=True)
@@ -745,7 +749,7 @@ def _run(args: argparse.Namespace, skip: set[str], log: Callable[[str], None], w
 
     buf = bytearray(8 * MiB)
     copies = [torch.empty_like(t) for t in tensors]
-    pairs = [(byte_view(d_).cast("B"), byte_view(s_).cast("B")) for d_, s_ in zip(copies, tensors)]
+    pairs = [(byte_view(d_).cast("B"), byte_view(s_).cast("B")) for d_, s_ in zip(copies, tensors, strict=True)]
 
     def memcopy() -> None:
         parallel_copy(pairs)
@@ -780,7 +784,7 @@ def _run(args: argparse.Namespace, skip: set[str], log: Callable[[str], None], w
         log("async save ...")
         saver = AsyncSaver()
         stalls, waits = [], []
-        for i in range(args.reps + 1):
+        for _i in range(args.reps + 1):
             fresh("async")()
             gc.collect()
             t0 = time.perf_counter()
@@ -841,7 +845,7 @@ def _fs_type(path: str) -> str:
     best, kind = "", "?"
     with contextlib.suppress(OSError), open("/proc/mounts") as f:
         for line in f:
-            dev, mnt, fs, *_ = line.split()
+            _dev, mnt, fs, *_ = line.split()
             if os.path.realpath(path).startswith(mnt) and len(mnt) > len(best):
                 best, kind = mnt, fs
     return kind

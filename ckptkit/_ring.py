@@ -86,8 +86,8 @@ def _feed(h: Any, value: Any, path: str) -> None:
     elif isinstance(value, float):
         h.update(b"F" + struct.pack("<d", value))
     elif isinstance(value, str):
-        raw = value.encode("utf-8")
-        h.update(b"S" + struct.pack("<Q", len(raw)) + raw)
+        text = value.encode("utf-8")
+        h.update(b"S" + struct.pack("<Q", len(text)) + text)
     elif isinstance(value, bytes):
         h.update(b"Y" + struct.pack("<Q", len(value)) + value)
     else:  # RunState.checkpoint only holds the above (add_* probes refuse the rest)

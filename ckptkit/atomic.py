@@ -57,7 +57,7 @@ def _temp_file(path: str) -> Iterator[tuple[BinaryIO, str]]:
     f.close()
 
 
-def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], None]) -> None:
+def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], object]) -> None:
     """Write a file through ``write(f)`` so that it appears whole or not at all.
 
     Args:

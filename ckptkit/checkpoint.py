@@ -120,7 +120,7 @@ def save(
 
     trees = {name: getattr(ckpt, name) for name in SECTIONS}
     plans, keep = plan_trees(trees, start=HEADER_SIZE, compression=compression, level=level)
-    atomic_write(path, lambda f: write_container(f, step=ckpt.step, flags=ckpt.flags, plans=dict(zip(SECTIONS, plans))))
+    atomic_write(path, lambda f: write_container(f, step=ckpt.step, flags=ckpt.flags, plans=dict(zip(SECTIONS, plans, strict=True))))
     del keep  # the tensors backing the written bytes may go now
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
@@ -29,8 +29,19 @@ from .errors import InsufficientMemory, StateMismatch, UnsupportedValue
 from .section import CODECS, DTYPE_SIZES, MAX_NDIM, SectionIndex, SectionPlan, TensorRef, check_plain, plan_section
 
 __all__ = [
-    "check_tensor", "decode_tree", "dtype_name", "encode_tree", "flat_bytes", "load_section", "mapped_tensor", "load_sections", "match_destinations",
-    "plan_trees", "storage_key", "tensor_bytes", "torch_dtype",
+    "check_tensor",
+    "decode_tree",
+    "dtype_name",
+    "encode_tree",
+    "flat_bytes",
+    "load_section",
+    "load_sections",
+    "mapped_tensor",
+    "match_destinations",
+    "plan_trees",
+    "storage_key",
+    "tensor_bytes",
+    "torch_dtype",
 ]
 
 _TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -87,7 +98,7 @@ def tensor_bytes(t: torch.Tensor) -> tuple[torch.Tensor, memoryview]:
     t = t.detach().cpu().resolve_conj().resolve_neg().contiguous()  # each a no-op when already so
     if t.numel() == 0:
         return t, memoryview(b"")
-    return t, memoryview(flat_bytes(t).numpy())
+    return t, flat_bytes(t).numpy().data
 
 
 def storage_key(t: torch.Tensor) -> tuple[Any, ...]:
@@ -434,7 +445,7 @@ def mapped_tensor(mapping: Any, at: int, dtype: str, shape: tuple[int, ...]) -> 
     return torch.frombuffer(mapping, dtype=torch.uint8, count=n, offset=at).view(torch_dtype(dtype)).reshape(shape)
 
 
-def _writable_in_place(t: torch.Tensor | None) -> bool:
+def _writable_in_place(t: torch.Tensor | None) -> TypeGuard[torch.Tensor]:
     return (t is not None and t.device.type == "cpu" and t.layout == torch.strided and t.is_contiguous() and not t.is_conj()
             and not t.is_neg() and not t.is_quantized)
 
@@ -442,7 +453,7 @@ def _writable_in_place(t: torch.Tensor | None) -> bool:
 def _byte_view(t: torch.Tensor) -> memoryview:
     if t.numel() == 0:
         return memoryview(bytearray(0))
-    return memoryview(flat_bytes(t).numpy())
+    return flat_bytes(t).numpy().data
 
 
 def _key(k: Any) -> str:
@@ -487,7 +498,7 @@ def match_destinations(
                 problems.append(f"{at}: dtype {rec.dtype} in the checkpoint, {got} in the destination")
             elif tuple(rec.shape) != tuple(d.shape):
                 problems.append(f"{at}: shape {list(rec.shape)} in the checkpoint, {list(d.shape)} in the destination")
-            elif d.numel() > 1 and any(n > 1 and s == 0 for n, s in zip(d.shape, d.stride())):
+            elif d.numel() > 1 and any(n > 1 and s == 0 for n, s in zip(d.shape, d.stride(), strict=True)):
                 problems.append(f"{at}: the destination (shape {list(d.shape)}, stride {list(d.stride())}) overlaps "
                                 "itself, an expand() view: it cannot hold distinct values; pass a tensor of its own")
             else:
@@ -513,7 +524,7 @@ def match_destinations(
                 if _has_tensor(d):
                     problems.append(f"{at}: {len(d)} items in the destination, {n} in the checkpoint")
                 return
-            for k, (s_v, d_v) in enumerate(zip(stored, d)):
+            for k, (s_v, d_v) in enumerate(zip(stored, d, strict=True)):
                 walk(s_v, d_v, f"{at}[{k}]")
 
     walk(sec.tree, dest, where)

@@ -31,13 +31,13 @@ from __future__ import annotations
 import dataclasses
 import platform
 from collections.abc import Mapping
-from typing import Any, Union
+from typing import Any
 
 from .errors import EnvironmentDrift, MalformedIndex
 
 __all__ = ["ENV_HINT", "EnvDiff", "Fact", "capture", "check_environment", "diff_environment"]
 
-Fact = Union[str, int, bool]
+Fact = str | int | bool
 ENV_HINT = "pass --allow-env-change to resume anyway (the override is recorded in the run history)"
 _ABSENT = "none"  # the value of a fact that does not apply here (no CUDA, no cuDNN)
 
@@ -96,9 +96,6 @@ def capture() -> dict[str, Fact]:
         "cuda_matmul_allow_bf16_reduced_precision": bool(matmul.allow_bf16_reduced_precision_reduction),
     }
     return dict(sorted(facts.items()))
-
-
-_MISSING = object()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,14 +159,12 @@ def diff_environment(recorded: Mapping[str, Fact], current: Mapping[str, Fact]) 
     current = _check_facts(current, "environment.current")
     out = []
     for key in sorted(set(recorded) | set(current)):
-        a = recorded.get(key, _MISSING)
-        b = current.get(key, _MISSING)
-        if a is _MISSING:
-            out.append(EnvDiff(key, None, b, fatal=False))
-        elif b is _MISSING:
-            out.append(EnvDiff(key, a, None, fatal=True))
-        elif not _same(a, b):
-            out.append(EnvDiff(key, a, b, fatal=True))
+        if key not in recorded:
+            out.append(EnvDiff(key, None, current[key], fatal=False))
+        elif key not in current:
+            out.append(EnvDiff(key, recorded[key], None, fatal=True))
+        elif not _same(recorded[key], current[key]):
+            out.append(EnvDiff(key, recorded[key], current[key], fatal=True))
     return out
 
 

@@ -36,9 +36,21 @@ import xxhash
 from .errors import FormatError, UnsupportedValue
 from .rng import mix64
 
-__all__ = ["Divergence", "FINGERPRINT_FIELDS", "combine", "differing_names", "first_divergence",
-           "first_divergence_in_files", "float_bits", "leaf_digest", "leaf_digests", "read_jsonl", "state_digest",
-           "step_rows", "tensor_digest"]
+__all__ = [
+    "FINGERPRINT_FIELDS",
+    "Divergence",
+    "combine",
+    "differing_names",
+    "first_divergence",
+    "first_divergence_in_files",
+    "float_bits",
+    "leaf_digest",
+    "leaf_digests",
+    "read_jsonl",
+    "state_digest",
+    "step_rows",
+    "tensor_digest",
+]
 
 _MASK64 = (1 << 64) - 1
 
@@ -59,7 +71,8 @@ def float_bits(x: Any) -> str:
         t = x.detach().cpu().reshape(-1).contiguous()
         if t.numel() != 1:
             raise ValueError(f"float_bits takes one value (got a tensor of {t.numel()} elements)")
-        return "0x" + t.view(torch.uint8).numpy().tobytes()[::-1].hex()
+        raw: bytes = t.view(torch.uint8).numpy().tobytes()
+        return "0x" + raw[::-1].hex()
     return "0x" + struct.pack(">d", float(x)).hex()
 
 

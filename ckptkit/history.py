@@ -37,7 +37,7 @@ import math
 import os
 import re
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import IO, Any
 
@@ -118,7 +118,7 @@ def append_rows(path: str | os.PathLike[str], rows: Iterable[dict[str, Any]]) ->
         f.write(b"".join(_encode(r) for r in rows))
 
 
-def compared_rows(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+def compared_rows(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """The rows two runs of the same experiment must agree on, without wall-clock fields."""
     return [{k: v for k, v in r.items() if k not in WALL_FIELDS} for r in rows if r["kind"] in COMPARED_KINDS]
 

@@ -177,12 +177,11 @@ class LazyCheckpoint:
             raise KeyError(f"{self.path}: no section {section!r} in this checkpoint (present: {have})")
         node, where = sec.tree, section
         for k in keys:
-            if isinstance(node, dict) and k in node:
-                node = node[k]
-            elif isinstance(node, (list, tuple)) and isinstance(k, int) and -len(node) <= k < len(node):
-                node = node[k]
-            else:
+            in_dict = isinstance(node, dict) and k in node
+            in_list = isinstance(node, (list, tuple)) and isinstance(k, int) and -len(node) <= k < len(node)
+            if not (in_dict or in_list):
                 raise KeyError(f"{self.path}: {where}: no key {k!r} (keys here: {_preview(node)})")
+            node = node[k]
             where = f"{where}[{k!r}]"
         return sec, node, where
 

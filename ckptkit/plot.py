@@ -112,9 +112,9 @@ class RunSeries:
         tracker (one value per step, the lineage of the final state). Names a row does not record
         are left out; a recorded non-finite value is kept (NaN, inf)."""
         out = []
-        for i, (step, kept) in enumerate(zip(self.steps, self.kept)):
+        for i, (step, kept) in enumerate(zip(self.steps, self.kept, strict=True)):
             if kept:
-                out.append((step, {n: v[i] for n, v in self.scalars.items() if v[i] is not None}))
+                out.append((step, {n: x for n, v in self.scalars.items() if (x := v[i]) is not None}))
         return out
 
     @property
@@ -227,8 +227,8 @@ def read_series(rows: Sequence[dict[str, Any]], spike_config: SpikeConfig | None
         verdict = monitor.observe(step, grad_norm=max(g, 0.0) if not math.isnan(g) else g,
                                   loss=_number(r.get("loss")) or 0.0)
         last = step
-        armed = verdict.reason != "warming_up" and verdict.median is not None
-        threshold.append(max(config.floor, config.multiplier * verdict.median) if armed else None)
+        median = None if verdict.reason == "warming_up" else verdict.median  # None: the detector is not armed
+        threshold.append(None if median is None else max(config.floor, config.multiplier * median))
         recorded = r.get("spike")
         if (recorded if isinstance(recorded, bool) else verdict.is_spike):
             spikes.append((step, g))
@@ -294,7 +294,7 @@ def render(series: RunSeries, *, title: str = "", start: int | None = None, end:
         raise ValueError(f"no step rows in the range {start if start is not None else 'start'}.."
                          f"{end if end is not None else 'end'} (the recording has steps "
                          f"{min(series.steps, default=0)}..{max(series.steps, default=0)})")
-    xs = [s for s, v in zip(series.steps, shown) if v]
+    xs = [s for s, v in zip(series.steps, shown, strict=True) if v]
     x0, x1 = (min(xs) if start is None else start), (max(xs) if end is None else end)
     gap = 0.07 * max(x1 - x0, 1)  # labels closer than this to the previous one are left out
     losses = series.loss_names
@@ -303,17 +303,17 @@ def render(series: RunSeries, *, title: str = "", start: int | None = None, end:
     heights = {"loss": 2.8, "grad_norm": 2.2, "lr": 1.4}  # inches per panel, plus 0.6 for the title and axis
     fig = Figure(figsize=(11, 0.6 + sum(heights[p] for p in panels)), dpi=100, layout="constrained")
     axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False, height_ratios=[heights[p] for p in panels])[:, 0]
-    ax_of = dict(zip(panels, axes))
+    ax_of = dict(zip(panels, axes, strict=True))
     palette = (COLORS["part0"], COLORS["part1"], *_EXTRA_COLORS)
     colors = {n: palette[i % len(palette)] for i, n in enumerate(n for n in losses if n != "loss")}
     colors |= {"loss": COLORS["loss"], "grad_norm": COLORS["grad_norm"], "lr": COLORS["lr"]}
 
     def line(ax: Any, name: str, label: str, width: float) -> None:
         values = [math.nan if v is None else v for v in series.scalars[name]]
-        kept = [k and s for k, s in zip(series.kept, shown)]
-        abandoned = [not k and s for k, s in zip(series.kept, shown)]
-        xs = [st for st, k in zip(series.steps, kept) if k]
-        ys = [v for v, k in zip(values, kept) if k]
+        kept = [k and s for k, s in zip(series.kept, shown, strict=True)]
+        abandoned = [not k and s for k, s in zip(series.kept, shown, strict=True)]
+        xs = [st for st, k in zip(series.steps, kept, strict=True) if k]
+        ys = [v for v, k in zip(values, kept, strict=True) if k]
         ax.plot(xs, ys, color=colors[name], lw=width, label=label, gid=name, zorder=3)
         for j, (a, b) in enumerate(_runs(abandoned)):
             ax.plot(series.steps[a:b], values[a:b], color=colors[name], lw=max(width - 0.6, 0.8),
@@ -329,7 +329,7 @@ def render(series: RunSeries, *, title: str = "", start: int | None = None, end:
         ax = ax_of["grad_norm"]
         line(ax, "grad_norm", "grad norm (pre-clip)", 1.5)
         cfg = series.spike_config
-        drawn = [(s, t) for s, t, v, k in zip(series.steps, series.threshold, shown, series.kept)
+        drawn = [(s, t) for s, t, v, k in zip(series.steps, series.threshold, shown, series.kept, strict=True)
                  if v and k and t is not None]
         tx, ty = [d[0] for d in drawn], [d[1] for d in drawn]
         if tx:
@@ -362,20 +362,20 @@ def render(series: RunSeries, *, title: str = "", start: int | None = None, end:
         ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
 
     labelled = -math.inf
-    for k, (n, t, _b, _a) in enumerate(series.rollbacks):
-        if n < lo or t > hi:
+    for k, (spike, t, _b, _a) in enumerate(series.rollbacks):
+        if spike < lo or t > hi:
             continue
         for ax in axes:
-            ax.axvspan(t, n + 1, color=COLORS["rollback"], alpha=0.45, lw=0, zorder=1, gid="rollback",
+            ax.axvspan(t, spike + 1, color=COLORS["rollback"], alpha=0.45, lw=0, zorder=1, gid="rollback",
                        label="rollback: step N back to N-K" if k == 0 and ax is axes[0] else "_nolegend_")
         top = axes[0]
         y = top.get_ylim()[1]
-        top.annotate("", xy=(t, y), xytext=(n + 1, y), annotation_clip=False,
+        top.annotate("", xy=(t, y), xytext=(spike + 1, y), annotation_clip=False,
                      arrowprops={"arrowstyle": "-|>", "color": COLORS["spike"], "lw": 1.4})
         if t - labelled < gap:
             continue
         labelled = t
-        top.annotate(f"{n}\u2192{t}", (t, y), textcoords="offset points", xytext=(0, 4), fontsize=8,
+        top.annotate(f"{spike}\u2192{t}", (t, y), textcoords="offset points", xytext=(0, 4), fontsize=8,
                      color=COLORS["spike"], annotation_clip=False)
     for k, s in enumerate(x for x in series.resumes if lo <= x <= hi):
         for ax in axes:

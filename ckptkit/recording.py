@@ -130,7 +130,7 @@ def first_difference(a: RunRecording, b: RunRecording, *, from_step: int = 0) ->
     """
     rows_a = [r for r in a.rows if r["step"] >= from_step]
     rows_b = [r for r in b.rows if r["step"] >= from_step]
-    for ra, rb in zip(rows_a, rows_b):
+    for ra, rb in zip(rows_a, rows_b, strict=False):
         if ra == rb:
             continue
         if ra["kind"] != rb["kind"] or ra["step"] != rb["step"]:

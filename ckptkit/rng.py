@@ -172,7 +172,8 @@ def _mix64_np(z: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):
         z = (z ^ (z >> _NP_30)) * _NP_M1
         z = (z ^ (z >> _NP_27)) * _NP_M2
-        return z ^ (z >> _NP_31)
+        mixed: np.ndarray = z ^ (z >> _NP_31)
+        return mixed
 
 
 def _count(name: str, n: Any) -> int:
@@ -222,7 +223,8 @@ def uniforms(seed: int, step: int, n: int, stream: int = 0) -> np.ndarray:
         A ``float64`` array of length ``n`` in [0, 1), equal element-wise to :func:`uniform`.
     """
     # A uint64 below 2**53 converts to float64 exactly; the scaling is a power of two.
-    return (draws(seed, step, n, stream) >> _NP_11).astype(np.float64) * _TWO_POW_MINUS_53
+    out: np.ndarray = (draws(seed, step, n, stream) >> _NP_11).astype(np.float64) * _TWO_POW_MINUS_53
+    return out
 
 
 def randint(seed: int, step: int, lo: int, hi: int, *, index: int = 0, stream: int = 0) -> int:

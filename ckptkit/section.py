@@ -187,7 +187,7 @@ class SectionPlan:
     def final_index(self) -> bytes:
         if len(self.digests) != len(self.records):
             raise AssertionError("final_index() before every tensor was hashed")
-        recs = [r[:4] + [_U64.pack(d)] for r, d in zip(self.records, self.digests)]
+        recs = [[*r[:4], _U64.pack(d)] for r, d in zip(self.records, self.digests, strict=True)]
         out = _pack_index(self.codec, self.data_len, self.raw_len, recs, self.tree)
         if len(out) != len(self.index):
             raise AssertionError("index length changed when digests were filled in")
@@ -196,7 +196,8 @@ class SectionPlan:
 
 def _pack_index(codec: str, data_len: int, raw_len: int, records: list[list[Any]], tree: Any) -> bytes:
     index = {"codec": codec, "data_len": data_len, "raw_len": raw_len, "tensors": records, "tree": tree}
-    return msgpack.packb(index, use_bin_type=True)
+    packed: bytes = msgpack.packb(index, use_bin_type=True)
+    return packed
 
 
 def plan_section(
@@ -248,7 +249,7 @@ def plan_section(
 
 def _raw_region(records: list[list[Any]], buffers: list[memoryview], raw_len: int) -> bytes:
     out = bytearray(raw_len)
-    for rec, buf in zip(records, buffers):
+    for rec, buf in zip(records, buffers, strict=True):
         out[rec[2] : rec[2] + rec[3]] = buf
     return bytes(out)
 
@@ -364,7 +365,7 @@ def decode_index(
     try:
         index = msgpack.unpackb(raw, raw=False, strict_map_key=False, use_list=True, object_pairs_hook=_map,
                                 ext_hook=_Exts().hook)
-    except Exception as e:  # msgpack raises many types (ValueError, StackError, ExtraData...)
+    except Exception as e:  # noqa: BLE001 - msgpack raises many types (ValueError, StackError, ExtraData...)
         why = f"msgpack {type(e).__name__}" + (f": {e}" if str(e) else "")
         raise bad(f"not a valid msgpack index ({why})", hint="R-010") from None
     if isinstance(index, _BadMap):

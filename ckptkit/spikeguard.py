@@ -113,8 +113,8 @@ Outcome = Continue | RolledBack
 def _scalars(result: Any, step: int) -> tuple[float, float]:
     """(grad norm, loss) of what a step returned: a number, a 0-dim tensor, or an
     object with ``grad_norm`` (and optionally ``loss``) attributes."""
-    gn = getattr(result, "grad_norm", result)
-    loss = getattr(result, "loss", 0.0)
+    gn: Any = getattr(result, "grad_norm", result)
+    loss: Any = getattr(result, "loss", 0.0)
     values = []
     for name, v in (("grad norm", gn), ("loss", loss)):
         if hasattr(v, "numel"):

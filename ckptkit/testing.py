@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import os
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -45,7 +45,7 @@ class Run(Protocol):
 
 
 def _train(make_run: Callable[[Any, Path], Run], step: Callable[[Run, int], None], config: Any, run_dir: Path,
-           steps: int, stops: Sequence[int]) -> str:
+           steps: int, stops: Collection[int]) -> str:
     run = make_run(config, run_dir)
     run.state.start()
     for i in range(steps):

@@ -13,7 +13,7 @@ import ckptkit
 from ckptkit.testing import assert_resume_equivalent, assert_step_leaves_global_rng_alone, interruptions
 
 sys.path.insert(0, str(Path(__file__).parent))
-from resumable_loop import Config, make_run, train_step  # noqa: E402
+from resumable_loop import Config, make_run, train_step
 
 STEPS = 12
 

@@ -36,7 +36,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from targets import cap_memory, exercise, finding, quiet_threads, reseal  # noqa: E402
+from targets import cap_memory, exercise, finding, quiet_threads, reseal
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -128,7 +128,6 @@ def run_hypothesis(target: Target, seconds: int, seed: int, artifacts: str, batc
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import seed as hseed
     from hypothesis import strategies as st
-
     from targets import index_sites, replace_index
 
     pool = seeds()
@@ -155,7 +154,7 @@ def run_hypothesis(target: Target, seconds: int, seed: int, artifacts: str, batc
                 data[at] = draw(st.integers(0, 255))
             elif op == "u64" and n >= 8:
                 at = min(at, n - 8)
-                v = draw(st.sampled_from(interesting + [n, n - at, n + 8]))
+                v = draw(st.sampled_from([*interesting, n, n - at, n + 8]))
                 data[at:at + 8] = struct.pack("<Q", v % 2**64)
             elif op == "cut":
                 del data[at:]
@@ -228,13 +227,13 @@ def run_hypothesis(target: Target, seconds: int, seed: int, artifacts: str, batc
 
 def _import_readers() -> None:
     """Import every reader before the memory cap is measured (and, for atheris, instrumented)."""
-    import ckptkit.checkpoint  # noqa: F401
-    import ckptkit.cli  # noqa: F401
-    import ckptkit.cli.inspect_cmd  # noqa: F401
-    import ckptkit.cli.verify  # noqa: F401
-    import ckptkit.codec  # noqa: F401
-    import ckptkit.container  # noqa: F401
-    import ckptkit.section  # noqa: F401
+    import ckptkit.checkpoint
+    import ckptkit.cli
+    import ckptkit.cli.inspect_cmd
+    import ckptkit.cli.verify
+    import ckptkit.codec
+    import ckptkit.container
+    import ckptkit.section
     import ckptkit.sidecar  # noqa: F401
 
 
@@ -257,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = args.engine
     if engine == "auto":
         try:
-            import atheris  # noqa: F401
+            import atheris
 
             engine = "atheris"
         except ImportError:
@@ -266,7 +265,6 @@ def main(argv: list[str] | None = None) -> int:
         engine = "replay"
     if engine == "atheris":
         import atheris
-
         import torch  # noqa: F401 - imported first, so only ckptkit's own code is instrumented
 
         with atheris.instrument_imports(include=["ckptkit"]):

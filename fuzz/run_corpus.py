@@ -21,7 +21,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from targets import cap_memory, exercise, finding, quiet_threads  # noqa: E402
+from targets import cap_memory, exercise, finding, quiet_threads
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_DIR = os.path.join(ROOT, "fixtures", "hostile")
@@ -41,11 +41,13 @@ def expected_outcomes(case: dict) -> dict[str, str]:
 def run(directory: str, mem_mib: int) -> dict:
     with open(os.path.join(directory, "MANIFEST.json"), encoding="utf-8") as f:
         manifest = json.load(f)
-    import ckptkit.checkpoint  # noqa: F401 - import everything before measuring the baseline
-    import ckptkit.cli.inspect_cmd  # noqa: F401
-    import ckptkit.cli.verify  # noqa: F401
-    import ckptkit.codec  # noqa: F401
+    # Import everything before measuring the baseline.
     import zstandard  # noqa: F401
+
+    import ckptkit.checkpoint
+    import ckptkit.cli.inspect_cmd
+    import ckptkit.cli.verify
+    import ckptkit.codec  # noqa: F401
 
     quiet_threads()
     scratch = tempfile.TemporaryDirectory(prefix="ckptkit-corpus-")

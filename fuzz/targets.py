@@ -26,7 +26,7 @@ from typing import Any
 import msgpack
 import xxhash
 
-__all__ = ["cap_memory", "exercise", "finding", "reseal", "READERS_CONTAINER", "READERS_SIDECAR"]
+__all__ = ["READERS_CONTAINER", "READERS_SIDECAR", "cap_memory", "exercise", "finding", "reseal"]
 
 READERS_CONTAINER = ("load", "verify", "cli-verify", "cli-inspect", "cli-inspect-json")
 READERS_SIDECAR = ("read_sidecar", "verify_sidecar")
@@ -48,7 +48,7 @@ def _call(fn: Callable[[], Any], path: str | None = None) -> str:
         if "\n" in str(e):
             return f"!{type(e).__name__} message is not one line: {str(e)[:200]!r}"
         return type(e).__name__
-    except BaseException as e:  # noqa: BLE001 - classifying is the point
+    except BaseException as e:  # classifying is the point
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
         return f"!{type(e).__name__}: {str(e)[:200]}"

@@ -117,7 +117,7 @@ def test_an_unparsable_snapshot_of_an_unbound_checkpoint_is_skipped_too(tmp_path
     _strip_binding(tmp_path / checkpoint_name(4))
     snap = snapshot_of(tmp_path, 4)
     snap.write_bytes(snap.read_bytes()[:-3])
-    _, info, logged = resume(tmp_path)
+    _, info, _logged = resume(tmp_path)
     assert info.step == 2 and "not a config snapshot" in info.skipped[0][1]
 
 
@@ -247,10 +247,10 @@ def test_verify_run_names_a_damaged_snapshot_and_exits_1(
         code, lines = verify(capsys, target)
         assert code == 1
         fails = [line for line in lines if line.startswith("FAIL")]
-        assert fails == [f"FAIL  {snap}: damaged: its xxh3-64 does not match the digest {checkpoint_name(4)} "
-                         f"records (expected 0x{_recorded(tmp_path, 4):016x}, got 0x{_digest(snap):016x}); "
-                         "the file was edited, damaged or swapped after the checkpoint was saved; "
-                         "resume from an earlier checkpoint (R-C02)"]
+        assert fails == [(f"FAIL  {snap}: damaged: its xxh3-64 does not match the digest {checkpoint_name(4)} "
+                          f"records (expected 0x{_recorded(tmp_path, 4):016x}, got 0x{_digest(snap):016x}); "
+                          "the file was edited, damaged or swapped after the checkpoint was saved; "
+                          "resume from an earlier checkpoint (R-C02)")]
 
 
 def _recorded(run_dir: Path, step: int) -> int:
@@ -299,7 +299,7 @@ def test_verify_of_a_checkpoint_also_verifies_the_sidecar_beside_it(
     flip_byte(side, len(side.read_bytes()) - 16 - 64 - 1)  # a tensor byte: the trailer still reads
     code, lines = verify(capsys, tmp_path / checkpoint_name(2))
     assert code == 1
-    assert [line for line in lines if line.startswith("FAIL")][0].startswith(f"FAIL  {side}: ")
+    assert next(line for line in lines if line.startswith("FAIL")).startswith(f"FAIL  {side}: ")
 
 
 def test_verify_warns_that_an_unbound_checkpoints_companions_are_unprotected(
@@ -437,8 +437,8 @@ def test_verify_checks_what_it_can_in_history(tmp_path: Path, capsys: pytest.Cap
     code, lines = verify(capsys, tmp_path)
     assert code == 1
     assert [line for line in lines if line.startswith("FAIL")] == [
-        f"FAIL  {hist}: line {i + 1} (offset {sum(len(r) + 1 for r in rows[:i])}): "
-        f"loss {json.dumps(row['loss'])} disagrees with loss_bits {row['loss_bits']}"]
+        (f"FAIL  {hist}: line {i + 1} (offset {sum(len(r) + 1 for r in rows[:i])}): "
+         f"loss {json.dumps(row['loss'])} disagrees with loss_bits {row['loss_bits']}")]
 
     # A step row lost, a line that is not JSON, and a torn tail.
     rows = original.split(b"\n")

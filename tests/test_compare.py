@@ -19,7 +19,10 @@ class Cfg:
     steps: int = 10
 
 
-def _ckpt(path, w, *, lr=0.1, extra=None, cfg=Cfg()):
+_CFG = Cfg()
+
+
+def _ckpt(path, w, *, lr=0.1, extra=None, cfg=_CFG):
     model = {"net": {"w": w, **(extra or {})}}
     save(path, Checkpoint(step=10, model=model, optim={"adamw": {"param_groups": [{"lr": lr}]}}))
     write_snapshot(snapshot_path(path), cfg)

@@ -47,7 +47,7 @@ def same(a, b) -> bool:
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
     if isinstance(a, float):
         return isinstance(b, float) and struct.pack("<d", a) == struct.pack("<d", b)
     return type(a) is type(b) and a == b
@@ -158,9 +158,9 @@ def test_adamw_state_resumes_optimisation_bit_identically(tmp_path):
     opt2.load_state_dict(ck.optim["adamw"])
     for i in range(3, 6):
         step(net2, opt2, i)
-    for (n, a), b in zip(net.state_dict().items(), net2.state_dict().values()):
+    for (n, a), b in zip(net.state_dict().items(), net2.state_dict().values(), strict=True):
         assert bits(a) == bits(b), n
-    for pa, pb in zip(opt.state.values(), opt2.state.values()):
+    for pa, pb in zip(opt.state.values(), opt2.state.values(), strict=True):
         assert all(bits(pa[k]) == bits(pb[k]) for k in pa)
 
 
@@ -173,7 +173,7 @@ def _small(tmp_path, **kw):
 
 
 def test_every_truncation_is_detected_with_a_typed_error(tmp_path):
-    path, data = _small(tmp_path)
+    _path, data = _small(tmp_path)
     cut = tmp_path / "cut.ckpt"
     for n in range(len(data)):
         cut.write_bytes(data[:n])

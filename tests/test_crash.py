@@ -44,7 +44,7 @@ EXTERNAL_FINAL = 9
 # =================================================================== the lab (child side)
 
 
-def _lab_main(work: str, external_kills: int, seed: int) -> None:  # noqa: C901 - one linear script
+def _lab_main(work: str, external_kills: int, seed: int) -> None:
     import builtins
     import dataclasses
     import inspect

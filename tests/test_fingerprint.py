@@ -38,7 +38,7 @@ def test_name_dtype_and_shape_are_part_of_the_digest():
 def test_state_digest_ignores_order_but_not_a_swap_of_contents(order):
     named = [(f"t{i}", torch.full((2,), float(i))) for i in range(5)]
     assert state_digest([named[i] for i in order]) == state_digest(named)
-    swapped = [("t0", named[1][1]), ("t1", named[0][1])] + named[2:]
+    swapped = [("t0", named[1][1]), ("t1", named[0][1]), *named[2:]]
     assert state_digest(swapped) != state_digest(named)
 
 

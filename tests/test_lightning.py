@@ -90,7 +90,7 @@ def assert_bitwise(a: Any, b: Any, at: str = "") -> None:
             assert_bitwise(a[k], b[k], f"{at}[{k!r}]")
     elif isinstance(a, (list, tuple)):
         assert type(a) is type(b) and len(a) == len(b), at
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             assert_bitwise(x, y, f"{at}[{i}]")
     else:
         assert a == b or (a != a and b != b), at
@@ -100,7 +100,7 @@ def assert_bitwise(a: Any, b: Any, at: str = "") -> None:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("lightning")
     straight, t40 = fit(root / "straight", 40)
-    _half, t20 = fit(root / "half", 20)
+    _half, _t20 = fit(root / "half", 20)
     ckpt = root / "half" / "checkpoints" / "epoch=1-step=20.ckpt"  # by ModelCheckpoint, through the plug-in
     resumed, t_res = fit(root / "half", 40, ckpt_path=str(ckpt))
     return {"root": root, "straight": (straight, t40), "resumed": (resumed, t_res), "ckpt": ckpt}
@@ -131,7 +131,7 @@ def test_every_lightning_checkpoint_is_a_verified_ckptkit_container(runs: dict[s
 
 
 def test_the_plugin_returns_the_dict_lightning_saved(tmp_path: Path) -> None:
-    model, t = fit(tmp_path, 6, enable_checkpointing=False)
+    _model, t = fit(tmp_path, 6, enable_checkpointing=False)
     saved = t._checkpoint_connector.dump_checkpoint(weights_only=False)
     t.save_checkpoint(tmp_path / "x.ckpt")
     assert_bitwise(saved, CheckpointIO().load_checkpoint(tmp_path / "x.ckpt"), "checkpoint")

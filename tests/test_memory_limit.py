@@ -15,12 +15,13 @@ import sys
 import textwrap
 import tracemalloc
 from pathlib import Path
+
 import pytest
 import torch
+from test_hostile import gen as hostile  # the independent writer of fixtures/hostile
 
 from ckptkit import Checkpoint, InsufficientMemory, load, save, verify
 from ckptkit.container import Source, read_layout
-from test_hostile import gen as hostile  # the independent writer of fixtures/hostile
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 1 << 30

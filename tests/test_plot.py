@@ -126,7 +126,7 @@ def test_the_threshold_is_the_trainers_own_detector(rolled: Path, plain: Path) -
         series = read_series(rows, spike_config_of(run)[0])
         steps = [r for r in rows if r["kind"] == "step"]
         assert len(steps) == len(series.threshold)
-        for r, t in zip(steps, series.threshold):
+        for r, t in zip(steps, series.threshold, strict=True):
             assert (r["verdict"] == "warming_up") == (t is None), r["step"]
             if t is not None:
                 assert r["spike"] == (r["grad_norm"] > t), r["step"]
@@ -138,7 +138,7 @@ def test_the_kept_rows_are_the_trainers_lineage(rolled: Path) -> None:
     rows = rows_of(rolled)
     series = read_series(rows)
     steps = [r for r in rows if r["kind"] == "step"]
-    assert [r for r, k in zip(steps, series.kept) if k] == kept_rows(rows)
+    assert [r for r, k in zip(steps, series.kept, strict=True) if k] == kept_rows(rows)
     assert series.rollbacks[0][:2] == (9, 6)
     assert series.resumes == (7,)  # the run stopped at 7 wrote checkpoint 7
 
@@ -273,7 +273,7 @@ def test_kept_scalars_are_what_a_tracker_logs_one_value_per_step(rolled: Path) -
     assert [step for step, _ in logged] == list(range(14))
     from ckptkit.history import kept_rows
 
-    for (step, values), row in zip(logged, kept_rows(rows)):
+    for (step, values), row in zip(logged, kept_rows(rows), strict=True):
         assert values == {k: row[k] for k in ("loss", "lm_loss", "aux_loss", "grad_norm", "lr")}, step
     outside = [{"kind": "step", "step": 0, "loss": 1.0}, {"kind": "step", "step": 1, "loss": "NaN", "lr": 0.1}]
     got = read_series(outside).kept_scalars()

@@ -110,7 +110,7 @@ def test_a_config_rebuilt_from_its_snapshot_is_the_same_config() -> None:
     assert {f"{t}.{k}" for t, sub in table.items() for k in sub} == {k for k, _ in knobs()}
     del table["train"]["perturb_param"]  # a key the snapshot lacks takes its default
     assert TrainerConfig.from_table(table).train.perturb_param == ""
-    with pytest.raises(KeyError, match="'train.bogus' is not a config key"):
+    with pytest.raises(KeyError, match=r"'train\.bogus' is not a config key"):
         TrainerConfig.from_table({"train": {"bogus": 1}})
 
 

@@ -8,6 +8,7 @@ the reference model as shipped (300 steps, ``--spike-at 200``).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import re
@@ -31,11 +32,11 @@ from ckptkit.errors import (
     TrainingUnstable,
     UnsupportedVersion,
 )
+from ckptkit.history import History, f64_bits, kept_rows, read_rows
+from ckptkit.rollback_record import RollbackRecord, skipped_batches
 from ckptkit.runstate import RunState, checkpoint_name, list_checkpoints
 from ckptkit.sidecar import read_sidecar
 from ckptkit.trainer import StepResult, TrainerConfig, train
-from ckptkit.history import History, f64_bits, kept_rows, read_rows
-from ckptkit.rollback_record import RollbackRecord, skipped_batches
 from ckptkit.trainer.replay import replay
 
 pytestmark = pytest.mark.slow
@@ -79,10 +80,8 @@ def run_until_row(cfg: TrainerConfig, run_dir: Path, steps: int, nth: int, *, re
         if seen == nth:
             raise Crash(nth)
 
-    try:
+    with contextlib.suppress(Crash):
         train(cfg.replace(**{"train.steps": steps}), run_dir, resume=resume, log=None, on_step=on_step)
-    except Crash:
-        pass
 
 
 def sections(path: Path) -> dict[str, Any]:
@@ -524,7 +523,7 @@ def _files(run_dir: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(run_dir.iterdir())}
 
 
-@pytest.mark.parametrize("argv, executions, ring", [
+@pytest.mark.parametrize(("argv", "executions", "ring"), [
     (["--from", "3"], 16, "0..3 from step 0"),  # 3..9, the re-run of 9, then 6..13 of the new timeline
     (["--from", "6"], 8, "3..6 from step-00000003.ckpt"),  # the rolled-back checkpoint 6: 6..13
     (["--from", "3", "--to", "9"], 6, "0..3 from step 0"),  # before the spike, its rows superseded: 3..8

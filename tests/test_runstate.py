@@ -102,7 +102,7 @@ class Loop:
         self.scaler.update()
         self.sched.step()
         with torch.no_grad():
-            for t, s in zip(self.teacher.parameters(), self.body.parameters()):
+            for t, s in zip(self.teacher.parameters(), self.body.parameters(), strict=True):
                 t.mul_(0.9).add_(s, alpha=0.1)
         grad = float(torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in self.body.parameters()])))
         self.monitor.observe(i, grad, float(loss.detach()))
@@ -187,7 +187,7 @@ class NoState:
     pass
 
 
-@pytest.mark.parametrize("register, error, message", [
+@pytest.mark.parametrize(("register", "error", "message"), [
     (lambda rs: rs.add_model("m", NoState()), UnsupportedValue,
      "model 'm': a NoState has no state_dict()/load_state_dict()"),
     (lambda rs: rs.add_optimizer("o", NoState()), UnsupportedValue,
@@ -357,7 +357,7 @@ def test_restore_puts_a_kept_state_back_except_what_is_skipped(tmp_path: Path) -
     assert loop.restored == ["after restore at position 16"]
 
 
-@pytest.mark.parametrize("kw, message", [
+@pytest.mark.parametrize(("kw", "message"), [
     ({"skip": ["data:nope", "model:body"]}, "restore: skip names data:nope, which this RunState does not register"),
     ({"skip": ["teacher"]}, "restore: skip names teacher, which this RunState does not register"),
     ({}, r"restore: no contents given for the registered sidecar\(s\) counts"),

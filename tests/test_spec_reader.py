@@ -36,7 +36,7 @@ def _reader_source() -> str:
 @pytest.fixture(scope="module")
 def read_header() -> Callable[[Path], dict[str, Any]]:
     namespace: dict[str, Any] = {}
-    exec(compile(_reader_source(), "spec/container.md#13", "exec"), namespace)  # noqa: S102
+    exec(compile(_reader_source(), "spec/container.md#13", "exec"), namespace)
     return namespace["read_header"]
 
 

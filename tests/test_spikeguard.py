@@ -146,7 +146,7 @@ def test_a_transient_spike_keeps_the_rerun_and_does_not_roll_back(tmp_path: Path
     assert [(r["step"], r["action"]) for r in rows(tmp_path, "spike")] == [(9, "rerun"), (9, "transient")]
     clean = Toy(tmp_path / "clean")
     clean.guard.run(clean.step, clean.start(), 12)
-    assert all(torch.equal(a, b) for a, b in zip(toy.net.state_dict().values(), clean.net.state_dict().values()))
+    assert all(torch.equal(a, b) for a, b in zip(toy.net.state_dict().values(), clean.net.state_dict().values(), strict=True))
 
 
 @pytest.mark.parametrize("mode", ["warn", "off"])
@@ -176,8 +176,8 @@ def test_a_resume_after_a_rollback_equals_the_uninterrupted_run(tmp_path: Path) 
     again.guard.run(again.step, again.resume(), 16, save_every=2)
     name = "step-00000016.ckpt"
     assert (tmp_path / "ref" / name).read_bytes() == (tmp_path / "cut" / name).read_bytes()
-    assert [r for r in rows(tmp_path / "ref", "step", "spike", "rollback")] == \
-           [r for r in rows(tmp_path / "cut", "step", "spike", "rollback")]
+    assert list(rows(tmp_path / "ref", "step", "spike", "rollback")) == \
+           list(rows(tmp_path / "cut", "step", "spike", "rollback"))
 
 
 def test_a_resume_before_the_spike_rebuilds_the_ring_and_rolls_back_the_same(tmp_path: Path) -> None:

@@ -101,7 +101,7 @@ def apply(base: torch.Tensor, ops: list[tuple[Any, ...]]) -> torch.Tensor:
 
 
 def _overlaps(t: torch.Tensor) -> bool:
-    return t.numel() > 1 and any(size > 1 and stride == 0 for size, stride in zip(t.shape, t.stride()))
+    return t.numel() > 1 and any(size > 1 and stride == 0 for size, stride in zip(t.shape, t.stride(), strict=True))
 
 
 @given(views())

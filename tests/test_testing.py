@@ -14,7 +14,7 @@ from ckptkit import torch_generator
 from ckptkit.testing import assert_resume_equivalent, assert_step_leaves_global_rng_alone, interruptions
 
 
-@pytest.mark.parametrize("step, changed", [
+@pytest.mark.parametrize(("step", "changed"), [
     (lambda: torch.rand(3), "torch"),
     (lambda: torch.nn.functional.dropout(torch.ones(4), 0.5), "torch"),
     (lambda: torch.manual_seed(0), "torch"),

@@ -92,7 +92,7 @@ def test_item1_teacher_is_restored_as_the_run_left_it(tmp_path: Path, monkeypatc
     rec = _Recording.last
     assert rec is not None
     assert not any(p.requires_grad for p in rec.teacher.parameters())
-    assert any(not torch.equal(t, s) for t, s in zip(rec.teacher.parameters(), rec.student.parameters()))
+    assert any(not torch.equal(t, s) for t, s in zip(rec.teacher.parameters(), rec.student.parameters(), strict=True))
     assert load(tmp_path / "cut" / checkpoint_name(6)).teacher is not None
 
     monkeypatch.setattr(train_mod, "RunState", _TeacherRebuiltOnResume)

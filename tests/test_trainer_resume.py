@@ -78,7 +78,7 @@ def assert_same_run(a: Path, b: Path, step: int) -> None:
         assert same, f"{name} differs between the uninterrupted and the resumed run"
     ra, rb = compared_rows(history(a)), compared_rows(history(b))
     if ra != rb:
-        i = next((i for i, (x, y) in enumerate(zip(ra, rb)) if x != y), min(len(ra), len(rb)))
+        i = next((i for i, (x, y) in enumerate(zip(ra, rb, strict=False)) if x != y), min(len(ra), len(rb)))
         raise AssertionError(f"history differs first at compared row {i} ({len(ra)} vs {len(rb)} rows): "
                              f"{str(ra[i:i + 1])[:300]} != {str(rb[i:i + 1])[:300]}")
 

@@ -61,7 +61,7 @@ def _build_parser(only: str | None) -> argparse.ArgumentParser:
             if e.name != f"{__name__}.{mod}":
                 raise
             continue
-        module.add_parser(sub)  # type: ignore[attr-defined]
+        module.add_parser(sub)
         sub.choices[name].add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                                        help="re-raise errors with a traceback")
     return parser

@@ -67,10 +67,10 @@ class TrainSummary:
             rollbacks += f" ({self.rollbacks_in_run} in the whole run)"
         rows.append(("rollbacks", rollbacks))
         kept = ", ".join(map(str, self.checkpoints)) or "none"
-        rows.append(("checkpoints", f"{len(self.checkpoints)} kept in {self.run_dir}: step {kept} "
-                                    f"(--keep {self.keep}: the newest {self.keep} stay, older ones are deleted)"))
-        rows.append(("history", f"{self.history}: one row per step (loss, grad norm, lr, spike verdict), "
-                                f"{self.step_rows} step rows"))
+        rows.append(("checkpoints", (f"{len(self.checkpoints)} kept in {self.run_dir}: step {kept} "
+                                     f"(--keep {self.keep}: the newest {self.keep} stay, older ones are deleted)")))
+        rows.append(("history", (f"{self.history}: one row per step (loss, grad norm, lr, spike verdict), "
+                                 f"{self.step_rows} step rows")))
         rows.append(("extend", self.extend))
         return ["summary:"] + [f"  {name:<12} {text}" for name, text in rows]
 

@@ -128,7 +128,7 @@ def _show(value: Any) -> str:
 
 def _table(rows: list[list[str]]) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
 
 
 def _config_lines(a: Snapshot, b: Snapshot, diffs: list[KeyDiff]) -> list[str]:

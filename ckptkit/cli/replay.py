@@ -95,9 +95,9 @@ def run(args: argparse.Namespace) -> int:
         from ..command_runs import replay_command
 
         with Progress("replay", quiet=args.quiet) as progress:
-            report = replay_command(args.run_dir, args.from_step, command, timeout=args.timeout, keep_dir=args.out,
-                                    log=progress.log)
-        return print_verdict(report, args.json)
+            outcome = replay_command(args.run_dir, args.from_step, command, timeout=args.timeout, keep_dir=args.out,
+                                     log=progress.log)
+        return print_verdict(outcome, args.json)
     overrides = {key: getattr(args, key) for key, _ in knobs() if getattr(args, key, None) is not None}
     overrides.pop("train.steps", None)  # --to says where to stop
     if args.no_perturb:

@@ -78,7 +78,7 @@ def add_knobs(p: argparse.ArgumentParser) -> None:
         if kind is bool:
             group.add_argument(flag, dest=key, action=argparse.BooleanOptionalAction, default=None, help=text)
         elif isinstance(default, enum.Enum):  # --auto-rollback, --rollback-skip
-            group.add_argument(flag, dest=key, choices=[m.value for m in kind], default=None, help=text)
+            group.add_argument(flag, dest=key, choices=[m.value for m in type(default)], default=None, help=text)
         elif key == "model.quant":
             group.add_argument(flag, dest=key, choices=("none", "int8"), default=None, help=text)
         else:
@@ -189,7 +189,7 @@ def _summary(args: argparse.Namespace, cfg: Any, step: int, threads: int, second
     from ._summary import extend_command, summarize
 
     default_steps = type(cfg.train)().steps  # --steps is spelled out in the command, whatever its value
-    flags = knob_flags(cfg.replace(**{"train.steps": default_steps})) + ["--threads", str(threads)]
+    flags = [*knob_flags(cfg.replace(**{"train.steps": default_steps})), "--threads", str(threads)]
     if args.allow_env_change:  # environment.json keeps the facts the run started with
         flags.append("--allow-env-change")
     extend = extend_command(args.run_dir, max(2 * step, step + 1), flags)

@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     done, total = 0, sum(sizes)
     with Progress("verify", quiet=args.quiet or len(files) < 2, unit="B") as progress:
         progress.at(0, total)
-        for path, size in zip(files, sizes):
+        for path, size in zip(files, sizes, strict=True):
             try:
                 reports.append(_verify_any(path))
             except CheckpointNotFound as e:

@@ -44,12 +44,16 @@ irrelevant: nothing is unpickled, ever.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from ..checkpoint import Checkpoint, load, save
 from ..errors import FormatError, UnsupportedValue
 from ..section import check_plain
+
+if TYPE_CHECKING:
+    import torch
 
 try:
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO as _LightningCheckpointIO
@@ -143,7 +147,7 @@ def from_container(ckpt: Checkpoint, path: str = "") -> dict[str, Any]:
     return out
 
 
-def _local(path: Any) -> str:
+def _local(path: str | os.PathLike[str]) -> str:
     name = os.fspath(path)
     if "://" in name:
         raise UnsupportedValue(f"{name}: remote paths are not supported; ckptkit writes local files atomically "
@@ -199,13 +203,11 @@ class CheckpointIO(_LightningCheckpointIO):
 
     def remove_checkpoint(self, path: Any) -> None:
         """Delete the checkpoint at ``path`` (Lightning's top-k retention); a missing file is fine."""
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.remove(_local(path))
-        except FileNotFoundError:
-            pass
 
 
-def _is_device(value: Any) -> bool:
+def _is_device(value: Any) -> TypeGuard[torch.device]:
     import torch
 
     return isinstance(value, torch.device)

@@ -12,8 +12,8 @@ this package. ``spec/trainer.md`` is the contract for its files.
 
 from __future__ import annotations
 
-from .config import DataConfig, ModelConfig, TrainConfig, TrainerConfig
 from ..history import compared_rows, read_rows
+from .config import DataConfig, ModelConfig, TrainConfig, TrainerConfig
 from .loop import StepResult, TrainResult, train, train_step
 
 __all__ = [

@@ -32,10 +32,10 @@ from ..compare import compare_checkpoints
 from ..environment import EnvDiff, diff_environment
 from ..errors import AuditError, CheckpointError
 from ..fingerprint import differing_names, first_divergence, step_rows
+from ..history import HISTORY_FILE, compared_rows, read_rows
 from ..runstate import checkpoint_name, list_checkpoints, read_environment
 from ..snapshot import DEFAULT_EXEMPT, diff_keys, read_snapshot, snapshot_path
 from .config import TrainerConfig, flag_name, knobs
-from ..history import HISTORY_FILE, compared_rows, read_rows
 from .replay import (
     FieldDiff,
     StepDivergence,
@@ -269,7 +269,7 @@ def _environment(run_dir: str) -> dict[str, Any]:
 def _first_row_difference(rows_a: list[dict[str, Any]], rows_b: list[dict[str, Any]], kind: str) -> StepDivergence | None:
     a = [r for r in compared_rows(rows_a) if r["kind"] == kind]
     b = [r for r in compared_rows(rows_b) if r["kind"] == kind]
-    for ra, rb in zip(a, b):
+    for ra, rb in zip(a, b, strict=False):
         if ra != rb:
             return StepDivergence(kind, ra["step"], fields=row_fields(ra, rb))
     if len(a) != len(b):
@@ -320,7 +320,7 @@ def compare_runs(a: str | os.PathLike[str], b: str | os.PathLike[str], *, rerun:
         drift = _config_drift(a, b)
         if drift:
             div = StepDivergence(div.kind, div.step, div.fields, div.tensors, div.values, div.rerun, div.file,
-                                 (f"the runs' configs differ in {', '.join(drift)}: the likely cause",) + div.hints)
+                                 (f"the runs' configs differ in {', '.join(drift)}: the likely cause", *div.hints))
         return report(div)
     # Every history row matched: the checkpoints both runs wrote must be the same bytes.
     common = sorted({s for s, _ in list_checkpoints(a)} & {s for s, _ in list_checkpoints(b)})
@@ -330,8 +330,8 @@ def compare_runs(a: str | os.PathLike[str], b: str | os.PathLike[str], *, rerun:
         return report(StepDivergence(
             "checkpoint", s, file=checkpoint_name(s), tensors=tuple(tensor_reports(diffs, {})),
             values=f"both runs' {checkpoint_name(s)}, compared as ckptkit diff --tensors does",
-            hints=("the container bytes differ while every fingerprint matched: state outside the "
-                   "fingerprints (see the tensors) was not reproduced",) if diffs else
+            hints=(("the container bytes differ while every fingerprint matched: state outside the "
+                    "fingerprints (see the tensors) was not reproduced"),) if diffs else
                   ("the states are equal but the bytes are not: the writer is not canonical (a bug)",)),
             len(common))
     return report(None, len(common))

@@ -22,8 +22,18 @@ from typing import Any
 
 from ..monitor import SpikeConfig
 
-__all__ = ["DataConfig", "ModelConfig", "QUANT_FORMATS", "RollbackMode", "RollbackSkip", "TrainConfig", "TrainerConfig",
-           "flag_name", "help_text", "knobs"]
+__all__ = [
+    "QUANT_FORMATS",
+    "DataConfig",
+    "ModelConfig",
+    "RollbackMode",
+    "RollbackSkip",
+    "TrainConfig",
+    "TrainerConfig",
+    "flag_name",
+    "help_text",
+    "knobs",
+]
 
 QUANT_FORMATS = ("none", "int8")
 

@@ -64,7 +64,7 @@ def perturb_target(cfg: Any, model: torch.nn.Module) -> str | None:
     if cfg.train.perturb_at is None:
         return None
     names = [n for n, _ in model.named_parameters()]
-    want = cfg.train.perturb_param
+    want: str = cfg.train.perturb_param
     if want.startswith(MODEL_PREFIX):
         want = want[len(MODEL_PREFIX):]
     if not want:

@@ -384,7 +384,7 @@ def train_step(run: Run, step: int) -> StepResult:
     run.optimizer.step()
     with torch.no_grad():
         if run.teacher is not None:
-            for t, s in zip(run.teacher.parameters(), run.model.parameters()):
+            for t, s in zip(run.teacher.parameters(), run.model.parameters(), strict=True):
                 t.lerp_(s, 1.0 - tc.ema_decay)
         if run.ngram is not None:
             run.ngram.update(x, y)
@@ -648,7 +648,7 @@ def train(
                     last_saved = done
                 why = rs.stop_requested(done)  # preemption or CKPTKIT_STOP_AT: save this step, stop
                 if why is not None:
-                    path = path if last_saved == done else save(done)
+                    path = path if last_saved == done and path is not None else save(done)
                     rs.wait()
                     raise RunStopped(done, path, why)
                 step = done
@@ -667,7 +667,8 @@ def train(
 
 def _judged(e: Executed) -> StepResult:
     """A step's result with the guard's verdict and re-run flag (what its row shows)."""
-    return dataclasses.replace(e.result, verdict=e.verdict, rerun=e.rerun)
+    judged: StepResult = dataclasses.replace(e.result, verdict=e.verdict, rerun=e.rerun)
+    return judged
 
 
 def _check_same_data(stored: Any, fingerprint: dict[str, Any], cfg: TrainerConfig) -> None:

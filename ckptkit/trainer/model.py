@@ -42,7 +42,7 @@ def fake_quant(w: torch.Tensor, bits: int) -> torch.Tensor:
     qmax = 2 ** (bits - 1) - 1
     w0 = w.detach()
     scale = w0.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / qmax
-    q = torch.round(w0 / scale).clamp(-qmax, qmax) * scale
+    q: torch.Tensor = torch.round(w0 / scale).clamp(-qmax, qmax) * scale
     return w + (q - w0)
 
 
@@ -141,7 +141,7 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             if ".ln_" in name or name.startswith("ln_"):
                 p.fill_(1.0 if name.endswith("weight") else 0.0)
-            elif name.endswith("attn.proj.weight") or name.endswith("mlp.proj.weight"):
+            elif name.endswith(("attn.proj.weight", "mlp.proj.weight")):
                 p.normal_(0.0, resid_std, generator=generator)
             else:
                 p.normal_(0.0, 0.02, generator=generator)

@@ -52,7 +52,6 @@ from ..companions import rebind, unbound_bytes
 from ..compare import TensorDiff, checkpoint_state, compare_checkpoints, compare_states
 from ..environment import EnvDiff, capture, diff_environment
 from ..errors import (
-    CheckpointError,
     CheckpointNotFound,
     EnvironmentDrift,
     FormatError,
@@ -61,12 +60,12 @@ from ..errors import (
     TrainingUnstable,
 )
 from ..fingerprint import FINGERPRINT_FIELDS, Divergence, differing_names, first_divergence, leaf_digests
+from ..history import HISTORY_FILE, WALL_FIELDS, compared_rows, read_rows
 from ..runstate import ENVIRONMENT_FILE, RunState, checkpoint_name, list_checkpoints, read_environment
 from ..snapshot import DEFAULT_EXEMPT, read_snapshot, snapshot_path, write_snapshot
 from .config import TrainerConfig
 from .data import data_fingerprint, load_bytes
 from .digests import MODEL_PREFIX
-from ..history import HISTORY_FILE, WALL_FIELDS, compared_rows, read_rows
 from .loop import (
     Run,
     _after_resume,
@@ -713,8 +712,8 @@ def _state_divergence(run_dir: str, rec: Recording, done: int, rec_state: Mappin
                               {n: (rec_state.get(n), digests.get(n)) for n in bad})
                if values is not None else named_reports(bad, rec_state, digests, "values unavailable"))
     return StepDivergence("state", done, tensors=tuple(tensors), values=why,
-                          hints=("every step row matched, yet the state differs: state outside the step fingerprints "
-                                 "(optimizer moments, teacher, monitor) was not reproduced",))
+                          hints=(("every step row matched, yet the state differs: state outside the step "
+                                  "fingerprints (optimizer moments, teacher, monitor) was not reproduced"),))
 
 
 def _file_divergence(run_dir: str, done: int, rec_state: Mapping[str, int], state: dict[str, Any],
@@ -775,7 +774,7 @@ def _replay_guarded(cfg: TrainerConfig, rec: Recording, run_dir: str, ckpt_path:
         report.notes.append(f"the replay stopped: {str(e).splitlines()[0]}")
     recorded = compared_rows(rec.rows)
     replayed = compared_rows(read_rows(os.path.join(work, HISTORY_FILE))[0])
-    for i, (a, b) in enumerate(zip(recorded, replayed)):
+    for i, (a, b) in enumerate(zip(recorded, replayed, strict=False)):
         if a != b:
             return report.done(executed, guarded=True, divergence=_row_divergence(recorded, replayed, i))
     if len(replayed) > len(recorded):
@@ -797,8 +796,8 @@ def _replay_guarded(cfg: TrainerConfig, rec: Recording, run_dir: str, ckpt_path:
             return report.done(executed, guarded=True, divergence=StepDivergence(
                 "checkpoint", s, file=os.path.join(run_dir, checkpoint_name(s)), tensors=tuple(tensor_reports(diffs, {})),
                 values=f"the replayed {checkpoint_name(s)}, compared as ckptkit diff --tensors does",
-                hints=("every history row matched, yet the file differs from the replay's: it was altered after "
-                       "the fact, or state outside the fingerprints was not reproduced",)))
+                hints=(("every history row matched, yet the file differs from the replay's: it was altered "
+                        "after the fact, or state outside the fingerprints was not reproduced"),)))
     return report.done(executed, None, guarded=True)
 
 
