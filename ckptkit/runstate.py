@@ -5,7 +5,7 @@ optimizers, schedulers, scalers, the EMA teacher, data positions, monitors, flag
 bits, small values, sidecars and the config — and then does ``save(step)`` and
 ``resume()`` with every check the design record asks for:
 
-* the config snapshot is diffed key by key (:func:`ckptkit.snapshot.check_resume`);
+* the config snapshot is diffed key by key (:func:`ckptkit.drift.check_resume`);
 * the environment (torch version, threads, ...) is compared with the recording;
 * the newest checkpoint that verifies, *with* consistent sidecars, is chosen, and
   every fallback is said out loud;
@@ -60,6 +60,7 @@ from .companions import (
     record_of,
 )
 from .container import FLAG_NAMES, SECTIONS
+from .drift import DEFAULT_EXEMPT, KeyDiff, check_resume
 from .environment import EnvDiff, capture, check_environment
 from .errors import (
     CheckpointNotFound,
@@ -73,7 +74,7 @@ from .errors import (
 from .preemption import DEFAULT_SIGNALS, RunStopped, StopRequests
 from .section import check_plain
 from .sidecar import read_sidecar, sidecar_path, write_sidecar
-from .snapshot import DEFAULT_EXEMPT, KeyDiff, check_resume, encode_snapshot, read_snapshot, snapshot_path
+from .snapshot import encode_snapshot, read_snapshot, snapshot_path
 
 __all__ = ["ENVIRONMENT_FILE", "ResumeInfo", "RunState", "checkpoint_name", "list_checkpoints", "read_environment"]
 
@@ -200,7 +201,7 @@ class RunState:
         keep: how many newest checkpoints to keep (older ones, with their
             companions, are deleted after each successful save).
         exempt: config keys allowed to change across a resume (default: the
-            progress/cadence keys, see :data:`ckptkit.snapshot.DEFAULT_EXEMPT`).
+            progress/cadence keys, see :data:`ckptkit.drift.DEFAULT_EXEMPT`).
         compression: container codec per :func:`ckptkit.save`.
         log: called with each human-readable note (default: ignore; notes are also
             returned in :class:`ResumeInfo`).

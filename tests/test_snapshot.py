@@ -26,14 +26,10 @@ from ckptkit.errors import (
     UnsupportedValue,
     UnsupportedVersion,
 )
+from ckptkit.drift import DEFAULT_EXEMPT, KeyDiff, check_resume, diff_keys
+from ckptkit.field_coverage import assert_field_coverage, check_field_coverage
 from ckptkit.snapshot import (
-    DEFAULT_EXEMPT,
-    KeyDiff,
     Snapshot,
-    assert_field_coverage,
-    check_field_coverage,
-    check_resume,
-    diff_keys,
     encode_snapshot,
     read_snapshot,
     snapshot_config,
