@@ -194,7 +194,30 @@ def check_field_coverage(
         >>> report.ok  # doctest: +SKIP
         True
     """
-    cfg = cfg_type_or_instance
+    cfg = _instance_of(cfg_type_or_instance)
+    exempt_fields = dict(exempt_fields or {})
+    flips = dict(flips or {})
+    leaves = _leaf_fields(cfg, "", False)
+    all_fields = sorted(path for path, _ in leaves)
+    problems = _declaration_problems(all_fields, exempt_fields, flips)
+    try:
+        table = flatten(snapshot(cfg), "", {})
+    except (UnsupportedValue, TypeError, ValueError) as e:
+        problems.append(("", f"the snapshot of the config fails: {e}"))
+        return CoverageReport(tuple(all_fields), (), tuple(p for _, p in sorted(problems)))
+    written = sorted(table)
+    allowed_absent = {p for p in all_fields if _covered_by(p, exempt_fields)}
+    problems += _carry_problems(leaves, all_fields, written, allowed_absent)
+    for path, _ in leaves:
+        if path not in allowed_absent and path in table:
+            problem = _flip_problem(cfg, path, flips, table, snapshot, exempt_set(exempt))
+            if problem:
+                problems.append((path, problem))
+    return CoverageReport(tuple(all_fields), tuple(written), tuple(p for _, p in sorted(problems)))
+
+
+def _instance_of(cfg: Any) -> Any:
+    """The config instance to check: the argument, or its class built with no arguments."""
     if isinstance(cfg, type) and dataclasses.is_dataclass(cfg):
         try:
             cfg = cfg()
@@ -202,15 +225,13 @@ def check_field_coverage(
             raise TypeError(f"{cfg.__qualname__} cannot be built without arguments ({e}); pass an instance") from None
     if not is_config_instance(cfg):
         raise TypeError(f"check_field_coverage needs a dataclass or an instance (got {type(cfg).__name__})")
-    exempt_fields = dict(exempt_fields or {})
-    flips = dict(flips or {})
-    exempt_names = exempt_set(exempt)
+    return cfg
 
-    leaves = _leaf_fields(cfg, "", False)
-    all_fields = sorted(path for path, _ in leaves)
+
+def _declaration_problems(all_fields: list[str], exempt_fields: dict[str, str],
+                          flips: dict[str, Any]) -> list[tuple[str, str]]:
+    """Declared exemptions must name a field (or table) and give a reason; flips must name a field."""
     problems: list[tuple[str, str]] = []
-
-    # Declared exemptions must name a field (or table) and give a reason.
     tables = {p for path in all_fields for p in prefixes(path)}
     for name, reason in sorted(exempt_fields.items()):
         if name not in all_fields and name not in tables:
@@ -220,16 +241,14 @@ def check_field_coverage(
     for name in sorted(flips):
         if name not in all_fields:
             problems.append((name, f"{name}: given in flips but the config has no such field"))
+    return problems
 
-    try:
-        written = sorted(flatten(snapshot(cfg), "", {}))
-    except (UnsupportedValue, TypeError, ValueError) as e:
-        problems.append(("", f"the snapshot of the config fails: {e}"))
-        return CoverageReport(tuple(all_fields), (), tuple(p for _, p in sorted(problems)))
 
-    # (a) every field is written, by name and by count.
+def _carry_problems(leaves: list[tuple[str, bool]], all_fields: list[str], written: list[str],
+                    allowed_absent: set[str]) -> list[tuple[str, str]]:
+    """(a) every field is written, by name and by count."""
+    problems: list[tuple[str, str]] = []
     written_set = set(written)
-    allowed_absent = {p for p in all_fields if _covered_by(p, exempt_fields)}
     for path, excluded in leaves:
         if path in written_set or path in allowed_absent:
             continue
@@ -245,37 +264,34 @@ def check_field_coverage(
     if len(written) != expected:
         problems.append(("", f"count: the snapshot carries {len(written)} keys, the config has "
                              f"{len(all_fields)} fields ({len(allowed_absent - written_set)} exempt and absent)"))
+    return problems
 
-    # (b) every carried, non-exempt field reaches diff_keys with the right class.
-    base = flatten(snapshot(cfg), "", {})
-    for path, excluded in leaves:
-        if path in allowed_absent or path not in written_set:
-            continue
-        value, owner = _get(cfg, path)
-        new = flips[path] if path in flips else _flip(value, _hint_for(owner, path.rsplit(".", 1)[-1]))
-        if new is dataclasses.MISSING:
-            problems.append((path, f"{path}: no automatic flip for {value!r}; pass flips={{\"{path}\": <another valid value>}}"))
-            continue
-        try:
-            flipped = flatten(snapshot(_replace(cfg, path, new)), "", {})
-        except Exception as e:  # the config's own validation may refuse the flip
-            problems.append((path, f"{path}: flipping {value!r} -> {new!r} fails ({type(e).__name__}: {e}); "
-                                   f"pass flips={{\"{path}\": <another valid value>}}"))
-            continue
-        diffs = diff_flat(base, flipped, exempt_names)
-        want_exempt = is_exempt(path, exempt_names)
-        if not diffs:
-            problems.append((path, f"{path}: flipping {value!r} -> {new!r} does not reach diff_keys "
-                                   f"(the snapshot carries it but does not change: decoration)"))
-        elif [d.key for d in diffs] != [path]:
-            keys = ", ".join(d.key for d in diffs)
-            problems.append((path, f"{path}: flipping {value!r} -> {new!r} changes other keys ({keys})"))
-        elif diffs[0].kind != "changed" or diffs[0].exempt != want_exempt:
-            cls = "exempt" if diffs[0].exempt else "strict"
-            problems.append((path, f"{path}: flipping {value!r} -> {new!r} is reported as {diffs[0].kind}, {cls} "
-                                   f"(expected changed, {'exempt' if want_exempt else 'strict'})"))
-    return CoverageReport(tuple(all_fields), tuple(written), tuple(p for _, p in sorted(problems)))
 
+def _flip_problem(cfg: Any, path: str, flips: dict[str, Any], base: dict[str, Any],
+                  snapshot: Callable[[Any], Mapping[str, Any]], exempt_names: frozenset[str]) -> str | None:
+    """(b) flipping the carried field at ``path`` reaches diff_keys as exactly that key, rightly classed."""
+    value, owner = _get(cfg, path)
+    new = flips[path] if path in flips else _flip(value, _hint_for(owner, path.rsplit(".", 1)[-1]))
+    if new is dataclasses.MISSING:
+        return f"{path}: no automatic flip for {value!r}; pass flips={{\"{path}\": <another valid value>}}"
+    try:
+        flipped = flatten(snapshot(_replace(cfg, path, new)), "", {})
+    except Exception as e:  # the config's own validation may refuse the flip
+        return (f"{path}: flipping {value!r} -> {new!r} fails ({type(e).__name__}: {e}); "
+                f"pass flips={{\"{path}\": <another valid value>}}")
+    diffs = diff_flat(base, flipped, exempt_names)
+    want_exempt = is_exempt(path, exempt_names)
+    if not diffs:
+        return (f"{path}: flipping {value!r} -> {new!r} does not reach diff_keys "
+                f"(the snapshot carries it but does not change: decoration)")
+    if [d.key for d in diffs] != [path]:
+        keys = ", ".join(d.key for d in diffs)
+        return f"{path}: flipping {value!r} -> {new!r} changes other keys ({keys})"
+    if diffs[0].kind != "changed" or diffs[0].exempt != want_exempt:
+        cls = "exempt" if diffs[0].exempt else "strict"
+        return (f"{path}: flipping {value!r} -> {new!r} is reported as {diffs[0].kind}, {cls} "
+                f"(expected changed, {'exempt' if want_exempt else 'strict'})")
+    return None
 
 def assert_field_coverage(
     cfg_type_or_instance: Any,
