@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 import xxhash
-from test_container import bits, same
+from helpers import bits, same
 
 import ckptkit._fileio as _fileio
 import ckptkit.container as container

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from test_trainer_resume import artifacts, assert_same_run, history, run, tiny
+from helpers import artifacts, assert_same_run, history, run, tiny
 
 from ckptkit import drift, field_coverage, snapshot
 from ckptkit.checkpoint import load
