@@ -4,6 +4,7 @@
 - tiny / run / history / artifacts / assert_same_run / Crash: the reference trainer at test size.
 - Cfg / Loop / trained: a user's loop registered with every kind of RunState state.
 - record_environment: make a run look recorded under other environment facts.
+- Flat: a config without tables.
 """
 
 from __future__ import annotations
@@ -201,3 +202,12 @@ def trained(run_dir: Path, steps: int = 4, **kw: Any) -> Loop:
         if (i + 1) % 2 == 0:
             loop.state.save(i + 1)
     return loop
+
+
+@dataclasses.dataclass
+class Flat:
+    """A config without tables (snapshot, drift and `ckptkit diff` tests)."""
+
+    lr: float = 1e-3
+    steps: int = 10
+    seed: int = 1
