@@ -84,11 +84,7 @@ class ReportState:
 
 def _spike_records(records: list[Any], history: int) -> tuple[dict[str, Any], ...]:
     where = "monitor.report"
-    if len(records) > history:
-        raise MalformedIndex(
-            "recent_spikes is longer than history", field=f"{where}.recent_spikes",
-            expected=f"<= {history}", actual=len(records),
-        )
+    _at_most(records, history, "recent_spikes")
     for i, rec in enumerate(records):
         at = f"{where}.recent_spikes[{i}]"
         if not isinstance(rec, Mapping):
@@ -105,11 +101,7 @@ def _spike_records(records: list[Any], history: int) -> tuple[dict[str, Any], ..
 
 def _refused(steps: list[Any], history: int) -> tuple[int, ...]:
     where = "monitor.report"
-    if len(steps) > history:
-        raise MalformedIndex(
-            "refused is longer than history", field=f"{where}.refused",
-            expected=f"<= {history}", actual=len(steps),
-        )
+    _at_most(steps, history, "refused")
     for i, s in enumerate(steps):
         if isinstance(s, bool) or not isinstance(s, int) or s < 0:
             raise MalformedIndex(f"must be an int >= 0 (got {s!r})", field=f"{where}.refused[{i}]")
@@ -117,6 +109,14 @@ def _refused(steps: list[Any], history: int) -> tuple[int, ...]:
 
 
 # ---------------------------------------------------------------------- key and type checks
+
+
+def _at_most(values: list[Any], history: int, key: str) -> None:
+    if len(values) > history:
+        raise MalformedIndex(
+            f"{key} is longer than history", field=f"monitor.report.{key}",
+            expected=f"<= {history}", actual=len(values),
+        )
 
 
 def exact_keys(d: Mapping[str, Any], keys: set[str], where: str) -> None:

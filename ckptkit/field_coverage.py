@@ -293,6 +293,7 @@ def _flip_problem(cfg: Any, path: str, flips: dict[str, Any], base: dict[str, An
                 f"(expected changed, {'exempt' if want_exempt else 'strict'})")
     return None
 
+
 def assert_field_coverage(
     cfg_type_or_instance: Any,
     *,
