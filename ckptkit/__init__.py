@@ -16,6 +16,7 @@ from __future__ import annotations
 from .asyncsave import AsyncSaver
 from .checkpoint import Checkpoint, import_torch_checkpoint, load, save
 from .container import FLAG_FP32_FALLBACK, VERSION, Report, SectionInfo, verify
+from .drift import DEFAULT_EXEMPT, KeyDiff, check_resume, diff_keys
 from .errors import (
     AuditError,
     BadMagic,
@@ -33,6 +34,7 @@ from .errors import (
     ReplayError,
     ReservedBitSet,
     ResumeRefused,
+    RunStopped,
     SaveFailed,
     SidecarMismatch,
     StateMismatch,
@@ -43,6 +45,7 @@ from .errors import (
     UnsupportedValue,
     UnsupportedVersion,
 )
+from .field_coverage import assert_field_coverage, check_field_coverage
 from .history import History
 from .lazy import LazyCheckpoint, open_checkpoint
 from .monitor import SpikeConfig, SpikeMonitor, Verdict
@@ -51,17 +54,7 @@ from .rollback_record import RollbackEvent, RollbackRecord
 from .runstate import ResumeInfo, RunState
 from .sidecar import Sidecar, read_sidecar, write_sidecar
 from .spikeguard import Continue, Executed, RolledBack, SpikeGuard
-from .snapshot import (
-    DEFAULT_EXEMPT,
-    KeyDiff,
-    Snapshot,
-    assert_field_coverage,
-    check_field_coverage,
-    check_resume,
-    diff_keys,
-    read_snapshot,
-    write_snapshot,
-)
+from .snapshot import Snapshot, read_snapshot, write_snapshot
 
 __version__ = "0.1.0"
 
@@ -97,6 +90,7 @@ __all__ = [
     "RollbackRecord",
     "RolledBack",
     "RunState",
+    "RunStopped",
     "SaveFailed",
     "SectionInfo",
     "Sidecar",

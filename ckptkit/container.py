@@ -23,10 +23,8 @@ Invariants:
 
 from __future__ import annotations
 
-import errno
 import mmap
 import os
-import stat
 import struct
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -35,12 +33,12 @@ from typing import Any, BinaryIO
 
 import xxhash
 
-from ._threads import cpus, run_parallel
+from ._fileio import ZEROS, Source, WriteBehind, run_keyed, write_all, write_zeros
+from ._threads import cpus
 from .errors import (
     BadMagic,
     BadTensorValue,
     CheckpointError,
-    CheckpointNotFound,
     ChecksumMismatch,
     FormatError,
     MalformedIndex,
@@ -60,6 +58,7 @@ __all__ = [
     "Report",
     "SECTIONS",
     "SectionInfo",
+    "Source",
     "VERSION",
     "HEADER_SIZE",
     "read_layout",
@@ -91,165 +90,12 @@ _U64 = struct.Struct("<Q")
 _FIELD_OFFSET = {"step": 8, "model": 16, "optim": 24, "teacher": 32, "flags": 40, "monitor": 48}
 _CHUNK = 1 << 20  # hashing/IO granularity: stays in cache between hash and write
 # Performance knobs (none of them is format; spec/performance.md says why each value).
-_WINDOW = 32 << 20  # verify maps at most this much of the file at a time (per thread): bounded resident memory
-_MAP_MIN = 1 << 20  # extents shorter than this are read with pread (a mapping costs syscalls)
-_WRITE_BEHIND = 8 << 20  # start writeback of every 8 MiB written, so the final fsync waits for little
 _PARALLEL_MIN = 32 << 20  # read_tensors uses threads only when there is at least this much to read
 _READ_PIECE = 256 << 10  # read_tensors: a piece read into its destination is hashed while still in L2
 
 
 # ---------------------------------------------------------------------------- reading
 
-
-class Source:
-    """Positional reads from a file or bytes, raising TruncatedFile on a short read.
-
-    ``kind`` names the file in "no such ... file" errors (a checkpoint or a sidecar).
-    """
-
-    def __init__(self, path: str | os.PathLike[str] | None = None, data: bytes | None = None,
-                 kind: str = "checkpoint") -> None:
-        self.path = None if path is None else os.fspath(path)
-        self._data = data
-        self._fd = -1
-        if data is None:
-            assert self.path is not None
-            self._fd, self.size = _open_regular(self.path, kind)
-        else:
-            self.size = len(data)
-
-    @property
-    def fd(self) -> int:
-        return self._fd
-
-    def map_private(self) -> mmap.mmap | None:
-        """The whole file mapped copy-on-write (writes stay in this process), or None where it cannot be.
-
-        Nothing is read until touched; the kernel is asked to read ahead. Tensors
-        handed out as views of the mapping keep it alive after the file is closed.
-        Known limit: a file truncated in place by another program while mapped
-        faults (SIGBUS) on access, and one rewritten in place may show the new bytes
-        in pages not yet written to; ckptkit replaces files by rename, never in place.
-        """
-        if self._fd < 0 or not self.size or not _CAN_MAP:
-            return None
-        try:
-            m = mmap.mmap(self._fd, 0, access=mmap.ACCESS_COPY)
-        except (OSError, ValueError):  # a file system without mmap: the caller reads instead
-            return None
-        if hasattr(mmap, "MADV_WILLNEED"):
-            m.madvise(mmap.MADV_WILLNEED)
-        return m
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-    def __enter__(self) -> Source:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def pread(self, offset: int, n: int, field: str) -> bytes:
-        if offset + n > self.size:
-            raise TruncatedFile(
-                f"needs {n} bytes but the file ends at {self.size}",
-                path=self.path, offset=offset, field=field, expected=offset + n, actual=self.size,
-            )
-        if self._data is not None:
-            return self._data[offset : offset + n]
-        out = os.pread(self._fd, n, offset)
-        if len(out) != n:  # the file shrank under us
-            raise TruncatedFile("file shrank while reading", path=self.path, offset=offset, field=field)
-        return out
-
-    def readinto(self, offset: int, buf: memoryview) -> None:
-        """Fill ``buf`` from ``offset`` (the caller has checked the bounds)."""
-        if self._data is not None:
-            buf[:] = self._data[offset : offset + buf.nbytes]
-            return
-        done = 0
-        while done < buf.nbytes:
-            got = os.preadv(self._fd, [buf[done:]], offset + done)
-            if got <= 0:
-                raise TruncatedFile("file shrank while reading", path=self.path, offset=offset + done)
-            done += got
-
-    def chunks(self, start: int, end: int, scratch: bytearray) -> Iterator[memoryview]:
-        """Yield the bytes of ``[start, end)`` in chunks, reusing ``scratch``."""
-        mv = memoryview(scratch)
-        pos = start
-        while pos < end:
-            n = min(len(scratch), end - pos)
-            self.readinto(pos, mv[:n])
-            yield mv[:n]
-            pos += n
-
-    def feed(self, start: int, end: int, update: Callable[[memoryview], object], scratch: bytearray) -> None:
-        """Pass the bytes of ``[start, end)`` to ``update`` in pieces (the caller has checked the bounds).
-
-        A long extent of a file is hashed straight from the page cache through a
-        read-only mapping of at most 32 MiB at a time (no copy; bounded resident
-        memory); short extents, in-memory sources and systems without ``mmap``
-        flags use positional reads into ``scratch``. Known limit: a file truncated
-        by another process *while* it is mapped faults (SIGBUS); ckptkit itself
-        never truncates a checkpoint in place (spec/guarantees.md).
-        """
-        if self._fd < 0 or end - start < _MAP_MIN or not _CAN_MAP:
-            for chunk in self.chunks(start, end, scratch):
-                update(chunk)
-            return
-        pos = start
-        while pos < end:
-            base = pos - pos % mmap.ALLOCATIONGRANULARITY
-            stop = min(end, base + _WINDOW)
-            try:
-                m = mmap.mmap(self._fd, stop - base, flags=mmap.MAP_SHARED | _MAP_POPULATE,
-                              prot=mmap.PROT_READ, offset=base)
-            except (OSError, ValueError):  # e.g. a file system without mmap: fall back to reads
-                for chunk in self.chunks(pos, end, scratch):
-                    update(chunk)
-                return
-            with m, memoryview(m) as whole, whole[pos - base :] as piece:
-                update(piece)
-            pos = stop
-
-
-def _open_regular(path: str, kind: str) -> tuple[int, int]:
-    """Open ``path`` for reading if it is a regular file: ``(fd, size)``.
-
-    Raises:
-        CheckpointNotFound: nothing at ``path`` (a dangling symlink included).
-        UnreadableFile: something is there but is no readable file: a directory,
-            FIFO, device, socket, a symlink loop, no permission.
-    """
-    try:
-        # O_NONBLOCK: opening a FIFO named like a checkpoint must not hang.
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except FileNotFoundError:
-        raise CheckpointNotFound(f"{path}: no such {kind} file") from None
-    except IsADirectoryError:
-        raise UnreadableFile(f"{path}: is a directory, not a {kind} file", errno=errno.EISDIR, path=path) from None
-    except OSError as e:
-        code = errno.errorcode.get(e.errno or 0, "error")
-        raise UnreadableFile(f"{path}: cannot open the {kind} file ({code}: {e.strerror})", errno=e.errno,
-                             path=path) from None
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        what = next((name for test, name in _FILE_KINDS if test(st.st_mode)), "not a regular file")
-        raise UnreadableFile(f"{path}: is {what}, not a {kind} file (a {kind} is a regular file)", path=path)
-    os.set_blocking(fd, True)
-    return fd, st.st_size
-
-
-_FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
-               (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
-_CAN_MAP = hasattr(mmap, "MAP_SHARED") and hasattr(mmap, "PROT_READ")
-# MAP_POPULATE reads the window in one go (readahead-sized requests, no per-page faults).
-_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 @dataclass(frozen=True)
@@ -595,7 +441,7 @@ def check_all_tensors(src: Source, layout: Layout, *, threads: int = 0) -> tuple
     if threads <= 0:
         threads = min(4, cpus()) if total >= _PARALLEL_MIN else 1
     errors: dict[int, BaseException] = {}
-    _run_tasks(tasks, keys, errors, min(threads, max(1, len(tasks))))
+    run_keyed(tasks, keys, errors, min(threads, max(1, len(tasks))))
     if errors:
         err = errors[min(errors)]
         if not isinstance(err, FormatError):
@@ -782,7 +628,7 @@ def read_tensors(src: Source, jobs: Sequence[tuple[SectionIndex, int, memoryview
     if threads <= 0:
         big = sum(t[1].tensors[t[2]].nbytes for t in raw) >= _PARALLEL_MIN
         threads = min(4, cpus()) if big else 1
-    _run_tasks(tasks, keys, errors, min(threads, len(tasks)))
+    run_keyed(tasks, keys, errors, min(threads, len(tasks)))
     if errors:
         raise errors[min(errors)]
 
@@ -819,18 +665,6 @@ def check_mapped(path: str | None, sec: SectionIndex, i: int, mapping: mmap.mmap
     with memoryview(mapping) as whole, whole[at : at + rec.nbytes] as view:
         check.update(view)
     check.finish(path)
-
-
-def _run_tasks(tasks: list[Callable[[], None]], keys: list[int], errors: dict[int, BaseException], threads: int) -> None:
-    """Run every task (in ``threads`` threads), recording each failure under its key."""
-
-    def one(k: int) -> None:
-        try:
-            tasks[k]()
-        except Exception as e:  # recorded, re-raised by the caller in file order
-            errors[keys[k]] = e  # distinct keys: no lock needed
-
-    run_parallel(one, range(len(tasks)), threads, "ckptkit-read")
 
 
 @dataclass(frozen=True)
@@ -935,63 +769,6 @@ def _report(path: str, size: int, layout: Layout | None, error: CheckpointError 
 # ---------------------------------------------------------------------------- writing
 
 
-def _write_all(fd: int, buf: memoryview) -> None:
-    while buf.nbytes:
-        n = os.write(fd, buf)
-        buf = buf[n:]
-
-
-_ZEROS = memoryview(bytes(4096))
-
-
-def _write_zeros(fd: int, n: int) -> None:
-    while n:
-        k = min(n, len(_ZEROS))
-        _write_all(fd, _ZEROS[:k])
-        n -= k
-
-
-class _WriteBehind:
-    """Starts writeback of each 8 MiB as soon as it is written (Linux ``sync_file_range``).
-
-    Without it, a save copies everything into the page cache and only then does
-    the final fsync start the disk: the two phases add up. With it the disk
-    writes while the rest is still being copied, and the fsync (still done, by
-    :func:`ckptkit.atomic.atomic_write`) waits only for the tail. It is a hint:
-    durability comes from the fsync, and where the call is missing or fails
-    (other systems, some file systems) nothing changes but speed.
-    """
-
-    def __init__(self, fd: int) -> None:
-        self.fd, self.done = fd, 0
-
-    def reached(self, pos: int) -> None:
-        """Everything before file offset ``pos`` has been written."""
-        if pos - self.done >= _WRITE_BEHIND:
-            _start_writeback(self.fd, self.done, pos - self.done)
-            self.done = pos
-
-
-_SYNC_FILE_RANGE_WRITE = 2
-_sync_file_range: Any = None  # resolved on first use: a callable, or False where unavailable
-
-
-def _start_writeback(fd: int, offset: int, n: int) -> None:
-    global _sync_file_range
-    if _sync_file_range is None:
-        _sync_file_range = False
-        try:
-            import ctypes
-
-            fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-            fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-            fn.restype = ctypes.c_int
-            _sync_file_range = fn
-        except (OSError, AttributeError):  # not Linux/glibc: no write-behind, same bytes
-            pass
-    if _sync_file_range:
-        _sync_file_range(fd, offset, n, _SYNC_FILE_RANGE_WRITE)  # a hint: a failure only costs speed
-
 
 def write_container(f: BinaryIO, *, step: int, flags: int, plans: dict[str, SectionPlan | None]) -> None:
     """Stream a v2 container into ``f`` (an unbuffered binary file at position 0).
@@ -1019,35 +796,35 @@ def write_framed(f: BinaryIO, header: bytes, plans: list[SectionPlan | None], en
     skeleton pieces (header, indexes, padding, compressed regions).
     """
     fd = f.fileno()
-    _write_all(fd, memoryview(header))
+    write_all(fd, memoryview(header))
     pos = len(header)
-    behind = _WriteBehind(fd)
+    behind = WriteBehind(fd)
     index_at: list[tuple[int, SectionPlan]] = []
     for plan in plans:
         if plan is None:
             continue
-        _write_all(fd, memoryview(_U64.pack(len(plan.index)) + plan.index))
+        write_all(fd, memoryview(_U64.pack(len(plan.index)) + plan.index))
         index_at.append((pos + 8, plan))
-        _write_zeros(fd, plan.data_start_rel - 8 - len(plan.index))
+        write_zeros(fd, plan.data_start_rel - 8 - len(plan.index))
         plan.digests = []
         if plan.codec == "raw":
             off = 0
             data_at = pos + plan.data_start_rel
             for rec, buf in zip(plan.records, plan.buffers):
-                _write_zeros(fd, rec[2] - off)
+                write_zeros(fd, rec[2] - off)
                 h = xxhash.xxh3_64()
                 for i in range(0, buf.nbytes, _CHUNK):
                     piece = buf[i : i + _CHUNK]
                     h.update(piece)
-                    _write_all(fd, piece)
+                    write_all(fd, piece)
                     behind.reached(data_at + rec[2] + i + piece.nbytes)
                 plan.digests.append(h.intdigest())
                 off = rec[2] + rec[3]
-            _write_zeros(fd, plan.data_len - off)
+            write_zeros(fd, plan.data_len - off)
         else:
             assert plan.stored is not None
             plan.digests = [xxhash.xxh3_64_intdigest(b) for b in plan.buffers]
-            _write_all(fd, memoryview(plan.stored))
+            write_all(fd, memoryview(plan.stored))
         pos += plan.length
     skeleton = xxhash.xxh3_64(header)
     for at, plan in index_at:
@@ -1070,8 +847,8 @@ def write_framed(f: BinaryIO, header: bytes, plans: list[SectionPlan | None], en
 
 def _hash_zeros(h: xxhash.xxh3_64, n: int) -> None:
     while n:
-        k = min(n, len(_ZEROS))
-        h.update(_ZEROS[:k])
+        k = min(n, len(ZEROS))
+        h.update(ZEROS[:k])
         n -= k
 
 

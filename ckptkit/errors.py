@@ -30,6 +30,11 @@ around a load keeps working::
     ├── ReplayError (ValueError)              a replay that cannot be asked for
     └── AuditError (RuntimeError)             an audited command failed, timed out or ignored the stop
 
+    RunStopped (SystemExit)                   not an error: a requested stop saved the run (exit 75)
+
+``RunStopped`` stands apart on purpose: a loop's ``except Exception`` must not
+swallow a preemption, and uncaught it ends the process with :data:`EXIT_STOPPED`.
+
 Format errors carry ``path``, ``offset``, ``field``, ``expected``, ``actual`` and
 ``hint`` and render one line, e.g.::
 
@@ -42,6 +47,7 @@ import os
 from typing import Any
 
 __all__ = [
+    "EXIT_STOPPED",
     "AuditError",
     "BadMagic",
     "BadTensorValue",
@@ -58,6 +64,7 @@ __all__ = [
     "ReplayError",
     "ReservedBitSet",
     "ResumeRefused",
+    "RunStopped",
     "SaveFailed",
     "SidecarMismatch",
     "StateMismatch",
@@ -305,3 +312,20 @@ class ReplayError(CheckpointError, ValueError):
 class AuditError(CheckpointError, RuntimeError):
     """An audit that could not run: a training process failed, timed out, or ignored the
     stop request (its stderr and a hint are in the message): exit 2."""
+
+
+EXIT_STOPPED = 75  # EX_TEMPFAIL (sysexits.h): "try again later" -- the run is resumable
+
+
+class RunStopped(SystemExit):
+    """The run saved and stopped on request; uncaught, the process exits with :data:`EXIT_STOPPED`.
+
+    Attributes:
+        step: the steps done (the checkpoint's step).
+        path: the checkpoint saved (or the one already at that step).
+        reason: what asked for the stop (``SIGTERM``, ``CKPTKIT_STOP_AT=20``).
+    """
+
+    def __init__(self, step: int, path: str, reason: str) -> None:
+        super().__init__(EXIT_STOPPED)
+        self.step, self.path, self.reason = step, path, reason

@@ -7,7 +7,9 @@ above ``multiplier`` times the rolling median of the last ``window`` accepted
 grad norms, once ``min_history`` values are in the window and only above
 ``floor``. A spike never enters the window. Alongside the detector the monitor
 keeps the run's stability report: spike counts, recent spikes, refused steps
-and grad-norm statistics.
+and grad-norm statistics. The two are separate parts (:class:`_Detector`,
+:class:`_Report`) behind the one :class:`SpikeMonitor`; a rollback rewinds the
+detector only. The stored form is validated whole by ``_monitor_state``.
 
 Invariants (spec/rollback.md, rules R-M01..R-M12):
 
@@ -38,14 +40,14 @@ import operator
 from collections.abc import Mapping
 from typing import Any
 
+from ._monitor_state import SPIKE_REASONS, DetectorState, ReportState, exact_keys, typed
 from .errors import ConfigDrift, MalformedIndex, UnsupportedVersion
 
 __all__ = ["REASONS", "STATE_VERSION", "SpikeConfig", "SpikeMonitor", "Verdict"]
 
 STATE_VERSION = 1  # the "version" key of state_dict(); R-M09
 # Every reason a verdict can carry; the spike reasons are the last three.
-REASONS = ("ok", "warming_up", "grad_norm", "non_finite_grad_norm", "non_finite_loss")
-_SPIKE_REASONS = REASONS[2:]
+REASONS = ("ok", "warming_up", *SPIKE_REASONS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +131,126 @@ def _nearest_rank(ordered: list[float], q: float) -> float | None:
     return ordered[rank - 1]
 
 
+class _Detector:
+    """The rolling-median detector: the last ``window`` accepted grad norms (rewound on rollback, R-M07)."""
+
+    def __init__(self, config: SpikeConfig, state: DetectorState = DetectorState((), None)) -> None:
+        self.config = config
+        self.window: collections.deque[float] = collections.deque(state.window, maxlen=config.window)
+        self.sorted = sorted(self.window)  # the window's values, ascending
+        self.last_step = state.last_step
+
+    @property
+    def median(self) -> float | None:
+        return _lower_median(self.sorted)
+
+    def judge(self, step: int, g: float, loss: float) -> Verdict:
+        """The verdict on one step; a non-spike enters the window."""
+        median = self.median
+        ratio = g / median if median else None  # None for no median and for median == 0
+        cfg = self.config
+        if not math.isfinite(g):
+            reason = "non_finite_grad_norm"
+        elif not math.isfinite(loss):
+            reason = "non_finite_loss"
+        elif len(self.window) < cfg.min_history:
+            reason = "warming_up"
+        elif median is not None and g > cfg.floor and g > cfg.multiplier * median:
+            reason = "grad_norm"
+        else:
+            reason = "ok"
+        is_spike = reason in SPIKE_REASONS
+        self.last_step = step
+        if not is_spike:
+            if len(self.window) == self.window.maxlen:
+                del self.sorted[bisect.bisect_left(self.sorted, self.window[0])]
+            self.window.append(g)
+            bisect.insort(self.sorted, g)
+        return Verdict(step, g, loss, median, ratio, is_spike, reason)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"window": list(self.window), "last_step": self.last_step}
+
+
+class _Report:
+    """The run's stability record (never rewound: it describes the whole run, discarded branches too)."""
+
+    def __init__(self, history: int, state: ReportState | None = None) -> None:
+        s = state or ReportState(0, dict.fromkeys(SPIKE_REASONS, 0), (), (), 0, 0, 0, 0.0, None, None, ())
+        self.observed = s.observed
+        self.spikes = dict(s.spikes)
+        self.recent_spikes: collections.deque[dict[str, Any]] = collections.deque(
+            (dict(r) for r in s.recent_spikes), maxlen=history)
+        self.refused: collections.deque[int] = collections.deque(s.refused, maxlen=history)
+        self.refused_count = s.refused_count
+        self.finite_count = s.finite_count
+        self.non_finite_count = s.non_finite_count
+        self.sum = s.sum
+        self.min = s.min
+        self.max = s.max
+        self.recent: collections.deque[float] = collections.deque(s.recent, maxlen=history)
+
+    def record(self, v: Verdict) -> None:
+        self.observed += 1
+        if math.isfinite(v.grad_norm):
+            self.finite_count += 1
+            self.sum += v.grad_norm
+            self.min = v.grad_norm if self.min is None else min(self.min, v.grad_norm)
+            self.max = v.grad_norm if self.max is None else max(self.max, v.grad_norm)
+            self.recent.append(v.grad_norm)
+        else:
+            self.non_finite_count += 1
+        if v.is_spike:
+            self.spikes[v.reason] += 1
+            self.recent_spikes.append(
+                {"step": v.step, "reason": v.reason, "grad_norm": v.grad_norm, "loss": v.loss, "median": v.median}
+            )
+
+    def refuse(self, step: int) -> None:
+        self.refused.append(step)
+        self.refused_count += 1
+
+    def summary(self, detector: _Detector) -> dict[str, Any]:
+        """What :meth:`SpikeMonitor.report` returns."""
+        recent = sorted(self.recent)
+        return {
+            "observed": self.observed,
+            "last_step": detector.last_step,
+            "spikes": sum(self.spikes.values()),
+            "spikes_by_reason": dict(self.spikes),
+            "recent_spikes": [dict(s) for s in self.recent_spikes],
+            "refused": list(self.refused),
+            "refused_count": self.refused_count,
+            "window": {"size": len(detector.window), "median": detector.median},
+            "grad_norm": {
+                "count": self.finite_count,
+                "non_finite": self.non_finite_count,
+                "min": self.min,
+                "max": self.max,
+                "mean": self.sum / self.finite_count if self.finite_count else None,
+                "recent": len(recent),
+                "p50": _nearest_rank(recent, 0.5),
+                "p99": _nearest_rank(recent, 0.99),
+                "p999": _nearest_rank(recent, 0.999),
+            },
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "observed": self.observed,
+            "spikes": dict(self.spikes),
+            "recent_spikes": [dict(s) for s in self.recent_spikes],
+            "refused": list(self.refused),
+            "refused_count": self.refused_count,
+            "finite_count": self.finite_count,
+            "non_finite_count": self.non_finite_count,
+            "sum": self.sum,
+            "min": self.min,
+            "max": self.max,
+            "recent": list(self.recent),
+        }
+
+
 class SpikeMonitor:
     """Rolling-median spike detector plus the run's stability report (spec/rollback.md).
 
@@ -146,22 +268,8 @@ class SpikeMonitor:
         self.config = SpikeConfig() if config is None else config
         if not isinstance(self.config, SpikeConfig):
             raise TypeError(f"config must be a SpikeConfig (got {type(self.config).__name__})")
-        # Detector state (rewound on rollback, R-M07).
-        self._window: collections.deque[float] = collections.deque(maxlen=self.config.window)
-        self._sorted: list[float] = []  # the window's values, ascending
-        self._last_step: int | None = None
-        # Report state (never rewound: it describes the whole run, discarded branches too).
-        self._observed = 0
-        self._spikes = {reason: 0 for reason in _SPIKE_REASONS}
-        self._recent_spikes: collections.deque[dict[str, Any]] = collections.deque(maxlen=self.config.history)
-        self._refused: collections.deque[int] = collections.deque(maxlen=self.config.history)
-        self._refused_count = 0
-        self._finite_count = 0
-        self._non_finite_count = 0
-        self._sum = 0.0
-        self._min: float | None = None
-        self._max: float | None = None
-        self._recent: collections.deque[float] = collections.deque(maxlen=self.config.history)
+        self._detector = _Detector(self.config)
+        self._report = _Report(self.config.history)
 
     # ------------------------------------------------------------------ observe
 
@@ -184,54 +292,17 @@ class SpikeMonitor:
                 or ``grad_norm`` is negative.
             TypeError: ``step`` is not an int, or a value is not a number.
         """
-        step = self._check_step("step", step)
-        if self._last_step is not None and step <= self._last_step:
-            raise ValueError(f"step must be > the last observed step {self._last_step} (got {step})")
+        step = _check_step("step", step)
+        last = self._detector.last_step
+        if last is not None and step <= last:
+            raise ValueError(f"step must be > the last observed step {last} (got {step})")
         g = float(grad_norm)
         loss_f = float(loss)
         if g < 0.0:
             raise ValueError(f"grad_norm must be >= 0 (got {g})")
-        median = _lower_median(self._sorted)
-        ratio = g / median if median else None  # None for no median and for median == 0
-        cfg = self.config
-        if not math.isfinite(g):
-            reason = "non_finite_grad_norm"
-        elif not math.isfinite(loss_f):
-            reason = "non_finite_loss"
-        elif len(self._window) < cfg.min_history:
-            reason = "warming_up"
-        elif median is not None and g > cfg.floor and g > cfg.multiplier * median:
-            reason = "grad_norm"
-        else:
-            reason = "ok"
-        is_spike = reason in _SPIKE_REASONS
-        verdict = Verdict(step, g, loss_f, median, ratio, is_spike, reason)
-
-        self._last_step = step
-        if not is_spike:
-            if len(self._window) == self._window.maxlen:
-                old = self._window[0]
-                del self._sorted[bisect.bisect_left(self._sorted, old)]
-            self._window.append(g)
-            bisect.insort(self._sorted, g)
-        self._record(verdict)
+        verdict = self._detector.judge(step, g, loss_f)
+        self._report.record(verdict)
         return verdict
-
-    def _record(self, v: Verdict) -> None:
-        self._observed += 1
-        if math.isfinite(v.grad_norm):
-            self._finite_count += 1
-            self._sum += v.grad_norm
-            self._min = v.grad_norm if self._min is None else min(self._min, v.grad_norm)
-            self._max = v.grad_norm if self._max is None else max(self._max, v.grad_norm)
-            self._recent.append(v.grad_norm)
-        else:
-            self._non_finite_count += 1
-        if v.is_spike:
-            self._spikes[v.reason] += 1
-            self._recent_spikes.append(
-                {"step": v.step, "reason": v.reason, "grad_norm": v.grad_norm, "loss": v.loss, "median": v.median}
-            )
 
     def refuse(self, step: int) -> None:
         """Record that the update of ``step`` was refused (skipped or rolled back).
@@ -244,25 +315,12 @@ class SpikeMonitor:
         Raises:
             ValueError / TypeError: ``step`` is not an int >= 0.
         """
-        self._refused.append(self._check_step("step", step))
-        self._refused_count += 1
+        self._report.refuse(_check_step("step", step))
 
     @property
     def last_step(self) -> int | None:
         """The last observed step, or None before the first observation."""
-        return self._last_step
-
-    @staticmethod
-    def _check_step(name: str, step: Any) -> int:
-        if isinstance(step, bool):
-            raise TypeError(f"{name} must be an int (got bool)")
-        try:
-            s = operator.index(step)
-        except TypeError:
-            raise TypeError(f"{name} must be an int (got {type(step).__name__})") from None
-        if s < 0:
-            raise ValueError(f"{name} must be >= 0 (got {s})")
-        return s
+        return self._detector.last_step
 
     # ------------------------------------------------------------------ report
 
@@ -277,28 +335,7 @@ class SpikeMonitor:
             every finite value, and nearest-rank p50/p99/p99.9 over the last
             ``history`` finite values (None when there are none).
         """
-        recent = sorted(self._recent)
-        return {
-            "observed": self._observed,
-            "last_step": self._last_step,
-            "spikes": sum(self._spikes.values()),
-            "spikes_by_reason": dict(self._spikes),
-            "recent_spikes": [dict(s) for s in self._recent_spikes],
-            "refused": list(self._refused),
-            "refused_count": self._refused_count,
-            "window": {"size": len(self._window), "median": _lower_median(self._sorted)},
-            "grad_norm": {
-                "count": self._finite_count,
-                "non_finite": self._non_finite_count,
-                "min": self._min,
-                "max": self._max,
-                "mean": self._sum / self._finite_count if self._finite_count else None,
-                "recent": len(recent),
-                "p50": _nearest_rank(recent, 0.5),
-                "p99": _nearest_rank(recent, 0.99),
-                "p999": _nearest_rank(recent, 0.999),
-            },
-        }
+        return self._report.summary(self._detector)
 
     # ------------------------------------------------------------------ state
 
@@ -316,20 +353,8 @@ class SpikeMonitor:
         return {
             "version": STATE_VERSION,
             "config": self.config.to_dict(),
-            "detector": {"window": list(self._window), "last_step": self._last_step},
-            "report": {
-                "observed": self._observed,
-                "spikes": dict(self._spikes),
-                "recent_spikes": [dict(s) for s in self._recent_spikes],
-                "refused": list(self._refused),
-                "refused_count": self._refused_count,
-                "finite_count": self._finite_count,
-                "non_finite_count": self._non_finite_count,
-                "sum": self._sum,
-                "min": self._min,
-                "max": self._max,
-                "recent": list(self._recent),
-            },
+            "detector": self._detector.state_dict(),
+            "report": self._report.state_dict(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -345,9 +370,9 @@ class SpikeMonitor:
             ConfigDrift: the recorded config differs from ``self.config``; every
                 differing field is named.
         """
-        detector, report = self._validate(state)
-        self._load_detector(detector)
-        self._load_report(report)
+        detector, report = self._parse(state)
+        self._detector = _Detector(self.config, detector)
+        self._report = _Report(self.config.history, report)
 
     def rewind(self, state: Mapping[str, Any]) -> None:
         """Roll the detector back to a snapshot, keeping the report (R-M07).
@@ -363,14 +388,14 @@ class SpikeMonitor:
             As :meth:`load_state_dict`, and ValueError if the snapshot's last step
             is after this monitor's last step.
         """
-        detector, _ = self._validate(state)
-        snap_last = detector["last_step"]
-        if snap_last is not None and (self._last_step is None or snap_last > self._last_step):
+        detector, _ = self._parse(state)
+        snap_last, last = detector.last_step, self._detector.last_step
+        if snap_last is not None and (last is None or snap_last > last):
             raise ValueError(
                 f"rewind snapshot is ahead of the monitor (snapshot last step {snap_last}, "
-                f"monitor last step {self._last_step})"
+                f"monitor last step {last})"
             )
-        self._load_detector(detector)
+        self._detector = _Detector(self.config, detector)
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Any]) -> SpikeMonitor:
@@ -381,31 +406,12 @@ class SpikeMonitor:
         Raises:
             As :meth:`load_state_dict` (never ConfigDrift).
         """
-        config = _config_from(_get(state, "config", dict, "monitor"))
+        config = _config_from(typed(state, "config", dict, "monitor"))
         monitor = cls(config)
         monitor.load_state_dict(state)
         return monitor
 
-    def _load_detector(self, detector: dict[str, Any]) -> None:
-        self._window = collections.deque(detector["window"], maxlen=self.config.window)
-        self._sorted = sorted(self._window)
-        self._last_step = detector["last_step"]
-
-    def _load_report(self, r: dict[str, Any]) -> None:
-        h = self.config.history
-        self._observed = r["observed"]
-        self._spikes = {reason: r["spikes"][reason] for reason in _SPIKE_REASONS}
-        self._recent_spikes = collections.deque((dict(s) for s in r["recent_spikes"]), maxlen=h)
-        self._refused = collections.deque(r["refused"], maxlen=h)
-        self._refused_count = r["refused_count"]
-        self._finite_count = r["finite_count"]
-        self._non_finite_count = r["non_finite_count"]
-        self._sum = r["sum"]
-        self._min = r["min"]
-        self._max = r["max"]
-        self._recent = collections.deque(r["recent"], maxlen=h)
-
-    def _validate(self, state: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    def _parse(self, state: Any) -> tuple[DetectorState, ReportState]:
         """Check every key and type of a state dict (R-M09..R-M12); return its parts."""
         if not isinstance(state, Mapping):
             raise MalformedIndex(f"state must be a dict (got {type(state).__name__})", field="monitor")
@@ -422,142 +428,45 @@ class SpikeMonitor:
                 actual=version,
                 hint="upgrade ckptkit to read this checkpoint",
             )
-        _exact_keys(state, {"version", "config", "detector", "report"}, "monitor")
-        recorded = _config_from(state["config"])
-        if recorded != self.config:
-            diffs = [
-                f"{f.name}: recorded {getattr(recorded, f.name)!r}, configured {getattr(self.config, f.name)!r}"
-                for f in dataclasses.fields(SpikeConfig)
-                if getattr(recorded, f.name) != getattr(self.config, f.name)
-            ]
-            raise ConfigDrift(
-                "monitor state was recorded with a different spike config: "
-                + "; ".join(diffs)
-                + " (the spike config is part of the run config; resume with the recorded values)",
-                diffs,
-            )
-        cfg = self.config
-
-        det = _get(state, "detector", dict, "monitor")
-        _exact_keys(det, {"window", "last_step"}, "monitor.detector")
-        window = _float_list(det, "window", "monitor.detector", cfg.window)
-        for x in window:
-            if not (math.isfinite(x) and x >= 0.0):
-                raise MalformedIndex(
-                    f"window holds {x!r}; window values must be finite and >= 0", field="monitor.detector.window"
-                )
-        last_step = _opt_int(det, "last_step", "monitor.detector")
-        if window and last_step is None:
-            raise MalformedIndex("window is not empty but last_step is None", field="monitor.detector")
-
-        rep = _get(state, "report", dict, "monitor")
-        where = "monitor.report"
-        _exact_keys(
-            rep,
-            {"observed", "spikes", "recent_spikes", "refused", "refused_count", "finite_count",
-             "non_finite_count", "sum", "min", "max", "recent"},
-            where,
-        )
-        for key in ("observed", "refused_count", "finite_count", "non_finite_count"):
-            _int(rep, key, where)
-        spikes = _get(rep, "spikes", dict, where)
-        _exact_keys(spikes, set(_SPIKE_REASONS), f"{where}.spikes")
-        for reason in _SPIKE_REASONS:
-            _int(spikes, reason, f"{where}.spikes")
-        recent_spikes = _get(rep, "recent_spikes", list, where)
-        if len(recent_spikes) > cfg.history:
-            raise MalformedIndex(
-                "recent_spikes is longer than history", field=f"{where}.recent_spikes",
-                expected=f"<= {cfg.history}", actual=len(recent_spikes),
-            )
-        for i, rec in enumerate(recent_spikes):
-            at = f"{where}.recent_spikes[{i}]"
-            if not isinstance(rec, Mapping):
-                raise MalformedIndex(f"must be a dict (got {type(rec).__name__})", field=at)
-            _exact_keys(rec, {"step", "reason", "grad_norm", "loss", "median"}, at)
-            _int(rec, "step", at)
-            if rec["reason"] not in _SPIKE_REASONS:
-                raise MalformedIndex(f"reason {rec['reason']!r} is not a spike reason", field=at)
-            _float(rec, "grad_norm", at)
-            _float(rec, "loss", at)
-            _opt_float(rec, "median", at)
-        refused = _get(rep, "refused", list, where)
-        if len(refused) > cfg.history:
-            raise MalformedIndex(
-                "refused is longer than history", field=f"{where}.refused",
-                expected=f"<= {cfg.history}", actual=len(refused),
-            )
-        for i, s in enumerate(refused):
-            if isinstance(s, bool) or not isinstance(s, int) or s < 0:
-                raise MalformedIndex(f"must be an int >= 0 (got {s!r})", field=f"{where}.refused[{i}]")
-        _float(rep, "sum", where)
-        _opt_float(rep, "min", where)
-        _opt_float(rep, "max", where)
-        _float_list(rep, "recent", where, cfg.history)
-        return dict(det), dict(rep)
+        exact_keys(state, {"version", "config", "detector", "report"}, "monitor")
+        _check_same_config(_config_from(state["config"]), self.config)
+        detector = DetectorState.from_dict(typed(state, "detector", dict, "monitor"), window=self.config.window)
+        report = ReportState.from_dict(typed(state, "report", dict, "monitor"), history=self.config.history)
+        return detector, report
 
 
-# ---------------------------------------------------------------------- validation helpers
+def _check_step(name: str, step: Any) -> int:
+    if isinstance(step, bool):
+        raise TypeError(f"{name} must be an int (got bool)")
+    try:
+        s = operator.index(step)
+    except TypeError:
+        raise TypeError(f"{name} must be an int (got {type(step).__name__})") from None
+    if s < 0:
+        raise ValueError(f"{name} must be >= 0 (got {s})")
+    return s
 
 
-def _exact_keys(d: Mapping[str, Any], keys: set[str], where: str) -> None:
-    missing = sorted(keys - set(d))
-    unknown = sorted(str(k) for k in set(d) - keys)
-    if missing:
-        raise MalformedIndex(f"missing key(s) {', '.join(missing)}", field=where)
-    if unknown:
-        raise MalformedIndex(f"unknown key(s) {', '.join(unknown)}", field=where)
-
-
-def _get(d: Mapping[str, Any], key: str, kind: type, where: str) -> Any:
-    if key not in d:
-        raise MalformedIndex(f"missing key {key}", field=where)
-    value = d[key]
-    ok = isinstance(value, Mapping) if kind is dict else isinstance(value, kind)
-    if not ok:
-        raise MalformedIndex(f"must be a {kind.__name__} (got {type(value).__name__})", field=f"{where}.{key}")
-    return value
-
-
-def _int(d: Mapping[str, Any], key: str, where: str) -> int:
-    v = d[key]
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise MalformedIndex(f"must be an int >= 0 (got {v!r})", field=f"{where}.{key}")
-    return v
-
-
-def _opt_int(d: Mapping[str, Any], key: str, where: str) -> int | None:
-    return None if d[key] is None else _int(d, key, where)
-
-
-def _float(d: Mapping[str, Any], key: str, where: str) -> float:
-    v = d[key]
-    if not isinstance(v, float):
-        raise MalformedIndex(f"must be a float (got {type(v).__name__})", field=f"{where}.{key}")
-    return v
-
-
-def _opt_float(d: Mapping[str, Any], key: str, where: str) -> float | None:
-    return None if d[key] is None else _float(d, key, where)
-
-
-def _float_list(d: Mapping[str, Any], key: str, where: str, limit: int) -> list[float]:
-    values = _get(d, key, list, where)
-    if len(values) > limit:
-        raise MalformedIndex(
-            f"{key} holds more values than the config allows", field=f"{where}.{key}",
-            expected=f"<= {limit}", actual=len(values),
-        )
-    for i, v in enumerate(values):
-        if not isinstance(v, float):
-            raise MalformedIndex(f"must be a float (got {type(v).__name__})", field=f"{where}.{key}[{i}]")
-    return values
+def _check_same_config(recorded: SpikeConfig, configured: SpikeConfig) -> None:
+    if recorded == configured:
+        return
+    diffs = [
+        f"{f.name}: recorded {getattr(recorded, f.name)!r}, configured {getattr(configured, f.name)!r}"
+        for f in dataclasses.fields(SpikeConfig)
+        if getattr(recorded, f.name) != getattr(configured, f.name)
+    ]
+    raise ConfigDrift(
+        "monitor state was recorded with a different spike config: "
+        + "; ".join(diffs)
+        + " (the spike config is part of the run config; resume with the recorded values)",
+        diffs,
+    )
 
 
 def _config_from(raw: Any) -> SpikeConfig:
     if not isinstance(raw, Mapping):
         raise MalformedIndex(f"must be a dict (got {type(raw).__name__})", field="monitor.config")
-    _exact_keys(raw, {f.name for f in dataclasses.fields(SpikeConfig)}, "monitor.config")
+    exact_keys(raw, {f.name for f in dataclasses.fields(SpikeConfig)}, "monitor.config")
     try:
         return SpikeConfig(**{str(k): v for k, v in raw.items()})
     except (TypeError, ValueError) as e:

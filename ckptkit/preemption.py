@@ -22,27 +22,12 @@ import sys
 from collections.abc import Iterable, Iterator
 from types import FrameType
 
-from .errors import CheckpointError
+from .errors import EXIT_STOPPED, CheckpointError, RunStopped
 
 __all__ = ["EXIT_STOPPED", "STOP_AT_ENV", "RunStopped", "StopRequests"]
 
-EXIT_STOPPED = 75  # EX_TEMPFAIL (sysexits.h): "try again later" -- the run is resumable
 STOP_AT_ENV = "CKPTKIT_STOP_AT"  # save and stop once this many steps are done (ckptkit audit)
 DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-
-class RunStopped(SystemExit):
-    """The run saved and stopped on request; uncaught, the process exits with :data:`EXIT_STOPPED`.
-
-    Attributes:
-        step: the steps done (the checkpoint's step).
-        path: the checkpoint saved (or the one already at that step).
-        reason: what asked for the stop (``SIGTERM``, ``CKPTKIT_STOP_AT=20``).
-    """
-
-    def __init__(self, step: int, path: str, reason: str) -> None:
-        super().__init__(EXIT_STOPPED)
-        self.step, self.path, self.reason = step, path, reason
 
 
 class StopRequests:

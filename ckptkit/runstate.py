@@ -5,7 +5,7 @@ optimizers, schedulers, scalers, the EMA teacher, data positions, monitors, flag
 bits, small values, sidecars and the config — and then does ``save(step)`` and
 ``resume()`` with every check the design record asks for:
 
-* the config snapshot is diffed key by key (:func:`ckptkit.snapshot.check_resume`);
+* the config snapshot is diffed key by key (:func:`ckptkit.drift.check_resume`);
 * the environment (torch version, threads, ...) is compared with the recording;
 * the newest checkpoint that verifies, *with* consistent sidecars, is chosen, and
   every fallback is said out loud;
@@ -42,11 +42,13 @@ import os
 import shlex
 import sys
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import xxhash
 
+from ._registry import Entry, Registry, has_state_dict
+from ._run_files import checkpoint_name, list_checkpoints, read_environment, retain
 from .asyncsave import AsyncSaver
 from .atomic import clean_stale_temps, write_bytes_atomic
 from .checkpoint import Checkpoint, load, save
@@ -60,59 +62,21 @@ from .companions import (
     record_of,
 )
 from .container import FLAG_NAMES, SECTIONS
+from .drift import DEFAULT_EXEMPT, KeyDiff, check_resume
 from .environment import EnvDiff, capture, check_environment
 from .errors import (
     CheckpointNotFound,
     FormatError,
     LegacyCheckpoint,
     ResumeRefused,
-    StateMismatch,
-    StreamOffsetMismatch,
     UnsupportedValue,
 )
 from .preemption import DEFAULT_SIGNALS, RunStopped, StopRequests
 from .section import check_plain
 from .sidecar import read_sidecar, sidecar_path, write_sidecar
-from .snapshot import DEFAULT_EXEMPT, KeyDiff, check_resume, encode_snapshot, read_snapshot, snapshot_path
+from .snapshot import encode_snapshot, read_snapshot, snapshot_path
 
 __all__ = ["ENVIRONMENT_FILE", "ResumeInfo", "RunState", "checkpoint_name", "list_checkpoints", "read_environment"]
-
-_PREFIX, _SUFFIX = "step-", ".ckpt"
-
-
-def checkpoint_name(step: int) -> str:
-    """File name of the checkpoint at ``step``: ``step-00000120.ckpt`` (8+ digits, sortable)."""
-    return f"{_PREFIX}{step:08d}{_SUFFIX}"
-
-
-def read_environment(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
-    """The environment facts a run recorded when it started (``environment.json``).
-
-    Raises:
-        CheckpointNotFound: the record is missing.
-        FormatError: it is not valid JSON.
-    """
-    env_path = os.path.join(os.fspath(run_dir), ENVIRONMENT_FILE)
-    try:
-        with open(env_path, encoding="utf-8") as f:
-            return json.load(f)
-    except FileNotFoundError:
-        raise CheckpointNotFound(f"{env_path}: the run's environment record is missing") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise FormatError(f"not valid JSON: {e}", path=env_path, field="environment") from None
-
-
-def list_checkpoints(run_dir: str | os.PathLike[str]) -> list[tuple[int, str]]:
-    """``(step, path)`` of every checkpoint file in ``run_dir``, oldest first."""
-    run_dir = os.fspath(run_dir)
-    out = []
-    with contextlib.suppress(FileNotFoundError):
-        for name in os.listdir(run_dir):
-            digits = name[len(_PREFIX) : -len(_SUFFIX)]
-            if name.startswith(_PREFIX) and name.endswith(_SUFFIX) and digits.isdigit() and len(digits) >= 8:
-                out.append((int(digits), os.path.join(run_dir, name)))
-    return sorted(out)
-
 
 @dataclass(frozen=True)
 class ResumeInfo:
@@ -137,58 +101,6 @@ class ResumeInfo:
     legacy_missing: tuple[str, ...] = ()
 
 
-@dataclass
-class _Entry:
-    get: Callable[[], Any]
-    set: Callable[[Any], None]
-    # add_data_position's rule: (step, the checkpoint's stored values by name) -> position.
-    expected: Callable[[int, Mapping[str, Any]], Any] | None = None
-
-    def expected_at(self, step: int, values: Mapping[str, Any]) -> Any:
-        """The position the rule wants at ``step`` (None when there is no rule)."""
-        return None if self.expected is None else self.expected(step, values)
-
-
-@dataclass
-class _Registry:
-    models: dict[str, Any] = field(default_factory=dict)
-    optimizers: dict[str, Any] = field(default_factory=dict)
-    schedulers: dict[str, Any] = field(default_factory=dict)
-    scalers: dict[str, Any] = field(default_factory=dict)
-    teacher: Any = None
-    monitors: dict[str, Any] = field(default_factory=dict)
-    data: dict[str, _Entry] = field(default_factory=dict)
-    values: dict[str, _Entry] = field(default_factory=dict)
-    flags: dict[str, _Entry] = field(default_factory=dict)
-    sidecars: dict[str, _Entry] = field(default_factory=dict)
-
-
-def _layout_problems(where: str, stored: Mapping[str, Any], live: Mapping[str, Any], problems: list[str]) -> None:
-    """Append how a module's stored state_dict differs from its live one in keys,
-    shapes or dtypes (worded as ``load(into=...)`` words them): checked before
-    anything is restored, so a model built differently (code changed, config
-    not) is refused whole, not half-loaded."""
-    import torch  # lazily: ``import ckptkit`` stays torch-free for the format tools
-
-    from .codec import dtype_name
-
-    for key in sorted(set(live) | set(stored)):
-        at = f"{where}[{key!r}]"
-        if key not in stored:
-            problems.append(f"{at}: missing from the checkpoint")
-        elif key not in live:
-            problems.append(f"{at}: in the checkpoint but not in the module")
-        elif isinstance(a := stored[key], torch.Tensor) and isinstance(b := live[key], torch.Tensor):
-            if a.dtype != b.dtype:
-                problems.append(f"{at}: dtype {dtype_name(a.dtype)} in the checkpoint, {dtype_name(b.dtype)} in the module")
-            elif a.shape != b.shape:
-                problems.append(f"{at}: shape {list(a.shape)} in the checkpoint, {list(b.shape)} in the module")
-
-
-def _has_state_dict(obj: Any) -> bool:
-    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
-
-
 class RunState:
     """A run's state, registered once, saved and resumed as a whole.
 
@@ -200,7 +112,7 @@ class RunState:
         keep: how many newest checkpoints to keep (older ones, with their
             companions, are deleted after each successful save).
         exempt: config keys allowed to change across a resume (default: the
-            progress/cadence keys, see :data:`ckptkit.snapshot.DEFAULT_EXEMPT`).
+            progress/cadence keys, see :data:`ckptkit.drift.DEFAULT_EXEMPT`).
         compression: container codec per :func:`ckptkit.save`.
         log: called with each human-readable note (default: ignore; notes are also
             returned in :class:`ResumeInfo`).
@@ -234,7 +146,7 @@ class RunState:
         self.exempt = frozenset(exempt)
         self.compression = compression
         self._log = log or (lambda _msg: None)
-        self._reg = _Registry()
+        self._reg = Registry()
         self._after_restore: list[Callable[[], None]] = []
         self._saver: AsyncSaver | None = AsyncSaver(compression=compression) if async_save else None
         self._stops = StopRequests()
@@ -257,7 +169,7 @@ class RunState:
 
     def _stateful(self, kind: str, name: str, obj: Any, taken: dict[str, Any]) -> None:
         self._name(kind, name, taken)
-        if not _has_state_dict(obj):
+        if not has_state_dict(obj):
             raise UnsupportedValue(f"{kind} {name!r}: a {type(obj).__name__} has no state_dict()/load_state_dict()")
         self._probe(f"{kind} {name!r}", obj.state_dict())
         taken[name] = obj
@@ -291,7 +203,7 @@ class RunState:
     def add_monitor(self, name: str, monitor: Any) -> None:
         """Register a monitor (e.g. :class:`ckptkit.monitor.SpikeMonitor`); plain-value state only."""
         self._name("monitor", name, self._reg.monitors)
-        if not _has_state_dict(monitor):
+        if not has_state_dict(monitor):
             raise UnsupportedValue(f"monitor {name!r}: a {type(monitor).__name__} has no state_dict()/load_state_dict()")
         check_plain(monitor.state_dict(), f"monitor {name!r}")
         self._reg.monitors[name] = monitor
@@ -322,13 +234,13 @@ class RunState:
         pos = get()
         if isinstance(pos, bool) or not isinstance(pos, int) or pos < 0:
             raise UnsupportedValue(f"data position {name!r} must be a non-negative int (got {pos!r})")
-        self._reg.data[name] = _Entry(get, set, expected)
+        self._reg.data[name] = Entry(get, set, expected)
 
     def add_value(self, name: str, *, get: Callable[[], Any], set: Callable[[Any], None]) -> None:  # noqa: A002
         """Register small run state (msgpack-able plain values: numbers, str, lists, dicts)."""
         self._name("value", name, self._reg.values)
         check_plain(get(), f"value {name!r}")
-        self._reg.values[name] = _Entry(get, set)
+        self._reg.values[name] = Entry(get, set)
 
     def add_stateful(self, name: str, obj: Any) -> None:
         """Register any object with ``state_dict()`` / ``load_state_dict()`` whose state is
@@ -341,7 +253,7 @@ class RunState:
                 state holds something other than plain values (tensors: register the
                 object with :meth:`add_scheduler`, whose section carries tensors).
         """
-        if not _has_state_dict(obj):
+        if not has_state_dict(obj):
             raise UnsupportedValue(f"stateful {name!r}: a {type(obj).__name__} has no state_dict()/load_state_dict()")
         self.add_value(name, get=obj.state_dict, set=obj.load_state_dict)
 
@@ -351,7 +263,7 @@ class RunState:
             raise UnsupportedValue(f"flag {name!r} has no bit in this container version "
                                    f"(known: {', '.join(FLAG_NAMES.values())}); store it with add_value")
         self._name("flag", name, self._reg.flags)
-        self._reg.flags[name] = _Entry(get, set)
+        self._reg.flags[name] = Entry(get, set)
 
     def add_sidecar(
         self,
@@ -370,7 +282,7 @@ class RunState:
         self._name("sidecar", kind, self._reg.sidecars)
         table_step, tree = get()
         self._probe(f"sidecar {kind!r}", tree)
-        self._reg.sidecars[kind] = _Entry(get, lambda v: set(*v))
+        self._reg.sidecars[kind] = Entry(get, lambda v: set(*v))
 
     def after_restore(self, fn: Callable[[], None]) -> None:
         """Call ``fn()`` after every restore: re-apply compute settings (quant format,
@@ -390,27 +302,7 @@ class RunState:
         The tensors are the live ones (``state_dict()`` references): copy them to keep
         this state while training goes on (e.g. for :meth:`restore`).
         """
-        r = self._reg
-        optim = {k: {n: o.state_dict() for n, o in group.items()}
-                 for k, group in (("optimizers", r.optimizers), ("schedulers", r.schedulers), ("scalers", r.scalers))
-                 if group}
-        monitor = {k: v for k, v in (
-            ("data", {n: e.get() for n, e in r.data.items()}),
-            ("monitors", {n: m.state_dict() for n, m in r.monitors.items()}),
-            ("values", {n: e.get() for n, e in r.values.items()}),
-        ) if v}
-        flags = 0
-        for bit, name in FLAG_NAMES.items():
-            if name in r.flags and r.flags[name].get():
-                flags |= 1 << bit
-        return Checkpoint(
-            step=step,
-            model={n: m.state_dict() for n, m in r.models.items()} or None,
-            optim=optim or None,
-            teacher=None if r.teacher is None else r.teacher.state_dict(),
-            monitor=monitor or None,
-            flags=flags,
-        )
+        return self._reg.contents(step)
 
     def save(self, step: int) -> str:
         """Save everything at ``step``: snapshot, sidecars, then the container.
@@ -502,29 +394,7 @@ class RunState:
                 os.unlink(p)
 
     def _retain(self) -> None:
-        """Delete all but the newest ``keep`` checkpoints, and companions orphaned by a
-        crash mid-delete. The new checkpoint is already committed, so a failure here
-        is reported and retried by the next save, never raised."""
-        ckpts = list_checkpoints(self.run_dir)
-        for _step, path in ckpts[: -self.keep]:
-            try:
-                self._delete(path)
-            except OSError as e:
-                self._log(f"retention: cannot delete {path} ({e.strerror}); will retry at the next save")
-        kept = {p for _s, p in list_checkpoints(self.run_dir)}
-        oldest = ckpts[-self.keep :][0][0] if ckpts else None
-        for name in sorted(os.listdir(self.run_dir)):
-            head, sep, _kind = name.partition(_SUFFIX + ".")
-            container = os.path.join(self.run_dir, head + _SUFFIX)
-            digits = head[len(_PREFIX) :]
-            if (sep and head.startswith(_PREFIX) and digits.isdigit() and container not in kept
-                    and oldest is not None and int(digits) < oldest):
-                try:
-                    os.unlink(os.path.join(self.run_dir, name))
-                except FileNotFoundError:
-                    pass
-                except OSError as e:
-                    self._log(f"retention: cannot delete orphan {name} ({e.strerror})")
+        retain(self.run_dir, self.keep, self._delete, self._log)
 
     def checkpoints(self) -> list[tuple[int, str]]:
         """``(step, path)`` of the run directory's checkpoints, oldest first, once a
@@ -610,7 +480,7 @@ class RunState:
         legacy_missing = self._check_legacy(ckpt, path, allow_legacy)
         if legacy_missing:
             notes.append(f"LEGACY checkpoint {os.path.basename(path)}: proceeding without {', '.join(legacy_missing)}")
-        self._check_contents(ckpt, path)
+        self._reg.check_contents(ckpt, path)
         self.restore(ckpt, sidecars={k: (sc.table_step, sc.tree) for k, sc in sidecars.items()})
         for n in notes:
             self._log(n)
@@ -755,7 +625,7 @@ class RunState:
             return ()
         needed = [m for m in ckpt.missing if m != "flags" or self._reg.flags]
         needed = [m for m in needed if m != "teacher" or self._reg.teacher is not None]
-        needed = [m for m in needed if m != "monitor" or self._monitor_registered()]
+        needed = [m for m in needed if m != "monitor" or self._reg.monitor_registered()]
         missing = tuple(needed)
         if not allow:
             raise LegacyCheckpoint(
@@ -765,54 +635,6 @@ class RunState:
                 ckpt.missing,
             )
         return ckpt.missing
-
-    def _monitor_registered(self) -> bool:
-        r = self._reg
-        return bool(r.data or r.monitors or r.values)
-
-    def _check_contents(self, ckpt: Checkpoint, path: str) -> None:
-        """Every registered piece is in the checkpoint and nothing unregistered is."""
-        r = self._reg
-        problems: list[str] = []
-
-        def compare(where: str, stored: Any, registered: Iterable[str]) -> None:
-            have = set(stored or {})
-            want = set(registered)
-            if want - have:
-                problems.append(f"{where} lacks {', '.join(sorted(want - have))}")
-            if have - want:
-                problems.append(f"{where} carries {', '.join(sorted(map(str, have - want)))} that this run does not register")
-
-        compare("model section", ckpt.model, r.models)
-        optim = ckpt.optim or {}
-        for group, regs in (("optimizers", r.optimizers), ("schedulers", r.schedulers), ("scalers", r.scalers)):
-            compare(f"optim[{group!r}]", optim.get(group), regs)
-        if not ckpt.legacy:
-            mon = ckpt.monitor or {}
-            for group, regs in (("data", r.data), ("monitors", r.monitors), ("values", r.values)):
-                compare(f"monitor[{group!r}]", mon.get(group), regs)
-            if (ckpt.teacher is None) != (r.teacher is None):
-                problems.append("teacher section is " + ("absent but a teacher is registered"
-                                                         if ckpt.teacher is None else "present but no teacher is registered"))
-        if not problems:
-            for name, m in r.models.items():
-                _layout_problems(f"model[{name!r}]", ckpt.model[name], m.state_dict(), problems)
-            if r.teacher is not None and ckpt.teacher is not None:
-                _layout_problems("teacher", ckpt.teacher, r.teacher.state_dict(), problems)
-        if problems:
-            more = f"; and {len(problems) - 10} more" if len(problems) > 10 else ""
-            raise StateMismatch(f"{path}: does not match this run's registered state: "
-                                + "; ".join(problems[:10]) + more, problems)
-        mon = ckpt.monitor or {}
-        for name, entry in r.data.items():
-            stored = mon.get("data", {}).get(name)
-            if stored is not None:
-                want = entry.expected_at(ckpt.step, mon.get("values") or {})
-                if want is not None and stored != want:
-                    raise StreamOffsetMismatch(
-                        f"{path}: data position {name!r} is {stored}, but a run at step {ckpt.step} must be at {want}; "
-                        "the stream offset rule changed or the checkpoint is from another run"
-                    )
 
     def restore(
         self,
@@ -845,50 +667,6 @@ class RunState:
             ValueError: a ``skip`` name that is not registered, or a registered
                 sidecar missing from ``sidecars``.
         """
-        r = self._reg
-        groups: dict[str, Mapping[str, Any]] = {
-            "model": r.models, "optimizer": r.optimizers, "scheduler": r.schedulers, "scaler": r.scalers,
-            "teacher": {"teacher": r.teacher} if r.teacher is not None else {}, "monitor": r.monitors,
-            "data": r.data, "value": r.values, "flag": r.flags, "sidecar": r.sidecars,
-        }
-        skip = set(skip)
-        unknown = sorted(s for s in skip if s.partition(":")[2] not in groups.get(s.partition(":")[0], {}))
-        if unknown:
-            raise ValueError(f"restore: skip names {', '.join(unknown)}, which this RunState does not register")
-        sidecars = dict(sidecars or {})
-        lacking = sorted(k for k in r.sidecars if f"sidecar:{k}" not in skip and k not in sidecars)
-        if lacking:
-            raise ValueError(f"restore: no contents given for the registered sidecar(s) {', '.join(lacking)}")
-
-        def todo(kind: str, regs: Mapping[str, Any]) -> list[tuple[str, Any]]:
-            return [(name, obj) for name, obj in regs.items() if f"{kind}:{name}" not in skip]
-
-        for name, m in todo("model", r.models):
-            m.load_state_dict(ckpt.model[name])
-        optim = ckpt.optim or {}
-        for group, kind, regs in (("optimizers", "optimizer", r.optimizers), ("schedulers", "scheduler", r.schedulers),
-                                  ("scalers", "scaler", r.scalers)):
-            for name, obj in todo(kind, regs):
-                obj.load_state_dict(optim[group][name])
-        if r.teacher is not None and ckpt.teacher is not None and "teacher:teacher" not in skip:
-            r.teacher.load_state_dict(ckpt.teacher)
-            for p in r.teacher.parameters():
-                p.requires_grad_(False)
-        mon = ckpt.monitor or {}
-        for name, m in todo("monitor", r.monitors):
-            if "monitors" in mon:
-                m.load_state_dict(mon["monitors"][name])
-        for group, kind, regs in (("data", "data", r.data), ("values", "value", r.values)):
-            for name, entry in todo(kind, regs):
-                if group in mon:
-                    entry.set(mon[group][name])
-                elif ckpt.legacy and group == "data" and entry.expected_at(ckpt.step, {}) is not None:
-                    entry.set(entry.expected_at(ckpt.step, {}))  # v1 stored no position: derive it from the rule
-        for bit, name in FLAG_NAMES.items():
-            if name in r.flags and f"flag:{name}" not in skip:
-                r.flags[name].set(bool(ckpt.flags >> bit & 1))
-        for kind, entry in todo("sidecar", r.sidecars):
-            entry.set(sidecars[kind])
+        self._reg.restore(ckpt, sidecars=sidecars, skip=skip)
         for fn in self._after_restore:
             fn()
-

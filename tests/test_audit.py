@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from test_trainer_resume import run, tiny
+from helpers import run, tiny
 
 from ckptkit.checkpoint import load, save
 from ckptkit.cli import main

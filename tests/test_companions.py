@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from test_runstate import Cfg, Loop, trained
+from helpers import Cfg, Loop, trained
 
 from ckptkit import CheckpointNotFound, ChecksumMismatch
 from ckptkit.cli import main
@@ -128,17 +128,6 @@ def test_resume_of_an_unbound_checkpoint_says_its_companions_are_unprotected(tmp
     assert info.step == 2
     assert (f"{checkpoint_name(2)} records no companion digests (written before companion binding): "
             "its snapshot, sidecars and environment.json are not integrity-checked") in info.notes
-
-
-def record_environment(run_dir: Path, facts: dict[str, object]) -> None:
-    """Make ``run_dir`` look recorded under ``facts``: its environment.json, and the
-    digest of it its checkpoints bind (R-C03) -- an edit alone is damage."""
-    from ckptkit.companions import rebind
-    from ckptkit.runstate import list_checkpoints
-
-    (run_dir / "environment.json").write_text(json.dumps(facts, sort_keys=True, indent=2) + "\n")
-    for _step, path in list_checkpoints(run_dir):
-        rebind(path)
 
 
 def _strip_binding(path: Path) -> None:

@@ -14,6 +14,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers import bits, same
 import ckptkit.container as container
 from ckptkit.checkpoint import Checkpoint, load, save
 from ckptkit.codec import encode_tree
@@ -32,25 +33,6 @@ from ckptkit.section import plan_section
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8, torch.int16, torch.int32,
           torch.int64, torch.uint8, torch.bool]
-
-
-def bits(t: torch.Tensor) -> bytes:
-    """The exact bytes of a tensor (NaN payloads and -0.0 included)."""
-    t = t.detach().contiguous()
-    return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-
-
-def same(a, b) -> bool:
-    """Bitwise equality of two trees (tensors by bytes, dtype and shape; tuples stay tuples)."""
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and bits(a) == bits(b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
-    if isinstance(a, float):
-        return isinstance(b, float) and struct.pack("<d", a) == struct.pack("<d", b)
-    return type(a) is type(b) and a == b
 
 
 @st.composite

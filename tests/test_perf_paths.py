@@ -16,8 +16,9 @@ import time
 import pytest
 import torch
 import xxhash
-from test_container import bits, same
+from helpers import bits, same
 
+import ckptkit._fileio as _fileio
 import ckptkit.container as container
 from ckptkit import (
     AsyncSaver,
@@ -253,7 +254,7 @@ def test_chunk_size_changes_neither_the_bytes_nor_what_is_read(tmp_path, monkeyp
     save(zref, ckpt, compression="zstd")
     monkeypatch.setattr(container, "_CHUNK", chunk)
     monkeypatch.setattr(container, "_READ_PIECE", chunk)
-    monkeypatch.setattr(container, "_WRITE_BEHIND", 256)  # write-behind after every few pieces
+    monkeypatch.setattr(_fileio, "_WRITE_BEHIND", 256)  # write-behind after every few pieces
     for codec, want in (("raw", ref), ("zstd", zref)):
         p = tmp_path / f"{codec}-{chunk}.ckpt"
         save(p, ckpt, compression=codec)
@@ -264,14 +265,14 @@ def test_chunk_size_changes_neither_the_bytes_nor_what_is_read(tmp_path, monkeyp
 
 def test_saves_are_the_same_bytes_without_write_behind(tmp_path, monkeypatch):
     ref, ckpt = saved(tmp_path, "ref.ckpt")
-    monkeypatch.setattr(container, "_sync_file_range", False)  # as on a system without sync_file_range
+    monkeypatch.setattr(_fileio, "_sync_file_range", False)  # as on a system without sync_file_range
     save(tmp_path / "b.ckpt", ckpt)
     assert (tmp_path / "b.ckpt").read_bytes() == ref.read_bytes()
 
 
 def test_verify_through_small_mapped_windows_finds_a_flipped_byte(tmp_path, monkeypatch):
-    monkeypatch.setattr(container, "_MAP_MIN", 0)
-    monkeypatch.setattr(container, "_WINDOW", 4096)
+    monkeypatch.setattr(_fileio, "_MAP_MIN", 0)
+    monkeypatch.setattr(_fileio, "_WINDOW", 4096)
     monkeypatch.setattr(container, "_PARALLEL_MIN", 0)  # threads even for a small file
     big = torch.arange(5000, dtype=torch.float32)  # 20000 bytes: several windows
     path = tmp_path / "v.ckpt"

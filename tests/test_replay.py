@@ -15,8 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_companions import record_environment
-from test_trainer_resume import history, run, tiny
+from helpers import history, record_environment, run, tiny
 
 import ckptkit
 from ckptkit.cli import main

@@ -20,8 +20,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_container import same
-from test_trainer_resume import Crash, assert_same_run, history, run, tiny
+from helpers import Crash, assert_same_run, history, run, same, tiny
 
 from ckptkit.checkpoint import load, save
 from ckptkit.cli import main

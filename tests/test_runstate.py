@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_container import same
+from helpers import Cfg, Loop, same, trained
 
 import ckptkit
 from ckptkit import (
@@ -23,104 +23,11 @@ from ckptkit import (
     ConfigDrift,
     ResumeRefused,
     RunState,
-    SpikeConfig,
-    SpikeMonitor,
     StateMismatch,
     StreamOffsetMismatch,
     UnsupportedValue,
 )
 from ckptkit.runstate import checkpoint_name, list_checkpoints
-
-
-@dataclasses.dataclass
-class Cfg:
-    lr: float = 0.01
-    width: int = 8
-    steps: int = 10
-    ckpt_every: int = 2
-
-
-class Loop:
-    """A user's loop: two optimizers, a scheduler, a scaler, an EMA teacher, a
-    spike monitor, a data position, a value, the fp32 flag and a sidecar."""
-
-    def __init__(self, run_dir: Path, cfg: Cfg | None = None, *, seed: int = 0, width: int | None = None,
-                 keep: int = 3, rule: Any = None) -> None:
-        self.cfg = cfg or Cfg()
-        w = width or self.cfg.width
-        g = ckptkit.torch_generator(seed, 0, stream=1)
-        self.body = torch.nn.Linear(4, w)
-        self.head = torch.nn.Linear(w, 1)
-        with torch.no_grad():
-            for p in [*self.body.parameters(), *self.head.parameters()]:
-                p.copy_(torch.randn(p.shape, generator=g))
-        self.teacher = torch.nn.Linear(4, w)
-        self.teacher.load_state_dict(self.body.state_dict())
-        self.opt_body = torch.optim.AdamW(self.body.parameters(), lr=self.cfg.lr)
-        self.opt_head = torch.optim.SGD(self.head.parameters(), lr=self.cfg.lr, momentum=0.9)
-        self.sched = torch.optim.lr_scheduler.StepLR(self.opt_body, step_size=2, gamma=0.5)
-        self.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1)
-        self.monitor = SpikeMonitor(SpikeConfig(window=8, min_history=2))
-        self.position = 0
-        self.tokens_seen = {"total": 0, "by_source": [0, 0]}
-        self.fp32 = False
-        self.table: dict[str, Any] = {"counts": torch.zeros(3, dtype=torch.int64)}
-        self.table_step = 0
-        self.restored: list[str] = []
-        self.state = rs = RunState(run_dir, config=self.cfg, keep=keep)
-        rs.add_model("body", self.body)
-        rs.add_model("head", self.head)
-        rs.add_optimizer("adamw", self.opt_body)
-        rs.add_optimizer("sgd", self.opt_head)
-        rs.add_scheduler("lr", self.sched)
-        rs.add_scaler("amp", self.scaler)
-        rs.add_teacher(self.teacher)
-        rs.add_monitor("spike", self.monitor)
-        rs.add_data_position("train", get=lambda: self.position, set=self._seek,
-                             expected=rule or (lambda step, _values: 4 * step))
-        rs.add_value("tokens", get=lambda: self.tokens_seen, set=lambda v: setattr(self, "tokens_seen", v))
-        rs.add_flag("fp32_fallback", get=lambda: self.fp32, set=lambda v: setattr(self, "fp32", v))
-        rs.add_sidecar("counts", get=lambda: (self.table_step, self.table), set=self._load_table)
-        rs.after_restore(lambda: self.restored.append(f"after restore at position {self.position}"))
-
-    def _seek(self, position: int) -> None:
-        self.position = position
-
-    def _load_table(self, table_step: int, tree: Any) -> None:
-        self.table_step, self.table = table_step, tree
-
-    def step(self, i: int) -> None:
-        g = ckptkit.torch_generator(7, i, stream=2)
-        x = torch.randn(4, 4, generator=g)
-        self.position += 4
-        loss = (self.head(torch.relu(self.body(x))) ** 2).mean()
-        self.opt_body.zero_grad()
-        self.opt_head.zero_grad()
-        self.scaler.scale(loss).backward()
-        self.scaler.step(self.opt_body)
-        self.scaler.step(self.opt_head)
-        self.scaler.update()
-        self.sched.step()
-        with torch.no_grad():
-            for t, s in zip(self.teacher.parameters(), self.body.parameters(), strict=True):
-                t.mul_(0.9).add_(s, alpha=0.1)
-        grad = float(torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in self.body.parameters()])))
-        self.monitor.observe(i, grad, float(loss.detach()))
-        self.tokens_seen["total"] += 16
-        self.tokens_seen["by_source"][i % 2] += 16
-        self.table["counts"][i % 3] += 1
-        self.table_step = i + 1
-        self.fp32 = self.fp32 or i == 2
-
-
-def trained(run_dir: Path, steps: int = 4, **kw: Any) -> Loop:
-    loop = Loop(run_dir, **kw)
-    loop.state.start()
-    for i in range(steps):
-        loop.step(i)
-        if (i + 1) % 2 == 0:
-            loop.state.save(i + 1)
-    return loop
 
 
 # ----------------------------------------------------------------------------- every kind of state comes back

@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from test_trainer_resume import artifacts, assert_same_run, history, run, tiny
+from helpers import artifacts, assert_same_run, history, run, tiny
 
-from ckptkit import snapshot
+from ckptkit import drift, field_coverage, snapshot
 from ckptkit.checkpoint import load
 from ckptkit.errors import ConfigDrift, SidecarMismatch, StreamOffsetMismatch
 from ckptkit.runstate import RunState, checkpoint_name
@@ -246,7 +246,7 @@ def test_item5_a_blind_drift_check_would_resume_a_different_run(tmp_path: Path, 
 
     class Blind(RunState):
         def __init__(self, *a: Any, **kw: Any) -> None:
-            super().__init__(*a, **{**kw, "exempt": snapshot.DEFAULT_EXEMPT | {"rand_depth"}})
+            super().__init__(*a, **{**kw, "exempt": drift.DEFAULT_EXEMPT | {"rand_depth"}})
 
     monkeypatch.setattr(train_mod, "RunState", Blind)
     run(cfg, tmp_path / "ref", 6)
@@ -364,7 +364,7 @@ def test_item8_snapshot_carries_every_config_field() -> None:
     Adding a field with ``metadata={"snapshot": False}`` -- or any snapshot
     that drops one (simulated below for rand_depth) -- fails this test.
     """
-    report = snapshot.assert_field_coverage(TrainerConfig, flips=FLIPS)
+    report = field_coverage.assert_field_coverage(TrainerConfig, flips=FLIPS)
     assert len(report.fields) == len(report.written) == len(knobs())  # one CLI flag per key, all carried
     assert {"train.rand_depth", "train.min_depth", "train.seed", "train.trip_latch_at",
             "train.ema_decay", "model.quant", "data.path", "monitor.window"} <= set(report.written)
@@ -374,7 +374,7 @@ def test_item8_snapshot_carries_every_config_field() -> None:
         del table["train"]["rand_depth"]
         return table
 
-    broken = snapshot.check_field_coverage(TrainerConfig, flips=FLIPS, snapshot=blind)
+    broken = field_coverage.check_field_coverage(TrainerConfig, flips=FLIPS, snapshot=blind)
     assert not broken.ok
     assert any(p.startswith("train.rand_depth:") for p in broken.problems)
 
@@ -385,7 +385,7 @@ def test_item8_only_the_cadence_keys_are_exempt() -> None:
     for key in ("train.steps", "train.log_every", "train.ckpt_every", "train.keep", "train.lr", "data.batch"):
         table, _, name = key.partition(".")
         changed = base.replace(**{key: getattr(getattr(base, table), name) + 1})
-        (d,) = snapshot.diff_keys(base, changed)
+        (d,) = drift.diff_keys(base, changed)
         if d.exempt:
             exempt.append(key)
     assert exempt == ["train.steps", "train.log_every", "train.ckpt_every"]

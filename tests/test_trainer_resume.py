@@ -4,7 +4,7 @@ The property the whole toolkit exists for (ADR-0021): a run stopped at any
 point -- cleanly (``--steps K`` then ``--resume --steps N``) or by a crash
 between checkpoints -- and resumed, ends with a checkpoint whose bytes equal
 the uninterrupted run's, and with the same history rows (all fields but wall
-time). Shared helpers for the other trainer tests live here too.
+time).
 """
 
 from __future__ import annotations
@@ -19,68 +19,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from helpers import artifacts, assert_same_run, history, run, tiny
 from ckptkit.runstate import checkpoint_name
-from ckptkit.trainer import StepResult, TrainerConfig, compared_rows, read_rows, train
 
 pytestmark = pytest.mark.slow
-
-# Small enough that a step takes a few milliseconds on one core.
-TINY = {
-    "model.n_layer": 2, "model.n_head": 2, "model.d_model": 32, "model.block_size": 16,
-    "data.seq_len": 16, "data.batch": 4,
-    "train.log_every": 1000, "train.keep": 100, "train.warmup_iters": 2,
-}
-
-
-def tiny(**changes: Any) -> TrainerConfig:
-    """The test config: TINY plus ``changes`` (dotted keys, e.g. ``**{"train.aux": False}``)."""
-    return TrainerConfig().replace(**{**TINY, **changes})
-
-
-class Crash(Exception):
-    """Raised from ``on_step`` to kill a run between checkpoints."""
-
-
-def run(cfg: TrainerConfig, run_dir: Path, steps: int, *, resume: bool = False,
-        crash_after: int | None = None, **kw: Any) -> Any:
-    """Train ``cfg`` to ``steps`` in ``run_dir``; with ``crash_after`` die once that many steps are done."""
-    def on_step(r: StepResult) -> None:
-        if crash_after is not None and r.step + 1 == crash_after:
-            raise Crash(crash_after)
-
-    cfg = cfg.replace(**{"train.steps": steps})
-    try:
-        return train(cfg, run_dir, resume=resume, log=None, on_step=on_step, **kw)
-    except Crash:
-        return None
-
-
-def artifacts(run_dir: Path, step: int) -> dict[str, bytes]:
-    """Every file of the checkpoint at ``step``: container, snapshot, sidecars."""
-    base = checkpoint_name(step)
-    return {name: (run_dir / name).read_bytes() for name in sorted(os.listdir(run_dir)) if name.startswith(base)}
-
-
-def history(run_dir: Path) -> list[dict[str, Any]]:
-    rows, torn = read_rows(run_dir / "history.jsonl")
-    assert not torn
-    return rows
-
-
-def assert_same_run(a: Path, b: Path, step: int) -> None:
-    """Checkpoint ``step`` identical byte for byte, and identical compared history rows."""
-    fa, fb = artifacts(a, step), artifacts(b, step)
-    assert sorted(fa) == sorted(fb)
-    assert checkpoint_name(step) in fa
-    # Compare outside `assert`: pytest's rich diff of megabytes of bytes or rows takes minutes.
-    for name in fa:
-        same = fa[name] == fb[name]
-        assert same, f"{name} differs between the uninterrupted and the resumed run"
-    ra, rb = compared_rows(history(a)), compared_rows(history(b))
-    if ra != rb:
-        i = next((i for i, (x, y) in enumerate(zip(ra, rb, strict=False)) if x != y), min(len(ra), len(rb)))
-        raise AssertionError(f"history differs first at compared row {i} ({len(ra)} vs {len(rb)} rows): "
-                             f"{str(ra[i:i + 1])[:300]} != {str(rb[i:i + 1])[:300]}")
 
 
 # ----------------------------------------------------------------------------- the property

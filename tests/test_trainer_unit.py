@@ -14,8 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from test_companions import record_environment
-from test_trainer_resume import history, run, tiny
+from helpers import history, record_environment, run, tiny
 
 from ckptkit import container, load
 from ckptkit.cli import main

@@ -23,8 +23,9 @@ import os
 import sys
 from typing import Any
 
+from ..drift import KeyDiff, diff_keys
 from ..errors import CheckpointError, CheckpointNotFound
-from ..snapshot import SNAPSHOT_SUFFIX, KeyDiff, Snapshot, diff_keys, read_snapshot, snapshot_path
+from ..snapshot import SNAPSHOT_SUFFIX, Snapshot, read_snapshot, snapshot_path
 from ._paths import CKPT_RE
 
 __all__ = ["add_parser", "run"]

@@ -29,12 +29,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..compare import compare_checkpoints
+from ..drift import DEFAULT_EXEMPT, diff_keys
 from ..environment import EnvDiff, diff_environment
 from ..errors import AuditError, CheckpointError
 from ..fingerprint import differing_names, first_divergence, step_rows
 from ..history import HISTORY_FILE, compared_rows, read_rows
 from ..runstate import checkpoint_name, list_checkpoints, read_environment
-from ..snapshot import DEFAULT_EXEMPT, diff_keys, read_snapshot, snapshot_path
+from ..snapshot import read_snapshot, snapshot_path
 from .config import TrainerConfig, flag_name, knobs
 from .replay import (
     FieldDiff,

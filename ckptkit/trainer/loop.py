@@ -48,6 +48,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..drift import DEFAULT_EXEMPT
 from ..errors import ReplayDivergence, ResumeRefused, SidecarMismatch
 from ..history import History, f32_bits, f64_bits, json_float
 from ..monitor import SpikeMonitor, Verdict
@@ -55,7 +56,6 @@ from ..preemption import RunStopped
 from ..rng import Stream, mask_stream, sample_depth, torch_generator
 from ..rollback_record import skipped_batches
 from ..runstate import RunState, checkpoint_name
-from ..snapshot import DEFAULT_EXEMPT
 from ..spikeguard import Executed, RolledBack, SpikeGuard
 from ..testing import GradSpike
 from .config import RollbackSkip, TrainConfig, TrainerConfig

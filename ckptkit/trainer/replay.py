@@ -50,6 +50,7 @@ import torch
 from ..checkpoint import load
 from ..companions import rebind, unbound_bytes
 from ..compare import TensorDiff, checkpoint_state, compare_checkpoints, compare_states
+from ..drift import DEFAULT_EXEMPT
 from ..environment import EnvDiff, capture, diff_environment
 from ..errors import (
     CheckpointNotFound,
@@ -62,7 +63,7 @@ from ..errors import (
 from ..fingerprint import FINGERPRINT_FIELDS, Divergence, differing_names, first_divergence, leaf_digests
 from ..history import HISTORY_FILE, WALL_FIELDS, compared_rows, read_rows
 from ..runstate import ENVIRONMENT_FILE, RunState, checkpoint_name, list_checkpoints, read_environment
-from ..snapshot import DEFAULT_EXEMPT, read_snapshot, snapshot_path, write_snapshot
+from ..snapshot import read_snapshot, snapshot_path, write_snapshot
 from .config import TrainerConfig
 from .data import data_fingerprint, load_bytes
 from .digests import MODEL_PREFIX

@@ -1,0 +1,192 @@
+"""What a run registered, and how it is checked against a checkpoint and restored.
+
+Private: the parts behind :class:`ckptkit.runstate.RunState`. A :class:`Registry`
+holds every registered object and accessor; it builds a checkpoint's contents,
+refuses a checkpoint that does not match them (:class:`~ckptkit.errors.StateMismatch`,
+:class:`~ckptkit.errors.StreamOffsetMismatch`), and restores one into them
+(spec/runstate.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .checkpoint import Checkpoint
+from .container import FLAG_NAMES
+from .errors import StateMismatch, StreamOffsetMismatch
+
+__all__ = ["Entry", "Registry", "has_state_dict"]
+
+
+@dataclass
+class Entry:
+    get: Callable[[], Any]
+    set: Callable[[Any], None]
+    # add_data_position's rule: (step, the checkpoint's stored values by name) -> position.
+    expected: Callable[[int, Mapping[str, Any]], Any] | None = None
+
+    def expected_at(self, step: int, values: Mapping[str, Any]) -> Any:
+        """The position the rule wants at ``step`` (None when there is no rule)."""
+        return None if self.expected is None else self.expected(step, values)
+
+
+@dataclass
+class Registry:
+    models: dict[str, Any] = field(default_factory=dict)
+    optimizers: dict[str, Any] = field(default_factory=dict)
+    schedulers: dict[str, Any] = field(default_factory=dict)
+    scalers: dict[str, Any] = field(default_factory=dict)
+    teacher: Any = None
+    monitors: dict[str, Any] = field(default_factory=dict)
+    data: dict[str, Entry] = field(default_factory=dict)
+    values: dict[str, Entry] = field(default_factory=dict)
+    flags: dict[str, Entry] = field(default_factory=dict)
+    sidecars: dict[str, Entry] = field(default_factory=dict)
+
+    def monitor_registered(self) -> bool:
+        r = self
+        return bool(r.data or r.monitors or r.values)
+
+    def contents(self, step: int) -> Checkpoint:
+        """The container contents for ``step`` (live tensors: see :meth:`RunState.checkpoint`)."""
+        r = self
+        optim = {k: {n: o.state_dict() for n, o in group.items()}
+                 for k, group in (("optimizers", r.optimizers), ("schedulers", r.schedulers), ("scalers", r.scalers))
+                 if group}
+        monitor = {k: v for k, v in (
+            ("data", {n: e.get() for n, e in r.data.items()}),
+            ("monitors", {n: m.state_dict() for n, m in r.monitors.items()}),
+            ("values", {n: e.get() for n, e in r.values.items()}),
+        ) if v}
+        flags = 0
+        for bit, name in FLAG_NAMES.items():
+            if name in r.flags and r.flags[name].get():
+                flags |= 1 << bit
+        return Checkpoint(
+            step=step,
+            model={n: m.state_dict() for n, m in r.models.items()} or None,
+            optim=optim or None,
+            teacher=None if r.teacher is None else r.teacher.state_dict(),
+            monitor=monitor or None,
+            flags=flags,
+        )
+
+    def check_contents(self, ckpt: Checkpoint, path: str) -> None:
+        """Every registered piece is in the checkpoint and nothing unregistered is."""
+        r = self
+        problems: list[str] = []
+
+        def compare(where: str, stored: Any, registered: Iterable[str]) -> None:
+            have = set(stored or {})
+            want = set(registered)
+            if want - have:
+                problems.append(f"{where} lacks {', '.join(sorted(want - have))}")
+            if have - want:
+                problems.append(f"{where} carries {', '.join(sorted(map(str, have - want)))} that this run does not register")
+
+        compare("model section", ckpt.model, r.models)
+        optim = ckpt.optim or {}
+        for group, regs in (("optimizers", r.optimizers), ("schedulers", r.schedulers), ("scalers", r.scalers)):
+            compare(f"optim[{group!r}]", optim.get(group), regs)
+        if not ckpt.legacy:
+            mon = ckpt.monitor or {}
+            for group, regs in (("data", r.data), ("monitors", r.monitors), ("values", r.values)):
+                compare(f"monitor[{group!r}]", mon.get(group), regs)
+            if (ckpt.teacher is None) != (r.teacher is None):
+                problems.append("teacher section is " + ("absent but a teacher is registered"
+                                                         if ckpt.teacher is None else "present but no teacher is registered"))
+        if not problems:
+            for name, m in r.models.items():
+                _layout_problems(f"model[{name!r}]", ckpt.model[name], m.state_dict(), problems)
+            if r.teacher is not None and ckpt.teacher is not None:
+                _layout_problems("teacher", ckpt.teacher, r.teacher.state_dict(), problems)
+        if problems:
+            more = f"; and {len(problems) - 10} more" if len(problems) > 10 else ""
+            raise StateMismatch(f"{path}: does not match this run's registered state: "
+                                + "; ".join(problems[:10]) + more, problems)
+        mon = ckpt.monitor or {}
+        for name, entry in r.data.items():
+            stored = mon.get("data", {}).get(name)
+            if stored is not None:
+                want = entry.expected_at(ckpt.step, mon.get("values") or {})
+                if want is not None and stored != want:
+                    raise StreamOffsetMismatch(
+                        f"{path}: data position {name!r} is {stored}, but a run at step {ckpt.step} must be at {want}; "
+                        "the stream offset rule changed or the checkpoint is from another run"
+                    )
+
+    def restore(self, ckpt: Checkpoint, *, sidecars: Mapping[str, tuple[int, Any]] | None,
+                skip: Iterable[str]) -> None:
+        """Put ``ckpt`` into the registered objects (see :meth:`RunState.restore`)."""
+        r = self
+        groups: dict[str, Mapping[str, Any]] = {
+            "model": r.models, "optimizer": r.optimizers, "scheduler": r.schedulers, "scaler": r.scalers,
+            "teacher": {"teacher": r.teacher} if r.teacher is not None else {}, "monitor": r.monitors,
+            "data": r.data, "value": r.values, "flag": r.flags, "sidecar": r.sidecars,
+        }
+        skip = set(skip)
+        unknown = sorted(s for s in skip if s.partition(":")[2] not in groups.get(s.partition(":")[0], {}))
+        if unknown:
+            raise ValueError(f"restore: skip names {', '.join(unknown)}, which this RunState does not register")
+        sidecars = dict(sidecars or {})
+        lacking = sorted(k for k in r.sidecars if f"sidecar:{k}" not in skip and k not in sidecars)
+        if lacking:
+            raise ValueError(f"restore: no contents given for the registered sidecar(s) {', '.join(lacking)}")
+
+        def todo(kind: str, regs: Mapping[str, Any]) -> list[tuple[str, Any]]:
+            return [(name, obj) for name, obj in regs.items() if f"{kind}:{name}" not in skip]
+
+        for name, m in todo("model", r.models):
+            m.load_state_dict(ckpt.model[name])
+        optim = ckpt.optim or {}
+        for group, kind, regs in (("optimizers", "optimizer", r.optimizers), ("schedulers", "scheduler", r.schedulers),
+                                  ("scalers", "scaler", r.scalers)):
+            for name, obj in todo(kind, regs):
+                obj.load_state_dict(optim[group][name])
+        if r.teacher is not None and ckpt.teacher is not None and "teacher:teacher" not in skip:
+            r.teacher.load_state_dict(ckpt.teacher)
+            for p in r.teacher.parameters():
+                p.requires_grad_(False)
+        mon = ckpt.monitor or {}
+        for name, m in todo("monitor", r.monitors):
+            if "monitors" in mon:
+                m.load_state_dict(mon["monitors"][name])
+        for group, kind, regs in (("data", "data", r.data), ("values", "value", r.values)):
+            for name, entry in todo(kind, regs):
+                if group in mon:
+                    entry.set(mon[group][name])
+                elif ckpt.legacy and group == "data" and entry.expected_at(ckpt.step, {}) is not None:
+                    entry.set(entry.expected_at(ckpt.step, {}))  # v1 stored no position: derive it from the rule
+        for bit, name in FLAG_NAMES.items():
+            if name in r.flags and f"flag:{name}" not in skip:
+                r.flags[name].set(bool(ckpt.flags >> bit & 1))
+        for kind, entry in todo("sidecar", r.sidecars):
+            entry.set(sidecars[kind])
+
+
+def _layout_problems(where: str, stored: Mapping[str, Any], live: Mapping[str, Any], problems: list[str]) -> None:
+    """Append how a module's stored state_dict differs from its live one in keys,
+    shapes or dtypes (worded as ``load(into=...)`` words them): checked before
+    anything is restored, so a model built differently (code changed, config
+    not) is refused whole, not half-loaded."""
+    import torch  # lazily: ``import ckptkit`` stays torch-free for the format tools
+
+    from .codec import dtype_name
+
+    for key in sorted(set(live) | set(stored)):
+        at = f"{where}[{key!r}]"
+        if key not in stored:
+            problems.append(f"{at}: missing from the checkpoint")
+        elif key not in live:
+            problems.append(f"{at}: in the checkpoint but not in the module")
+        elif isinstance(a := stored[key], torch.Tensor) and isinstance(b := live[key], torch.Tensor):
+            if a.dtype != b.dtype:
+                problems.append(f"{at}: dtype {dtype_name(a.dtype)} in the checkpoint, {dtype_name(b.dtype)} in the module")
+            elif a.shape != b.shape:
+                problems.append(f"{at}: shape {list(a.shape)} in the checkpoint, {list(b.shape)} in the module")
+
+
+def has_state_dict(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))

@@ -1,0 +1,213 @@
+"""Helpers shared by several test files: import them from here, never from another test file.
+
+- bits / same: exact (bitwise) comparison of tensors and trees.
+- tiny / run / history / artifacts / assert_same_run / Crash: the reference trainer at test size.
+- Cfg / Loop / trained: a user's loop registered with every kind of RunState state.
+- record_environment: make a run look recorded under other environment facts.
+- Flat: a config without tables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import ckptkit
+from ckptkit import RunState, SpikeConfig, SpikeMonitor
+from ckptkit.runstate import checkpoint_name
+from ckptkit.trainer import StepResult, TrainerConfig, compared_rows, read_rows, train
+
+
+def bits(t: torch.Tensor) -> bytes:
+    """The exact bytes of a tensor (NaN payloads and -0.0 included)."""
+    t = t.detach().contiguous()
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def same(a, b) -> bool:
+    """Bitwise equality of two trees (tensors by bytes, dtype and shape; tuples stay tuples)."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and bits(a) == bits(b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, float):
+        return isinstance(b, float) and struct.pack("<d", a) == struct.pack("<d", b)
+    return type(a) is type(b) and a == b
+
+
+# Small enough that a step takes a few milliseconds on one core.
+TINY = {
+    "model.n_layer": 2, "model.n_head": 2, "model.d_model": 32, "model.block_size": 16,
+    "data.seq_len": 16, "data.batch": 4,
+    "train.log_every": 1000, "train.keep": 100, "train.warmup_iters": 2,
+}
+
+
+def tiny(**changes: Any) -> TrainerConfig:
+    """The test config: TINY plus ``changes`` (dotted keys, e.g. ``**{"train.aux": False}``)."""
+    return TrainerConfig().replace(**{**TINY, **changes})
+
+
+class Crash(Exception):
+    """Raised from ``on_step`` to kill a run between checkpoints."""
+
+
+def run(cfg: TrainerConfig, run_dir: Path, steps: int, *, resume: bool = False,
+        crash_after: int | None = None, **kw: Any) -> Any:
+    """Train ``cfg`` to ``steps`` in ``run_dir``; with ``crash_after`` die once that many steps are done."""
+    def on_step(r: StepResult) -> None:
+        if crash_after is not None and r.step + 1 == crash_after:
+            raise Crash(crash_after)
+
+    cfg = cfg.replace(**{"train.steps": steps})
+    try:
+        return train(cfg, run_dir, resume=resume, log=None, on_step=on_step, **kw)
+    except Crash:
+        return None
+
+
+def artifacts(run_dir: Path, step: int) -> dict[str, bytes]:
+    """Every file of the checkpoint at ``step``: container, snapshot, sidecars."""
+    base = checkpoint_name(step)
+    return {name: (run_dir / name).read_bytes() for name in sorted(os.listdir(run_dir)) if name.startswith(base)}
+
+
+def history(run_dir: Path) -> list[dict[str, Any]]:
+    rows, torn = read_rows(run_dir / "history.jsonl")
+    assert not torn
+    return rows
+
+
+def assert_same_run(a: Path, b: Path, step: int) -> None:
+    """Checkpoint ``step`` identical byte for byte, and identical compared history rows."""
+    fa, fb = artifacts(a, step), artifacts(b, step)
+    assert sorted(fa) == sorted(fb)
+    assert checkpoint_name(step) in fa
+    # Compare outside `assert`: pytest's rich diff of megabytes of bytes or rows takes minutes.
+    for name in fa:
+        same = fa[name] == fb[name]
+        assert same, f"{name} differs between the uninterrupted and the resumed run"
+    ra, rb = compared_rows(history(a)), compared_rows(history(b))
+    if ra != rb:
+        i = next((i for i, (x, y) in enumerate(zip(ra, rb)) if x != y), min(len(ra), len(rb)))
+        raise AssertionError(f"history differs first at compared row {i} ({len(ra)} vs {len(rb)} rows): "
+                             f"{str(ra[i:i + 1])[:300]} != {str(rb[i:i + 1])[:300]}")
+
+
+def record_environment(run_dir: Path, facts: dict[str, object]) -> None:
+    """Make ``run_dir`` look recorded under ``facts``: its environment.json, and the
+    digest of it its checkpoints bind (R-C03) -- an edit alone is damage."""
+    from ckptkit.companions import rebind
+    from ckptkit.runstate import list_checkpoints
+
+    (run_dir / "environment.json").write_text(json.dumps(facts, sort_keys=True, indent=2) + "\n")
+    for _step, path in list_checkpoints(run_dir):
+        rebind(path)
+
+
+@dataclasses.dataclass
+class Cfg:
+    lr: float = 0.01
+    width: int = 8
+    steps: int = 10
+    ckpt_every: int = 2
+
+
+class Loop:
+    """A user's loop: two optimizers, a scheduler, a scaler, an EMA teacher, a
+    spike monitor, a data position, a value, the fp32 flag and a sidecar."""
+
+    def __init__(self, run_dir: Path, cfg: Cfg | None = None, *, seed: int = 0, width: int | None = None,
+                 keep: int = 3, rule: Any = None) -> None:
+        self.cfg = cfg or Cfg()
+        w = width or self.cfg.width
+        g = ckptkit.torch_generator(seed, 0, stream=1)
+        self.body = torch.nn.Linear(4, w)
+        self.head = torch.nn.Linear(w, 1)
+        with torch.no_grad():
+            for p in [*self.body.parameters(), *self.head.parameters()]:
+                p.copy_(torch.randn(p.shape, generator=g))
+        self.teacher = torch.nn.Linear(4, w)
+        self.teacher.load_state_dict(self.body.state_dict())
+        self.opt_body = torch.optim.AdamW(self.body.parameters(), lr=self.cfg.lr)
+        self.opt_head = torch.optim.SGD(self.head.parameters(), lr=self.cfg.lr, momentum=0.9)
+        self.sched = torch.optim.lr_scheduler.StepLR(self.opt_body, step_size=2, gamma=0.5)
+        self.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1)
+        self.monitor = SpikeMonitor(SpikeConfig(window=8, min_history=2))
+        self.position = 0
+        self.tokens_seen = {"total": 0, "by_source": [0, 0]}
+        self.fp32 = False
+        self.table: dict[str, Any] = {"counts": torch.zeros(3, dtype=torch.int64)}
+        self.table_step = 0
+        self.restored: list[str] = []
+        self.state = rs = RunState(run_dir, config=self.cfg, keep=keep)
+        rs.add_model("body", self.body)
+        rs.add_model("head", self.head)
+        rs.add_optimizer("adamw", self.opt_body)
+        rs.add_optimizer("sgd", self.opt_head)
+        rs.add_scheduler("lr", self.sched)
+        rs.add_scaler("amp", self.scaler)
+        rs.add_teacher(self.teacher)
+        rs.add_monitor("spike", self.monitor)
+        rs.add_data_position("train", get=lambda: self.position, set=self._seek,
+                             expected=rule or (lambda step, _values: 4 * step))
+        rs.add_value("tokens", get=lambda: self.tokens_seen, set=lambda v: setattr(self, "tokens_seen", v))
+        rs.add_flag("fp32_fallback", get=lambda: self.fp32, set=lambda v: setattr(self, "fp32", v))
+        rs.add_sidecar("counts", get=lambda: (self.table_step, self.table), set=self._load_table)
+        rs.after_restore(lambda: self.restored.append(f"after restore at position {self.position}"))
+
+    def _seek(self, position: int) -> None:
+        self.position = position
+
+    def _load_table(self, table_step: int, tree: Any) -> None:
+        self.table_step, self.table = table_step, tree
+
+    def step(self, i: int) -> None:
+        g = ckptkit.torch_generator(7, i, stream=2)
+        x = torch.randn(4, 4, generator=g)
+        self.position += 4
+        loss = (self.head(torch.relu(self.body(x))) ** 2).mean()
+        self.opt_body.zero_grad()
+        self.opt_head.zero_grad()
+        self.scaler.scale(loss).backward()
+        self.scaler.step(self.opt_body)
+        self.scaler.step(self.opt_head)
+        self.scaler.update()
+        self.sched.step()
+        with torch.no_grad():
+            for t, s in zip(self.teacher.parameters(), self.body.parameters()):
+                t.mul_(0.9).add_(s, alpha=0.1)
+        grad = float(torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in self.body.parameters()])))
+        self.monitor.observe(i, grad, float(loss.detach()))
+        self.tokens_seen["total"] += 16
+        self.tokens_seen["by_source"][i % 2] += 16
+        self.table["counts"][i % 3] += 1
+        self.table_step = i + 1
+        self.fp32 = self.fp32 or i == 2
+
+
+def trained(run_dir: Path, steps: int = 4, **kw: Any) -> Loop:
+    loop = Loop(run_dir, **kw)
+    loop.state.start()
+    for i in range(steps):
+        loop.step(i)
+        if (i + 1) % 2 == 0:
+            loop.state.save(i + 1)
+    return loop
+
+
+@dataclasses.dataclass
+class Flat:
+    """A config without tables (snapshot, drift and `ckptkit diff` tests)."""
+
+    lr: float = 1e-3
+    steps: int = 10
+    seed: int = 1
