@@ -53,12 +53,15 @@ from .rng import mask_stream, numpy_generator, step_rng, torch_generator
 from .rollback_record import RollbackEvent, RollbackRecord
 from .runstate import ResumeInfo, RunState
 from .sidecar import Sidecar, read_sidecar, write_sidecar
-from .spikeguard import Continue, Executed, RolledBack, SpikeGuard
 from .snapshot import Snapshot, read_snapshot, write_snapshot
+from .spikeguard import Continue, Executed, RolledBack, SpikeGuard
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DEFAULT_EXEMPT",
+    "FLAG_FP32_FALLBACK",
+    "VERSION",
     "AsyncSaver",
     "AuditError",
     "BadMagic",
@@ -69,10 +72,8 @@ __all__ = [
     "ChecksumMismatch",
     "ConfigDrift",
     "Continue",
-    "DEFAULT_EXEMPT",
     "EnvironmentDrift",
     "Executed",
-    "FLAG_FP32_FALLBACK",
     "FormatError",
     "History",
     "InsufficientMemory",
@@ -106,7 +107,6 @@ __all__ = [
     "UnreadableFile",
     "UnsupportedValue",
     "UnsupportedVersion",
-    "VERSION",
     "Verdict",
     "__version__",
     "assert_field_coverage",

@@ -19,7 +19,7 @@ from typing import Any
 from ._threads import run_parallel
 from .errors import CheckpointNotFound, TruncatedFile, UnreadableFile
 
-__all__ = ["Source", "WriteBehind", "ZEROS", "run_keyed", "write_all", "write_zeros"]
+__all__ = ["ZEROS", "Source", "WriteBehind", "run_keyed", "write_all", "write_zeros"]
 
 # Performance knobs (none of them is format; spec/performance.md says why each value).
 _WINDOW = 32 << 20  # Source.feed maps at most this much of the file at a time (per thread): bounded resident memory
@@ -188,7 +188,7 @@ def run_keyed(tasks: list[Callable[[], None]], keys: list[int], errors: dict[int
     def one(k: int) -> None:
         try:
             tasks[k]()
-        except Exception as e:  # recorded, re-raised by the caller in file order
+        except Exception as e:  # noqa: BLE001 - recorded, re-raised by the caller in file order
             errors[keys[k]] = e  # distinct keys: no lock needed
 
     run_parallel(one, range(len(tasks)), threads, "ckptkit-read")

@@ -162,7 +162,7 @@ def _opt_float(d: Mapping[str, Any], key: str, where: str) -> float | None:
 
 
 def _float_list(d: Mapping[str, Any], key: str, where: str, limit: int) -> list[float]:
-    values = typed(d, key, list, where)
+    values: list[float] = typed(d, key, list, where)  # each checked below
     if len(values) > limit:
         raise MalformedIndex(
             f"{key} holds more values than the config allows", field=f"{where}.{key}",

@@ -36,7 +36,8 @@ def read_environment(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
     env_path = os.path.join(os.fspath(run_dir), ENVIRONMENT_FILE)
     try:
         with open(env_path, encoding="utf-8") as f:
-            return json.load(f)
+            facts: dict[str, Any] = json.load(f)
+            return facts
     except FileNotFoundError:
         raise CheckpointNotFound(f"{env_path}: the run's environment record is missing") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

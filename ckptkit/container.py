@@ -23,6 +23,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import struct
@@ -52,15 +53,15 @@ from .section import SectionIndex, SectionPlan, decode_index
 __all__ = [
     "FLAG_FP32_FALLBACK",
     "FLAG_NAMES",
+    "HEADER_SIZE",
     "LEGACY_MISSING",
     "MAGIC",
+    "SECTIONS",
+    "VERSION",
     "Layout",
     "Report",
-    "SECTIONS",
     "SectionInfo",
     "Source",
-    "VERSION",
-    "HEADER_SIZE",
     "read_layout",
     "verify",
     "write_container",
@@ -427,15 +428,22 @@ def check_all_tensors(src: Source, layout: Layout, *, threads: int = 0) -> tuple
         with lock:
             done[0] += n
 
+    def scatter(sec: SectionIndex) -> None:
+        _scatter_region(src, sec, [None] * len(sec.tensors))
+        count(sec.raw_len)
+
+    def hash_one(sec: SectionIndex, i: int) -> None:
+        count(_hash_tensor(src, sec, i))
+
     for sec in layout.sections.values():
         if sec is None:
             continue
         if sec.codec != "raw":
-            tasks.append(lambda sec=sec: (_scatter_region(src, sec, [None] * len(sec.tensors)), count(sec.raw_len)))
+            tasks.append(functools.partial(scatter, sec))
             keys.append(sec.data_start)
             continue
         for i, rec in enumerate(sec.tensors):
-            tasks.append(lambda sec=sec, i=i: count(_hash_tensor(src, sec, i)))
+            tasks.append(functools.partial(hash_one, sec, i))
             keys.append(sec.data_start + rec.offset)
     total = sum(r.nbytes for s in layout.sections.values() if s is not None for r in s.tensors)
     if threads <= 0:
@@ -537,7 +545,8 @@ def _region_pieces(src: Source, sec: SectionIndex) -> Iterator[bytes]:
     source = _RangeReader(src, sec.data_start, sec.data_start + sec.data_len, f"{sec.name} data")
     total = 0
     try:
-        reader = zstandard.ZstdDecompressor().stream_reader(source, read_across_frames=False)
+        # zstandard's stub asks for IO[bytes]; stream_reader only calls read() (all _RangeReader has).
+        reader = zstandard.ZstdDecompressor().stream_reader(source, read_across_frames=False)  # type: ignore[arg-type]
         while total <= sec.raw_len:
             piece = reader.read(min(_CHUNK, sec.raw_len + 1 - total))
             if not piece:
@@ -621,8 +630,8 @@ def read_tensors(src: Source, jobs: Sequence[tuple[SectionIndex, int, memoryview
     tasks: list[Callable[[], None]] = [_raw_task(src, sec, i, dest) if dest is not None
                                        else _mapped_task(src.path, sec, i, mapping) for _, sec, i, dest in raw]
     keys = [t[0] for t in raw]
-    for start, (sec, dests) in zstd.items():
-        tasks.insert(0, lambda sec=sec, dests=dests: _scatter_region(src, sec, dests))
+    for _start, (sec, dests) in zstd.items():
+        tasks.insert(0, functools.partial(_scatter_region, src, sec, dests))
         keys.insert(0, sec.data_start)
     errors: dict[int, BaseException] = {}
     if threads <= 0:
@@ -810,7 +819,7 @@ def write_framed(f: BinaryIO, header: bytes, plans: list[SectionPlan | None], en
         if plan.codec == "raw":
             off = 0
             data_at = pos + plan.data_start_rel
-            for rec, buf in zip(plan.records, plan.buffers):
+            for rec, buf in zip(plan.records, plan.buffers, strict=True):
                 write_zeros(fd, rec[2] - off)
                 h = xxhash.xxh3_64()
                 for i in range(0, buf.nbytes, _CHUNK):
@@ -864,7 +873,7 @@ def _encode_v1(step: int, model: SectionPlan | None, optim: SectionPlan | None) 
         out += _U64.pack(len(plan.index)) + plan.index
         out += bytes(start + plan.data_start_rel - len(out))
         region = bytearray(plan.data_len)
-        for rec, buf in zip(plan.records, plan.buffers):
+        for rec, buf in zip(plan.records, plan.buffers, strict=True):
             region[rec[2] : rec[2] + rec[3]] = buf
         out += region
     return bytes(out)

@@ -19,6 +19,7 @@ This module imports no torch: it is part of the format core.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -111,7 +112,7 @@ def _same(a: Any, b: Any) -> bool:
     if type(a) is not type(b):
         return False
     if isinstance(a, list):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     return bool(a == b)
@@ -160,6 +161,7 @@ def is_exempt(key: str, exempt: frozenset[str]) -> bool:
 
 def diff_flat(old: dict[str, Any], new: dict[str, Any], exempt: frozenset[str]) -> list[KeyDiff]:
     out = []
+    kind: Kind
     for key in sorted(old.keys() | new.keys()):
         if key not in new:
             kind, a, b = "only_old", old[key], None
@@ -240,10 +242,9 @@ def _default_leaves(default: Any, prefix: str, out: dict[str, Any]) -> None:
 
 
 def _put_default(out: dict[str, Any], path: str, value: Any) -> None:
-    try:
+    # A default no snapshot can carry is no default to assume: the key stays only_new.
+    with contextlib.suppress(UnsupportedValue):
         out[path] = normalize_value(value, path)
-    except UnsupportedValue:
-        pass  # a default no snapshot can carry is no default to assume: the key stays only_new
 
 
 def prefixes(key: str) -> list[str]:

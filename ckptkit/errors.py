@@ -125,7 +125,7 @@ class FormatError(CheckpointError, ValueError):
             parts.append(f"offset {self.offset} (0x{self.offset:x})")
         if self.field is not None:
             parts.append(self.field)
-        msg = ": ".join(parts + [self.problem])
+        msg = ": ".join([*parts, self.problem])
         if self.expected is not None and self.actual is not None:
             msg += f" (expected {self.expected}, got {self.actual})"
         elif self.expected is not None:

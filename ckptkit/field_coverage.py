@@ -80,7 +80,7 @@ _SCALAR_FLIPS: dict[type, Any] = {bool: True, int: 1, float: 1.0, str: "x"}
 def _hint_for(owner: Any, name: str) -> Any:
     try:
         return typing.get_type_hints(type(owner)).get(name)
-    except Exception:  # an unresolvable annotation just means no automatic flip
+    except Exception:  # noqa: BLE001 - an unresolvable annotation just means no automatic flip
         return None
 
 
@@ -253,8 +253,8 @@ def _carry_problems(leaves: list[tuple[str, bool]], all_fields: list[str], writt
         if path in written_set or path in allowed_absent:
             continue
         if excluded:
-            problems.append((path, f'{path}: excluded from the snapshot (metadata={{"snapshot": False}}) without a reason; '
-                                   f'declare it in exempt_fields={{"{path}": "why it cannot change a step"}}'))
+            problems.append((path, (f'{path}: excluded from the snapshot (metadata={{"snapshot": False}}) without a reason; '
+                                   f'declare it in exempt_fields={{"{path}": "why it cannot change a step"}}')))
         else:
             problems.append((path, f"{path}: a field of the config the snapshot does not carry"))
     for key in written:
@@ -262,8 +262,8 @@ def _carry_problems(leaves: list[tuple[str, bool]], all_fields: list[str], writt
             problems.append((key, f"{key}: in the snapshot but not a field of the config"))
     expected = len(all_fields) - len(allowed_absent - written_set)
     if len(written) != expected:
-        problems.append(("", f"count: the snapshot carries {len(written)} keys, the config has "
-                             f"{len(all_fields)} fields ({len(allowed_absent - written_set)} exempt and absent)"))
+        problems.append(("", (f"count: the snapshot carries {len(written)} keys, the config has "
+                             f"{len(all_fields)} fields ({len(allowed_absent - written_set)} exempt and absent)")))
     return problems
 
 
@@ -276,7 +276,7 @@ def _flip_problem(cfg: Any, path: str, flips: dict[str, Any], base: dict[str, An
         return f"{path}: no automatic flip for {value!r}; pass flips={{\"{path}\": <another valid value>}}"
     try:
         flipped = flatten(snapshot(_replace(cfg, path, new)), "", {})
-    except Exception as e:  # the config's own validation may refuse the flip
+    except Exception as e:  # noqa: BLE001 - the config's own validation may refuse the flip, any way it likes
         return (f"{path}: flipping {value!r} -> {new!r} fails ({type(e).__name__}: {e}); "
                 f"pass flips={{\"{path}\": <another valid value>}}")
     diffs = diff_flat(base, flipped, exempt_names)

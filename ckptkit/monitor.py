@@ -45,6 +45,8 @@ from .errors import ConfigDrift, MalformedIndex, UnsupportedVersion
 
 __all__ = ["REASONS", "STATE_VERSION", "SpikeConfig", "SpikeMonitor", "Verdict"]
 
+_NO_HISTORY = DetectorState((), None)  # a fresh detector (frozen: safe to share as a default)
+
 STATE_VERSION = 1  # the "version" key of state_dict(); R-M09
 # Every reason a verdict can carry; the spike reasons are the last three.
 REASONS = ("ok", "warming_up", *SPIKE_REASONS)
@@ -134,7 +136,7 @@ def _nearest_rank(ordered: list[float], q: float) -> float | None:
 class _Detector:
     """The rolling-median detector: the last ``window`` accepted grad norms (rewound on rollback, R-M07)."""
 
-    def __init__(self, config: SpikeConfig, state: DetectorState = DetectorState((), None)) -> None:
+    def __init__(self, config: SpikeConfig, state: DetectorState = _NO_HISTORY) -> None:
         self.config = config
         self.window: collections.deque[float] = collections.deque(state.window, maxlen=config.window)
         self.sorted = sorted(self.window)  # the window's values, ascending

@@ -280,7 +280,7 @@ class RunState:
         """
         sidecar_path("x", kind)  # validates the kind
         self._name("sidecar", kind, self._reg.sidecars)
-        table_step, tree = get()
+        _table_step, tree = get()
         self._probe(f"sidecar {kind!r}", tree)
         self._reg.sidecars[kind] = Entry(get, lambda v: set(*v))
 

@@ -37,7 +37,7 @@ def same(a, b) -> bool:
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
     if isinstance(a, float):
         return isinstance(b, float) and struct.pack("<d", a) == struct.pack("<d", b)
     return type(a) is type(b) and a == b
@@ -97,7 +97,7 @@ def assert_same_run(a: Path, b: Path, step: int) -> None:
         assert same, f"{name} differs between the uninterrupted and the resumed run"
     ra, rb = compared_rows(history(a)), compared_rows(history(b))
     if ra != rb:
-        i = next((i for i, (x, y) in enumerate(zip(ra, rb)) if x != y), min(len(ra), len(rb)))
+        i = next((i for i, (x, y) in enumerate(zip(ra, rb, strict=False)) if x != y), min(len(ra), len(rb)))
         raise AssertionError(f"history differs first at compared row {i} ({len(ra)} vs {len(rb)} rows): "
                              f"{str(ra[i:i + 1])[:300]} != {str(rb[i:i + 1])[:300]}")
 
@@ -183,7 +183,7 @@ class Loop:
         self.scaler.update()
         self.sched.step()
         with torch.no_grad():
-            for t, s in zip(self.teacher.parameters(), self.body.parameters()):
+            for t, s in zip(self.teacher.parameters(), self.body.parameters(), strict=True):
                 t.mul_(0.9).add_(s, alpha=0.1)
         grad = float(torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in self.body.parameters()])))
         self.monitor.observe(i, grad, float(loss.detach()))

@@ -11,10 +11,10 @@ import sys
 import pytest
 import torch
 import xxhash
+from helpers import bits, same
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import bits, same
 import ckptkit.container as container
 from ckptkit.checkpoint import Checkpoint, load, save
 from ckptkit.codec import encode_tree

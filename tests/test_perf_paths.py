@@ -8,6 +8,7 @@ here measures time; ``bench/`` does.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import os
@@ -73,7 +74,7 @@ def flip(path, offset: int) -> None:
 
 
 def test_open_checkpoint_returns_every_value_bit_exact(tmp_path):
-    path, ckpt = saved(tmp_path)
+    path, _ckpt = saved(tmp_path)
     with open_checkpoint(path) as ck:
         assert (ck.step, ck.flags, ck.legacy, ck.sections) == (5, 0, False, ("model", "optim"))
         assert ck.keys("model", "net") == sorted(state())
@@ -153,7 +154,7 @@ def test_load_into_fills_the_module_in_place_bit_exactly(tmp_path):
     save(tmp_path / "m.ckpt", Checkpoint(step=1, model={"net": src.state_dict()}))
     ptrs = [p.data_ptr() for p in dst.parameters()]
     ck = load(tmp_path / "m.ckpt", into={"model": {"net": dst.state_dict()}})
-    for (k, a), b in zip(src.state_dict().items(), dst.state_dict().values()):
+    for (k, a), b in zip(src.state_dict().items(), dst.state_dict().values(), strict=True):
         assert bits(a) == bits(b), k
     assert [p.data_ptr() for p in dst.parameters()] == ptrs  # the same memory, no new tensors
     assert ck.model["net"]["0.weight"].data_ptr() == dst[0].weight.data_ptr()  # the tree holds the destination
@@ -176,7 +177,7 @@ def test_load_into_restores_optimizer_state_in_place(tmp_path):
     ck = load(tmp_path / "o.ckpt", into={"model": {"net": net_b.state_dict()},
                                          "optim": {"optimizers": {"adamw": state_b}}})
     opt_b.load_state_dict(ck.optim["optimizers"]["adamw"])  # param_groups; state tensors already in place
-    for sa, sb in zip(opt_a.state_dict()["state"].values(), opt_b.state_dict()["state"].values()):
+    for sa, sb in zip(opt_a.state_dict()["state"].values(), opt_b.state_dict()["state"].values(), strict=True):
         assert all(bits(sa[k]) == bits(sb[k]) for k in sa)
     assert opt_b.state_dict()["state"][0]["exp_avg"].data_ptr() == state_b["state"][0]["exp_avg"].data_ptr()
 
@@ -432,7 +433,7 @@ def test_runstate_async_save_writes_the_same_files_as_a_sync_save(tmp_path):
 
 
 def test_runstate_async_save_failure_surfaces_at_resume_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
-    rs, net = _run(tmp_path, True)
+    rs, _net = _run(tmp_path, True)
     rs.start()
     rs.save(1)
     rs.wait()
@@ -463,7 +464,5 @@ def test_every_truncation_and_byte_flip_gives_the_lazy_reader_only_typed_errors(
     variants += [data[:i] + bytes([data[i] ^ 0x40]) + data[i + 1 :] for i in range(0, len(data), 7)]
     for v in variants:
         bad.write_bytes(v)
-        try:
+        with contextlib.suppress(CheckpointError):
             read_all()
-        except CheckpointError:
-            pass

@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import Crash, assert_same_run, history, run, same, tiny
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from helpers import Crash, assert_same_run, history, run, same, tiny
 
 from ckptkit.checkpoint import load, save
 from ckptkit.cli import main

@@ -29,7 +29,6 @@ from ckptkit import (
 )
 from ckptkit.runstate import checkpoint_name, list_checkpoints
 
-
 # ----------------------------------------------------------------------------- every kind of state comes back
 
 

@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import artifacts, assert_same_run, history, run, tiny
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import artifacts, assert_same_run, history, run, tiny
 from ckptkit.runstate import checkpoint_name
 
 pytestmark = pytest.mark.slow
