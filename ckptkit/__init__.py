@@ -59,9 +59,6 @@ from .spikeguard import Continue, Executed, RolledBack, SpikeGuard
 __version__ = "0.1.0"
 
 __all__ = [
-    "DEFAULT_EXEMPT",
-    "FLAG_FP32_FALLBACK",
-    "VERSION",
     "AsyncSaver",
     "AuditError",
     "BadMagic",
@@ -72,8 +69,10 @@ __all__ = [
     "ChecksumMismatch",
     "ConfigDrift",
     "Continue",
+    "DEFAULT_EXEMPT",
     "EnvironmentDrift",
     "Executed",
+    "FLAG_FP32_FALLBACK",
     "FormatError",
     "History",
     "InsufficientMemory",
@@ -107,6 +106,7 @@ __all__ = [
     "UnreadableFile",
     "UnsupportedValue",
     "UnsupportedVersion",
+    "VERSION",
     "Verdict",
     "__version__",
     "assert_field_coverage",
