@@ -14,6 +14,7 @@ around a load keeps working::
     │   ├── MalformedIndex                    a section index breaks the codec rules
     │   └── SidecarMismatch                   a sidecar does not belong to its checkpoint
     ├── CheckpointNotFound (FileNotFoundError) no checkpoint where one was expected
+    │   └── IncompleteCheckpoint              a distributed save that did not commit on every rank
     ├── SaveFailed (OSError)                  a write failed; the previous file is intact
     ├── UnsupportedValue (TypeError)          state the container cannot carry
     ├── ResumeRefused (RuntimeError)          a resume would continue a different run
@@ -23,6 +24,7 @@ around a load keeps working::
     │   ├── StateMismatch                     stored state does not fit the live objects
     │   └── LegacyCheckpoint                  a v1 file lacks state the run needs
     ├── TrainingUnstable (RuntimeError)       spike rollbacks hit their bound
+    ├── DistributedFailure (RuntimeError)     a rank failed inside torch.distributed.checkpoint
     └── ReplayDivergence (RuntimeError)       a re-run parts from its recording
 
 Format errors carry ``path``, ``offset``, ``field``, ``expected``, ``actual`` and
@@ -42,8 +44,10 @@ __all__ = [
     "CheckpointNotFound",
     "ChecksumMismatch",
     "ConfigDrift",
+    "DistributedFailure",
     "EnvironmentDrift",
     "FormatError",
+    "IncompleteCheckpoint",
     "LegacyCheckpoint",
     "MalformedIndex",
     "ReplayDivergence",
@@ -159,6 +163,18 @@ class CheckpointNotFound(CheckpointError, FileNotFoundError):
     """No checkpoint where one was expected (missing file, empty run directory)."""
 
 
+class IncompleteCheckpoint(CheckpointNotFound):
+    """A distributed checkpoint directory whose save did not commit on every rank
+    (no metadata file, or a rank's data file missing); ``missing`` names the files."""
+
+    def __init__(self, message: str, missing: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.missing = tuple(missing)
+
+    def __reduce__(self) -> Any:  # crosses processes inside DCP's exception gather
+        return (type(self), (str(self), self.missing))
+
+
 class SaveFailed(CheckpointError, OSError):
     """Writing a checkpoint failed.
 
@@ -235,6 +251,22 @@ class LegacyCheckpoint(ResumeRefused):
 
 class TrainingUnstable(CheckpointError, RuntimeError):
     """Spike rollbacks reached their bound; the last good checkpoint is intact."""
+
+
+class DistributedFailure(CheckpointError, RuntimeError):
+    """A rank failed inside ``torch.distributed.checkpoint`` with an error that is not
+    ckptkit's; DCP's ``CheckpointException`` (a ``BaseException``) becomes this.
+
+    Attributes:
+        failures: ``{rank: "ExceptionType: message"}`` for every failed rank.
+    """
+
+    def __init__(self, message: str, failures: dict[int, str] | None = None) -> None:
+        super().__init__(message)
+        self.failures = dict(failures or {})
+
+    def __reduce__(self) -> Any:
+        return (type(self), (str(self), self.failures))
 
 
 class ReplayDivergence(CheckpointError, RuntimeError):
