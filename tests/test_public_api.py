@@ -8,7 +8,7 @@ import ckptkit
 
 PUBLIC = [
     "AsyncSaver", "BadMagic", "Checkpoint", "CheckpointError", "CheckpointNotFound", "ChecksumMismatch", "ConfigDrift",
-    "DEFAULT_EXEMPT", "EnvironmentDrift", "FLAG_FP32_FALLBACK", "FormatError", "KeyDiff", "LazyCheckpoint", "LegacyCheckpoint",
+    "DEFAULT_EXEMPT", "DistributedFailure", "EnvironmentDrift", "FLAG_FP32_FALLBACK", "FormatError", "IncompleteCheckpoint", "KeyDiff", "LazyCheckpoint", "LegacyCheckpoint",
     "MalformedIndex", "ReplayDivergence", "Report", "ReservedBitSet", "ResumeInfo", "ResumeRefused", "RunState",
     "SaveFailed", "SectionInfo", "Sidecar", "SidecarMismatch", "Snapshot", "SpikeConfig", "SpikeMonitor",
     "StateMismatch", "StreamOffsetMismatch", "TrainingUnstable", "TruncatedFile", "UnsupportedValue", "UnsupportedVersion",

@@ -81,8 +81,12 @@ def _verify_any(path: str) -> Report:
 
 
 def run(args: argparse.Namespace) -> int:
+    from . import _distributed
+
+    dirs = [p for p in args.paths if _distributed.is_distributed_dir(p)]
+    dir_reports = _distributed.verify_all(dirs)
     try:
-        files = expand_checkpoints(args.paths)
+        files = expand_checkpoints([p for p in args.paths if p not in dirs])
     except CheckpointNotFound as e:
         print(f"ckptkit verify: {e}", file=sys.stderr)
         return 2
@@ -97,9 +101,11 @@ def run(args: argparse.Namespace) -> int:
             # Deleted between listing and reading (retention in a live run): not a failure.
             print(f"ckptkit verify: {path}: deleted while verifying (retention?); skipped", file=sys.stderr)
     if args.json:
-        print(json.dumps({"schema_version": 1, "ok": all(r.ok for r in reports),
-                          "files": [report_json(r) for r in reports]}, sort_keys=True))
+        print(json.dumps({"schema_version": 1, "ok": all(r.ok for r in reports + dir_reports),
+                          "files": [report_json(r) for r in reports]
+                          + [_distributed.report_json(r) for r in dir_reports]}, sort_keys=True))
     else:
+        _distributed.print_reports(dir_reports, _size)
         for r in reports:
             if r.ok:
                 legacy = f"  legacy: lacks {', '.join(r.missing)}" if r.legacy else ""
@@ -108,4 +114,4 @@ def run(args: argparse.Namespace) -> int:
                 print(f"OK    {r.path}  {kind} step {r.step}  {_size(r.size)}  flags: {flags}{legacy}")
             else:
                 print(f"FAIL  {r.error}" if str(r.error).startswith(r.path) else f"FAIL  {r.path}: {r.error}")
-    return 0 if all(r.ok for r in reports) else 1
+    return 0 if all(r.ok for r in reports + dir_reports) else 1

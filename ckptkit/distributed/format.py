@@ -364,7 +364,7 @@ def chunk_mismatch(directory: str, fqn: str, c: Chunk, got: int) -> ChecksumMism
     """The error for a chunk whose bytes do not match the digest in the metadata."""
     return ChecksumMismatch(
         f"tensor {fqn!r} chunk at {list(c.offsets)} of {list(c.sizes)} ({c.nbytes} bytes): digest does not match",
-        path=os.path.join(directory, data_name(c.rank)), offset=c.offset, field=f"{fqn} chunk",
+        path=os.path.join(directory, data_name(c.rank)), offset=c.offset,
         expected=f"0x{c.digest:016x}", actual=f"0x{got:016x}",
         hint="the rank data file is damaged; load an earlier checkpoint (D-007)",
     )

@@ -1,0 +1,85 @@
+"""``verify`` and ``inspect`` of a distributed checkpoint directory (spec/distributed.md), torch-free.
+
+A directory is one when it holds ``metadata.ckdcp``, a rank data file, or DCP's
+default-backend ``.metadata`` (which is reported for what it is, never unpickled).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from ..distributed.format import (
+    DCP_DEFAULT_METADATA,
+    METADATA_NAME,
+    DirReport,
+    data_name,
+    read_metadata,
+    verify_directory,
+)
+
+__all__ = ["inspect_directory", "is_distributed_dir", "print_reports", "report_json"]
+
+
+def is_distributed_dir(path: str) -> bool:
+    """True for a directory that is (or was meant to be) a distributed checkpoint."""
+    if not os.path.isdir(path):
+        return False
+    names = os.listdir(path)
+    return (METADATA_NAME in names or DCP_DEFAULT_METADATA in names
+            or any(n.startswith("rank-") and n.endswith(".ckdcp") for n in names))
+
+
+def report_json(r: DirReport) -> dict[str, Any]:
+    return {
+        "path": r.path, "kind": "distributed", "ok": r.ok,
+        "error": None if r.error is None else {"type": type(r.error).__name__, "message": str(r.error)},
+        "world_size": r.world_size, "tensors": r.tensors, "chunks": r.chunks, "values": r.values, "size": r.size,
+    }
+
+
+def print_reports(reports: list[DirReport], size: Any) -> None:
+    for r in reports:
+        if r.ok:
+            print(f"OK    {r.path}  distributed world size {r.world_size}  {r.tensors} tensors in {r.chunks} chunks, "
+                  f"{r.values} values  {size(r.size)}")
+        else:
+            print(f"FAIL  {r.error}" if str(r.error).startswith(r.path) else f"FAIL  {r.path}: {r.error}")
+
+
+def verify_all(paths: list[str]) -> list[DirReport]:
+    return [verify_directory(p) for p in paths]
+
+
+def inspect_directory(path: str, as_json: bool, size: Any) -> int:
+    """Ranks, tensors, chunks and world size at save; digests are not checked (verify does)."""
+    md = read_metadata(path, check_files=False)
+    ranks = []
+    for rank, f in enumerate(md.files):
+        chunks = [(fqn, c) for fqn, t in md.tensors.items() for c in t.chunks if c.rank == rank]
+        ranks.append({"rank": rank, "file": data_name(rank), "size": f.size, "chunks": len(chunks),
+                      "bytes": sum(c.nbytes for _, c in chunks)})
+    tensors = {fqn: {"dtype": t.dtype, "size": list(t.size),
+                     "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes), "rank": c.rank,
+                                 "offset": c.offset, "nbytes": c.nbytes} for c in t.chunks]}
+               for fqn, t in sorted(md.tensors.items())}
+    if as_json:
+        print(json.dumps({"schema_version": 1, "path": path, "kind": "distributed", "world_size": md.world_size,
+                          "dcp_version": md.dcp_version, "ranks": ranks, "tensors": tensors,
+                          "values": sorted(md.values)}, sort_keys=True))
+        return 0
+    total = sum(f.size for f in md.files)
+    n_chunks = sum(len(t.chunks) for t in md.tensors.values())
+    print(f"{path}: distributed checkpoint, world size {md.world_size} at save, DCP metadata {md.dcp_version}, "
+          f"{size(total)}")
+    print(f"{'rank':>4}  {'file':<18} {'bytes':>12} {'chunks':>7}")
+    for r in ranks:
+        print(f"{r['rank']:>4}  {r['file']:<18} {r['size']:>12} {r['chunks']:>7}")
+    print(f"{len(tensors)} tensors in {n_chunks} chunks:")
+    for fqn, t in tensors.items():
+        where = ", ".join(f"r{c['rank']}@{c['offsets']}" for c in t["chunks"])
+        print(f"  {fqn:<40} {t['dtype']:<9} {t['size']}  {where}")
+    print(f"{len(md.values)} non-tensor values: {', '.join(sorted(md.values))}")
+    print("digests: not checked here (ckptkit verify checks every byte)")
+    return 0
