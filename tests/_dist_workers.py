@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import ckptkit
 import ckptkit.distributed as ckd
 
 STEPS = 2
@@ -166,3 +167,25 @@ def save_and_die(path: str, dying_rank: int) -> str:
     except Exception as e:  # the survivor: its peer vanished in the middle of the save
         return f"{type(e).__name__}"
     return "saved"
+
+
+def async_saves(first: str, third: str) -> list[str]:
+    """Two background saves with main-thread collectives in between; the second fails
+    (its directory is already committed) and the failure surfaces at the next call."""
+    saver = ckd.AsyncSaver()
+    out = []
+    try:
+        saver.save({"w": torch.arange(64, dtype=torch.float32), "step": 3}, first)
+        total = torch.ones(1)
+        for _ in range(20):  # a training loop's collectives on the default group, meanwhile
+            dist.all_reduce(total)
+        out.append(f"all_reduce {int(total.item())}")
+        saver.save({"w": torch.zeros(64), "step": 4}, first)  # waits for the first; the second fails in the background
+        try:
+            saver.save({"w": torch.zeros(64), "step": 5}, third)
+        except ckptkit.CheckpointError as e:
+            out.append(f"{type(e).__name__}: {e}")
+        saver.wait()
+    finally:
+        saver.close()
+    return out

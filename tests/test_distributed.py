@@ -206,3 +206,16 @@ def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_and_a_refused_tor
     assert main(["verify", prev]) == 0
     assert main(["verify", torn]) == 1
     assert "incomplete distributed checkpoint" in capsys.readouterr().out
+
+
+def test_async_save_on_its_own_group_and_a_failure_surfaces_at_the_next_call(pool, tmp_path):
+    first, third = str(tmp_path / "step-3"), str(tmp_path / "step-5")
+    for out in pool.run("async_saves", first, third):
+        assert out[0] == "all_reduce 1048576"
+        assert out[1] == (f"SaveFailed: {first}: already holds a committed checkpoint; save into a new directory "
+                          "(one checkpoint, one directory) or remove this one first")
+        assert len(out) == 2
+    state = {"w": torch.zeros(64), "step": 0}
+    ckd.load(state, first)
+    assert torch.equal(state["w"], torch.arange(64, dtype=torch.float32)) and state["step"] == 3
+    assert not os.path.exists(third)  # the call that reported the failure started nothing
