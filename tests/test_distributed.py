@@ -219,3 +219,56 @@ def test_async_save_on_its_own_group_and_a_failure_surfaces_at_the_next_call(poo
     ckd.load(state, first)
     assert torch.equal(state["w"], torch.arange(64, dtype=torch.float32)) and state["step"] == 3
     assert not os.path.exists(third)  # the call that reported the failure started nothing
+
+
+# ---------------------------------------------------------------------------- the command line
+
+
+def test_verify_and_inspect_a_distributed_checkpoint(saved, capsys):
+    path = saved[0]
+    assert main(["verify", path]) == 0
+    out = capsys.readouterr().out
+    md = read_metadata(path)
+    n_chunks = sum(len(t.chunks) for t in md.tensors.values())
+    assert out.startswith(f"OK    {path}  distributed world size 2  {len(md.tensors)} tensors in {n_chunks} chunks, "
+                          f"{len(md.values)} values  ")
+    assert main(["inspect", path]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"{path}: distributed checkpoint, world size 2 at save, DCP metadata 1.0.0, ")
+    assert lines[2].split()[:2] == ["0", data_name(0)] and lines[3].split()[:2] == ["1", data_name(1)]
+    assert any(line.split()[:3] == ["model.0.weight", "float32", "[10,"] for line in lines)
+
+
+def test_diff_tensors_compares_logical_tensors_across_world_sizes(saved, tmp_path, capsys):
+    path, full = saved
+    state = load_single(path)
+    resaved = str(tmp_path / "one-rank")
+    ckd.save(state, resaved)
+    assert read_metadata(resaved).world_size == 1
+    assert main(["diff", path, resaved, "--tensors"]) == 0
+    assert capsys.readouterr().out.splitlines()[2] == "tensors: bitwise identical"
+    state["model"]["2.bias"][1] += 1
+    changed = str(tmp_path / "changed")
+    ckd.save(state, changed)
+    assert main(["diff", path, changed, "--tensors"]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[2:4] == ["tensors: 1 difference", "KIND     TENSOR        DETAIL"]
+    assert out[4] == "changed  model.2.bias  1/3 elements differ, max |diff| 1"
+    assert main(["diff", path, changed]) == 2
+    assert "compare their tensors with --tensors" in capsys.readouterr().err
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_dcp_default_backend_directory_is_named_and_never_unpickled(tmp_path, capsys, monkeypatch):
+    import torch.distributed.checkpoint as dcp
+
+    path = str(tmp_path / "default")
+    dcp.save({"w": torch.ones(3), "step": 1}, storage_writer=dcp.FileSystemWriter(path))
+    monkeypatch.setattr(pickle, "load", None)  # any unpickling attempt would now fail loudly
+    assert main(["verify", path]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith(f"FAIL  {path}: .metadata: a checkpoint written by DCP's default filesystem backend")
+    assert "ckptkit never unpickles" in out
+    with pytest.raises(ckptkit.BadMagic):
+        ckd.load({"w": torch.zeros(3)}, path)
+    assert main(["inspect", path]) == 1

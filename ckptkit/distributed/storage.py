@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -61,7 +62,7 @@ from .format import (
     write_metadata,
 )
 
-__all__ = ["LoadPlanner", "Reader", "Writer"]
+__all__ = ["LoadPlanner", "Reader", "Writer", "logical_state", "read_chunk"]
 
 #: DCP's metadata version this backend writes (what FileSystemWriter records).
 DCP_VERSION = "1.0.0"
@@ -314,33 +315,73 @@ class Reader(StorageReader, _Recorder):
 
     def _read_chunk(self, src: Source, fqn: str, c: Chunk, reqs: list[tuple[Any, torch.Tensor]],
                     planner: LoadPlanner) -> None:
-        (req, dest), whole = reqs[0], None
+        req, dest = reqs[0]
         direct = (len(reqs) == 1 and dest.is_contiguous() and dest.device.type == "cpu"
                   and tuple(dest.shape) == c.sizes and not any(req.storage_offsets))
         whole = dest if direct else torch.empty(c.sizes, dtype=dest.dtype)
-        if whole.numel():
-            buf = memoryview(whole.reshape(-1).view(torch.uint8).numpy())
-            h = xxhash.xxh3_64()
-            for a in range(0, c.nbytes, _READ_PIECE):
-                piece = buf[a : a + _READ_PIECE]
-                src.readinto(c.offset + a, piece)
-                h.update(piece)
-            got = h.intdigest()
-        else:
-            got = xxhash.xxh3_64_intdigest(b"")
-        if got != c.digest:
-            raise chunk_mismatch(self.path, fqn, c, got)
+        read_chunk(src, self.path, fqn, c, whole)
         for req, dest in reqs:
             if not direct:
-                part = whole
-                for dim, (o, n) in enumerate(zip(req.storage_offsets, req.lengths)):
-                    part = part.narrow(dim, o, n)
-                dest.copy_(part)
+                dest.copy_(_box(whole, req.storage_offsets, req.lengths))
             planner.commit_tensor(req, dest)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return isinstance(checkpoint_id, (str, os.PathLike))
+
+
+def read_chunk(src: Source, directory: str, fqn: str, c: Chunk, out: torch.Tensor) -> None:
+    """Read chunk ``c`` into the contiguous CPU tensor ``out``, hashing each piece while in cache.
+
+    Raises:
+        ChecksumMismatch: the bytes do not match the chunk's digest (file, tensor, offset named).
+        TruncatedFile: the file shrank while being read.
+    """
+    h = xxhash.xxh3_64()
+    if out.numel():
+        buf = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+        for a in range(0, c.nbytes, _READ_PIECE):
+            piece = buf[a : a + _READ_PIECE]
+            src.readinto(c.offset + a, piece)
+            h.update(piece)
+    if h.intdigest() != c.digest:
+        raise chunk_mismatch(directory, fqn, c, h.intdigest())
+
+
+def _box(t: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
+    for dim, (o, n) in enumerate(zip(offsets, lengths)):
+        t = t.narrow(dim, o, n)
+    return t
+
+
+def logical_state(directory: str | os.PathLike[str]) -> Iterator[tuple[str, Any]]:
+    """Every key of a checkpoint with its logical value, whatever the world size at save:
+    each tensor assembled whole from its chunks (each verified), one at a time, in key order.
+
+    Raises:
+        CheckpointError: as :meth:`Reader.read_metadata` and :func:`read_chunk`.
+    """
+    directory = os.fspath(directory)
+    md = read_metadata(directory)
+    files: dict[int, Source] = {}
+    try:
+        for fqn in sorted(set(md.tensors) | set(md.values)):
+            if fqn in md.values:
+                yield fqn, md.values[fqn]
+                continue
+            t = md.tensors[fqn]
+            full = torch.zeros(t.size, dtype=torch_dtype(t.dtype))
+            for c in t.chunks:
+                src = files.get(c.rank)
+                if src is None:
+                    src = files[c.rank] = Source(os.path.join(directory, data_name(c.rank)))
+                part = torch.empty(c.sizes, dtype=full.dtype)
+                read_chunk(src, directory, fqn, c, part)
+                _box(full, c.offsets, c.sizes).copy_(part)
+            yield fqn, full
+    finally:
+        for src in files.values():
+            src.close()
 
 
 def _set_value(planner: LoadPlanner, req: Any, value: Any) -> None:
