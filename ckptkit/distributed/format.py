@@ -30,7 +30,7 @@ from typing import Any
 import xxhash
 
 from ..atomic import atomic_write
-from ..container import Layout, Source, check_skeleton, check_tensors, read_framed, write_framed
+from ..container import Layout, Source, check_skeleton, read_framed, write_framed
 from ..errors import (
     BadMagic,
     CheckpointError,
@@ -448,6 +448,7 @@ def _verify_data_file(directory: str, rank: int, world: int, f: RankFile,
         ):
             raise MalformedIndex("data tree must be a list of [fqn, offsets, tensor]", path=path,
                                  offset=sec.start + 8, field="data index", hint="D-002")
+        hashed, scratch = 0, bytearray(1 << 20)
         for fqn, offsets, ref in entries:
             got = expect.pop((fqn, tuple(offsets)), None)
             rec = sec.tensors[ref.id]
@@ -462,9 +463,9 @@ def _verify_data_file(directory: str, rank: int, world: int, f: RankFile,
                                      expected=f"{dtype}{list(c.sizes)} at {c.offset}",
                                      actual=f"{rec.dtype}{list(rec.shape)} at {sec.data_start + rec.offset}",
                                      hint="D-006")
-        return check_tensors(src, sec, bytearray(1 << 20))
-
-
-def hash_chunk(buf: memoryview) -> int:
-    """The digest of a chunk's bytes, as stored in the metadata."""
-    return xxhash.xxh3_64_intdigest(buf)
+            h = xxhash.xxh3_64()
+            src.feed(c.offset, c.offset + c.nbytes, h.update, scratch)
+            if h.intdigest() != c.digest:
+                raise chunk_mismatch(directory, fqn, c, h.intdigest())
+            hashed += c.nbytes
+        return hashed
