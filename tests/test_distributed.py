@@ -176,7 +176,7 @@ def test_a_checkpoint_directory_without_metadata_is_refused_naming_what_is_missi
     assert e.value.missing == (METADATA_NAME,)
     assert str(e.value) == (f"{copy}: incomplete distributed checkpoint: {METADATA_NAME} is missing (2 rank data "
                             "files present); the save did not commit on every rank (a rank failed or was killed); "
-                            "load the previous checkpoint (D-003)")
+                            "load the previous checkpoint (R-DC03)")
 
 
 def test_a_committed_checkpoint_is_never_overwritten(copy):

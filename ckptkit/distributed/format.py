@@ -205,7 +205,7 @@ def _check_magic(src: Source, magic: bytes, what: str, rule: str) -> None:
 
 
 def _meta_layout(src: Source) -> Layout:
-    _check_magic(src, _META_MAGIC, "metadata file", "D-001")
+    _check_magic(src, _META_MAGIC, "metadata file", "R-DC01")
     _, world, n = _META_HEADER.unpack(src.pread(0, _META_HEADER.size, "metadata header"))
     sections, trailer_at, digest = read_framed(src, _META_HEADER.size, {"metadata": n}, {"metadata": 16}, _META_END)
     return Layout(src.path, FORMAT_VERSION, world, 0, sections, False, (), src.size, trailer_at, digest,
@@ -214,7 +214,7 @@ def _meta_layout(src: Source) -> Layout:
 
 def data_layout(src: Source) -> tuple[Layout, int]:
     """Parse a data file's frame; returns the layout (``step`` holds the rank) and the world size."""
-    _check_magic(src, _DATA_MAGIC, "data file", "D-002")
+    _check_magic(src, _DATA_MAGIC, "data file", "R-DC02")
     _, rank, world, n = _DATA_HEADER.unpack(src.pread(0, _DATA_HEADER.size, "data header"))
     sections, trailer_at, digest = read_framed(src, _DATA_HEADER.size, {"data": n}, {"data": 24}, _DATA_END)
     return Layout(src.path, FORMAT_VERSION, rank, 0, sections, False, (), src.size, trailer_at, digest,
@@ -240,13 +240,13 @@ def check_directory(directory: str) -> str:
             ".distcp files hold torch.save data, which ckptkit never unpickles",
             path=directory, field=DCP_DEFAULT_METADATA,
             hint="load it once in a trusted environment with FileSystemReader and save it again with "
-                 "ckptkit.distributed.save (D-010)",
+                 "ckptkit.distributed.save (R-DC10)",
         )
     present = sorted(n for n in os.listdir(directory) if n.startswith("rank-") and n.endswith(".ckdcp"))
     raise IncompleteCheckpoint(
         f"{directory}: incomplete distributed checkpoint: {METADATA_NAME} is missing "
         f"({len(present)} rank data file{'s' if len(present) != 1 else ''} present); the save did not commit on "
-        "every rank (a rank failed or was killed); load the previous checkpoint (D-003)",
+        "every rank (a rank failed or was killed); load the previous checkpoint (R-DC03)",
         missing=(METADATA_NAME,),
     )
 
@@ -277,7 +277,7 @@ def read_metadata(directory: str, *, check_files: bool = True) -> DirMetadata:
             if size != f.size:
                 problems.append(f"{data_name(rank)} (rank {rank}) is {size} bytes, the metadata says {f.size}")
         if problems:
-            raise IncompleteCheckpoint(f"{directory}: " + "; ".join(problems) + " (D-004)",
+            raise IncompleteCheckpoint(f"{directory}: " + "; ".join(problems) + " (R-DC04)",
                                        missing=tuple(p.split(" ")[0] for p in problems))
     return md
 
@@ -287,7 +287,7 @@ def _decode(tree: Any, path: str | None, sec: SectionIndex | None, header_world:
 
     def bad(problem: str, actual: Any = None) -> FormatError:
         return MalformedIndex(problem, path=path, offset=at, field="metadata", actual=actual,
-                              hint="the metadata is damaged or was not written by ckptkit (D-005)")
+                              hint="the metadata is damaged or was not written by ckptkit (R-DC05)")
 
     if not isinstance(tree, dict) or sorted(tree) != list(_META_KEYS):
         raise bad("the metadata must be a map with exactly the keys " + ", ".join(_META_KEYS),
@@ -366,7 +366,7 @@ def chunk_mismatch(directory: str, fqn: str, c: Chunk, got: int) -> ChecksumMism
         f"tensor {fqn!r} chunk at {list(c.offsets)} of {list(c.sizes)} ({c.nbytes} bytes): digest does not match",
         path=os.path.join(directory, data_name(c.rank)), offset=c.offset,
         expected=f"0x{c.digest:016x}", actual=f"0x{got:016x}",
-        hint="the rank data file is damaged; load an earlier checkpoint (D-007)",
+        hint="the rank data file is damaged; load an earlier checkpoint (R-DC07)",
     )
 
 
@@ -412,7 +412,7 @@ def verify_directory(directory: str | os.PathLike[str]) -> DirReport:
             (fqn, offsets), (_, c) = min(expect.items(), key=lambda kv: (kv[0][0], kv[0][1]))
             raise MalformedIndex(f"tensor {fqn!r} chunk at {list(offsets)} is in the metadata but in no data file",
                                  path=os.path.join(directory, data_name(c.rank)), field="data index",
-                                 hint="the data file does not belong to this commit (D-006)")
+                                 hint="the data file does not belong to this commit (R-DC06)")
     except CheckpointNotFound as e:
         if not os.path.isdir(directory):
             raise
@@ -431,12 +431,12 @@ def _verify_data_file(directory: str, rank: int, world: int, f: RankFile,
         if layout.step != rank or file_world != world:
             raise MalformedIndex("data file belongs to another rank or world size", path=path, offset=8,
                                  field="data header", expected=f"rank {rank} of {world}",
-                                 actual=f"rank {layout.step} of {file_world}", hint="D-006")
+                                 actual=f"rank {layout.step} of {file_world}", hint="R-DC06")
         if layout.skeleton_digest != f.digest:
             raise ChecksumMismatch("data file is not the one this commit wrote (its digest differs from the "
                                    "metadata's)", path=path, offset=layout.trailer_offset, field="trailer",
                                    expected=f"0x{f.digest:016x}", actual=f"0x{layout.skeleton_digest:016x}",
-                                   hint="a stray or damaged rank file; load an earlier checkpoint (D-006)")
+                                   hint="a stray or damaged rank file; load an earlier checkpoint (R-DC06)")
         check_skeleton(src, layout)
         sec = layout.sections["data"]
         if sec is None:
@@ -447,14 +447,14 @@ def _verify_data_file(directory: str, rank: int, world: int, f: RankFile,
             and isinstance(e[2], TensorRef) for e in entries
         ):
             raise MalformedIndex("data tree must be a list of [fqn, offsets, tensor]", path=path,
-                                 offset=sec.start + 8, field="data index", hint="D-002")
+                                 offset=sec.start + 8, field="data index", hint="R-DC02")
         hashed, scratch = 0, bytearray(1 << 20)
         for fqn, offsets, ref in entries:
             got = expect.pop((fqn, tuple(offsets)), None)
             rec = sec.tensors[ref.id]
             if got is None:
                 raise MalformedIndex(f"tensor {fqn!r} chunk at {offsets} is not in the metadata", path=path,
-                                     offset=sec.start + 8, field="data index", hint="D-006")
+                                     offset=sec.start + 8, field="data index", hint="R-DC06")
             dtype, c = got
             if (rec.dtype, rec.shape, sec.data_start + rec.offset, rec.nbytes, rec.digest, c.rank) != (
                     dtype, c.sizes, c.offset, c.nbytes, c.digest, rank):
@@ -462,7 +462,7 @@ def _verify_data_file(directory: str, rank: int, world: int, f: RankFile,
                                      path=path, offset=sec.start + 8, field="data index",
                                      expected=f"{dtype}{list(c.sizes)} at {c.offset}",
                                      actual=f"{rec.dtype}{list(rec.shape)} at {sec.data_start + rec.offset}",
-                                     hint="D-006")
+                                     hint="R-DC06")
             h = xxhash.xxh3_64()
             src.feed(c.offset, c.offset + c.nbytes, h.update, scratch)
             if h.intdigest() != c.digest:
