@@ -103,3 +103,24 @@ def test_every_rule_of_the_spec_has_a_fixture_or_a_named_test():
     fixtures = {name.split("-")[0] + "-" + name.split("-")[1] for name in MANIFEST["invalid"]}
     tested = {"R-DC08", "R-DC09"}  # tests/test_distributed.py: dtype/missing keys, committed directory
     assert set(rules) <= fixtures | tested
+
+
+def test_verify_and_inspect_json_on_the_golden_directory(capsys):
+    path = str(FIXTURES / "two-ranks")
+    assert main(["verify", path, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    size = sum(p.stat().st_size for p in (FIXTURES / "two-ranks").iterdir())
+    assert doc == {"schema_version": 1, "ok": True, "files": [
+        {"path": path, "kind": "distributed", "ok": True, "error": None, "world_size": 2, "tensors": 2,
+         "chunks": 3, "values": 3, "size": size}]}
+    assert main(["inspect", path, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["world_size"] == 2 and doc["dcp_version"] == "1.0.0" and doc["values"] == ["betas", "name", "step"]
+    assert [r["chunks"] for r in doc["ranks"]] == [2, 1]
+    assert doc["tensors"]["model.w"]["chunks"][1] == {"offsets": [2, 0], "sizes": [2, 3], "rank": 1,
+                                                      "offset": 128, "nbytes": 24}
+
+
+def test_inspect_refuses_a_torn_directory_and_names_what_is_missing(capsys):
+    assert main(["inspect", str(FIXTURES / "R-DC03-no-metadata")]) == 2
+    assert "metadata.ckdcp is missing" in capsys.readouterr().err
