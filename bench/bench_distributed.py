@@ -1,6 +1,6 @@
 """ckptkit's DCP backend against DCP's default filesystem backend, on 2 gloo ranks.
 
-    python bench/bench_distributed.py                              # ~400 MB FSDP2 + AdamW, 3 rounds
+    python bench/bench_distributed.py                              # ~400 MB FSDP2 + AdamW, 5 rounds
     python bench/bench_distributed.py --size-mb 40 --rounds 1      # a smoke run in seconds
     python bench/bench_distributed.py --json > bench-dist.json     # one JSON object (schema_version 1)
 
@@ -8,8 +8,9 @@ What it builds, on each of 2 CPU ranks joined by gloo: a stack of square Linear
 layers, each ``fully_shard``-ed (FSDP2, rows split between the ranks), and AdamW
 after one step, so model + exp_avg + exp_avg_sq come to about ``--size-mb`` in all
 (fp32). Every operation runs on that same state, the two backends interleaved within
-each round so a noisy neighbour hits both alike; the first round is a warm-up and is
-not counted; the reported time is the median over rounds of the slowest rank.
+each round (who goes first alternates) so a noisy neighbour and the page cache's
+writeback hit both alike; the first round is a warm-up and is not counted; the
+reported time is the median over rounds of the slowest rank.
 
 - save: ``dcp.save`` with ``FileSystemWriter`` (fsync'd, its default) vs
   ``ckptkit.distributed.save`` (fsync'd, metadata committed last, every chunk hashed);
@@ -92,7 +93,7 @@ def _rank(rank: int, world: int, init: str, args: argparse.Namespace, out: str) 
     times: dict[str, dict[str, list[float]]] = {op: {b: [] for b in BACKENDS} for op in OPS}
     root = args.dir
     for rnd in range(args.rounds + 1):
-        for backend in BACKENDS:
+        for backend in BACKENDS if rnd % 2 else BACKENDS[::-1]:  # alternate who goes first
             d = os.path.join(root, f"{backend}-{rnd}")
             if backend == "default":
                 save = lambda: dcp.save(state, storage_writer=dcp.FileSystemWriter(d))  # noqa: E731
@@ -136,7 +137,7 @@ def _tensors(tree: Any) -> list[Any]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size-mb", type=float, default=400.0, help="model + AdamW state, all ranks together (MB)")
-    p.add_argument("--rounds", type=int, default=3, help="measured rounds (after one warm-up round)")
+    p.add_argument("--rounds", type=int, default=5, help="measured rounds (after one warm-up round)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = p.parse_args(argv)
     world = 2
