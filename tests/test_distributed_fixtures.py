@@ -7,9 +7,10 @@ damaged variant is refused by ``load`` and ``verify`` with exactly the manifest'
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,15 +28,8 @@ FIXTURES = ROOT / "distributed"
 MANIFEST: dict[str, Any] = json.loads((FIXTURES / "MANIFEST.json").read_text())
 
 
-def _generator() -> Any:
-    spec = importlib.util.spec_from_file_location("generate_distributed", ROOT / "generate_distributed.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-GENERATE = _generator()
+sys.path.insert(0, str(ROOT))  # fixtures/ holds the generator, a script
+GENERATE = importlib.import_module("generate_distributed")
 
 
 def _files(root: Path) -> dict[str, bytes]:
