@@ -196,6 +196,8 @@ def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_and_a_refused_tor
         while pool.procs[1].is_alive() and time.monotonic() < deadline:
             time.sleep(0.1)
         assert pool.procs[1].exitcode == -9
+        status, survivor = pool.outboxes[0].get(timeout=60)  # the survivor fails, within its group timeout
+        assert (status, survivor) == ("ok", "DistributedFailure")
     finally:
         pool.close()
     state = {"w": torch.zeros(64), "step": 0, "betas": None}

@@ -3,7 +3,8 @@
 DCP reports a failure on any rank as ``CheckpointException``, a ``BaseException``
 that ``except Exception`` does not catch; the short forms raise the ckptkit error
 the failing rank raised instead (the same on every rank), or
-:class:`~ckptkit.errors.DistributedFailure` for a failure that is not ckptkit's.
+:class:`~ckptkit.errors.DistributedFailure` for a failure that is not ckptkit's —
+including a collective that fails outright because a peer rank died.
 """
 
 from __future__ import annotations
@@ -70,6 +71,14 @@ def _run(call: Callable[[], Any], *recorders: _Recorder) -> Any:
             return call()
     except CheckpointException as e:
         raise translate(e, *recorders) from None
+    except RuntimeError as e:  # a collective outside DCP's wrapping failed: typically a peer rank died
+        if isinstance(e, CheckpointError):
+            raise
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        raise DistributedFailure(
+            f"rank {rank}: a collective of torch.distributed.checkpoint failed ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}); another rank probably failed or was killed; whether the "
+            "save committed is what its directory says (no metadata.ckdcp: it did not, and load refuses it)", {rank: f"{type(e).__name__}: {e}"}) from e
 
 
 def translate(e: CheckpointException, *recorders: _Recorder) -> CheckpointError:

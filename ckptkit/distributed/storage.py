@@ -96,7 +96,6 @@ class Writer(StorageWriter, _Recorder):
         super().__init__()
         self.path = os.fspath(path)
         self.save_id = uuid.uuid4().hex
-        self.is_coordinator = False
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id:
@@ -105,7 +104,6 @@ class Writer(StorageWriter, _Recorder):
         self.failure = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self.is_coordinator = is_coordinator
         if kwargs.get("use_collectives", True) is False:
             raise self._record(UnsupportedValue(
                 "ckptkit.distributed.Writer needs DCP's collectives (use_collectives=False writes rank-local "
