@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import shutil
@@ -68,6 +69,7 @@ def _model(size_mb: float, world: int) -> tuple[torch.nn.Module, torch.optim.Opt
 
 
 def _timed(fn: Any) -> float:
+    gc.collect()  # no op pays for garbage the previous one left (ckptkit defers collection while it runs)
     dist.barrier()
     t0 = time.perf_counter()
     fn()

@@ -9,6 +9,7 @@ including a collective that fails outright because a peer rank died.
 
 from __future__ import annotations
 
+import gc
 import os
 import warnings
 from collections.abc import Callable
@@ -65,7 +66,13 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], process_group
 
 
 def _run(call: Callable[[], Any], *recorders: _Recorder) -> Any:
+    collect = gc.isenabled()
     try:
+        # No cyclic garbage collection while DCP runs: decoding the metadata allocates
+        # thousands of small objects, which triggers full collections of torch's large
+        # heap (measured: a 208 MB load at 0.09 s, or 0.25 s when one lands). Reference
+        # counting still frees everything; cycles wait for the next collection.
+        gc.disable()
         with warnings.catch_warnings():  # a single process is a documented use of the short forms
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             return call()
@@ -78,7 +85,11 @@ def _run(call: Callable[[], Any], *recorders: _Recorder) -> Any:
         raise DistributedFailure(
             f"rank {rank}: a collective of torch.distributed.checkpoint failed ({type(e).__name__}: "
             f"{str(e).splitlines()[0] if str(e) else ''}); another rank probably failed or was killed; whether the "
-            "save committed is what its directory says (no metadata.ckdcp: it did not, and load refuses it)", {rank: f"{type(e).__name__}: {e}"}) from e
+            "save committed is what its directory says (no metadata.ckdcp: it did not, and load refuses it)",
+            {rank: f"{type(e).__name__}: {e}"}) from e
+    finally:
+        if collect:
+            gc.enable()
 
 
 def translate(e: CheckpointException, *recorders: _Recorder) -> CheckpointError:
