@@ -157,3 +157,19 @@ def test_any_flipped_bit_is_caught_by_verify_and_never_loads_wrong_values(tmp_pa
     # index or padding) leaves every value it returns exact, and verify reports the flip
     assert torch.equal(state["model"]["w"], GENERATE.W) and torch.equal(state["model"]["b"], GENERATE.B)
     assert (state["step"], state["betas"], state["name"]) == (7, (0.5, 0.25), "golden")
+
+
+def test_the_short_forms_leave_the_garbage_collector_as_they_found_it():
+    import gc
+
+    load(_fresh_state(), FIXTURES / "two-ranks")
+    assert gc.isenabled()
+    with pytest.raises(errors.ChecksumMismatch):
+        load(_fresh_state(), FIXTURES / "R-DC07-flipped-chunk-byte")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        load(_fresh_state(), FIXTURES / "two-ranks")
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
