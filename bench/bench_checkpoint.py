@@ -4,6 +4,7 @@
     python bench/bench_checkpoint.py --size-mb 258 --reps 5   # the issue's 258 MiB figure
     python bench/bench_checkpoint.py --json > bench.json      # one JSON object (schema_version 1)
     python bench/bench_checkpoint.py --size-mb 64 --reps 2 --skip memory,zstd   # a smoke run in seconds
+    python bench/bench_checkpoint.py --state flat --reps 7    # the load paths on the 304 MiB flat state dict
 
 What it builds: a GPT-like model (fp32 master weights), its bf16 EMA teacher and the
 AdamW state after one step (fp32 exp_avg / exp_avg_sq), the three parts of a real
@@ -507,6 +508,120 @@ def zstd_table(net: GPT, teacher: GPT, opt: torch.optim.Optimizer, sample_mb: in
     return rows
 
 
+# ============================================================================ the flat state
+
+
+def flat_state() -> dict[str, torch.Tensor]:
+    """304 MiB of fp32 and bf16 tensors in one flat dict: the state where load(into=) measured 1.22-1.32x."""
+    g = torch.Generator().manual_seed(0)
+    out = {"embed.weight": torch.randn(16384, 1024, generator=g)}  # 64 MiB fp32
+    for i in range(12):
+        out[f"layers.{i}.fc.weight"] = torch.randn(1536, 2048, generator=g)  # 12 MiB fp32
+        out[f"layers.{i}.fc.bias"] = torch.randn(2048, generator=g)
+        out[f"layers.{i}.proj.weight"] = torch.randn(2048, 2048, generator=g).to(torch.bfloat16)  # 8 MiB bf16
+        out[f"layers.{i}.proj.bias"] = torch.randn(2048, generator=g).to(torch.bfloat16)
+    return out
+
+
+FLAT_LAZY_KEY = "layers.6.fc.weight"
+
+
+def flat_ops(ck_path: str, st_path: str, live: dict[str, torch.Tensor]) -> dict[str, Callable[[], Any]]:
+    """The load paths on the flat state, each ending with every byte in ``live`` (or one tensor summed)."""
+    import safetensors.torch as st
+    from safetensors import safe_open
+
+    def copy_all(src: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for k, t in live.items():
+                t.copy_(src[k])
+
+    def st_lazy() -> float:
+        with safe_open(st_path, "pt") as f:
+            return float(f.get_tensor(FLAT_LAZY_KEY).sum())
+
+    def ck_lazy() -> float:
+        with open_checkpoint(ck_path) as ck:
+            return float(ck.tensor("model", FLAT_LAZY_KEY).sum())
+
+    return {
+        "ckptkit load + copy_ (verified)": lambda: copy_all(ckptkit.load(ck_path).model),
+        "safetensors load_file + copy_": lambda: copy_all(st.load_file(st_path)),
+        "ckptkit load(into=...) (verified)": lambda: ckptkit.load(ck_path, into={"model": live}),
+        "ckptkit load alone (verified)": lambda: ckptkit.load(ck_path),
+        "safetensors load_file alone": lambda: st.load_file(st_path),
+        "ckptkit open_checkpoint + one tensor": ck_lazy,
+        "safetensors safe_open + get_tensor": st_lazy,
+    }
+
+
+def _run_flat(args: argparse.Namespace, log: Callable[[str], None], work: str) -> int:
+    """Time (interleaved medians) and peak memory (a fresh child per op) of the load paths on the flat state."""
+    import safetensors.torch as st
+
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    state = flat_state()
+    ck_path, st_path = os.path.join(work, "flat.ckpt"), os.path.join(work, "flat.safetensors")
+    ckptkit.save(ck_path, Checkpoint(step=1, model=state))
+    st.save_file(state, st_path)
+    live = {k: torch.empty_like(t) for k, t in state.items()}
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    del state
+    ops = flat_ops(ck_path, st_path, live)
+    warm = {k: (lambda p=(st_path if k.startswith("safetensors") else ck_path): warm_cache(p)) for k in ops}
+    r = Runner(args.reps, log)
+    r.interleaved({k: (warm[k], op) for k, op in ops.items()})
+    med = {k: r.median(k) for k in ops}
+    memory = {}
+    if "memory" not in set(filter(None, args.skip.split(","))):
+        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
+        for k in ops:
+            cmd = [sys.executable, os.path.abspath(__file__), "--state", "flat", "--child", k, "--files",
+                   json.dumps({"ckptkit": ck_path, "safetensors": st_path})]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+            memory[k] = json.loads(proc.stdout.splitlines()[-1]) if proc.returncode == 0 else {"error": proc.stderr[-300:]}
+    ratios = {
+        "load + copy_ / safetensors load_file + copy_": med["ckptkit load + copy_ (verified)"]
+        / med["safetensors load_file + copy_"],
+        "load(into=) / safetensors load_file + copy_": med["ckptkit load(into=...) (verified)"]
+        / med["safetensors load_file + copy_"],
+        "lazy open + one tensor / safe_open + get_tensor": med["ckptkit open_checkpoint + one tensor"]
+        / med["safetensors safe_open + get_tensor"],
+    }
+    result = {"schema_version": 1, "state": "flat", "bytes": nbytes, "reps": args.reps,
+              "median_s": med, "times_s": r.times, "ratios": ratios, "peak_extra_rss_bytes": memory}
+    if args.json:
+        print(json.dumps(result, indent=1, sort_keys=True))
+        return 0
+    print(f"flat state dict: {nbytes / MiB:.0f} MiB, {len(live)} tensors; medians of {args.reps} interleaved reps")
+    for k, v in med.items():
+        m = memory.get(k, {})
+        extra = f"{m['extra'] / MiB:8.1f} MiB peak above live" if "extra" in m else ""
+        print(f"  {k:<42} {v * 1e3:9.2f} ms  {extra}")
+    for k, v in ratios.items():
+        print(f"  {k:<52} {v:6.2f}x")
+    return 0
+
+
+def flat_child(args: argparse.Namespace) -> None:
+    """One flat-state op in a fresh process: its peak RSS above what was live before it (anon + file pages)."""
+    live = {k: torch.empty_like(t) for k, t in ckptkit.load(args.files["ckptkit"]).model.items()}
+    for t in live.values():
+        t.zero_()  # touch: the destinations are resident before the op, as in a live run
+    gc.collect()
+    op = flat_ops(args.files["ckptkit"], args.files["safetensors"], live)[args.child]
+    warm_cache(args.files["ckptkit"])
+    warm_cache(args.files["safetensors"])
+    ok = reset_peak()
+    base = vm_status()
+    keep = op()
+    peak = vm_status()
+    del keep
+    print(json.dumps({"op": args.child, "reset_ok": ok, "base_rss": base["VmRSS"], "peak_rss": peak["VmHWM"],
+                      "extra": peak["VmHWM"] - base["VmRSS"]}), flush=True)
+
+
 # ============================================================================ main
 
 
@@ -522,6 +637,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--torch-threads", type=int, default=0,
                    help="torch intra-op threads (default: torch's own choice, one per core)")
     p.add_argument("--zstd-sample-mb", type=int, default=16, help="MiB per tensor kind for the zstd table (16)")
+    p.add_argument("--state", choices=("gpt", "flat"), default="gpt",
+                   help="gpt (default): model + bf16 teacher + AdamW state of --size-mb; flat: the 304 MiB flat "
+                        "state dict of issue 12 (one 64 MiB fp32 embedding, 12 x 12 MiB fp32, 12 x 8 MiB bf16, "
+                        "24 small biases), load paths only, with their peak memory")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--width", type=int, help=argparse.SUPPRESS)
     p.add_argument("--files", type=json.loads, help=argparse.SUPPRESS)
@@ -536,7 +655,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear script
     args = parse(argv)
     if args.child:
-        child_main(args)
+        flat_child(args) if args.state == "flat" else child_main(args)
         return 0
     started = time.perf_counter()
     skip = set(filter(None, args.skip.split(",")))
@@ -545,6 +664,8 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - one linear scrip
     work = tempfile.mkdtemp(prefix="ckptkit-bench-") if own_dir else args.dir
     os.makedirs(work, exist_ok=True)
     try:
+        if args.state == "flat":
+            return _run_flat(args, log, work)
         return _run(args, skip, log, work, started)
     finally:
         if own_dir:
@@ -747,6 +868,9 @@ def _report(args, r, nbytes, file_size, parts, d, lazy_bytes, asyncres, memory, 
         "restore_into / pread limit": RI / RL,
         "verify speed / read bandwidth (warm)": RB / V,
         "lazy one tensor (ms)": med["ckptkit open_checkpoint + one tensor"] * 1e3,
+        "load + load_state_dict / safetensors": med["ckptkit load + load_state_dict (verified)"] / SL,
+        "lazy one tensor / safetensors safe_open": med["ckptkit open_checkpoint + one tensor"]
+        / med["safetensors safe_open + get_tensor"],
     }
     if "ckptkit verify, cold cache" in med:
         ratios["verify speed / read bandwidth (cold)"] = med["read file, cold cache (read bandwidth)"] / med[
@@ -765,6 +889,11 @@ def _report(args, r, nbytes, file_size, parts, d, lazy_bytes, asyncres, memory, 
         ("verified restore_into <= 1.2x safetensors restore", ratios["restore_into / safetensors"], 1.2, "<="),
         ("verified restore_into <= 0.3x torch.load path", ratios["restore_into / torch.load path"], 0.3, "<="),
         ("lazy: one tensor in milliseconds (<= 20 ms)", ratios["lazy one tensor (ms)"], 20, "<="),
+        ("verified load + load_state_dict <= 1.2x safetensors", ratios["load + load_state_dict / safetensors"], 1.2,
+         "<="),
+        ("verified restore_into <= 1.0x safetensors restore", ratios["restore_into / safetensors"], 1.0, "<="),
+        ("lazy open + one tensor <= 2x safetensors safe_open", ratios["lazy one tensor / safetensors safe_open"], 2,
+         "<="),
         ("verify >= 0.8x read bandwidth (warm)", ratios["verify speed / read bandwidth (warm)"], 0.8, ">="),
     ]
     if "verify speed / read bandwidth (cold)" in ratios:

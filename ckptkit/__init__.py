@@ -18,6 +18,7 @@ from .checkpoint import Checkpoint, import_torch_checkpoint, load, save
 from .container import FLAG_FP32_FALLBACK, VERSION, Report, SectionInfo, verify
 from .errors import (
     BadMagic,
+    BadTensorValue,
     CheckpointError,
     CheckpointNotFound,
     ChecksumMismatch,
@@ -26,6 +27,7 @@ from .errors import (
     EnvironmentDrift,
     FormatError,
     IncompleteCheckpoint,
+    InsufficientMemory,
     LegacyCheckpoint,
     MalformedIndex,
     ReplayDivergence,
@@ -37,6 +39,7 @@ from .errors import (
     StreamOffsetMismatch,
     TrainingUnstable,
     TruncatedFile,
+    UnreadableFile,
     UnsupportedValue,
     UnsupportedVersion,
 )
@@ -62,6 +65,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AsyncSaver",
     "BadMagic",
+    "BadTensorValue",
     "Checkpoint",
     "CheckpointError",
     "CheckpointNotFound",
@@ -73,6 +77,7 @@ __all__ = [
     "FLAG_FP32_FALLBACK",
     "FormatError",
     "IncompleteCheckpoint",
+    "InsufficientMemory",
     "KeyDiff",
     "LazyCheckpoint",
     "LegacyCheckpoint",
@@ -94,6 +99,7 @@ __all__ = [
     "StreamOffsetMismatch",
     "TrainingUnstable",
     "TruncatedFile",
+    "UnreadableFile",
     "UnsupportedValue",
     "UnsupportedVersion",
     "VERSION",

@@ -259,6 +259,8 @@ class _Slot:
         """Place the copy in ``arena``; a plain CPU tensor's bytes are queued on ``plain``, others copied now."""
         import torch
 
+        from .codec import flat_bytes
+
         src = self.source.detach()
         if self.nbytes == 0:
             self.copy = torch.empty(src.shape, dtype=src.dtype)
@@ -266,7 +268,7 @@ class _Slot:
         dst = arena[self.offset : self.offset + self.nbytes].view(src.dtype).view(src.shape)
         if src.is_contiguous() and not src.is_conj() and not src.is_neg() and src.device.type == "cpu":
             # Copied as bytes: the same bytes whatever the values (NaN payloads included).
-            plain.append((dst.view(-1).view(torch.uint8).numpy(), src.reshape(-1).view(torch.uint8).numpy()))
+            plain.append((flat_bytes(dst).numpy(), flat_bytes(src).numpy()))
         else:
             dst.copy_(src, non_blocking=non_blocking)  # strided, conj/neg views, device tensors
         self.copy = dst

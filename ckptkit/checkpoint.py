@@ -130,14 +130,17 @@ def load(
     map_location: str | torch.device = "cpu",
     into: Mapping[str, Any] | None = None,
     strict: bool = True,
+    max_memory: int | None = None,
 ) -> Checkpoint:
-    """Read a v2 or legacy v1 container, verifying every byte as it is read.
+    """Read a v2 or legacy v1 container, verifying every byte it returns.
 
-    Tensor bytes are read straight into their final memory and hashed in the same
-    pass, in one thread per core. With ``into``, that final memory is your own
-    tensors': a restore into an existing model or optimizer writes each stored
-    tensor directly into the matching parameter, buffer or state tensor — no
-    second copy, no ``load_state_dict`` copy afterwards.
+    Without ``into``, tensors of a raw section are views of a private
+    (copy-on-write) mapping of the file, each hashed where it lies before the
+    call returns, in one thread per core: nothing is copied, and writing into a
+    tensor never changes the file. With ``into``, each stored tensor is read
+    straight into your own tensor (parameter, buffer, optimizer state) and hashed
+    in the same pass — no second copy, no ``load_state_dict`` copy afterwards.
+    Tensors of a zstd section are decoded into new memory.
 
     Args:
         path: the checkpoint file.
@@ -152,6 +155,13 @@ def load(
             no tensor for (as ``load_state_dict(strict=True)`` does); with
             ``strict=False`` they are loaded into new memory (e.g. an optimizer
             whose state is still empty).
+        max_memory: the most bytes of new tensor memory the load may allocate.
+            None (default): the memory this process has available (the least of
+            ``MemAvailable``, the cgroup limit and ``RLIMIT_AS`` headroom; no
+            check where none is known). Checked against the sizes the file
+            declares before anything is allocated: a zstd section can declare up
+            to 32768 x its stored size. Pass a number to cap a service that loads
+            untrusted files, or a large one to skip the check.
 
     Returns:
         The :class:`Checkpoint`. A v1 file loads with ``legacy=True`` and
@@ -168,6 +178,8 @@ def load(
         StateMismatch: ``into`` does not fit the file (a key the file lacks, a
             shape or dtype that differs, with ``strict`` a stored tensor without
             destination); every problem is listed and nothing has been written.
+        InsufficientMemory: the tensors to allocate exceed ``max_memory`` (or the
+            memory available); raised before anything is allocated.
 
     Example:
         >>> ckpt = load("run/step-00000100.ckpt")  # doctest: +SKIP
@@ -181,7 +193,8 @@ def load(
             check_flags(layout)
         from .codec import load_sections
 
-        trees = load_sections(src, layout.sections, map_location=map_location, into=into, strict=strict)
+        trees = load_sections(src, layout.sections, map_location=map_location, into=into, strict=strict,
+                              max_memory=max_memory)
     return Checkpoint(
         step=layout.step, flags=layout.flags, legacy=layout.legacy, missing=layout.missing,
         version=layout.version, **trees,

@@ -17,6 +17,7 @@ Invariants:
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -24,11 +25,11 @@ from typing import Any
 import torch
 
 from .container import Source, read_tensors
-from .errors import StateMismatch, UnsupportedValue
+from .errors import InsufficientMemory, StateMismatch, UnsupportedValue
 from .section import CODECS, DTYPE_SIZES, MAX_NDIM, SectionIndex, SectionPlan, TensorRef, check_plain, plan_section
 
 __all__ = [
-    "check_tensor", "decode_tree", "dtype_name", "encode_tree", "load_section", "load_sections", "match_destinations",
+    "check_tensor", "decode_tree", "dtype_name", "encode_tree", "flat_bytes", "load_section", "mapped_tensor", "load_sections", "match_destinations",
     "plan_trees", "storage_key", "tensor_bytes", "torch_dtype",
 ]
 
@@ -63,6 +64,21 @@ def torch_dtype(name: str) -> torch.dtype:
         raise UnsupportedValue(f"dtype {name} is not available in torch {torch.__version__}") from None
 
 
+def flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The memory of a contiguous CPU tensor as a 1-d ``uint8`` tensor (shared, not copied).
+
+    The one place tensors become bytes (save, async save, ``load(into=...)``).
+    ``is_contiguous()`` ignores the stride of a size-1 dimension, so a one-element
+    view such as ``torch.ones(2)[::2]`` is "contiguous" with stride 2, and torch
+    refuses to view it as bytes; its one element is dense, so it is re-viewed with a
+    unit stride (same storage, same offset).
+    """
+    flat = t.detach().reshape(-1)
+    if flat.numel() == 1 and flat.stride(0) != 1:
+        flat = flat.as_strided((1,), (1,))
+    return flat.view(torch.uint8)
+
+
 def tensor_bytes(t: torch.Tensor) -> tuple[torch.Tensor, memoryview]:
     """A contiguous CPU tensor with the same values, and a byte view of its memory.
 
@@ -71,7 +87,7 @@ def tensor_bytes(t: torch.Tensor) -> tuple[torch.Tensor, memoryview]:
     t = t.detach().cpu().resolve_conj().resolve_neg().contiguous()  # each a no-op when already so
     if t.numel() == 0:
         return t, memoryview(b"")
-    return t, memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return t, memoryview(flat_bytes(t).numpy())
 
 
 def storage_key(t: torch.Tensor) -> tuple[Any, ...]:
@@ -135,24 +151,33 @@ def encode_tree(tree: Any, where: str) -> tuple[Any, list[tuple[str, tuple[int, 
 
 
 def decode_tree(tree: Any, tensors: list[torch.Tensor] | Mapping[int, torch.Tensor]) -> Any:
-    """Replace every :class:`TensorRef` in ``tree`` by its tensor (shared refs share)."""
+    """Replace every :class:`TensorRef` in ``tree`` by its tensor (shared refs share).
+
+    Leaves are replaced in the loop over their container, not by a call each: a
+    tree of a million references stays a million dictionary lookups.
+    """
     if isinstance(tree, TensorRef):
         return tensors[tree.id]
+
+    def one(v: Any) -> Any:
+        return tensors[v.id] if type(v) is TensorRef else v if type(v) in _LEAVES else decode_tree(v, tensors)
+
     if isinstance(tree, tuple):
-        return tuple(decode_tree(v, tensors) for v in tree)
+        return tuple(map(one, tree))
     if isinstance(tree, list):
-        return [decode_tree(v, tensors) for v in tree]
+        return list(map(one, tree))
     if isinstance(tree, dict):
-        return {k: decode_tree(v, tensors) for k, v in tree.items()}
+        return {k: one(v) for k, v in tree.items()}
     return tree
+
+
+_LEAVES = (type(None), bool, int, float, str, bytes)
 
 
 def empty_like_record(dtype: str, shape: tuple[int, ...]) -> tuple[torch.Tensor, memoryview]:
     """A fresh CPU tensor for a record, and a writable byte view of it."""
     t = torch.empty(shape, dtype=torch_dtype(dtype))
-    if t.numel() == 0:
-        return t, memoryview(bytearray(0))
-    return t, memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return t, _byte_view(t)
 
 
 def _compressor(level: int) -> Any:
@@ -201,6 +226,19 @@ def plan_trees(
     return plans, keep
 
 
+def read_section_tensors(src: Source, sec: SectionIndex, max_memory: int | None = None) -> list[torch.Tensor]:
+    """Every tensor of a section in new memory, in table order, each digest checked.
+
+    Raises:
+        InsufficientMemory: the tensors would not fit (before anything is allocated).
+        ChecksumMismatch, BadTensorValue, MalformedIndex: as :func:`~ckptkit.container.read_tensors`.
+    """
+    check_memory(src.path, [(sec, i) for i in range(len(sec.tensors))], max_memory)
+    made = [empty_like_record(rec.dtype, rec.shape) for rec in sec.tensors]
+    read_tensors(src, [(sec, i, view) for i, (_, view) in enumerate(made)])
+    return [t for t, _ in made]
+
+
 def load_section(src: Source, sec: SectionIndex | None, map_location: Any = "cpu") -> Any:
     """Read one section's tree with its tensors, checking each digest as it is read.
 
@@ -218,6 +256,7 @@ def load_sections(
     map_location: Any = "cpu",
     into: Mapping[str, Any] | None = None,
     strict: bool = True,
+    max_memory: int | None = None,
 ) -> dict[str, Any]:
     """Read sections' trees, each tensor straight into its destination, verified in the same pass.
 
@@ -229,6 +268,8 @@ def load_sections(
             a matching stored tensor is read into the destination tensor's own
             memory, and the returned tree holds that destination tensor.
         strict: refuse stored tensors that ``into`` has no destination for.
+        max_memory: the most bytes of new tensor memory to allocate (see
+            :func:`check_memory`; None: what the process has available).
 
     Returns:
         section name -> tree (None for an absent section).
@@ -236,6 +277,7 @@ def load_sections(
     Raises:
         StateMismatch: ``into`` does not fit the file (every problem listed);
             raised before any byte is read.
+        InsufficientMemory: the new tensors would not fit (before anything is allocated).
         ChecksumMismatch, MalformedIndex, TruncatedFile: as :func:`~ckptkit.container.read_tensors`.
             Destinations filled before the failure keep what was read: treat
             them as garbage and restore again from a good checkpoint.
@@ -254,7 +296,13 @@ def load_sections(
                 "the checkpoint was written for another model or optimizer layout",
                 problems,
             )
-    jobs: list[tuple[SectionIndex, int, memoryview]] = []
+    homeless = [(name, sec, i) for name, sec in sections.items() if sec is not None
+                for i in range(len(sec.tensors)) if dests.get(name, {}).get(i) is None]
+    mapping = src.map_private() if any(sec.codec == "raw" for _, sec, _ in homeless) else None
+    fresh = [(sec, i) for name, sec in sections.items() if sec is not None for i in range(len(sec.tensors))
+             if not _writable_in_place(dests.get(name, {}).get(i)) and not (mapping and sec.codec == "raw")]
+    check_memory(src.path, fresh, max_memory)
+    jobs: list[tuple[SectionIndex, int, memoryview | None]] = []
     staged: list[tuple[torch.Tensor, torch.Tensor]] = []  # (read into, copy to) for indirect destinations
     out_tensors: dict[str, list[torch.Tensor]] = {}
     moved: list[tuple[str, int]] = []
@@ -265,9 +313,14 @@ def load_sections(
         tensors: list[torch.Tensor] = []
         for i, rec in enumerate(sec.tensors):
             d = mine.get(i)
-            if d is not None and _writable_in_place(d):
+            view: memoryview | None
+            if _writable_in_place(d):
                 view = _byte_view(d)
                 tensors.append(d)
+            elif d is None and mapping is not None and sec.codec == "raw":
+                view = None  # checked where it lies: the tensor is a view of the private mapping
+                tensors.append(mapped_tensor(mapping, sec.data_start + rec.offset, rec.dtype, rec.shape))
+                moved.append((name, i))
             else:
                 t, view = empty_like_record(rec.dtype, rec.shape)
                 if d is not None:
@@ -278,7 +331,7 @@ def load_sections(
                     moved.append((name, i))
             jobs.append((sec, i, view))
         out_tensors[name] = tensors
-    read_tensors(src, jobs)
+    read_tensors(src, jobs, mapping=mapping)
     for t, d in staged:
         with torch.no_grad():
             d.copy_(t)
@@ -288,15 +341,108 @@ def load_sections(
     return {name: None if sec is None else decode_tree(sec.tree, out_tensors[name]) for name, sec in sections.items()}
 
 
-def _writable_in_place(t: torch.Tensor) -> bool:
-    return (t.device.type == "cpu" and t.layout == torch.strided and t.is_contiguous() and not t.is_conj()
+def check_memory(path: str | None, fresh: list[tuple[SectionIndex, int]], limit: int | None) -> None:
+    """Refuse, before allocating anything, a load whose new tensors exceed the memory limit.
+
+    Args:
+        path: the file, for the message.
+        fresh: ``(section, tensor id)`` of every tensor that will get new memory.
+        limit: bytes allowed; None: :func:`memory_available` (no check where that is unknown).
+
+    Raises:
+        InsufficientMemory: naming the largest such tensor by its key path, the total and the limit.
+    """
+    total = sum(sec.tensors[i].nbytes for sec, i in fresh)
+    source = "max_memory"
+    if limit is None:
+        found = memory_available()
+        if found is None:
+            return
+        limit, source = found
+    if total <= limit:
+        return
+    sec, i = max(fresh, key=lambda f: f[0].tensors[f[1]].nbytes)
+    rec = sec.tensors[i]
+    raise InsufficientMemory(
+        f"{path or 'checkpoint'}: loading needs {total} bytes ({_gib(total)}) of new tensor memory but only {limit} "
+        f"({_gib(limit)}) are available ({source}); the largest tensor is {_ref_path(sec, i)} "
+        f"({rec.dtype}{list(rec.shape)}, {rec.nbytes} bytes); nothing was allocated. Free memory, load into "
+        "existing tensors (into=...), or pass max_memory=N bytes "
+        "if the file is trusted"
+    )
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB"
+
+
+def memory_available() -> tuple[int, str] | None:
+    """Bytes this process can still allocate, and what bounds it; None where it cannot be known (not Linux).
+
+    The least of: ``MemAvailable`` (/proc/meminfo), the cgroup v2 limit minus its
+    usage other than page cache (memory.max - memory.current + memory.stat ``file``),
+    and the address-space limit ``RLIMIT_AS`` minus this process's ``VmSize``.
+    """
+    found: list[tuple[int, str]] = []
+    try:
+        with open("/proc/meminfo") as f:
+            found += [(int(line.split()[1]) * 1024, "MemAvailable") for line in f if line.startswith("MemAvailable:")]
+    except OSError:
+        return None
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f, open("/sys/fs/cgroup/memory.current") as g:
+            cap, used = f.read().strip(), int(g.read())
+        if cap != "max":
+            with open("/sys/fs/cgroup/memory.stat") as f:  # page cache counts in usage but is reclaimed on demand
+                cache = next((int(line.split()[1]) for line in f if line.startswith("file ")), 0)
+            found.append((int(cap) - (used - cache), "the cgroup memory limit"))
+    except (OSError, ValueError):
+        pass
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if soft != resource.RLIM_INFINITY:
+        with open("/proc/self/status") as f:
+            vm = next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:")), 0)
+        found.append((soft - vm, "the address-space limit RLIMIT_AS"))
+    if not found:
+        return None
+    n, source = min(found)
+    return max(n, 0), source
+
+
+def _ref_path(sec: SectionIndex, tid: int) -> str:
+    """The first key path at which the tree refers to tensor ``tid`` (``model['net']['w']``)."""
+    stack: list[tuple[Any, str]] = [(sec.tree, sec.name)]
+    while stack:
+        node, at = stack.pop()
+        if isinstance(node, TensorRef):
+            if node.id == tid:
+                return at
+        elif isinstance(node, dict):
+            stack.extend((v, f"{at}{_key(k)}") for k, v in reversed(list(node.items())))
+        elif isinstance(node, (list, tuple)):
+            stack.extend((v, f"{at}[{k}]") for k, v in reversed(list(enumerate(node))))
+    return f"{sec.name} tensor {tid}"
+
+
+def mapped_tensor(mapping: Any, at: int, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """A CPU tensor over ``mapping[at:]`` (no copy); an empty one owns its (no) memory."""
+    n = math.prod(shape) * DTYPE_SIZES[dtype]
+    if n == 0:
+        return empty_like_record(dtype, shape)[0]
+    return torch.frombuffer(mapping, dtype=torch.uint8, count=n, offset=at).view(torch_dtype(dtype)).reshape(shape)
+
+
+def _writable_in_place(t: torch.Tensor | None) -> bool:
+    return (t is not None and t.device.type == "cpu" and t.layout == torch.strided and t.is_contiguous() and not t.is_conj()
             and not t.is_neg() and not t.is_quantized)
 
 
 def _byte_view(t: torch.Tensor) -> memoryview:
     if t.numel() == 0:
         return memoryview(bytearray(0))
-    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
+    return memoryview(flat_bytes(t).numpy())
 
 
 def _key(k: Any) -> str:
@@ -341,6 +487,9 @@ def match_destinations(
                 problems.append(f"{at}: dtype {rec.dtype} in the checkpoint, {got} in the destination")
             elif tuple(rec.shape) != tuple(d.shape):
                 problems.append(f"{at}: shape {list(rec.shape)} in the checkpoint, {list(d.shape)} in the destination")
+            elif d.numel() > 1 and any(n > 1 and s == 0 for n, s in zip(d.shape, d.stride())):
+                problems.append(f"{at}: the destination (shape {list(d.shape)}, stride {list(d.stride())}) overlaps "
+                                "itself, an expand() view: it cannot hold distinct values; pass a tensor of its own")
             else:
                 out.setdefault(stored.id, d)
         elif isinstance(d, Mapping):

@@ -137,10 +137,19 @@ def compare_states(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[Tenso
 
 
 def checkpoint_state(ckpt: Any) -> dict[str, Any]:
-    """A loaded :class:`~ckptkit.Checkpoint` flattened: header fields and every section."""
+    """A loaded :class:`~ckptkit.Checkpoint` flattened: header fields and every section.
+
+    The companion record (``monitor["companions"]``, spec/companions.md) is left out:
+    it holds digests of the files beside the checkpoint, not state of the run.
+    """
+    from .companions import COMPANIONS_KEY
+
     state: dict[str, Any] = {"header:step": ckpt.step, "header:flags": ckpt.flags}
     for section in ("model", "optim", "teacher", "monitor"):
-        state.update(flatten(getattr(ckpt, section), section))
+        tree = getattr(ckpt, section)
+        if section == "monitor" and isinstance(tree, dict):
+            tree = {k: v for k, v in tree.items() if k != COMPANIONS_KEY}
+        state.update(flatten(tree, section))
     return state
 
 

@@ -23,6 +23,7 @@ Invariants:
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import stat
@@ -37,6 +38,7 @@ import xxhash
 from ._threads import cpus, run_parallel
 from .errors import (
     BadMagic,
+    BadTensorValue,
     CheckpointError,
     CheckpointNotFound,
     ChecksumMismatch,
@@ -44,6 +46,7 @@ from .errors import (
     MalformedIndex,
     ReservedBitSet,
     TruncatedFile,
+    UnreadableFile,
     UnsupportedVersion,
 )
 from .section import SectionIndex, SectionPlan, decode_index
@@ -111,26 +114,32 @@ class Source:
         self._fd = -1
         if data is None:
             assert self.path is not None
-            try:
-                # O_NONBLOCK: opening a FIFO named like a checkpoint must not hang.
-                self._fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
-            except FileNotFoundError:
-                raise CheckpointNotFound(f"{self.path}: no such {kind} file") from None
-            except IsADirectoryError:
-                raise CheckpointNotFound(f"{self.path}: is a directory, not a {kind} file") from None
-            st = os.fstat(self._fd)
-            if not stat.S_ISREG(st.st_mode):
-                os.close(self._fd)
-                self._fd = -1
-                raise CheckpointNotFound(f"{self.path}: not a regular file (a pipe, device or socket?)")
-            os.set_blocking(self._fd, True)
-            self.size = st.st_size
+            self._fd, self.size = _open_regular(self.path, kind)
         else:
             self.size = len(data)
 
     @property
     def fd(self) -> int:
         return self._fd
+
+    def map_private(self) -> mmap.mmap | None:
+        """The whole file mapped copy-on-write (writes stay in this process), or None where it cannot be.
+
+        Nothing is read until touched; the kernel is asked to read ahead. Tensors
+        handed out as views of the mapping keep it alive after the file is closed.
+        Known limit: a file truncated in place by another program while mapped
+        faults (SIGBUS) on access, and one rewritten in place may show the new bytes
+        in pages not yet written to; ckptkit replaces files by rename, never in place.
+        """
+        if self._fd < 0 or not self.size or not _CAN_MAP:
+            return None
+        try:
+            m = mmap.mmap(self._fd, 0, access=mmap.ACCESS_COPY)
+        except (OSError, ValueError):  # a file system without mmap: the caller reads instead
+            return None
+        if hasattr(mmap, "MADV_WILLNEED"):
+            m.madvise(mmap.MADV_WILLNEED)
+        return m
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -208,6 +217,36 @@ class Source:
             pos = stop
 
 
+def _open_regular(path: str, kind: str) -> tuple[int, int]:
+    """Open ``path`` for reading if it is a regular file: ``(fd, size)``.
+
+    Raises:
+        CheckpointNotFound: nothing at ``path`` (a dangling symlink included).
+        UnreadableFile: something is there but is no readable file: a directory,
+            FIFO, device, socket, a symlink loop, no permission.
+    """
+    try:
+        # O_NONBLOCK: opening a FIFO named like a checkpoint must not hang.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise CheckpointNotFound(f"{path}: no such {kind} file") from None
+    except IsADirectoryError:
+        raise UnreadableFile(f"{path}: is a directory, not a {kind} file", errno=errno.EISDIR, path=path) from None
+    except OSError as e:
+        code = errno.errorcode.get(e.errno or 0, "error")
+        raise UnreadableFile(f"{path}: cannot open the {kind} file ({code}: {e.strerror})", errno=e.errno,
+                             path=path) from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        what = next((name for test, name in _FILE_KINDS if test(st.st_mode)), "not a regular file")
+        raise UnreadableFile(f"{path}: is {what}, not a {kind} file (a {kind} is a regular file)", path=path)
+    os.set_blocking(fd, True)
+    return fd, st.st_size
+
+
+_FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+               (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 _CAN_MAP = hasattr(mmap, "MAP_SHARED") and hasattr(mmap, "PROT_READ")
 # MAP_POPULATE reads the window in one go (readahead-sized requests, no per-page faults).
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
@@ -251,20 +290,47 @@ def _read_v2(src: Source, head: bytes) -> Layout:
         raise BadMagic("malformed magic", path=src.path, offset=0, field="magic",
                        expected=repr(MAGIC), actual=repr(head), hint="R-001")
     version = struct.unpack_from("<H", head, 5)[0]
-    if version == VERSION and src.size < _HEADER.size + _TRAILER.size:
+    if version != VERSION:
+        raise _version_error(src, version)
+    return _read_v2_body(src)
+
+
+def _read_v2_body(src: Source) -> Layout:
+    if src.size < _HEADER.size + _TRAILER.size:
         raise TruncatedFile("file ends inside the header or before the trailer", path=src.path, offset=src.size,
                             field="header", expected=f">= {_HEADER.size + _TRAILER.size} bytes", actual=src.size,
                             hint="R-003")
-    if version != VERSION:
-        newer = "a newer ckptkit wrote it; upgrade ckptkit" if version > VERSION else "not a version ckptkit ever wrote"
-        raise UnsupportedVersion(f"container version {version} is not supported", path=src.path, offset=5,
-                                 field="magic", expected=f"version {VERSION} (or a legacy v1 file)",
-                                 actual=version, hint=f"{newer} (R-002)")
     _, step, m, o, t, flags, mon = _HEADER.unpack(src.pread(0, _HEADER.size, "header"))
     lengths = {"model": m, "optim": o, "teacher": t, "monitor": mon}
     offsets = {name: _FIELD_OFFSET[name] for name in lengths}
     sections, trailer_at, digest = read_framed(src, _HEADER.size, lengths, offsets, _TRAILER_MAGIC)
     return Layout(src.path, VERSION, step, flags, sections, False, (), src.size, trailer_at, digest)
+
+
+def _version_error(src: Source, version: int) -> FormatError:
+    """The error for a magic whose version is not 2: unsupported, or a damaged v2 header.
+
+    A version this reader lacks is refused (R-002). But one flipped bit in the
+    version field of a v2 file must read as damage, not as "a newer ckptkit wrote
+    it": so when the rest of the file is a well-formed v2 file (lengths, trailer,
+    indexes) whose skeleton digest, which covers the version field, fails, the
+    header is damaged (R-005). A newer writer signs what it writes, so its file
+    either is not laid out as v2 or carries a digest that matches.
+    """
+    try:
+        layout = _read_v2_body(src)
+        check_skeleton(src, layout)
+    except ChecksumMismatch as e:
+        return ChecksumMismatch(
+            f"header damaged: the version field reads {version}, but the file is laid out as a v{VERSION} "
+            "container and its skeleton digest (which covers the version) does not match",
+            path=src.path, offset=5, field="magic", expected=e.expected, actual=e.actual, hint="R-005")
+    except FormatError:
+        pass  # not laid out as v2: a format this reader does not know
+    newer = "a newer ckptkit wrote it; upgrade ckptkit" if version > VERSION else "not a version ckptkit ever wrote"
+    return UnsupportedVersion(f"container version {version} is not supported", path=src.path, offset=5,
+                              field="magic", expected=f"version {VERSION} (or a legacy v1 file)",
+                              actual=version, hint=f"{newer} (R-002)")
 
 
 def read_framed(
@@ -294,9 +360,14 @@ def _read_v1(src: Source, head: bytes) -> Layout:
                        field="magic", expected=f">= {_V1_HEADER.size} bytes", actual=src.size, hint=_foreign_hint(head))
     step, m, o = _V1_HEADER.unpack(src.pread(0, _V1_HEADER.size, "v1 header"))
     if _V1_HEADER.size + m + o != src.size:
+        start = src.pread(0, min(src.size, 64), "magic")
+        if _looks_like_text(start):
+            raise BadMagic(f"not a ckptkit file: it starts with text ({_text_preview(start)})", path=src.path,
+                           offset=0, field="magic", expected=repr(MAGIC),
+                           hint="a text file; check the path: a checkpoint is a binary file (R-001)")
         raise BadMagic(
-            f"no DMCK magic, and not a legacy v1 container either: its header claims "
-            f"24 + model {m} + optim {o} bytes",
+            f"not a ckptkit file: no DMCK magic, and not a legacy v1 container either: read as v1, its header "
+            f"claims 24 + model {m} + optim {o} bytes",
             path=src.path, offset=0, field="magic", expected=f"file size {_V1_HEADER.size + m + o}",
             actual=src.size, hint=_foreign_hint(head),
         )
@@ -307,6 +378,21 @@ def _read_v1(src: Source, head: bytes) -> Layout:
     }
     sections.update({"teacher": None, "monitor": None})
     return Layout(src.path, 1, step, 0, sections, True, LEGACY_MISSING, src.size, None, None, _V1_HEADER.size)
+
+
+def _looks_like_text(data: bytes) -> bool:
+    """UTF-8 without control characters other than tab, newline and carriage return."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:  # a multi-byte character cut at the end of the sample still counts
+        text = data[:-3].decode("utf-8", errors="replace")
+        if "\ufffd" in text:
+            return False
+    return all(c.isprintable() or c in "\t\n\r" for c in text)
+
+
+def _text_preview(data: bytes) -> str:
+    return repr(data[:24].decode("utf-8", errors="replace")) + ("..." if len(data) > 24 else "")
 
 
 def _foreign_hint(head: bytes) -> str:
@@ -371,8 +457,10 @@ def check_skeleton(src: Source, layout: Layout, scratch: bytearray | None = None
         ChecksumMismatch: naming the trailer offset and both digests.
     """
     h = xxhash.xxh3_64()
-    scratch = scratch if scratch is not None else bytearray(_CHUNK)
-    for a, b in skeleton_extents(layout):
+    extents = skeleton_extents(layout)
+    if scratch is None:  # sized to the longest extent: indexes are kilobytes, and a 1 MiB buffer costs its zeroing
+        scratch = bytearray(min(_CHUNK, max((b - a for a, b in extents), default=0)))
+    for a, b in extents:
         src.feed(a, b, h.update, scratch)
     got = h.intdigest()
     if got != layout.skeleton_digest:
@@ -407,16 +495,53 @@ def tensor_mismatch(src_path: str | None, sec: SectionIndex, i: int, got: int) -
     )
 
 
-def decoded_region(src: Source, sec: SectionIndex) -> bytearray:
-    """The raw data region of a compressed section, decompressed and length-checked (R-008).
+class TensorCheck:
+    """Every check on one tensor's bytes, fed piece by piece as they are read or decoded.
 
-    The whole region in memory; :func:`check_tensors` and :func:`read_tensors`
-    stream it instead. Both use :func:`_region_pieces`, the one decoder.
+    The digest (R-007) and, for ``bool``, that every byte is 0 or 1 (R-017: torch would
+    read 0x07 as True, so two files with different bytes would load as the same
+    state). Every reader (``load``, ``verify``, the lazy reader) uses this one class.
     """
-    out = bytearray()
-    for piece in _region_pieces(src, sec):
-        out += piece
-    return out
+
+    __slots__ = ("_bad", "_bool", "_h", "_pos", "i", "sec")
+
+    def __init__(self, sec: SectionIndex, i: int) -> None:
+        self.sec, self.i = sec, i
+        self._h = xxhash.xxh3_64()
+        self._bool = sec.tensors[i].dtype == "bool"
+        self._pos = 0
+        self._bad: tuple[int, int] | None = None  # (byte index in the tensor, value) of the first bad bool
+
+    def update(self, piece: memoryview | bytes) -> None:
+        self._h.update(piece)
+        if self._bool and self._bad is None:
+            data = bytes(piece)
+            junk = data.translate(None, b"\x00\x01")
+            if junk:
+                k = data.index(junk[:1])
+                self._bad = (self._pos + k, junk[0])
+        self._pos += len(piece)
+
+    def finish(self, path: str | None) -> None:
+        """Raise for the first check that failed: the digest first (damage), then the values.
+
+        Raises:
+            ChecksumMismatch: the bytes do not match the record's digest (R-007).
+            BadTensorValue: a bool byte other than 0 or 1 (R-017).
+        """
+        sec, rec = self.sec, self.sec.tensors[self.i]
+        got = self._h.intdigest()
+        if rec.digest is not None and got != rec.digest:
+            raise tensor_mismatch(path, sec, self.i, got)
+        if self._bad is not None:
+            k, value = self._bad
+            raw = sec.codec == "raw"
+            raise BadTensorValue(
+                f"tensor {self.i} ({rec.dtype}{list(rec.shape)}): element {k} is byte 0x{value:02x}; "
+                "a bool is stored as 0 or 1",
+                path=path, offset=sec.data_start + rec.offset + k if raw else sec.data_start,
+                field=f"{sec.name} data", hint="R-017",
+            )
 
 
 def check_tensors(src: Source, sec: SectionIndex, scratch: bytearray) -> int:
@@ -428,11 +553,10 @@ def check_tensors(src: Source, sec: SectionIndex, scratch: bytearray) -> int:
     if sec.codec == "raw":
         total = 0
         for i, rec in enumerate(sec.tensors):
-            h = xxhash.xxh3_64()
+            check = TensorCheck(sec, i)
             a = sec.data_start + rec.offset
-            src.feed(a, a + rec.nbytes, h.update, scratch)
-            if h.intdigest() != rec.digest:
-                raise tensor_mismatch(src.path, sec, i, h.intdigest())
+            src.feed(a, a + rec.nbytes, check.update, scratch)
+            check.finish(src.path)
             total += rec.nbytes
         return total
     _scatter_region(src, sec, [None] * len(sec.tensors))
@@ -482,11 +606,10 @@ def check_all_tensors(src: Source, layout: Layout, *, threads: int = 0) -> tuple
 
 def _hash_tensor(src: Source, sec: SectionIndex, i: int) -> int:
     rec = sec.tensors[i]
-    h = xxhash.xxh3_64()
+    check = TensorCheck(sec, i)
     a = sec.data_start + rec.offset
-    src.feed(a, a + rec.nbytes, h.update, bytearray(min(rec.nbytes, _CHUNK)))
-    if h.intdigest() != rec.digest:
-        raise tensor_mismatch(src.path, sec, i, h.intdigest())
+    src.feed(a, a + rec.nbytes, check.update, bytearray(min(rec.nbytes, _CHUNK)))
+    check.finish(src.path)
     return rec.nbytes
 
 
@@ -503,28 +626,76 @@ class _RangeReader:
         return out
 
 
-def _region_pieces(src: Source, sec: SectionIndex) -> Iterator[bytes]:
-    """The decoded data region of a zstd section as consecutive pieces (R-008).
+#: The largest zstd window a reader must support (libzstd's default limit): a frame
+#: that needs more decoder memory is refused before decoding (R-008).
+MAX_ZSTD_WINDOW = 128 << 20
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
-    Same checks as :func:`decoded_region` — the region must decode, to exactly
-    ``raw_len`` bytes — but streamed: at most one 1 MiB piece is held at a time.
+
+def _check_zstd_frame(src: Source, sec: SectionIndex) -> None:
+    """Check that a zstd data region is exactly one zstd frame within the window limit (R-008).
+
+    Walks the frame's block headers (3 bytes per block of at most 128 KiB, so a
+    few thousand small reads for a gigabyte) to find where the frame ends: a
+    skippable frame before or after it, a second frame, or any other byte after
+    it is refused, because §7 allows exactly one frame and nothing else. The
+    blocks' contents are left to the decoder.
     """
     import zstandard
 
+    field = f"{sec.name} data"
+
+    def bad(problem: str, **kw: Any) -> MalformedIndex:
+        return MalformedIndex(problem, path=src.path, offset=sec.data_start, field=field, hint="R-008", **kw)
+
+    head = src.pread(sec.data_start, min(sec.data_len, 18), field)
+    if head[:4] != _ZSTD_MAGIC:
+        skippable = len(head) >= 4 and head[0] & 0xF0 == 0x50 and head[1:4] == b"\x2a\x4d\x18"
+        what = "a skippable frame" if skippable else f"bytes {head[:4].hex(' ')}"
+        raise bad(f"zstd data region starts with {what}, not a zstd frame (exactly one frame is allowed)")
+    try:
+        params = zstandard.get_frame_parameters(head)
+        pos = zstandard.frame_header_size(head)
+    except zstandard.ZstdError as e:
+        raise bad(f"zstd frame header does not parse: {e}") from None
+    if params.window_size > MAX_ZSTD_WINDOW:
+        raise bad("zstd frame needs a larger window than a reader must support",
+                  expected=f"<= {MAX_ZSTD_WINDOW} bytes", actual=params.window_size)
+    while True:
+        if pos + 3 > sec.data_len:
+            raise bad("zstd frame is cut short (its blocks run past the data region)")
+        b = int.from_bytes(src.pread(sec.data_start + pos, 3, field), "little")
+        block_type, size = b >> 1 & 3, b >> 3
+        pos += 3 + (1 if block_type == 1 else size)  # an RLE block stores one byte
+        if b & 1:  # last block
+            break
+    pos += 4 if params.has_checksum else 0
+    if pos > sec.data_len:
+        raise bad("zstd frame is cut short (its blocks run past the data region)")
+    if pos < sec.data_len:
+        extra = sec.data_len - pos
+        raise bad(f"{extra} byte{'s' if extra != 1 else ''} after the zstd frame (exactly one frame, nothing after it)",
+                  expected=f"frame end at {sec.data_start + sec.data_len}", actual=sec.data_start + pos)
+
+
+def _region_pieces(src: Source, sec: SectionIndex) -> Iterator[bytes]:
+    """The decoded data region of a zstd section as consecutive pieces (R-008).
+
+    The region must be one frame (:func:`_check_zstd_frame`) that decodes to
+    exactly ``raw_len`` bytes; it is streamed: at most one 1 MiB piece is held at
+    a time, whatever ``raw_len`` is.
+    """
+    import zstandard
+
+    _check_zstd_frame(src, sec)
     source = _RangeReader(src, sec.data_start, sec.data_start + sec.data_len, f"{sec.name} data")
     total = 0
-    frame_ended = False
     try:
         reader = zstandard.ZstdDecompressor().stream_reader(source, read_across_frames=False)
         while total <= sec.raw_len:
-            want = min(_CHUNK, sec.raw_len + 1 - total)
-            piece = reader.read(want)
+            piece = reader.read(min(_CHUNK, sec.raw_len + 1 - total))
             if not piece:
                 break
-            if frame_ended:  # a short read ended the first frame; the region holds another
-                raise MalformedIndex("zstd data region holds more than one frame", path=src.path,
-                                     offset=sec.data_start, field=f"{sec.name} data", hint="R-008")
-            frame_ended = len(piece) < want
             total += len(piece)
             if total <= sec.raw_len:
                 yield piece
@@ -545,7 +716,7 @@ def _scatter_region(src: Source, sec: SectionIndex, dests: Sequence[memoryview |
     before R-007, as when the region was decoded whole.
     """
     recs = sec.tensors
-    hashes = [xxhash.xxh3_64() for _ in recs]
+    checks = [TensorCheck(sec, i) for i in range(len(recs))]
     pos, first = 0, 0  # region offset of the next piece; first tensor not yet complete
     for piece in _region_pieces(src, sec):
         end = pos + len(piece)
@@ -556,7 +727,7 @@ def _scatter_region(src: Source, sec: SectionIndex, dests: Sequence[memoryview |
             a, b = max(pos, rec.offset), min(end, rec.offset + rec.nbytes)
             if b > a:
                 chunk = mv[a - pos : b - pos]
-                hashes[i].update(chunk)
+                checks[i].update(chunk)
                 dest = dests[i]
                 if dest is not None:
                     dest[a - rec.offset : b - rec.offset] = chunk
@@ -564,12 +735,12 @@ def _scatter_region(src: Source, sec: SectionIndex, dests: Sequence[memoryview |
                 first = i + 1
             i += 1
         pos = end
-    for i, rec in enumerate(recs):
-        if rec.digest is not None and hashes[i].intdigest() != rec.digest:
-            raise tensor_mismatch(src.path, sec, i, hashes[i].intdigest())
+    for check in checks:
+        check.finish(src.path)
 
 
-def read_tensors(src: Source, jobs: Sequence[tuple[SectionIndex, int, memoryview]], *, threads: int = 0) -> None:
+def read_tensors(src: Source, jobs: Sequence[tuple[SectionIndex, int, memoryview | None]], *,
+                 mapping: mmap.mmap | None = None, threads: int = 0) -> None:
     """Read tensors straight into their destinations, checking each digest in the same pass (R-007, R-008).
 
     Args:
@@ -578,7 +749,10 @@ def read_tensors(src: Source, jobs: Sequence[tuple[SectionIndex, int, memoryview
             writable byte view of exactly the tensor's ``nbytes``. Tensors of a
             raw section are read with positional reads in 256 KiB pieces, each piece
             hashed while it is still in cache; a zstd section is decoded as a
-            stream into its destinations.
+            stream into its destinations. A raw tensor whose destination is None
+            is checked where it lies in ``mapping`` (a mapping of the whole file,
+            :meth:`Source.map_private`): its bytes are the ones the caller hands out.
+        mapping: required when a raw job has no destination.
         threads: reader threads; 0 picks one per available core (at most 4) when
             there is enough to read. ``os.preadv`` and xxh3 release the GIL, so
             the threads overlap the copy out of the page cache with hashing.
@@ -589,7 +763,7 @@ def read_tensors(src: Source, jobs: Sequence[tuple[SectionIndex, int, memoryview
         MalformedIndex: a zstd region that does not decode to ``raw_len`` bytes.
         TruncatedFile: the file shrank while being read.
     """
-    raw: list[tuple[int, SectionIndex, int, memoryview]] = []
+    raw: list[tuple[int, SectionIndex, int, memoryview | None]] = []
     zstd: dict[int, tuple[SectionIndex, list[memoryview | None]]] = {}
     for sec, i, dest in jobs:
         if sec.codec == "raw":
@@ -597,14 +771,16 @@ def read_tensors(src: Source, jobs: Sequence[tuple[SectionIndex, int, memoryview
         else:
             zstd.setdefault(sec.start, (sec, [None] * len(sec.tensors)))[1][i] = dest
     # Largest first: a thread that picks the last task finishes soon after the others.
-    tasks: list[Callable[[], None]] = [_raw_task(src, *t[1:]) for t in sorted(raw, key=lambda t: -t[3].nbytes)]
-    keys = [t[0] for t in sorted(raw, key=lambda t: -t[3].nbytes)]
+    raw.sort(key=lambda t: -t[1].tensors[t[2]].nbytes)
+    tasks: list[Callable[[], None]] = [_raw_task(src, sec, i, dest) if dest is not None
+                                       else _mapped_task(src.path, sec, i, mapping) for _, sec, i, dest in raw]
+    keys = [t[0] for t in raw]
     for start, (sec, dests) in zstd.items():
         tasks.insert(0, lambda sec=sec, dests=dests: _scatter_region(src, sec, dests))
         keys.insert(0, sec.data_start)
     errors: dict[int, BaseException] = {}
     if threads <= 0:
-        big = sum(t[3].nbytes for t in raw) >= _PARALLEL_MIN
+        big = sum(t[1].tensors[t[2]].nbytes for t in raw) >= _PARALLEL_MIN
         threads = min(4, cpus()) if big else 1
     _run_tasks(tasks, keys, errors, min(threads, len(tasks)))
     if errors:
@@ -615,15 +791,34 @@ def _raw_task(src: Source, sec: SectionIndex, i: int, dest: memoryview) -> Calla
     def run() -> None:
         rec = sec.tensors[i]
         base = sec.data_start + rec.offset
-        h = xxhash.xxh3_64()
+        check = TensorCheck(sec, i)
         for a in range(0, rec.nbytes, _READ_PIECE):
             piece = dest[a : a + _READ_PIECE]
             src.readinto(base + a, piece)
-            h.update(piece)
-        if rec.digest is not None and h.intdigest() != rec.digest:
-            raise tensor_mismatch(src.path, sec, i, h.intdigest())
+            check.update(piece)
+        check.finish(src.path)
 
     return run
+
+
+def _mapped_task(path: str | None, sec: SectionIndex, i: int, mapping: mmap.mmap | None) -> Callable[[], None]:
+    if mapping is None:
+        raise AssertionError("a raw job without destination needs the file's mapping")
+    return lambda: check_mapped(path, sec, i, mapping)
+
+
+def check_mapped(path: str | None, sec: SectionIndex, i: int, mapping: mmap.mmap) -> None:
+    """Check raw tensor ``i`` where it lies in a mapping of the whole file (R-007, R-017).
+
+    Raises:
+        ChecksumMismatch, BadTensorValue: as :meth:`TensorCheck.finish`.
+    """
+    rec = sec.tensors[i]
+    at = sec.data_start + rec.offset
+    check = TensorCheck(sec, i)
+    with memoryview(mapping) as whole, whole[at : at + rec.nbytes] as view:
+        check.update(view)
+    check.finish(path)
 
 
 def _run_tasks(tasks: list[Callable[[], None]], keys: list[int], errors: dict[int, BaseException], threads: int) -> None:
@@ -695,11 +890,13 @@ def verify(path: str | os.PathLike[str]) -> Report:
     Returns:
         A :class:`Report`; ``report.ok`` is False and ``report.error`` holds the typed
         error when the file is corrupt, truncated, of an unknown version, or has a
-        reserved flag set. A legacy v1 file that parses is ``ok`` (it has no digests to
-        check; ``missing`` says so).
+        reserved flag set, or when the path is no readable file (a directory, FIFO,
+        device, symlink loop: :class:`~ckptkit.errors.UnreadableFile`, ``size`` 0).
+        A legacy v1 file that parses is ``ok`` (it has no digests to check;
+        ``missing`` says so).
 
     Raises:
-        CheckpointNotFound: ``path`` does not exist or is a directory.
+        CheckpointNotFound: nothing exists at ``path``.
 
     Example:
         >>> report = verify("run/step-00000100.ckpt")  # doctest: +SKIP
@@ -707,7 +904,11 @@ def verify(path: str | os.PathLike[str]) -> Report:
         (True, 100)
     """
     path = os.fspath(path)
-    with Source(path) as src:
+    try:
+        opened = Source(path)
+    except UnreadableFile as e:
+        return _report(path, 0, None, e, 0)
+    with opened as src:
         layout: Layout | None = None
         hashed = 0
         try:

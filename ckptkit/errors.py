@@ -12,9 +12,12 @@ around a load keeps working::
     │   ├── TruncatedFile                     a length points past the end of the file
     │   ├── ChecksumMismatch                  stored digest != digest of the bytes
     │   ├── MalformedIndex                    a section index breaks the codec rules
+    │   ├── BadTensorValue                    tensor bytes that are no value of their dtype
     │   └── SidecarMismatch                   a sidecar does not belong to its checkpoint
     ├── CheckpointNotFound (FileNotFoundError) no checkpoint where one was expected
     │   └── IncompleteCheckpoint              a distributed save that did not commit on every rank
+    ├── UnreadableFile (OSError)              a path that is there but is no readable file
+    ├── InsufficientMemory (MemoryError)      a load would allocate more than is available
     ├── SaveFailed (OSError)                  a write failed; the previous file is intact
     ├── UnsupportedValue (TypeError)          state the container cannot carry
     ├── ResumeRefused (RuntimeError)          a resume would continue a different run
@@ -40,6 +43,7 @@ from typing import Any
 
 __all__ = [
     "BadMagic",
+    "BadTensorValue",
     "CheckpointError",
     "CheckpointNotFound",
     "ChecksumMismatch",
@@ -48,6 +52,7 @@ __all__ = [
     "EnvironmentDrift",
     "FormatError",
     "IncompleteCheckpoint",
+    "InsufficientMemory",
     "LegacyCheckpoint",
     "MalformedIndex",
     "ReplayDivergence",
@@ -59,6 +64,7 @@ __all__ = [
     "StreamOffsetMismatch",
     "TrainingUnstable",
     "TruncatedFile",
+    "UnreadableFile",
     "UnsupportedValue",
     "UnsupportedVersion",
 ]
@@ -155,6 +161,16 @@ class MalformedIndex(FormatError):
     action = "the file is damaged or was not written by ckptkit; resume from an earlier checkpoint"
 
 
+class BadTensorValue(FormatError):
+    """A tensor's bytes are no value of its dtype (a bool byte other than 0 or 1), though its digest matches.
+
+    The digest matching means the file holds what its writer wrote: that writer was
+    not a correct ckptkit (or the bytes were crafted).
+    """
+
+    action = "the file was not written by a correct ckptkit writer; do not load it"
+
+
 class SidecarMismatch(FormatError):
     """A sidecar exists but belongs to another training step than its checkpoint."""
 
@@ -173,6 +189,33 @@ class IncompleteCheckpoint(CheckpointNotFound):
 
     def __reduce__(self) -> Any:  # crosses processes inside DCP's exception gather
         return (type(self), (str(self), self.missing))
+
+
+class UnreadableFile(CheckpointError, OSError):
+    """Something is at the path, but not a file ckptkit can read: a directory, FIFO,
+    device or socket, a symlink loop, a permission denied. ``errno`` is the cause's
+    where there is one. ``verify`` reports it (``ok=False``) rather than raising.
+    """
+
+    def __init__(self, message: str, *, errno: int | None = None, path: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.errno = errno
+        self.filename = path
+
+    def __str__(self) -> str:  # OSError would render "[Errno 40] ..." instead of our sentence
+        return self.message
+
+
+class InsufficientMemory(CheckpointError, MemoryError):
+    """A load would allocate more memory than is available or allowed.
+
+    Raised before anything is allocated, naming the largest tensor and the total.
+    The limit is the memory available to this process (``MemAvailable``, the cgroup
+    limit, the address-space limit ``RLIMIT_AS``) unless ``load(max_memory=...)``
+    sets one. A zstd section may declare up to 32768 x its stored size
+    (spec/validation.md R-008), so a small file can ask for gigabytes.
+    """
 
 
 class SaveFailed(CheckpointError, OSError):

@@ -35,15 +35,17 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import struct
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import IO, Any
 
 from .atomic import write_bytes_atomic
 from .errors import FormatError
 
-__all__ = ["COMPARED_KINDS", "HISTORY_FILE", "WALL_FIELDS", "History", "compared_rows", "f32_bits", "f64_bits",
-           "json_float", "read_rows"]
+__all__ = ["COMPARED_KINDS", "HISTORY_FILE", "WALL_FIELDS", "History", "HistoryCheck", "check_history",
+           "compared_rows", "f32_bits", "f64_bits", "json_float", "read_rows"]
 
 HISTORY_FILE = "history.jsonl"
 WALL_FIELDS = frozenset({"time", "step_ms"})  # wall clock: allowed to differ between runs
@@ -191,3 +193,114 @@ class History:
             self._file.close()
             self._file = None
 
+
+
+@dataclass(frozen=True)
+class HistoryCheck:
+    """What :func:`check_history` found in a ``history.jsonl`` (spec/trainer.md R-T13).
+
+    Attributes:
+        path: the file.
+        rows: complete lines that are history rows.
+        steps: ``(first, last)`` step of the ``step`` rows, or None when there are none.
+        torn: the last line is incomplete (a crash mid-append; a resume drops it).
+        problems: one line per damaged or inconsistent row, in file order.
+    """
+
+    path: str
+    rows: int
+    steps: tuple[int, int] | None
+    torn: bool
+    problems: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+_BITS = re.compile(r"0x([0-9a-f]{8}|[0-9a-f]{16})")
+
+
+def _bits_problems(row: dict[str, Any]) -> list[str]:
+    """A number that disagrees with its ``_bits`` twin: one of the two was altered."""
+    out = []
+    for key, bits in sorted(row.items()):
+        twin = key[: -len("_bits")]
+        if not key.endswith("_bits") or twin not in row or not isinstance(bits, str) or not _BITS.fullmatch(bits):
+            continue
+        value = row[twin]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            continue  # null, or "NaN"/"Infinity": no exact twin to compare
+        if len(bits) == 10 and abs(value) > 3.4028234663852886e38:
+            want = None  # no float32 holds it: the number was altered
+        else:
+            want = f32_bits(value) if len(bits) == 10 else f64_bits(value)
+        if want != bits:
+            out.append(f"{twin} {json.dumps(value)} disagrees with {key} {bits}")
+    return out
+
+
+def check_history(path: str | os.PathLike[str]) -> HistoryCheck:
+    """Check what can be checked in a history file without a checksum (R-T13).
+
+    Every complete line must be a history row (a JSON object with ``kind`` and
+    ``step``); each number with a ``_bits`` twin must have exactly those bits; the
+    ``step`` rows of each timeline must count up by one (a re-run repeats its step;
+    a ``rollback`` row restarts the count at its ``to``; a file that begins with a
+    ``start`` row counts from 0; a ``resume`` row must come where the count is).
+    A flipped byte that keeps all of that true is not detected.
+
+    Raises:
+        CheckpointNotFound: no file at ``path``.
+    """
+    from .errors import CheckpointNotFound
+
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise CheckpointNotFound(f"{path}: no history here") from None
+    lines = data.split(b"\n")
+    problems: list[str] = []
+    rows, offset = 0, 0
+    expected: int | None = None
+    last: int | None = None
+    steps: list[int] = []
+    for i, line in enumerate(lines[:-1]):
+        where = f"line {i + 1} (offset {offset})"
+        offset += len(line) + 1
+        try:
+            row = json.loads(line)
+        except (UnicodeDecodeError, ValueError) as e:
+            problems.append(f"{where}: not JSON ({e})")
+            expected = None
+            continue
+        if not isinstance(row, dict) or not isinstance(row.get("kind"), str) or type(row.get("step")) is not int:
+            problems.append(f"{where}: not a history row (needs kind and step)")
+            expected = None
+            continue
+        rows += 1
+        problems += [f"{where}: {p}" for p in _bits_problems(row)]
+        kind, step = row["kind"], row["step"]
+        if i == 0 and kind == "start":
+            expected = 0
+        if kind == "step":
+            steps.append(step)
+            if row.get("rerun") is True:
+                if step != last:
+                    problems.append(f"{where}: a re-run of step {step} that does not follow step {step}'s row")
+            elif expected is not None and step < expected:
+                problems.append(f"{where}: step row {step} out of order (expected step {expected})")
+            elif expected is not None and step > expected:
+                gap = f"step {expected}" if step == expected + 1 else f"steps {expected}..{step - 1}"
+                problems.append(f"{where}: {gap} missing before step row {step}")
+            last, expected = step, step + 1
+        elif kind == "rollback":
+            expected = row["to"] if type(row.get("to")) is int else None
+        elif kind == "resume":
+            if expected is not None and step != expected:
+                problems.append(f"{where}: resume at step {step}, but the step rows before it end at {expected - 1}")
+            expected = step
+    first_last = (min(steps), max(steps)) if steps else None
+    return HistoryCheck(path, rows, first_last, lines[-1] != b"", tuple(problems))

@@ -27,17 +27,14 @@ import os
 import threading
 from typing import TYPE_CHECKING, Any
 
-import xxhash
-
 from .container import (
     SECTIONS,
     Layout,
     Source,
     check_flags,
+    check_mapped,
     check_skeleton,
-    decoded_region,
     read_layout,
-    tensor_mismatch,
 )
 from .section import SectionIndex, TensorRef
 
@@ -79,7 +76,8 @@ class LazyCheckpoint:
 
     Tensors it returns are CPU tensors backed by a private mapping of the file
     (zero-copy; writable without touching the file); tensors of a zstd section are
-    backed by that section's decoded region, decoded once on first access. Asking
+    decoded together (each into its own memory, every digest checked) on the first
+    access to one of them. Asking
     twice for a tensor returns the same object. Safe to use from several threads.
     """
 
@@ -103,7 +101,7 @@ class LazyCheckpoint:
         self.legacy: bool = layout.legacy
         self.missing: tuple[str, ...] = layout.missing
         self._tensors: dict[tuple[str, int], torch.Tensor] = {}
-        self._regions: dict[str, bytearray] = {}
+        self._decoded: dict[str, list[torch.Tensor]] = {}  # zstd sections, decoded whole on first access
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ context
@@ -207,33 +205,18 @@ class LazyCheckpoint:
             return t
 
     def _read(self, sec: SectionIndex, i: int) -> torch.Tensor:
-        import torch  # torch-side work; importing ckptkit stays torch-free
+        from .codec import mapped_tensor, read_section_tensors  # torch-side work; importing ckptkit stays torch-free
 
-        from .codec import empty_like_record, torch_dtype
-
+        if sec.codec != "raw":
+            decoded = self._decoded.get(sec.name)
+            if decoded is None:
+                decoded = self._decoded[sec.name] = read_section_tensors(self._src, sec)
+            return decoded[i]
+        if self._map is None:
+            raise ValueError(f"{self.path}: the checkpoint is closed")
+        check_mapped(self.path, sec, i, self._map)
         rec = sec.tensors[i]
-        dtype = torch_dtype(rec.dtype)
-        if sec.codec == "raw":
-            if self._map is None:
-                raise ValueError(f"{self.path}: the checkpoint is closed")
-            buf: Any = self._map
-            at = sec.data_start + rec.offset
-            if rec.nbytes >= 1 << 20 and hasattr(mmap, "MADV_WILLNEED"):  # one big readahead, not per-page faults
-                base = at - at % mmap.PAGESIZE
-                self._map.madvise(mmap.MADV_WILLNEED, base, at + rec.nbytes - base)
-        else:
-            region = self._regions.get(sec.name)
-            if region is None:
-                region = self._regions[sec.name] = decoded_region(self._src, sec)
-            buf, at = region, rec.offset
-        with memoryview(buf) as whole, whole[at : at + rec.nbytes] as view:
-            got = xxhash.xxh3_64_intdigest(view)
-        if rec.digest is not None and got != rec.digest:
-            raise tensor_mismatch(self.path, sec, i, got)
-        if rec.nbytes == 0:
-            return empty_like_record(rec.dtype, rec.shape)[0]  # the loader's own rules for empty shapes
-        flat = torch.frombuffer(buf, dtype=torch.uint8, count=rec.nbytes, offset=at)
-        return flat.view(dtype).reshape(rec.shape)
+        return mapped_tensor(self._map, sec.data_start + rec.offset, rec.dtype, rec.shape)
 
 
 def _refs(node: Any) -> list[TensorRef]:

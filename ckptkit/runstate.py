@@ -43,9 +43,20 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import xxhash
+
 from .asyncsave import AsyncSaver
 from .atomic import clean_stale_temps, write_bytes_atomic
 from .checkpoint import Checkpoint, load, save
+from .companions import (
+    COMPANIONS_KEY,
+    ENVIRONMENT_FILE,
+    UNBOUND_NOTE,
+    check_companions,
+    file_digest,
+    make_record,
+    record_of,
+)
 from .container import FLAG_NAMES, SECTIONS
 from .environment import EnvDiff, capture, check_environment
 from .errors import (
@@ -59,11 +70,10 @@ from .errors import (
 )
 from .section import check_plain
 from .sidecar import read_sidecar, sidecar_path, write_sidecar
-from .snapshot import DEFAULT_EXEMPT, KeyDiff, check_resume, encode_snapshot, snapshot_path, write_snapshot
+from .snapshot import DEFAULT_EXEMPT, KeyDiff, check_resume, encode_snapshot, read_snapshot, snapshot_path
 
 __all__ = ["ENVIRONMENT_FILE", "ResumeInfo", "RunState", "checkpoint_name", "list_checkpoints", "read_environment"]
 
-ENVIRONMENT_FILE = "environment.json"
 _PREFIX, _SUFFIX = "step-", ".ckpt"
 
 
@@ -400,13 +410,24 @@ class RunState:
         if self._saver is not None:
             self._save_async(path, ckpt)
             return path
-        write_snapshot(snapshot_path(path), self.config)
+        config = encode_snapshot(self.config)
+        write_bytes_atomic(snapshot_path(path), config)
+        bound = {}
         for kind, entry in self._reg.sidecars.items():
             table_step, tree = entry.get()
-            write_sidecar(sidecar_path(path, kind), train_step=step, table_step=table_step, tree=tree)
-        save(path, ckpt, compression=self.compression)
+            bound[kind] = write_sidecar(sidecar_path(path, kind), train_step=step, table_step=table_step, tree=tree)
+        save(path, self._bind(ckpt, config, bound), compression=self.compression)
         self._retain()
         return path
+
+    def _bind(self, ckpt: Checkpoint, config: bytes, sidecars: dict[str, int]) -> Checkpoint:
+        """``ckpt`` with the companion record (spec/companions.md): the digests of the
+        snapshot, sidecars and environment record just written, so that none of them
+        can be edited or swapped without the checkpoint noticing."""
+        env_path = os.path.join(self.run_dir, ENVIRONMENT_FILE)
+        env = file_digest(env_path, "environment record") if os.path.exists(env_path) else None
+        record = make_record(snapshot=xxhash.xxh3_64_intdigest(config), environment=env, sidecars=sidecars)
+        return dataclasses.replace(ckpt, monitor={**(ckpt.monitor or {}), COMPANIONS_KEY: record})
 
     def _save_async(self, path: str, ckpt: Checkpoint) -> None:
         assert self._saver is not None
@@ -417,11 +438,11 @@ class RunState:
 
         def write(snap: dict[str, Any]) -> None:
             write_bytes_atomic(snapshot_path(path), config)
-            for kind, table_step in stamps.items():
-                write_sidecar(sidecar_path(path, kind), train_step=ckpt.step, table_step=table_step,
-                              tree=snap[f"sidecar:{kind}"])
-            save(path, dataclasses.replace(ckpt, **{name: snap[name] for name in SECTIONS}),
-                 compression=self.compression)
+            bound = {kind: write_sidecar(sidecar_path(path, kind), train_step=ckpt.step, table_step=table_step,
+                                         tree=snap[f"sidecar:{kind}"])
+                     for kind, table_step in stamps.items()}
+            taken = dataclasses.replace(ckpt, **{name: snap[name] for name in SECTIONS})
+            save(path, self._bind(taken, config, bound), compression=self.compression)
             self._retain()
 
         self._saver.submit(trees, write)
@@ -549,12 +570,14 @@ class RunState:
         self.wait()
         removed = clean_stale_temps(self.run_dir)
         notes = [f"removed {len(removed)} temporary file(s) left by an interrupted save"] if removed else []
-        ckpt, path, sidecars, skipped = self._newest_consistent()
+        ckpt, path, snapshot, sidecars, skipped = self._newest_consistent()
         for p, why in skipped:
             notes.append(f"skipped {os.path.basename(p)}: {why}")
         if skipped:
             notes.append(f"falling back to {os.path.basename(path)} (step {ckpt.step})")
-        exempt = check_resume(snapshot_path(path), self.config, exempt=self.exempt)
+        if record_of(ckpt.monitor) is None:
+            notes.append(f"{os.path.basename(path)} {UNBOUND_NOTE}")
+        exempt = check_resume(snapshot, self.config, exempt=self.exempt)
         notes += [d.describe() for d in exempt]
         env = self._check_environment(allow_env_change)
         notes += [f"environment override: {d}" for d in env]
@@ -568,7 +591,7 @@ class RunState:
         return ResumeInfo(ckpt.step, path, tuple(notes), tuple(skipped), tuple(exempt), tuple(env),
                           legacy_missing)
 
-    def _newest_consistent(self) -> tuple[Checkpoint, str, dict[str, Any], list[tuple[str, str]]]:
+    def _newest_consistent(self) -> tuple[Checkpoint, str, Any, dict[str, Any], list[tuple[str, str]]]:
         skipped: list[tuple[str, str]] = []
         candidates = list_checkpoints(self.run_dir)
         if not candidates:
@@ -584,10 +607,14 @@ class RunState:
                     raise CheckpointNotFound(f"{snapshot_path(path)}: config snapshot is missing")
                 sidecars = {kind: read_sidecar(sidecar_path(path, kind), expect_step=ckpt.step)
                             for kind in self._reg.sidecars}
+                # A damaged or swapped companion is damage, like a damaged container
+                # (spec/companions.md): it is skipped here, never reported as drift.
+                check_companions(path, record_of(ckpt.monitor, path), sidecars=self._reg.sidecars)
+                snapshot = read_snapshot(snapshot_path(path))
             except (FormatError, CheckpointNotFound) as e:
                 skipped.append((path, str(e)))
                 continue
-            return ckpt, path, sidecars, skipped
+            return ckpt, path, snapshot, sidecars, skipped
         detail = "; ".join(f"{os.path.basename(p)}: {why}" for p, why in skipped)
         raise CheckpointNotFound(f"{self.run_dir}: no consistent checkpoint to resume from ({detail})")
 

@@ -362,15 +362,13 @@ def decode_index(
         return MalformedIndex(problem, path=path, offset=at, field=f"{name} index", **kw)
 
     try:
-        index = msgpack.unpackb(
-            raw,
-            raw=False,
-            strict_map_key=False,
-            use_list=True,
-        )
+        index = msgpack.unpackb(raw, raw=False, strict_map_key=False, use_list=True, object_pairs_hook=_map,
+                                ext_hook=_Exts().hook)
     except Exception as e:  # msgpack raises many types (ValueError, StackError, ExtraData...)
         why = f"msgpack {type(e).__name__}" + (f": {e}" if str(e) else "")
         raise bad(f"not a valid msgpack index ({why})", hint="R-010") from None
+    if isinstance(index, _BadMap):
+        raise bad(f"the index {index.problem}", hint="R-010")
     if not isinstance(index, dict) or sorted(index, key=str) != sorted(_INDEX_KEYS):
         got = sorted(map(str, index)) if isinstance(index, dict) else type(index).__name__
         raise bad("index must be a map with exactly the keys " + ", ".join(_INDEX_KEYS), actual=got, hint="R-010")
@@ -397,6 +395,9 @@ def decode_index(
     if codec == "raw" and raw_len != data_len:
         raise bad("raw_len must equal data_len for codec 'raw'", expected=data_len, actual=raw_len, hint="R-012")
     records = _decode_records(index["tensors"], raw_len, legacy=legacy, bad=bad)
+    if index["tree"] is None:
+        raise bad("the tree of a present section is nil (a section without state is absent: length 0)",
+                  hint="R-016")
     referenced: set[int] = set()
     tree = _unpack_tree(index["tree"], len(records), referenced, bad, 0)
     if len(referenced) != len(records):
@@ -414,6 +415,36 @@ _SHOW.maxstring = _SHOW.maxother = 80
 def _show(v: Any, n: int) -> str:
     """A bounded ``repr`` of a value read from a file, for messages."""
     return _SHOW.repr(v)[:n]
+
+
+class _BadMap:
+    """A msgpack map that cannot be a dict of the format: a key that is not str or int, or one given twice.
+
+    The decoder builds it in place of the dict, and the reader of the index or tree
+    that meets it reports ``problem`` under its own rule (R-010 for the index map,
+    R-016 for a tree map). Keys repeated would make the last one win silently, so two
+    files with different bytes would load as the same state.
+    """
+
+    __slots__ = ("problem",)
+
+    def __init__(self, problem: str) -> None:
+        self.problem = problem
+
+    def __repr__(self) -> str:
+        return "<map: " + self.problem + ">"
+
+
+def _map(pairs: list[tuple[Any, Any]]) -> dict[Any, Any] | _BadMap:
+    """msgpack's ``object_pairs_hook``: a dict, or a :class:`_BadMap` saying why not."""
+    out: dict[Any, Any] = {}
+    for k, v in pairs:
+        if isinstance(k, bool) or not isinstance(k, (int, str)):
+            return _BadMap(f"map key {_show(k, 40)} is not a string or integer")
+        if k in out:
+            return _BadMap(f"map key {_show(k, 40)} appears twice")
+        out[k] = v
+    return out
 
 
 def _is_uint(v: Any) -> bool:
@@ -436,10 +467,11 @@ def _decode_records(
         if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
             raise bad(f"{where}: unknown dtype", expected="a name from the dtype table", actual=_show(dtype, 40),
                       hint="R-013")
-        if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(_is_uint(d) for d in shape):
+        # type() is int: msgpack decodes integers as int, and a bool is not a dimension
+        if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(type(d) is int and d >= 0 for d in shape):
             raise bad(f"{where}: shape must be at most {MAX_NDIM} non-negative integers", actual=_show(shape, 80),
                       hint="R-013")
-        if any(d >= 2**63 for d in shape) or math.prod(max(d, 1) for d in shape) >= 2**63:
+        if max(shape, default=0) >= 2**63 or math.prod(d or 1 for d in shape) >= 2**63:
             raise bad(f"{where}: shape does not fit in int64 element counts", actual=_show(shape, 80), hint="R-013")
         if not _is_uint(offset) or not _is_uint(nbytes):
             raise bad(f"{where}: offset and nbytes must be non-negative integers", actual=_show(r[2:4], 80), hint="R-013")
@@ -465,28 +497,74 @@ def _decode_records(
     return tuple(out)
 
 
+class _Ext:
+    """An extension value that is not a tensor reference: the tuple marker, or one the format lacks."""
+
+    __slots__ = ("code",)
+
+    def __init__(self, code: int) -> None:
+        self.code = code
+
+    def __repr__(self) -> str:
+        return f"ExtType({self.code})"
+
+
+_TUPLE = _Ext(_EXT_TUPLE)
+
+
+class _Exts:
+    """msgpack's ``ext_hook`` for one index: one :class:`TensorRef` object per tensor id.
+
+    A tree may refer to one tensor a million times (spec: G-05); each reference then
+    costs a pointer, not an object, and the tree walk below meets finished leaves.
+    """
+
+    def __init__(self) -> None:
+        self._refs: dict[bytes, TensorRef] = {}
+
+    def hook(self, code: int, data: bytes) -> Any:
+        if code == _EXT_TENSOR and len(data) == 4:
+            ref = self._refs.get(data)
+            if ref is None:
+                ref = self._refs[data] = TensorRef(struct.unpack("<I", data)[0])
+            return ref
+        if code == _EXT_TUPLE and not data:
+            return _TUPLE
+        return _Ext(code)
+
+
+_LEAVES = (type(None), bool, int, float, str, bytes)
+
+
 def _unpack_tree(v: Any, n_tensors: int, referenced: set[int], bad: Callable[..., FormatError], depth: int) -> Any:
+    """Check a decoded tree (R-015, R-016) and turn tuple-marked arrays into tuples.
+
+    Leaves are checked in the loop over their container rather than by a call
+    each, so a tree of a million references costs a million set insertions.
+    """
     if depth > MAX_DEPTH:
         raise bad(f"tree nested deeper than {MAX_DEPTH} levels", hint="R-016")
-    if isinstance(v, msgpack.ExtType):
-        if v.code != _EXT_TENSOR or len(v.data) != 4:
-            raise bad(f"unexpected extension type {v.code} in the tree", hint="R-016")
-        tid = struct.unpack("<I", v.data)[0]
-        if tid >= n_tensors:
-            raise bad(f"tree references tensor {tid}, the table has {n_tensors}", hint="R-015")
-        referenced.add(tid)
-        return TensorRef(tid)
-    if isinstance(v, list):
-        if v and isinstance(v[0], msgpack.ExtType) and v[0] == _TUPLE_MARK:
-            return tuple(_unpack_tree(x, n_tensors, referenced, bad, depth + 1) for x in v[1:])
-        return [_unpack_tree(x, n_tensors, referenced, bad, depth + 1) for x in v]
-    if isinstance(v, dict):
-        for k in v:
-            if isinstance(k, bool) or not isinstance(k, (int, str)):
-                raise bad(f"map key {k!r} is not a string or integer", hint="R-016")
-        return {k: _unpack_tree(x, n_tensors, referenced, bad, depth + 1) for k, x in v.items()}
-    if v is None or isinstance(v, (bool, int, float, str, bytes)):
+    if type(v) in _LEAVES:
         return v
+    if isinstance(v, TensorRef):
+        return _unpack_tree([v], n_tensors, referenced, bad, depth - 1)[0]  # the root is a tensor
+    if isinstance(v, _BadMap):
+        raise bad(v.problem, hint="R-016")
+    if isinstance(v, (list, dict)):
+        is_tuple = isinstance(v, list) and bool(v) and v[0] is _TUPLE
+        items = v[1:] if is_tuple else v
+        for k, x in (items.items() if isinstance(items, dict) else enumerate(items)):
+            if type(x) is TensorRef:
+                if x.id >= n_tensors:
+                    raise bad(f"tree references tensor {x.id}, the table has {n_tensors}", hint="R-015")
+                referenced.add(x.id)
+            elif type(x) not in _LEAVES:
+                items[k] = _unpack_tree(x, n_tensors, referenced, bad, depth + 1)
+        if depth == MAX_DEPTH and items:
+            raise bad(f"tree nested deeper than {MAX_DEPTH} levels", hint="R-016")
+        return tuple(items) if is_tuple else items
+    if isinstance(v, _Ext):
+        raise bad(f"unexpected extension type {v.code} in the tree", hint="R-016")
     raise bad(f"unexpected value of type {type(v).__name__} in the tree (e.g. a msgpack timestamp)", hint="R-016")
 
 

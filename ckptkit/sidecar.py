@@ -31,6 +31,7 @@ __all__ = [
     "SIDECAR_VERSION",
     "Sidecar",
     "read_sidecar",
+    "sidecar_digest",
     "sidecar_path",
     "sidecar_report",
     "verify_sidecar",
@@ -50,6 +51,9 @@ class Sidecar:
     train_step: int  # the training step of the checkpoint it belongs to
     table_step: int  # the table's own update counter (its optimizer steps, rows seen...)
     tree: Any
+    # The stored skeleton digest: with the checks a read makes, it stands for every byte,
+    # so a checkpoint binds its sidecar by recording it (spec/companions.md R-C04).
+    digest: int = 0
 
 
 def sidecar_path(checkpoint: str | os.PathLike[str], kind: str) -> str:
@@ -59,8 +63,11 @@ def sidecar_path(checkpoint: str | os.PathLike[str], kind: str) -> str:
     return f"{os.fspath(checkpoint)}.{kind}"
 
 
-def write_sidecar(path: str | os.PathLike[str], *, train_step: int, table_step: int, tree: Any) -> None:
+def write_sidecar(path: str | os.PathLike[str], *, train_step: int, table_step: int, tree: Any) -> int:
     """Write a sidecar atomically (temp file, fsync, rename, fsync dir).
+
+    Returns:
+        Its skeleton digest, which the checkpoint records to bind it (R-C04).
 
     Raises:
         UnsupportedValue: a value in ``tree`` the codec cannot carry.
@@ -78,6 +85,7 @@ def write_sidecar(path: str | os.PathLike[str], *, train_step: int, table_step: 
     header = _HEADER.pack(_MAGIC, train_step, table_step, plan.length)
     atomic_write(path, lambda f: write_framed(f, header, [plan], _END))
     del keep
+    return sidecar_digest(path)
 
 
 def _layout(src: Source) -> tuple[Layout, int]:
@@ -127,6 +135,20 @@ def verify_sidecar(path: str | os.PathLike[str], *, expect_step: int | None = No
     return layout.step
 
 
+def sidecar_digest(path: str | os.PathLike[str]) -> int:
+    """A sidecar's stored skeleton digest, its structure checked but no byte hashed:
+    what a checkpoint's companion record is compared with (R-C04).
+
+    Raises:
+        CheckpointNotFound: no such file.
+        FormatError: not a sidecar, of an unknown version, or malformed.
+    """
+    with Source(path, kind="sidecar") as src:
+        layout, _ = _layout(src)
+    assert layout.skeleton_digest is not None  # a sidecar always has a trailer
+    return layout.skeleton_digest
+
+
 def sidecar_report(path: str | os.PathLike[str]) -> Report:
     """:func:`verify_sidecar` as a :class:`~ckptkit.container.Report` (for ``ckptkit verify``).
 
@@ -162,4 +184,5 @@ def read_sidecar(path: str | os.PathLike[str], *, expect_step: int | None = None
         _check_stamp(src.path, layout.step, expect_step)
         check_skeleton(src, layout)
         tree = load_section(src, layout.sections["table"])
-    return Sidecar(layout.step, table_step, tree)
+    assert layout.skeleton_digest is not None  # checked by check_skeleton above
+    return Sidecar(layout.step, table_step, tree, layout.skeleton_digest)

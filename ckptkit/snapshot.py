@@ -55,6 +55,7 @@ __all__ = [
     "check_resume",
     "diff_keys",
     "encode_snapshot",
+    "read_small_file",
     "read_snapshot",
     "snapshot_config",
     "snapshot_path",
@@ -353,20 +354,30 @@ def read_snapshot(path: str | os.PathLike[str]) -> Snapshot:
         0.0003
     """
     name = os.fspath(path)
+    data = read_small_file(name, "config snapshot", missing="no config snapshot here",
+                           hint="is this a checkpoint? its snapshot is <ckpt>.config.json")
+    return _decode(data, name)
+
+
+def read_small_file(path: str, what: str, *, missing: str, hint: str) -> bytes:
+    """The bytes of a JSON file that is a few kilobytes (a snapshot, an environment
+    record), refused unread beyond 16 MiB (R-S13).
+
+    Raises:
+        CheckpointNotFound: no file at ``path`` (message: ``"<path>: <missing>"``).
+        FormatError: over 16 MiB, or unreadable (permissions, a directory...).
+    """
     try:
-        with open(name, "rb") as f:
+        with open(path, "rb") as f:
             data = f.read(_MAX_SNAPSHOT_BYTES + 1)
     except FileNotFoundError:
-        raise CheckpointNotFound(f"{name}: no config snapshot here") from None
+        raise CheckpointNotFound(f"{path}: {missing}") from None
+    except OSError as e:
+        raise FormatError(f"cannot read the {what} ({e.strerror})", path=path) from None
     if len(data) > _MAX_SNAPSHOT_BYTES:
-        raise FormatError(
-            "file too large for a config snapshot",
-            path=name,
-            expected=f"<= {_MAX_SNAPSHOT_BYTES} bytes",
-            actual=f"> {_MAX_SNAPSHOT_BYTES}",
-            hint="is this a checkpoint? its snapshot is <ckpt>.config.json",
-        )
-    return _decode(data, name)
+        raise FormatError(f"file too large for a {what}", path=path, expected=f"<= {_MAX_SNAPSHOT_BYTES} bytes",
+                          actual=f"> {_MAX_SNAPSHOT_BYTES}", hint=hint)
+    return data
 
 
 # --------------------------------------------------------------------------- diff

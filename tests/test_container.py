@@ -222,7 +222,7 @@ def test_a_huge_length_field_fails_fast_without_allocating(tmp_path):
 
 def test_an_unknown_version_is_refused_with_its_number(tmp_path):
     path, raw = _small(tmp_path)
-    path.write_bytes(raw[:5] + struct.pack("<H", 3) + raw[7:])
+    path.write_bytes(_resealed(raw[:5] + struct.pack("<H", 3) + raw[7:], raw))  # as a newer writer would sign it
     with pytest.raises(UnsupportedVersion) as e:
         load(path)
     assert str(e.value) == (
@@ -231,11 +231,27 @@ def test_an_unknown_version_is_refused_with_its_number(tmp_path):
     )
 
 
+def test_a_flipped_version_bit_under_a_failing_digest_is_damage_not_a_newer_version(tmp_path):
+    path, raw = _small(tmp_path)
+    path.write_bytes(raw[:5] + struct.pack("<H", 3) + raw[7:])
+    with pytest.raises(ChecksumMismatch, match=r": offset 5 \(0x5\): magic: header damaged: the version field reads 3, "
+                       r"but the file is laid out as a v2 container and its skeleton digest \(which covers the version\) "
+                       r"does not match \(expected 0x[0-9a-f]{16}, got 0x[0-9a-f]{16}\); the file is damaged; resume "
+                       r"from an earlier checkpoint \(R-005\)$"):
+        load(path)
+
+
 def _with_flags(raw: bytes, flags: int) -> bytes:
     """Set the flags field and re-seal the skeleton digest, as a future writer would."""
     out = bytearray(raw)
     out[40:48] = struct.pack("<Q", flags)
-    with container.Source(data=bytes(out)) as src:
+    return _resealed(bytes(out), raw)
+
+
+def _resealed(data: bytes, source: bytes) -> bytes:
+    """``data`` with its skeleton digest recomputed over ``source``'s skeleton extents."""
+    out = bytearray(data)
+    with container.Source(data=source) as src:
         layout = container.read_layout(src)
         h = xxhash.xxh3_64()
         for a, b in container.skeleton_extents(layout):

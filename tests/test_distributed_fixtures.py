@@ -106,9 +106,9 @@ def test_verify_and_inspect_json_on_the_golden_directory(capsys):
     assert main(["verify", path, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     size = sum(p.stat().st_size for p in (FIXTURES / "two-ranks").iterdir())
-    assert doc == {"schema_version": 1, "ok": True, "files": [
+    assert doc["ok"] is True and doc["files"] == [
         {"path": path, "kind": "distributed", "ok": True, "error": None, "world_size": 2, "tensors": 2,
-         "chunks": 3, "values": 3, "size": size}]}
+         "chunks": 3, "values": 3, "size": size}]
     assert main(["inspect", path, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["world_size"] == 2 and doc["dcp_version"] == "1.0.0" and doc["values"] == ["betas", "name", "step"]

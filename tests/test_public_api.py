@@ -7,11 +7,11 @@ import inspect
 import ckptkit
 
 PUBLIC = [
-    "AsyncSaver", "BadMagic", "Checkpoint", "CheckpointError", "CheckpointNotFound", "ChecksumMismatch", "ConfigDrift",
-    "DEFAULT_EXEMPT", "DistributedFailure", "EnvironmentDrift", "FLAG_FP32_FALLBACK", "FormatError", "IncompleteCheckpoint", "KeyDiff", "LazyCheckpoint", "LegacyCheckpoint",
+    "AsyncSaver", "BadMagic", "BadTensorValue", "Checkpoint", "CheckpointError", "CheckpointNotFound", "ChecksumMismatch", "ConfigDrift",
+    "DEFAULT_EXEMPT", "DistributedFailure", "EnvironmentDrift", "FLAG_FP32_FALLBACK", "FormatError", "IncompleteCheckpoint", "InsufficientMemory", "KeyDiff", "LazyCheckpoint", "LegacyCheckpoint",
     "MalformedIndex", "ReplayDivergence", "Report", "ReservedBitSet", "ResumeInfo", "ResumeRefused", "RunState",
     "SaveFailed", "SectionInfo", "Sidecar", "SidecarMismatch", "Snapshot", "SpikeConfig", "SpikeMonitor",
-    "StateMismatch", "StreamOffsetMismatch", "TrainingUnstable", "TruncatedFile", "UnsupportedValue", "UnsupportedVersion",
+    "StateMismatch", "StreamOffsetMismatch", "TrainingUnstable", "TruncatedFile", "UnreadableFile", "UnsupportedValue", "UnsupportedVersion",
     "VERSION", "Verdict", "__version__", "assert_field_coverage", "check_field_coverage", "check_resume",
     "diff_keys", "import_torch_checkpoint", "load", "mask_stream", "numpy_generator", "open_checkpoint", "read_sidecar", "read_snapshot", "save",
     "torch_generator", "verify", "write_sidecar", "write_snapshot",

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_companions import record_environment
 from test_trainer_resume import history, run, tiny
 
 import ckptkit
@@ -207,10 +208,9 @@ def test_replay_refuses_a_different_environment_and_names_the_fact(
         perturbed: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run_dir = tmp_path / "run"
     shutil.copytree(perturbed, run_dir)
-    env_path = run_dir / "environment.json"
-    env = json.loads(env_path.read_text())
+    env = json.loads((run_dir / "environment.json").read_text())
     env["intra_op_threads"] = 977
-    env_path.write_text(json.dumps(env))
+    record_environment(run_dir, env)  # recorded under 977 threads (an edit alone is damage)
     assert main(["replay", str(run_dir), "--from", "2", "--quiet"]) == 1
     err = capsys.readouterr().err
     assert f"intra_op_threads: recorded 977, now {torch.get_num_threads()}" in err and "--allow-env-change" in err

@@ -318,8 +318,10 @@ def test_item7_a_sidecar_from_another_step_is_never_paired(tmp_path: Path, monke
     and falls back to the previous consistent one -- and the run still matches.
 
     Without the stamp check (simulated: RunState reads the sidecar of step 2
-    under step 4's name without ``expect_step``), the trainer's own check --
-    the table step must equal the training step -- still refuses the pair.
+    under step 4's name without ``expect_step``), the checkpoint's record of its
+    sidecar's digest (spec/companions.md R-C04) still refuses the pair; and
+    without that too, the trainer's own check -- the table step must equal the
+    training step -- is the last line.
     """
     cfg = tiny(**{"train.ckpt_every": 2})
     ref, cut = tmp_path / "ref", tmp_path / "cut"
@@ -339,8 +341,14 @@ def test_item7_a_sidecar_from_another_step_is_never_paired(tmp_path: Path, monke
     bug = tmp_path / "bug"
     run(cfg, bug, 4)
     shutil.copyfile(bug / (checkpoint_name(2) + ".ngram"), bug / (checkpoint_name(4) + ".ngram"))
+    result = run(cfg, bug, 6, resume=True)
+    assert any("skipped step-00000004.ckpt" in n and ".ngram: damaged" in n for n in result.resume_notes)
+    monkeypatch.setattr(runstate, "check_companions", lambda *a, **k: None)  # the binding off as well
+    bare = tmp_path / "bare"
+    run(cfg, bare, 4)
+    shutil.copyfile(bare / (checkpoint_name(2) + ".ngram"), bare / (checkpoint_name(4) + ".ngram"))
     with pytest.raises(SidecarMismatch, match="table step differs from the training step"):
-        run(cfg, bug, 6, resume=True)  # the trainer's own table_step check is the last line
+        run(cfg, bare, 6, resume=True)  # the trainer's own table_step check is the last line
 
 
 # ----------------------------------------------------------------------------- item 8: snapshot coverage

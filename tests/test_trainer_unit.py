@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from test_companions import record_environment
 from test_trainer_resume import history, run, tiny
 
 from ckptkit import container, load
@@ -251,10 +252,9 @@ def test_resume_refuses_drift_and_allows_cadence_changes(tmp_path: Path) -> None
 
 def test_environment_change_is_refused_unless_allowed_and_then_recorded(tmp_path: Path) -> None:
     run(tiny(), tmp_path, 2)
-    env = tmp_path / "environment.json"
-    facts = json.loads(env.read_text())
+    facts = json.loads((tmp_path / "environment.json").read_text())
     facts["torch"] = "0.0.1"
-    env.write_text(json.dumps(facts))
+    record_environment(tmp_path, facts)  # recorded under torch 0.0.1 (an edit alone is damage)
     with pytest.raises(EnvironmentDrift, match="torch: recorded 0.0.1"):
         run(tiny(), tmp_path, 3, resume=True)
     run(tiny(), tmp_path, 3, resume=True, allow_env_change=True)
@@ -306,7 +306,7 @@ def test_cli_trains_and_resumes_in_process(tmp_path: Path, capsys: pytest.Captur
     knobs = ["--n-layer", "1", "--d-model", "32", "--block-size", "16", "--seq-len", "16", "--batch", "2",
              "--run-dir", str(tmp_path)]
     assert main(["train", "--steps", "2", "--quiet", *knobs]) == 0
-    assert capsys.readouterr().out == f"step 2: {tmp_path / checkpoint_name(2)}\n"
+    assert capsys.readouterr().out.splitlines()[0] == f"step 2: {tmp_path / checkpoint_name(2)}"
     assert main(["train", "--steps", "3", "--resume", "--json", "--quiet", *knobs]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["schema_version"] == 1 and out["step"] == 3 and out["resume_notes"][0].startswith("train.steps 2 -> 3")

@@ -5,6 +5,7 @@
     ckptkit diff runA/ runB/                 # config drift between two runs
     ckptkit train --run-dir run --steps 200  # the reference trainer
     ckptkit replay run --from 100            # re-run and name the first divergence
+    ckptkit plot run -o run.png              # loss, grad norm, spikes, rollbacks, LR, resumes
 
 Exit codes (like GNU diff): 0 clean, 1 problems found (invalid file, drift,
 divergence), 2 trouble (usage, unreadable path, internal error), 3 training
@@ -37,6 +38,7 @@ _COMMANDS = {
     "train": "train",
     "replay": "replay",
     "audit": "audit",
+    "plot": "plot",
 }
 
 

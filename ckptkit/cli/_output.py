@@ -1,13 +1,11 @@
-"""Output shared by the commands that end in a verdict (replay, audit)."""
+"""Output shared by the commands that end in a verdict (replay, audit); their progress is ``_progress``."""
 
 from __future__ import annotations
 
 import json
-import sys
-from collections.abc import Callable
 from typing import Any
 
-__all__ = ["print_verdict", "progress"]
+__all__ = ["print_verdict"]
 
 
 def print_verdict(report: Any, as_json: bool) -> int:
@@ -18,11 +16,3 @@ def print_verdict(report: Any, as_json: bool) -> int:
         print(report.describe())
     return 0 if report.ok else 1
 
-
-def progress(command: str) -> Callable[[str], None]:
-    """A progress logger for ``command``: one prefixed line on stderr per message."""
-
-    def log(msg: str) -> None:
-        print(f"ckptkit {command}: {msg}", file=sys.stderr, flush=True)
-
-    return log

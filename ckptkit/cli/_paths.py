@@ -35,7 +35,7 @@ def expand_checkpoints(paths: list[str]) -> list[str]:
             if not found:
                 raise CheckpointNotFound(f"{p}: no *.ckpt files in this directory")
             out.extend(found)
-        elif os.path.exists(p):
+        elif os.path.lexists(p):  # a symlink loop too: the reader reports it
             out.append(p)
         else:
             raise CheckpointNotFound(f"{p}: no such file or directory")

@@ -15,7 +15,8 @@ import os
 import sys
 from typing import Any
 
-from ._output import print_verdict, progress
+from ._output import print_verdict
+from ._progress import Progress
 
 __all__ = ["add_parser", "run"]
 
@@ -53,7 +54,7 @@ def add_parser(sub: Any) -> None:
     g.add_argument("--keep-dir", metavar="DIR", default=None,
                    help="keep the two runs in DIR/a and DIR/b (an empty or new directory); default: a temporary one")
     g.add_argument("--json", action="store_true", help="print one JSON object (schema_version 1)")
-    g.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    g.add_argument("--quiet", action="store_true", help="no progress bar and no progress lines on stderr")
     add_knobs(p)
 
 
@@ -83,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
         cfg = config_for_audit(args)
         if args.keep_dir is not None and os.path.isdir(args.keep_dir) and os.listdir(args.keep_dir):
             raise ValueError(f"--keep-dir {args.keep_dir} is not empty")
-        report = audit(cfg, args.keep_dir, resume_at=args.resume_at, log=None if args.quiet else progress("audit"))
+        with Progress("audit", quiet=args.quiet) as progress:
+            report = audit(cfg, args.keep_dir, resume_at=args.resume_at, log=progress.log, on_step=progress.at)
     except CheckpointError:
         raise  # the dispatcher prints it (AuditError: exit 2)
     except ValueError as e:  # a config the trainer refuses, a non-empty --keep-dir

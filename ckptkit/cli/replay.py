@@ -15,7 +15,8 @@ import argparse
 import sys
 from typing import Any
 
-from ._output import print_verdict, progress
+from ._output import print_verdict
+from ._progress import Progress
 
 __all__ = ["add_parser", "run"]
 
@@ -72,7 +73,7 @@ def add_parser(sub: Any) -> None:
                         "the recording used N)")
     g.add_argument("--no-perturb", action="store_true",
                    help="TESTING AID: replay without the recording's --perturb-at")
-    g.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    g.add_argument("--quiet", action="store_true", help="no progress bar and no progress lines on stderr")
     add_knobs(p)
 
 
@@ -89,9 +90,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"ckptkit replay: --threads must be >= 1 (got {args.threads})", file=sys.stderr)
         return 2
     try:
-        report = replay(args.run_dir, args.from_step, args.to_step, overrides=overrides,
-                        allow_env_change=args.allow_env_change, threads=args.threads, out_dir=args.out,
-                        log=None if args.quiet else progress("replay"))
+        with Progress("replay", quiet=args.quiet) as progress:
+            report = replay(args.run_dir, args.from_step, args.to_step, overrides=overrides,
+                            allow_env_change=args.allow_env_change, threads=args.threads, out_dir=args.out,
+                            log=progress.log, on_step=progress.at)
     except CheckpointError:
         raise  # the dispatcher prints it: 1 for a damaged file or a refused environment, 2 otherwise (ReplayError)
     except ValueError as e:  # an override the config refuses

@@ -16,6 +16,7 @@ import enum
 import json
 import os
 import sys
+import time
 from typing import Any
 
 __all__ = ["add_knobs", "add_parser", "config_from_args", "run"]
@@ -25,8 +26,18 @@ example:
   $ ckptkit train --run-dir runs/a --steps 100 --quant int8
   ckptkit train: warm-up probe: start loss 5.5423 (ln 256 = 5.5452), forward deterministic
   ckptkit train: step 10/100 | loss 3.3908 | lm 2.9129 | aux 0.9559 | gnorm 0.809 | lr 2.73e-03 | ...
+  train: 100%|##########| 100/100 [00:01<00:00, 70.71step/s, loss=2.4655]   (on a terminal only)
   step 100: runs/a/step-00000100.ckpt
+  summary:
+    trained      100 step(s) (0 -> 100) in 1.9 s, 52.1 steps/s
+    ...
+    extend       ckptkit train --run-dir runs/a --steps 200 --resume --quant int8
   $ ckptkit train --run-dir runs/a --steps 200 --quant int8 --resume      # extend it
+
+progress (stderr): a bar with rate and ETA when stderr is a terminal, the log lines
+otherwise, nothing with --quiet; results and the summary go to stdout (README "What you
+see when you train" explains each line). --threads N is part of the run: a resume under
+another thread count is refused unless --allow-env-change (spec/cli.md "--threads").
 
 files in the run directory: step-XXXXXXXX.ckpt (+ .config.json, .ngram), environment.json,
 history.jsonl (one row per step, exact floats; spec/trainer.md)
@@ -82,7 +93,12 @@ def add_parser(sub: Any) -> None:
                            help="accept a v1 checkpoint that lacks state (recorded in history.jsonl)")
     run_group.add_argument("--allow-env-change", action="store_true",
                            help="accept a different environment (recorded in history.jsonl)")
-    run_group.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    run_group.add_argument("--threads", type=int, default=None, metavar="N",
+                           help="torch intra-op threads (default: torch's own, e.g. from OMP_NUM_THREADS). "
+                                "Recorded with the run (environment.json): a resume under another count is "
+                                "refused unless --allow-env-change; the summary's extend command repeats it")
+    run_group.add_argument("--quiet", action="store_true",
+                           help="no progress bar and no log lines on stderr (the summary still prints)")
     run_group.add_argument("--json", action="store_true", help="print the result as one JSON object")
     add_knobs(p)
 
@@ -109,12 +125,30 @@ def run(args: argparse.Namespace) -> int:
         print(f"ckptkit train: --data {cfg.data.path}: no such file", file=sys.stderr)
         return 2
 
-    from ..trainer.loop import train
+    if args.threads is not None and args.threads < 1:
+        print(f"ckptkit train: --threads must be >= 1 (got {args.threads})", file=sys.stderr)
+        return 2
 
-    result = train(
-        cfg, args.run_dir, resume=args.resume, allow_legacy=args.allow_legacy,
-        allow_env_change=args.allow_env_change, log=None if args.quiet else _progress,
-    )
+    from torch import get_num_threads as torch_threads
+
+    from ..trainer.loop import intra_op_threads, train
+    from ._progress import Progress
+
+    began = time.monotonic()
+    with Progress("train", quiet=args.quiet) as progress:
+
+        def on_step(result: Any) -> None:
+            progress.at(result.step + 1, cfg.train.steps, loss=f"{result.loss:.4f}")
+
+        # The count is an environment fact of the run: a resume under another one is
+        # refused by the environment check (or recorded with --allow-env-change).
+        with intra_op_threads(args.threads):
+            threads = torch_threads()
+            result = train(
+                cfg, args.run_dir, resume=args.resume, allow_legacy=args.allow_legacy,
+                allow_env_change=args.allow_env_change, log=progress.log, on_step=on_step,
+            )
+    seconds = time.monotonic() - began
     if args.json:
         print(json.dumps({
             "schema_version": 1,
@@ -128,8 +162,22 @@ def run(args: argparse.Namespace) -> int:
         }, sort_keys=True))
     else:
         print(f"step {result.step}: {result.checkpoint or '(no new checkpoint)'}")
+        print("\n".join(_summary(args, cfg, result.step, threads, seconds).lines()))
     return 0
 
 
-def _progress(msg: str) -> None:
-    print(f"ckptkit train: {msg}", file=sys.stderr, flush=True)
+def _summary(args: argparse.Namespace, cfg: Any, step: int, threads: int, seconds: float) -> Any:
+    """The end-of-run summary, read back from the run directory (``_summary``).
+
+    Its extend command repeats what this call ran under: every config flag that
+    differs from its default, the thread count, and --allow-env-change if given.
+    """
+    from ..trainer.audit import knob_flags
+    from ._summary import extend_command, summarize
+
+    default_steps = type(cfg.train)().steps  # --steps is spelled out in the command, whatever its value
+    flags = knob_flags(cfg.replace(**{"train.steps": default_steps})) + ["--threads", str(threads)]
+    if args.allow_env_change:  # environment.json keeps the facts the run started with
+        flags.append("--allow-env-change")
+    extend = extend_command(args.run_dir, max(2 * step, step + 1), flags)
+    return summarize(args.run_dir, seconds=seconds, keep=cfg.train.keep, extend=extend)

@@ -1,4 +1,4 @@
-"""``ckptkit verify PATH...``: check every byte of checkpoint files (torch-free).
+"""``ckptkit verify PATH...``: check every byte of checkpoint files and their companions (torch-free).
 
     ckptkit verify run/step-00000100.ckpt
     ckptkit verify run/ --json
@@ -13,8 +13,9 @@ import sys
 from typing import Any
 
 from ..container import Report, verify
-from ..errors import CheckpointNotFound
+from ..errors import CheckpointError, CheckpointNotFound, UnreadableFile
 from ._paths import expand_checkpoints
+from ._progress import Progress
 
 __all__ = ["add_parser", "run"]
 
@@ -24,6 +25,14 @@ example:
   OK    run/step-00000100.ckpt  v2 step 100  1.2 MiB  flags: -
   FAIL  run/step-00000200.ckpt: offset 1156 (0x484): monitor_len: ... runs past the end of the file
 
+  OK    run/step-00000100.ckpt.config.json  snapshot, bound to step-00000100.ckpt
+  FAIL  run/step-00000200.ckpt.config.json: damaged: its xxh3-64 does not match the digest step-00000200.ckpt records ...
+
+A checkpoint's companions (its config snapshot, its sidecars, the run's environment.json)
+are checked against the digests it records (spec/companions.md); in a run directory a
+missing one fails too. A checkpoint that records none (written before companion binding)
+gets a WARN line: its companions are not protected.
+
 exit codes: 0 every file valid, 1 any file invalid, 2 usage error or unreadable path
 """
 
@@ -31,11 +40,13 @@ exit codes: 0 every file valid, 1 any file invalid, 2 usage error or unreadable 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "verify", help="check every byte of checkpoint files",
-        description="Check every byte of one or more checkpoints (files, or run directories).",
+        description="Check every byte of one or more checkpoints (files, or run directories), the "
+                    "companions each records (snapshot, sidecars, environment.json), and a run's history.jsonl.",
         epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("paths", nargs="+", metavar="PATH", help="checkpoint file or run directory")
     p.add_argument("--json", action="store_true", help="print one JSON object (schema_version 1)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar on stderr (shown on a terminal for 2+ files)")
 
 
 def _size(n: int) -> str:
@@ -67,12 +78,22 @@ def report_json(r: Report) -> dict[str, Any]:
     }
 
 
+def _file_size(path: str) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:  # gone already: the loop reports it
+        return 0
+
+
 def _verify_any(path: str) -> Report:
     """A container or a sidecar, told apart by the magic."""
     from ..container import Source
 
-    with Source(path) as src:  # refuses FIFOs and devices instead of blocking on them
-        magic = src.pread(0, min(4, src.size), "magic")
+    try:
+        with Source(path) as src:  # refuses FIFOs and devices instead of blocking on them
+            magic = src.pread(0, min(4, src.size), "magic")
+    except UnreadableFile:  # a directory, FIFO, device, symlink loop: verify reports it as FAIL
+        return verify(path)
     if magic == b"DMSC":
         from ..sidecar import sidecar_report
 
@@ -91,19 +112,33 @@ def run(args: argparse.Namespace) -> int:
         print(f"ckptkit verify: {e}", file=sys.stderr)
         return 2
     reports = []
-    for path in files:
-        try:
-            reports.append(_verify_any(path))
-        except CheckpointNotFound as e:
-            if os.path.lexists(path):  # there, but not a regular file
-                print(f"ckptkit verify: {e}", file=sys.stderr)
-                return 2
-            # Deleted between listing and reading (retention in a live run): not a failure.
-            print(f"ckptkit verify: {path}: deleted while verifying (retention?); skipped", file=sys.stderr)
+    # The bar counts bytes, so its rate and ETA hold for a few large files as for many small ones.
+    sizes = [_file_size(p) for p in files]
+    done, total = 0, sum(sizes)
+    with Progress("verify", quiet=args.quiet or len(files) < 2, unit="B") as progress:
+        progress.at(0, total)
+        for path, size in zip(files, sizes):
+            try:
+                reports.append(_verify_any(path))
+            except CheckpointNotFound as e:
+                if os.path.lexists(path):  # there, but not a regular file
+                    progress.log(str(e), always=True)
+                    return 2
+                # Deleted between listing and reading (retention in a live run): not a failure.
+                progress.log(f"{path}: deleted while verifying (retention?); skipped", always=True)
+            done += size
+            progress.at(done, total)
+    companions = _companion_checks(reports, args.paths)
+    histories = _history_checks(args.paths)
+    ok = (all(r.ok for r in reports + dir_reports) and all(c["ok"] for c in companions)
+          and all(h.ok for h in histories))
     if args.json:
-        print(json.dumps({"schema_version": 1, "ok": all(r.ok for r in reports + dir_reports),
-                          "files": [report_json(r) for r in reports]
-                          + [_distributed.report_json(r) for r in dir_reports]}, sort_keys=True))
+        print(json.dumps({"schema_version": 1, "ok": ok, "files": [report_json(r) for r in reports]
+                          + [_distributed.report_json(r) for r in dir_reports],
+                          "companions": companions,
+                          "history": [{"path": h.path, "ok": h.ok, "rows": h.rows, "torn": h.torn,
+                                       "steps": None if h.steps is None else list(h.steps),
+                                       "problems": list(h.problems)} for h in histories]}, sort_keys=True))
     else:
         _distributed.print_reports(dir_reports, _size)
         for r in reports:
@@ -114,4 +149,83 @@ def run(args: argparse.Namespace) -> int:
                 print(f"OK    {r.path}  {kind} step {r.step}  {_size(r.size)}  flags: {flags}{legacy}")
             else:
                 print(f"FAIL  {r.error}" if str(r.error).startswith(r.path) else f"FAIL  {r.path}: {r.error}")
-    return 0 if all(r.ok for r in reports + dir_reports) else 1
+        for c in companions:
+            _print_companion(c)
+        for h in histories:
+            _print_history(h)
+    return 0 if ok else 1
+
+
+def _history_checks(paths: list[str]) -> list[Any]:
+    """``history.jsonl`` of each run directory given: no checksum, so what can be
+    checked is (spec/trainer.md R-T13)."""
+    from ..history import HISTORY_FILE, check_history
+
+    found = sorted({os.path.join(p, HISTORY_FILE) for p in paths if os.path.isdir(p)})
+    return [check_history(h) for h in found if os.path.isfile(h)]
+
+
+def _print_history(h: Any) -> None:
+    for problem in h.problems[:10]:
+        print(f"FAIL  {h.path}: {problem}")
+    if len(h.problems) > 10:
+        print(f"FAIL  {h.path}: and {len(h.problems) - 10} more problem(s)")
+    if h.torn:
+        print(f"WARN  {h.path}: torn last line (a crash mid-append); the next resume drops it")
+    if h.ok:
+        steps = "no step rows" if h.steps is None else f"steps {h.steps[0]}..{h.steps[1]}"
+        print(f"OK    {h.path}  history, {h.rows} rows, {steps} (no checksum: rows, order and _bits checked)")
+
+
+def _companion_checks(reports: list[Report], paths: list[str]) -> list[dict[str, Any]]:
+    """The companions of every checkpoint that verified, one entry per file (spec/companions.md).
+
+    In a run directory a recorded companion that is missing fails (the checkpoint
+    cannot be resumed); beside a checkpoint named on its own, only those present
+    are checked, and its sidecars are verified byte for byte too.
+    """
+    from ..companions import companion_checks, read_record
+    from ..sidecar import sidecar_report
+
+    run_dirs = {os.path.normpath(p) for p in paths if os.path.isdir(p)}
+    merged: dict[str, dict[str, Any]] = {}
+    for r in reports:
+        if not r.ok or r.kind != "container":
+            continue
+        in_run = os.path.normpath(os.path.dirname(r.path) or ".") in run_dirs
+        try:
+            record = read_record(r.path)
+        except CheckpointNotFound:  # deleted since it verified (retention in a live run)
+            continue
+        except CheckpointError as e:  # a record this reader cannot trust checks nothing (R-C01)
+            merged[r.path] = {"path": r.path, "kind": "record", "checkpoints": [r.path], "ok": False,
+                              "protected": True, "error": {"type": type(e).__name__, "message": str(e)}}
+            continue
+        checks = companion_checks(r.path, record, missing_ok=not in_run)
+        if any(isinstance(c.error, CheckpointNotFound) for c in checks) and not os.path.exists(r.path):
+            continue  # retention deleted the checkpoint, then its companions, while we read (G-31)
+        for c in checks:
+            error = c.error
+            if error is None and c.kind == "sidecar" and not in_run:
+                error = sidecar_report(c.path).error
+            entry = merged.setdefault(c.path, {"path": c.path, "kind": c.kind, "checkpoints": [], "ok": True,
+                                               "protected": c.protected, "error": None})
+            entry["checkpoints"].append(r.path)
+            if error is not None and entry["ok"]:
+                entry.update(ok=False, error={"type": type(error).__name__, "message": str(error)})
+    # A sidecar of a run directory has its own line already; its binding is news only when it fails.
+    return [e for _, e in sorted(merged.items())
+            if not (e["kind"] == "sidecar" and e["ok"] and os.path.normpath(os.path.dirname(e["path"])) in run_dirs)]
+
+
+def _print_companion(c: dict[str, Any]) -> None:
+    n = len(c["checkpoints"])
+    names = os.path.basename(c["checkpoints"][0]) if n == 1 else f"{n} checkpoints"
+    if not c["ok"]:
+        message = c["error"]["message"]
+        print(f"FAIL  {message}" if message.startswith(c["path"]) else f"FAIL  {c['path']}: {message}")
+    elif not c["protected"]:
+        print(f"WARN  {c['path']}: not protected: {names} records no companion digests "
+              "(written before companion binding); it parses, nothing more is checked")
+    else:
+        print(f"OK    {c['path']}  {c['kind']}, bound to {names}")

@@ -179,15 +179,26 @@ def knob_flags(cfg: TrainerConfig) -> list[str]:
     return out
 
 
-def _train_process(run_dir: str, cfg: TrainerConfig, *, steps: int, resume: bool, log: Log) -> None:
+_POLL_S = 0.25  # how often a waiting audit reads the child's history for the progress callback
+
+
+def _train_process(run_dir: str, cfg: TrainerConfig, *, steps: int, resume: bool, log: Log,
+                   on_step: Callable[[int], None]) -> None:
     argv = [sys.executable, "-m", "ckptkit", "train", "--run-dir", run_dir, "--quiet",
             *knob_flags(cfg.replace(**{"train.steps": steps}))]
     if resume:
         argv.append("--resume")
     log(f"{'resume' if resume else 'train'} {os.path.basename(run_dir)} to step {steps} (fresh process)")
-    proc = subprocess.run(argv, capture_output=True, text=True, check=False)
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        while True:
+            try:
+                _out, err = proc.communicate(timeout=_POLL_S)  # a retry after a timeout loses no output
+                break
+            except subprocess.TimeoutExpired:
+                rows = [r for r in read_rows(os.path.join(run_dir, HISTORY_FILE))[0] if r["kind"] == "step"]
+                on_step(rows[-1]["step"] + 1 if rows else 0)
     if proc.returncode != 0:
-        tail = "\n".join(proc.stderr.strip().splitlines()[-5:])
+        tail = "\n".join(err.strip().splitlines()[-5:])
         raise AuditError(f"`ckptkit train` for run {os.path.basename(run_dir)} exited {proc.returncode}:\n{tail}")
 
 
@@ -197,6 +208,7 @@ def audit(
     *,
     resume_at: int | None = None,
     log: Log | None = None,
+    on_step: Callable[[int, int], None] | None = None,
 ) -> AuditReport:
     """Train ``cfg`` twice, each in a fresh process, and compare the two runs bit for bit.
 
@@ -205,6 +217,8 @@ def audit(
         work_dir: where runs ``a`` and ``b`` go (kept); a temporary directory if None.
         resume_at: run ``b`` stops at this step and is resumed in another fresh process.
         log: progress notes.
+        on_step: called with (steps trained by both runs so far, their total) while a
+            training process runs, and once each ends (a progress bar).
 
     Returns:
         An :class:`AuditReport` (its paths name ``work_dir``'s runs, or a deleted temporary).
@@ -225,12 +239,18 @@ def audit(
     with tempfile.TemporaryDirectory(prefix="ckptkit-audit-") as tmp:
         root = os.fspath(work_dir) if work_dir is not None else tmp
         a, b = os.path.join(root, "a"), os.path.join(root, "b")
-        _train_process(a, cfg, steps=steps, resume=False, log=log)
+
+        def trained(before: int) -> Callable[[int], None]:  # run b's steps count after run a's
+            return lambda done: None if on_step is None else on_step(before + done, 2 * steps)
+
+        _train_process(a, cfg, steps=steps, resume=False, log=log, on_step=trained(0))
+        trained(0)(steps)
         if resume_at is None:
-            _train_process(b, cfg, steps=steps, resume=False, log=log)
+            _train_process(b, cfg, steps=steps, resume=False, log=log, on_step=trained(steps))
         else:
-            _train_process(b, cfg, steps=resume_at, resume=False, log=log)
-            _train_process(b, cfg, steps=steps, resume=True, log=log)
+            _train_process(b, cfg, steps=resume_at, resume=False, log=log, on_step=trained(steps))
+            _train_process(b, cfg, steps=steps, resume=True, log=log, on_step=trained(steps))
+        trained(steps)(steps)
         report = compare_runs(a, b, log=log)
     kept = work_dir is not None
     return AuditReport(report.a if kept else None, report.b if kept else None, steps, resume_at, report.environment,

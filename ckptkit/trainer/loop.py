@@ -59,7 +59,8 @@ from .model import GPT, apply_compute_settings, make_teacher
 from .ngram import BigramTable
 from .rollback import Guard, RollbackState, skipped_batches
 
-__all__ = ["Run", "StepResult", "TrainResult", "build", "get_lr", "pre_batches", "run_state", "train", "train_step"]
+__all__ = ["Run", "StepResult", "TrainResult", "build", "get_lr", "intra_op_threads", "pre_batches", "run_state", "train",
+           "train_step"]
 
 Log = Callable[[str], None]
 
@@ -410,6 +411,25 @@ def deterministic_torch() -> Iterator[None]:
         yield
     finally:
         torch.use_deterministic_algorithms(was, warn_only=warn_only)
+
+
+@contextlib.contextmanager
+def intra_op_threads(n: int | None) -> Iterator[None]:
+    """torch's intra-op thread count set to ``n`` for the duration (None: left as it is), then restored.
+
+    The count is an environment fact of the run (spec/determinism.md R-D09): a
+    resume or replay under another count is refused unless the environment
+    change is allowed.
+    """
+    if n is None:
+        yield
+        return
+    was = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(was)
 
 
 def run_state(

@@ -41,13 +41,14 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..checkpoint import load
+from ..companions import rebind, unbound_bytes
 from ..compare import TensorDiff, checkpoint_state, compare_checkpoints, compare_states
 from ..environment import EnvDiff, capture, diff_environment
 from ..errors import (
@@ -65,7 +66,7 @@ from .config import TrainerConfig
 from .data import data_fingerprint, load_bytes
 from .digests import MODEL_PREFIX
 from ..history import HISTORY_FILE, WALL_FIELDS, compared_rows, read_rows
-from .loop import Run, _after_resume, build, deterministic_torch, run_state, train, train_step
+from .loop import Run, _after_resume, build, deterministic_torch, intra_op_threads, run_state, train, train_step
 
 __all__ = ["FieldDiff", "Recording", "ReplayError", "ReplayReport", "Rerun", "StepDivergence", "TensorReport",
            "config_of", "divergence_fields", "divergence_json", "first_differing_checkpoint", "load_recording",
@@ -361,19 +362,6 @@ def load_recording(run_dir: str | os.PathLike[str]) -> Recording:
 # ----------------------------------------------------------------------------- restoring
 
 
-@contextlib.contextmanager
-def _threads(n: int | None) -> Iterator[None]:
-    if n is None:
-        yield
-        return
-    was = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(was)
-
-
 def _copy_checkpoint(ckpt_path: str, run_dir: str, dest: str) -> None:
     """The checkpoint, its companions and the environment record, into ``dest`` (read-only use of RUN)."""
     base = os.path.basename(ckpt_path)
@@ -554,6 +542,7 @@ def replay(
     threads: int | None = None,
     out_dir: str | os.PathLike[str] | None = None,
     log: Log | None = None,
+    on_step: Callable[[int, int], None] | None = None,
 ) -> ReplayReport:
     """Re-run ``run_dir`` from its checkpoint at (or nearest before) ``from_step`` and
     compare every step with the recording; explain the first difference.
@@ -573,6 +562,7 @@ def replay(
             ``allow_env_change`` unless it equals the recording's).
         out_dir: keep the replay's files here (must not be inside ``run_dir``).
         log: progress notes.
+        on_step: called with (steps done, ``to``) after each replayed step (a progress bar).
 
     Returns:
         A :class:`ReplayReport`; ``report.ok`` when every step matched bit for bit.
@@ -591,6 +581,7 @@ def replay(
         print(report.describe()); sys.exit(0 if report.ok else 1)
     """
     log = log or (lambda _m: None)
+    step_done = on_step or (lambda _done, _to: None)
     run_dir = os.fspath(run_dir)
     rec = load_recording(run_dir)
     start, ckpt_path = _choose(run_dir, from_step)
@@ -613,7 +604,7 @@ def replay(
             notes.append(f"the recording resumed at step {s} with an environment override ({'; '.join(envs)}); "
                          "environment.json describes the steps before it")
 
-    with deterministic_torch(), _threads(threads):
+    with deterministic_torch(), intra_op_threads(threads):
         env = _env_check(run_dir, allow_env_change)
         cfg = config_of(ckpt_path).replace(**{"train.steps": to})
         cfg, changed = _overrides(cfg, overrides or {})
@@ -644,13 +635,14 @@ def replay(
                 notes.append(f"the recording re-ran or rolled back at step(s) {', '.join(map(str, inside))} "
                              "(--auto-rollback on): replayed by the trainer's own guarded loop, every history "
                              "row compared in order (R-P15)")
-                return _replay_guarded(cfg, rec, run_dir, ckpt_path, start, to, work, log, report)
+                return _replay_guarded(cfg, rec, run_dir, ckpt_path, start, to, work, log, report, step_done)
             run, rs = _restore(cfg, ckpt_path, run_dir, work, exempt, log)
             replayed = 0
             for step in range(start, to):
                 result = train_step(run, step)
                 replayed += 1
                 done = step + 1
+                step_done(done, to)
                 recorded_row = rec.steps.get(step)
                 if recorded_row is None:
                     notes.append(f"the recording has no row for step {step}: not compared")
@@ -703,7 +695,7 @@ def replay(
 
 
 def _replay_guarded(cfg: TrainerConfig, rec: Recording, run_dir: str, ckpt_path: str, start: int, to: int,
-                    work: str, log: Log, report: _Builder) -> ReplayReport:
+                    work: str, log: Log, report: _Builder, step_done: Callable[[int, int], None]) -> ReplayReport:
     """R-P15: a range holding spike re-runs or rollbacks, replayed by :func:`train` itself.
 
     Re-running plain steps cannot reproduce a rollback (its state comes from the
@@ -721,13 +713,16 @@ def _replay_guarded(cfg: TrainerConfig, rec: Recording, run_dir: str, ckpt_path:
     if base and base[-1] != ckpt_path:
         _copy_checkpoint(base[-1], run_dir, work)
     # The replay's plan (--to, overrides) is its own, not drift from the recorded snapshot.
-    write_snapshot(snapshot_path(os.path.join(work, os.path.basename(ckpt_path))), cfg)
+    copy = os.path.join(work, os.path.basename(ckpt_path))
+    write_snapshot(snapshot_path(copy), cfg)
+    rebind(copy)  # the private copy's checkpoint binds the replay's snapshot (spec/companions.md)
     shutil.copyfile(os.path.join(run_dir, HISTORY_FILE), os.path.join(work, HISTORY_FILE))
     executed = 0
 
-    def count(_result: Any) -> None:
+    def count(result: Any) -> None:
         nonlocal executed
         executed += 1
+        step_done(result.step + 1, to)
 
     try:  # the environment was compared with the recording already (R-P06)
         train(cfg, work, resume=True, allow_env_change=True, log=log, on_step=count)
@@ -769,12 +764,13 @@ def row_fields(a: Mapping[str, Any], b: Mapping[str, Any]) -> tuple[FieldDiff, .
 
 def first_differing_checkpoint(a: str, b: str, steps: Sequence[int]) -> tuple[int, list[TensorDiff]] | None:
     """The first of ``steps`` whose checkpoint files in run directories ``a`` and ``b``
-    differ in bytes, with the differences as ``ckptkit diff --tensors`` lists them
+    differ in bytes (their companion records set aside), with the differences as ``ckptkit diff --tensors`` lists them
     (``a`` first); None when every one is byte-identical."""
     for s in steps:
         pa, pb = os.path.join(a, checkpoint_name(s)), os.path.join(b, checkpoint_name(s))
         with open(pa, "rb") as fa, open(pb, "rb") as fb:
-            if fa.read() != fb.read():
+            # A checkpoint binds its own snapshot (spec/companions.md), whose exempt keys may differ.
+            if fa.read() != fb.read() and unbound_bytes(pa) != unbound_bytes(pb):
                 return s, compare_checkpoints(pa, pb)
     return None
 

@@ -1,0 +1,212 @@
+"""Lightning's ``CheckpointIO`` plug-in: every Lightning checkpoint is a ckptkit container.
+
+    from lightning.pytorch import Trainer
+    from ckptkit.integrations.lightning import CheckpointIO
+
+    trainer = Trainer(plugins=[CheckpointIO()])
+    trainer.fit(model)                                  # checkpoints: no pickle, checksummed, atomic
+    trainer.fit(model, ckpt_path="checkpoints/epoch=1-step=20.ckpt")   # every byte verified on load
+
+Install with ``pip install 'ckptkit[lightning]'``. The plug-in implements Lightning's
+extension point (``save_checkpoint``, ``load_checkpoint``, ``remove_checkpoint``, the
+shape of ``TorchCheckpointIO``) and nothing beside it. Lightning's ``Fabric`` takes it
+too (``Fabric(plugins=[CheckpointIO()])``).
+
+Layout: the checkpoint dict Lightning builds is stored in a v2 container
+(spec/container.md) as
+
+* model section: ``{"state_dict": ...}`` (the LightningModule's weights);
+* optim section: ``{"optimizer_states": [...], "lr_schedulers": [...]}`` (those present);
+* monitor section: ``{"layout": "ckptkit.integrations.lightning/1", "checkpoint": {...}}``,
+  every other top-level key (epoch, global_step, loops, callbacks, hyper_parameters,
+  precision and datamodule state, what ``on_save_checkpoint`` added);
+* the container's step: ``global_step`` (0 when absent, as in Fabric's checkpoints).
+
+``load_checkpoint`` returns the same dict (dicts come back as plain dicts, keys in
+sorted order; tuples stay tuples). So ``ckptkit verify`` and ``ckptkit inspect`` work
+on these files as on any checkpoint, and ``ckptkit.load`` reads them without Lightning.
+
+What the container cannot carry: values other than tensors, None, bool, int, float,
+str, bytes, lists, tuples and dicts with str or int keys -- e.g. a module or an object
+passed to ``save_hyperparameters``, omegaconf containers, a callback whose
+``state_dict()`` returns an object. Saving such a checkpoint raises
+:class:`~ckptkit.errors.UnsupportedValue` naming the key path
+(``checkpoint['hyper_parameters']['act']``) and what to do; nothing is written and a
+previous file at the path is untouched. No value is encoded lossily and none is
+pickled. The ``_metadata`` attribute of a state dict (module versions, which only old
+checkpoints of a few modules consult) is not stored, as with ``ckptkit.save``.
+
+Known limits: local paths only (no fsspec URLs); ``map_location`` is honoured when it
+is a device or a device string, anything else loads on the CPU (Lightning moves the
+state where it belongs when it restores it); ``weights_only`` is accepted and
+irrelevant: nothing is unpickled, ever.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ..checkpoint import Checkpoint, load, save
+from ..errors import FormatError, UnsupportedValue
+from ..section import check_plain
+
+try:
+    from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO as _LightningCheckpointIO
+except ModuleNotFoundError as e:  # tested in a process without lightning
+    if (e.name or "").partition(".")[0] != "lightning":
+        raise
+    raise ModuleNotFoundError(
+        "ckptkit.integrations.lightning needs Lightning: pip install 'ckptkit[lightning]'", name=e.name
+    ) from None
+
+__all__ = ["LAYOUT", "CheckpointIO", "from_container", "to_container"]
+
+#: The monitor section's ``layout`` value; another value is refused on load.
+LAYOUT = "ckptkit.integrations.lightning/1"
+_MODEL_KEYS = ("state_dict",)
+_OPTIM_KEYS = ("optimizer_states", "lr_schedulers")
+# What to do when a top-level key holds a value the container cannot carry.
+_ADVICE = {
+    "hyper_parameters": "exclude that argument with self.save_hyperparameters(ignore=[...]) and rebuild it in "
+                        "__init__, or pass a plain value (for omegaconf, OmegaConf.to_container(cfg))",
+    "hparams_type": "omegaconf hyper-parameters are stored with their type; pass "
+                    "OmegaConf.to_container(cfg) to save_hyperparameters instead",
+    "callbacks": "a callback's state_dict() must return plain values (tensors, numbers, strings, lists, dicts)",
+}
+_DEFAULT_ADVICE = "convert it to plain values in on_save_checkpoint (and back in on_load_checkpoint)"
+
+
+def _check(checkpoint: dict[str, Any]) -> None:
+    """Refuse a checkpoint the container cannot carry, naming the Lightning key path."""
+    import torch
+
+    from ..codec import check_tensor
+
+    def tensor(value: Any, at: str) -> Any:
+        if isinstance(value, torch.Tensor):
+            check_tensor(value, at)
+            return value
+        return NotImplemented
+
+    if not isinstance(checkpoint, dict):
+        raise UnsupportedValue(f"checkpoint: a {type(checkpoint).__name__}; Lightning checkpoints are dicts")
+    for key, value in checkpoint.items():
+        if not isinstance(key, str):
+            raise UnsupportedValue(f"checkpoint: top-level key {key!r} is a {type(key).__name__}; "
+                                   "only str keys are stored at the top level")
+        try:
+            check_plain(value, f"checkpoint[{key!r}]", 1, on_leaf=tensor)
+        except UnsupportedValue as e:
+            raise UnsupportedValue(f"{e}; {_ADVICE.get(key, _DEFAULT_ADVICE)}") from None
+
+
+def to_container(checkpoint: dict[str, Any]) -> Checkpoint:
+    """The :class:`~ckptkit.Checkpoint` that stores a Lightning checkpoint dict (the layout above).
+
+    Raises:
+        UnsupportedValue: a value the container cannot carry, named by its key path.
+    """
+    _check(checkpoint)
+    model = {k: checkpoint[k] for k in _MODEL_KEYS if k in checkpoint}
+    optim = {k: checkpoint[k] for k in _OPTIM_KEYS if k in checkpoint}
+    rest = {k: v for k, v in checkpoint.items() if k not in _MODEL_KEYS and k not in _OPTIM_KEYS}
+    step = checkpoint.get("global_step", 0)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        step = 0
+    return Checkpoint(step=step, model=model or None, optim=optim or None,
+                      monitor={"layout": LAYOUT, "checkpoint": rest})
+
+
+def from_container(ckpt: Checkpoint, path: str = "") -> dict[str, Any]:
+    """The Lightning checkpoint dict stored in ``ckpt`` (the inverse of :func:`to_container`).
+
+    Raises:
+        FormatError: the container was not written by this plug-in (its monitor section
+            lacks the layout, or names another), or its ``monitor.checkpoint`` is not a map.
+    """
+    monitor = ckpt.monitor
+    layout = monitor.get("layout") if isinstance(monitor, dict) else None
+    if layout == LAYOUT and not isinstance(monitor.get("checkpoint"), dict):
+        raise FormatError("the Lightning keys are missing or not a map", path=path or None,
+                          field="monitor.checkpoint", hint="the file was altered after it was written")
+    if layout != LAYOUT:
+        raise FormatError(
+            "not a Lightning checkpoint written by ckptkit.integrations.lightning.CheckpointIO",
+            path=path or None, field="monitor.layout", expected=LAYOUT, actual=layout or "none",
+            hint="load it with ckptkit.load(); a torch.save file is imported once with ckptkit.import_torch_checkpoint",
+        )
+    out = dict(monitor["checkpoint"])
+    for section in (ckpt.model, ckpt.optim):
+        if isinstance(section, dict):
+            out.update(section)
+    return out
+
+
+def _local(path: Any) -> str:
+    name = os.fspath(path)
+    if "://" in name:
+        raise UnsupportedValue(f"{name}: remote paths are not supported; ckptkit writes local files atomically "
+                               "(temp file, fsync, rename)")
+    return name
+
+
+class CheckpointIO(_LightningCheckpointIO):
+    """Lightning ``CheckpointIO`` that writes and reads ckptkit containers.
+
+    Args:
+        compression: ``"raw"`` (default) or ``"zstd"``, or ``{section: codec}`` (see :func:`ckptkit.save`).
+        level: the zstd level.
+
+    Example::
+
+        trainer = lightning.pytorch.Trainer(plugins=[CheckpointIO()])
+    """
+
+    def __init__(self, compression: str | dict[str, str] = "raw", level: int = 3) -> None:
+        super().__init__()
+        self.compression = compression
+        self.level = level
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        """Write ``checkpoint`` to ``path`` atomically and durably, as a v2 container.
+
+        Raises:
+            UnsupportedValue: a value the container cannot carry (named by key path), a
+                remote path, or ``storage_options`` (nothing is written).
+            SaveFailed: the write failed; a previous file at ``path`` is intact.
+        """
+        if storage_options is not None:
+            raise UnsupportedValue(f"storage_options are not supported by {type(self).__name__} "
+                                   f"(got {storage_options!r}); pass compression= to the plug-in instead")
+        name = _local(path)
+        ckpt = to_container(checkpoint)
+        os.makedirs(os.path.dirname(name) or ".", exist_ok=True)
+        save(name, ckpt, compression=self.compression, level=self.level)
+
+    def load_checkpoint(self, path: Any, map_location: Any | None = None,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        """Read and verify (every byte, against its checksum) the checkpoint at ``path``.
+
+        Raises:
+            CheckpointNotFound: no file at ``path`` (a ``FileNotFoundError``, as Lightning expects).
+            FormatError: the bytes break a rule of spec/container.md (``ChecksumMismatch``, ...),
+                or the file was not written by this plug-in.
+        """
+        name = _local(path)
+        device = map_location if isinstance(map_location, str) or _is_device(map_location) else "cpu"
+        return from_container(load(name, map_location=device), name)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """Delete the checkpoint at ``path`` (Lightning's top-k retention); a missing file is fine."""
+        try:
+            os.remove(_local(path))
+        except FileNotFoundError:
+            pass
+
+
+def _is_device(value: Any) -> bool:
+    import torch
+
+    return isinstance(value, torch.device)
+

@@ -1,0 +1,115 @@
+"""A load never asks for more memory than there is (spec/guarantees.md G-04).
+
+A zstd section may declare up to 32768 x its stored size, so a 128 KiB file can hold a
+4 GiB tensor. ``load`` and the lazy reader compare what the file declares with the
+memory available (or ``max_memory``) and raise ``InsufficientMemory`` naming the tensor
+before they allocate anything -- checked here under a real address-space limit. And
+the cheapest thing a file can repeat, a tensor reference, costs a pointer (G-05).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import textwrap
+import tracemalloc
+from pathlib import Path
+import pytest
+import torch
+
+from ckptkit import Checkpoint, InsufficientMemory, load, save, verify
+from ckptkit.container import Source, read_layout
+from test_hostile import gen as hostile  # the independent writer of fixtures/hostile
+
+ROOT = Path(__file__).resolve().parents[1]
+GIB = 1 << 30
+
+
+def _bomb(path: Path, n: int) -> Path:
+    """A valid file: one uint8 zero tensor of ``n`` bytes in a zstd frame of RLE blocks (4 bytes per 128 KiB)."""
+    h = hostile
+    frame = h.rle_frame([(0, n)])
+    index = h.idx([["uint8", [n], 0, n, h.zeros_digest(n)]], {"z": h.ref(0)}, len(frame), raw_len=n, codec="zstd")
+    path.write_bytes(h.model_index(index, frame))
+    return path
+
+
+def test_a_128_kib_file_declaring_a_4_gib_tensor_fails_before_allocating_under_an_address_space_limit(
+    tmp_path: Path,
+) -> None:
+    bomb = _bomb(tmp_path / "bomb.ckpt", 4 * GIB)
+    assert bomb.stat().st_size < 130 * 1024
+    child = textwrap.dedent("""
+        import resource, sys
+        import torch, ckptkit
+        with open("/proc/self/status") as f:
+            vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+        resource.setrlimit(resource.RLIMIT_AS, (vm + (256 << 20), resource.getrlimit(resource.RLIMIT_AS)[1]))
+        for reader in (ckptkit.load, lambda p: ckptkit.open_checkpoint(p).tensor("model", "z")):
+            try:
+                reader(sys.argv[1])
+            except ckptkit.InsufficientMemory as e:
+                print(type(e).__name__, e)
+    """)
+    proc = subprocess.run([sys.executable, "-c", child, str(bomb)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 2
+    for line in lines:
+        assert re.fullmatch(
+            rf"InsufficientMemory {re.escape(str(bomb))}: loading needs 4294967296 bytes \(4\.00 GiB\) of new tensor "
+            r"memory but only \d+ \(0\.\d\d GiB\) are available \(the address-space limit RLIMIT_AS\); the largest "
+            r"tensor is model\['z'\] \(uint8\[4294967296\], 4294967296 bytes\); nothing was allocated\. Free memory, "
+            r"load into existing tensors \(into=\.\.\.\), or pass max_memory=N bytes if the file is trusted",
+            line), line
+
+
+def test_verify_checks_the_bomb_with_bounded_memory_and_finds_it_valid(tmp_path: Path) -> None:
+    report = verify(_bomb(tmp_path / "bomb.ckpt", 64 << 20))
+    assert report.ok and report.sections[0].raw_len == 64 << 20
+
+
+def test_max_memory_is_the_limit_to_the_byte(tmp_path: Path) -> None:
+    path = tmp_path / "z.ckpt"
+    save(path, Checkpoint(step=1, model={"a": torch.zeros(1000), "b": torch.ones(24, dtype=torch.int64)}),
+         compression="zstd")
+    need = 1000 * 4 + 24 * 8
+    assert load(path, max_memory=need).model["a"].shape == (1000,)
+    with pytest.raises(InsufficientMemory) as info:
+        load(path, max_memory=need - 1)
+    assert str(info.value) == (
+        f"{path}: loading needs 4192 bytes (0.00 GiB) of new tensor memory but only 4191 (0.00 GiB) are available "
+        "(max_memory); the largest tensor is model['a'] (float32[1000], 4000 bytes); nothing was allocated. Free "
+        "memory, load into existing tensors (into=...), or pass max_memory=N bytes if the file is trusted")
+
+
+def test_tensors_loaded_into_existing_memory_do_not_count(tmp_path: Path) -> None:
+    path = tmp_path / "r.ckpt"
+    save(path, Checkpoint(step=1, model={"a": torch.arange(1000.0)}))
+    dest = torch.zeros(1000)
+    load(path, into={"model": {"a": dest}}, max_memory=0)
+    assert dest[999] == 999.0
+
+
+
+
+def test_a_million_references_to_one_tensor_cost_a_pointer_each_not_an_object(tmp_path: Path) -> None:
+    """G-05: a 5.7 MiB tree of 10^6 references decodes to one reference object and one tensor."""
+    n = 10**6
+    index = hostile.idx([["float32", [4], 0, 16, hostile.d8(bytes(16))]], {"w": [hostile.ref(0)] * n}, 16)
+    path = tmp_path / "refs.ckpt"
+    path.write_bytes(hostile.model_index(index, bytes(16)))
+    assert 5 << 20 < path.stat().st_size < 6 << 20
+    tracemalloc.start()
+    try:
+        with Source(path) as src:
+            tree = read_layout(src).sections["model"].tree["w"]
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(tree) == n and len({id(r) for r in tree}) == 1
+    assert peak < 3 * path.stat().st_size  # the index bytes and one list of pointers
+    assert verify(path).ok
+    loaded = load(path).model["w"]
+    assert len(loaded) == n and all(t is loaded[0] for t in loaded)
