@@ -8,8 +8,8 @@ import ckptkit
 
 PUBLIC = [
     "AsyncSaver", "AuditError", "BadMagic", "BadTensorValue", "Checkpoint", "CheckpointError", "CheckpointNotFound", "ChecksumMismatch",
-    "ConfigDrift", "Continue", "DEFAULT_EXEMPT", "EnvironmentDrift", "Executed", "FLAG_FP32_FALLBACK", "FormatError", "History",
-    "InsufficientMemory", "KeyDiff", "LazyCheckpoint", "LegacyCheckpoint", "MalformedIndex", "ReplayDivergence", "ReplayError", "Report",
+    "ConfigDrift", "Continue", "DEFAULT_EXEMPT", "DistributedFailure", "EnvironmentDrift", "Executed", "FLAG_FP32_FALLBACK", "FormatError", "History",
+    "IncompleteCheckpoint", "InsufficientMemory", "KeyDiff", "LazyCheckpoint", "LegacyCheckpoint", "MalformedIndex", "ReplayDivergence", "ReplayError", "Report",
     "ReservedBitSet", "ResumeInfo", "ResumeRefused", "RollbackEvent", "RollbackRecord", "RolledBack", "RunState",
     "SaveFailed", "SectionInfo", "Sidecar", "SidecarMismatch", "Snapshot", "SpikeConfig", "SpikeGuard", "SpikeMonitor",
     "StateMismatch", "StreamOffsetMismatch", "TrainingUnstable", "TruncatedFile", "UnreadableFile", "UnsupportedValue", "UnsupportedVersion",
