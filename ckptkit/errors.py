@@ -15,6 +15,7 @@ around a load keeps working::
     │   ├── BadTensorValue                    tensor bytes that are no value of their dtype
     │   └── SidecarMismatch                   a sidecar does not belong to its checkpoint
     ├── CheckpointNotFound (FileNotFoundError) no checkpoint where one was expected
+    │   └── IncompleteCheckpoint              a distributed save that did not commit on every rank
     ├── UnreadableFile (OSError)              a path that is there but is no readable file
     ├── InsufficientMemory (MemoryError)      a load would allocate more than is available
     ├── SaveFailed (OSError)                  a write failed; the previous file is intact
@@ -26,6 +27,7 @@ around a load keeps working::
     │   ├── StateMismatch                     stored state does not fit the live objects
     │   └── LegacyCheckpoint                  a v1 file lacks state the run needs
     ├── TrainingUnstable (RuntimeError)       spike rollbacks hit their bound
+    ├── DistributedFailure (RuntimeError)     a rank failed inside torch.distributed.checkpoint
     ├── ReplayDivergence (RuntimeError)       a re-run parts from its recording
     ├── ReplayError (ValueError)              a replay that cannot be asked for
     └── AuditError (RuntimeError)             an audited command failed, timed out or ignored the stop
@@ -55,8 +57,10 @@ __all__ = [
     "CheckpointNotFound",
     "ChecksumMismatch",
     "ConfigDrift",
+    "DistributedFailure",
     "EnvironmentDrift",
     "FormatError",
+    "IncompleteCheckpoint",
     "InsufficientMemory",
     "LegacyCheckpoint",
     "MalformedIndex",
@@ -186,6 +190,18 @@ class CheckpointNotFound(CheckpointError, FileNotFoundError):
     """No checkpoint where one was expected (missing file, empty run directory)."""
 
 
+class IncompleteCheckpoint(CheckpointNotFound):
+    """A distributed checkpoint directory whose save did not commit on every rank
+    (no metadata file, or a rank's data file missing); ``missing`` names the files."""
+
+    def __init__(self, message: str, missing: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.missing = tuple(missing)
+
+    def __reduce__(self) -> Any:  # crosses processes inside DCP's exception gather
+        return (type(self), (str(self), self.missing))
+
+
 class UnreadableFile(CheckpointError, OSError):
     """Something is at the path, but not a file ckptkit can read: a directory, FIFO,
     device or socket, a symlink loop, a permission denied. ``errno`` is the cause's
@@ -289,6 +305,22 @@ class LegacyCheckpoint(ResumeRefused):
 
 class TrainingUnstable(CheckpointError, RuntimeError):
     """Spike rollbacks reached their bound; the last good checkpoint is intact."""
+
+
+class DistributedFailure(CheckpointError, RuntimeError):
+    """A rank failed inside ``torch.distributed.checkpoint`` with an error that is not
+    ckptkit's; DCP's ``CheckpointException`` (a ``BaseException``) becomes this.
+
+    Attributes:
+        failures: ``{rank: "ExceptionType: message"}`` for every failed rank.
+    """
+
+    def __init__(self, message: str, failures: dict[int, str] | None = None) -> None:
+        super().__init__(message)
+        self.failures = dict(failures or {})
+
+    def __reduce__(self) -> Any:
+        return (type(self), (str(self), self.failures))
 
 
 class ReplayDivergence(CheckpointError, RuntimeError):

@@ -48,6 +48,15 @@ state.save(12)
 """
 
 
+@pytest.fixture(autouse=True)
+def private_tempdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Audit's work directories go under this test's own temp dir, so the leftover check
+    sees only what this test made (other processes on the machine use the shared /tmp)."""
+    private = tmp_path / "tmp"
+    private.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(private))
+
+
 def _leftovers() -> set[str]:
     return set(glob.glob(os.path.join(tempfile.gettempdir(), "ckptkit-audit-*")))
 

@@ -13,11 +13,11 @@ import ckptkit
 # The public surface, by hand: adding or removing a name is a visible diff here.
 PUBLIC = [
     "AsyncSaver", "AuditError", "BadMagic", "BadTensorValue", "Checkpoint", "CheckpointError", "CheckpointNotFound",
-    "ChecksumMismatch", "ConfigDrift", "Continue", "DEFAULT_EXEMPT", "EnvironmentDrift", "Executed",
-    "FLAG_FP32_FALLBACK", "FormatError", "History", "InsufficientMemory", "KeyDiff", "LazyCheckpoint",
-    "LegacyCheckpoint", "MalformedIndex", "ReplayDivergence", "ReplayError", "Report", "ReservedBitSet",
-    "ResumeInfo", "ResumeRefused", "RollbackEvent", "RollbackRecord", "RolledBack", "RunState", "RunStopped",
-    "SaveFailed", "SectionInfo", "Sidecar", "SidecarMismatch", "Snapshot", "SpikeConfig", "SpikeGuard",
+    "ChecksumMismatch", "ConfigDrift", "Continue", "DEFAULT_EXEMPT", "DistributedFailure", "EnvironmentDrift",
+    "Executed", "FLAG_FP32_FALLBACK", "FormatError", "History", "IncompleteCheckpoint", "InsufficientMemory",
+    "KeyDiff", "LazyCheckpoint", "LegacyCheckpoint", "MalformedIndex", "ReplayDivergence", "ReplayError", "Report",
+    "ReservedBitSet", "ResumeInfo", "ResumeRefused", "RollbackEvent", "RollbackRecord", "RolledBack", "RunState",
+    "RunStopped", "SaveFailed", "SectionInfo", "Sidecar", "SidecarMismatch", "Snapshot", "SpikeConfig", "SpikeGuard",
     "SpikeMonitor", "StateMismatch", "StreamOffsetMismatch", "TrainingUnstable", "TruncatedFile", "UnreadableFile",
     "UnsupportedValue", "UnsupportedVersion", "VERSION", "Verdict", "__version__", "assert_field_coverage",
     "check_field_coverage", "check_resume", "diff_keys", "import_torch_checkpoint", "load", "mask_stream",

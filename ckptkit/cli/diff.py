@@ -192,6 +192,10 @@ def run(args: argparse.Namespace) -> int:
     Results go to stdout; a problem with a path is one line on stderr (exit 2).
     With ``args.debug`` set, ckptkit errors are re-raised instead.
     """
+    from . import _distributed
+
+    if _distributed.is_distributed_dir(args.a) or _distributed.is_distributed_dir(args.b):
+        return _distributed.diff_directories(args, _tensor_lines)
     try:
         snap_a, ckpt_a = _resolve(args.a)
         snap_b, ckpt_b = _resolve(args.b)

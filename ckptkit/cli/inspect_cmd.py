@@ -57,6 +57,10 @@ def _plain(tree: Any) -> Any:
 def run(args: argparse.Namespace) -> int:
     import os
 
+    from . import _distributed
+
+    if _distributed.is_distributed_dir(args.path):
+        return _distributed.inspect_directory(args.path, args.json, _size)
     if os.path.isdir(args.path):
         raise CheckpointNotFound(f"{args.path}: is a directory; inspect takes one checkpoint file")
     with Source(args.path) as src:

@@ -102,8 +102,12 @@ def _verify_any(path: str) -> Report:
 
 
 def run(args: argparse.Namespace) -> int:
+    from . import _distributed
+
+    dirs = [p for p in args.paths if _distributed.is_distributed_dir(p)]
+    dir_reports = _distributed.verify_all(dirs)
     try:
-        files = expand_checkpoints(args.paths)
+        files = expand_checkpoints([p for p in args.paths if p not in dirs])
     except CheckpointNotFound as e:
         print(f"ckptkit verify: {e}", file=sys.stderr)
         return 2
@@ -126,14 +130,17 @@ def run(args: argparse.Namespace) -> int:
             progress.at(done, total)
     companions = _companion_checks(reports, args.paths)
     histories = _history_checks(args.paths)
-    ok = all(r.ok for r in reports) and all(c["ok"] for c in companions) and all(h.ok for h in histories)
+    ok = (all(r.ok for r in reports + dir_reports) and all(c["ok"] for c in companions)
+          and all(h.ok for h in histories))
     if args.json:
-        print(json.dumps({"schema_version": 1, "ok": ok, "files": [report_json(r) for r in reports],
+        print(json.dumps({"schema_version": 1, "ok": ok, "files": [report_json(r) for r in reports]
+                          + [_distributed.report_json(r) for r in dir_reports],
                           "companions": companions,
                           "history": [{"path": h.path, "ok": h.ok, "rows": h.rows, "torn": h.torn,
                                        "steps": None if h.steps is None else list(h.steps),
                                        "problems": list(h.problems)} for h in histories]}, sort_keys=True))
     else:
+        _distributed.print_reports(dir_reports, _size)
         for r in reports:
             if r.ok:
                 legacy = f"  legacy: lacks {', '.join(r.missing)}" if r.legacy else ""

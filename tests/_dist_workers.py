@@ -1,0 +1,191 @@
+"""Rank-side code for the distributed tests: a pool of real gloo ranks, started once.
+
+``RankPool(world)`` spawns ``world`` processes joined by a file:// rendezvous;
+``pool.run("fn", *args)`` runs ``fn`` (a function of this module) on every rank and
+returns each rank's result. Every wait is bounded and ``close()`` kills what is
+left, so no rank outlives its test, even on failure.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import signal
+import tempfile
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import ckptkit
+import ckptkit.distributed as ckd
+
+STEPS = 2
+
+
+# ---------------------------------------------------------------------------- the pool
+
+
+def _serve(rank: int, world: int, init_file: str, timeout_s: float, inbox: Any, outbox: Any) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    while True:
+        msg = inbox.get()
+        if msg is None:
+            break
+        name, args = msg
+        try:
+            outbox.put(("ok", globals()[name](*args)))
+        except BaseException as e:  # reported to the test, which fails with it
+            outbox.put(("err", f"{type(e).__name__}: {e}"))
+    dist.destroy_process_group()
+
+
+class RankPool:
+    def __init__(self, world: int, timeout_s: float = 30.0) -> None:
+        ctx = mp.get_context("spawn")
+        fd, self._init = tempfile.mkstemp(prefix="ckptkit-rdzv-")
+        os.close(fd)
+        os.unlink(self._init)
+        self.inboxes = [ctx.Queue() for _ in range(world)]
+        self.outboxes = [ctx.Queue() for _ in range(world)]
+        self.procs = [ctx.Process(target=_serve, args=(r, world, self._init, timeout_s, self.inboxes[r],
+                                                        self.outboxes[r]), daemon=True) for r in range(world)]
+        for p in self.procs:
+            p.start()
+
+    def run(self, name: str, *args: Any, timeout: float = 120.0) -> list[Any]:
+        for box in self.inboxes:
+            box.put((name, args))
+        out = []
+        for rank, box in enumerate(self.outboxes):
+            try:
+                status, value = box.get(timeout=timeout)
+            except queue.Empty:
+                raise AssertionError(f"rank {rank} did not answer {name} within {timeout} s") from None
+            if status != "ok":
+                raise AssertionError(f"rank {rank}: {value}")
+            out.append(value)
+        return out
+
+    def close(self) -> None:
+        for box, p in zip(self.inboxes, self.procs):
+            if p.is_alive():
+                box.put(None)
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
+        if os.path.exists(self._init):
+            os.unlink(self._init)
+
+
+# ---------------------------------------------------------------------------- rank-side work
+
+
+def tiny_model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.ReLU(), torch.nn.Linear(10, 3))
+
+
+def _fsdp(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = tiny_model(seed)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _state(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, optim)
+    return {"model": msd, "optim": osd}
+
+
+def _full(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    msd, osd = get_state_dict(model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {"model": msd, "optim": osd}
+
+
+def fsdp_train_and_save(path: str) -> dict[str, Any]:
+    """Two AdamW steps of a sharded model, saved; returns the full (unsharded) state."""
+    model, optim = _fsdp(0)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(STEPS):
+        x = torch.randn(4, 6, generator=gen)
+        model(x).pow(2).mean().backward()
+        optim.step()
+        optim.zero_grad()
+    ckd.save(_state(model, optim), path)
+    return _full(model, optim)
+
+
+def fsdp_load(path: str) -> dict[str, Any]:
+    """A differently initialised sharded model and optimizer, loaded from ``path``; the full state."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    model, optim = _fsdp(123)
+    state = _state(model, optim)
+    ckd.load(state, path)
+    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return _full(model, optim)
+
+
+def save_plain(path: str, value: float) -> None:
+    """A replicated plain state (every rank the same), with non-tensor leaves."""
+    ckd.save({"w": torch.full((64,), value), "step": int(value), "betas": (0.9, 0.999)}, path)
+
+
+def save_and_die(path: str, dying_rank: int) -> str:
+    """Rank ``dying_rank`` is SIGKILLed half way through writing its data file."""
+    from ckptkit.distributed import format as fmt
+
+    if dist.get_rank() == dying_rank:
+        real = fmt.write_framed
+
+        def die(f: Any, *a: Any, **kw: Any) -> None:
+            real(f, *a, **kw)
+            f.flush()
+            os.ftruncate(f.fileno(), f.tell() // 2)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        fmt.write_framed = die
+    state = {f"r{r}": torch.full((256,), float(r)) for r in range(dist.get_world_size())}
+    try:
+        ckd.save(state, path)
+    except Exception as e:  # the survivor: its peer vanished in the middle of the save
+        return f"{type(e).__name__}"
+    return "saved"
+
+
+def async_saves(first: str, third: str) -> list[str]:
+    """Two background saves with main-thread collectives in between; the second fails
+    (its directory is already committed) and the failure surfaces at the next call."""
+    saver = ckd.AsyncSaver()
+    out = []
+    try:
+        saver.save({"w": torch.arange(64, dtype=torch.float32), "step": 3}, first)
+        total = torch.ones(1)
+        for _ in range(20):  # a training loop's collectives on the default group, meanwhile
+            dist.all_reduce(total)
+        out.append(f"all_reduce {int(total.item())}")
+        saver.save({"w": torch.zeros(64), "step": 4}, first)  # waits for the first; the second fails in the background
+        try:
+            saver.save({"w": torch.zeros(64), "step": 5}, third)
+        except ckptkit.CheckpointError as e:
+            out.append(f"{type(e).__name__}: {e}")
+        saver.wait()
+    finally:
+        saver.close()
+    return out
