@@ -98,28 +98,28 @@ def _rank(rank: int, world: int, init: str, args: argparse.Namespace, out: str) 
         for backend in BACKENDS if rnd % 2 else BACKENDS[::-1]:  # alternate who goes first
             d = os.path.join(root, f"{backend}-{rnd}")
             if backend == "default":
-                save = lambda: dcp.save(state, storage_writer=dcp.FileSystemWriter(d))  # noqa: E731
-                load = lambda: dcp.load(state, storage_reader=dcp.FileSystemReader(d))  # noqa: E731
+                save = lambda d=d: dcp.save(state, storage_writer=dcp.FileSystemWriter(d))  # noqa: E731
+                load = lambda d=d: dcp.load(state, storage_reader=dcp.FileSystemReader(d))  # noqa: E731
             else:
-                save = lambda: ckd.save(state, d)  # noqa: E731
-                load = lambda: ckd.load(state, d)  # noqa: E731
+                save = lambda d=d: ckd.save(state, d)  # noqa: E731
+                load = lambda d=d: ckd.load(state, d)  # noqa: E731
             t_save = _timed(save)
             t_load = _timed(load)
             a = d + "-async"
             if backend == "default":
                 pending: list[Any] = []
-                t_async = _timed(lambda: pending.append(dcp.async_save(
+                t_async = _timed(lambda a=a, pending=pending: pending.append(dcp.async_save(
                     state, storage_writer=dcp.FileSystemWriter(a), process_group=group)))
                 pending[0].result()
             else:
-                t_async = _timed(lambda: saver.save(state, a))
+                t_async = _timed(lambda a=a: saver.save(state, a))
                 saver.wait()
             dist.barrier()
             if rank == 0:
                 shutil.rmtree(d)
                 shutil.rmtree(a)
             if rnd:  # round 0 is the warm-up
-                for op, t in zip(OPS, (t_save, t_load, t_async)):
+                for op, t in zip(OPS, (t_save, t_load, t_async), strict=True):
                     times[op][backend].append(t)
     saver.close()
     if rank == 0:

@@ -15,14 +15,13 @@ from typing import Any
 
 import pytest
 import torch
+from _dist_workers import RankPool, _full, tiny_model
 
 import ckptkit
 import ckptkit.distributed as ckd
 from ckptkit.cli import main
 from ckptkit.compare import compare_states, flatten
 from ckptkit.distributed.format import METADATA_NAME, data_name, read_metadata
-
-from _dist_workers import RankPool, _full, tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -242,7 +241,7 @@ def test_verify_and_inspect_a_distributed_checkpoint(saved, capsys):
 
 
 def test_diff_tensors_compares_logical_tensors_across_world_sizes(saved, tmp_path, capsys):
-    path, full = saved
+    path, _full = saved
     state = load_single(path)
     resaved = str(tmp_path / "one-rank")
     ckd.save(state, resaved)

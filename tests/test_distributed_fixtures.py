@@ -86,7 +86,7 @@ def test_the_reference_reader_in_the_spec_reads_the_golden_directory():
     blocks = re.findall(r"```python\n(.*?)```", text[text.index("## 8. Reference reader"):], re.S)
     assert len(blocks) == 1 and len(blocks[0].splitlines()) <= 20
     namespace: dict[str, Any] = {}
-    exec(compile(blocks[0], "spec/distributed.md#8", "exec"), namespace)  # noqa: S102
+    exec(compile(blocks[0], "spec/distributed.md#8", "exec"), namespace)
     path = str(FIXTURES / "two-ranks")
     assert (namespace["read_tensor"](path, "model.w") == GENERATE.W.numpy()).all()
     assert (namespace["read_tensor"](path, "model.b") == GENERATE.B.numpy()).all()

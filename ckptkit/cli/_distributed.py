@@ -12,7 +12,6 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import CheckpointError, CheckpointNotFound
 from ..distributed.format import (
     DCP_DEFAULT_METADATA,
     METADATA_NAME,
@@ -21,6 +20,7 @@ from ..distributed.format import (
     read_metadata,
     verify_directory,
 )
+from ..errors import CheckpointError, CheckpointNotFound
 
 __all__ = ["diff_directories", "inspect_directory", "is_distributed_dir", "print_reports", "report_json"]
 
@@ -63,7 +63,7 @@ def inspect_directory(path: str, as_json: bool, size: Any) -> int:
         chunks = [(fqn, c) for fqn, t in md.tensors.items() for c in t.chunks if c.rank == rank]
         ranks.append({"rank": rank, "file": data_name(rank), "size": f.size, "chunks": len(chunks),
                       "bytes": sum(c.nbytes for _, c in chunks)})
-    tensors = {fqn: {"dtype": t.dtype, "size": list(t.size),
+    tensors: dict[str, dict[str, Any]] = {fqn: {"dtype": t.dtype, "size": list(t.size),
                      "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes), "rank": c.rank,
                                  "offset": c.offset, "nbytes": c.nbytes} for c in t.chunks]}
                for fqn, t in sorted(md.tensors.items())}

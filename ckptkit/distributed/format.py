@@ -157,7 +157,7 @@ def write_data_file(
 
     atomic_write(os.path.join(directory, data_name(rank)), write)
     base = _DATA_HEADER.size + plan.data_start_rel
-    placed = [(base + rec[2], rec[3], d) for rec, d in zip(plan.records, plan.digests)]
+    placed = [(base + rec[2], rec[3], d) for rec, d in zip(plan.records, plan.digests, strict=True)]
     return RankFile(size, digest[0]), placed
 
 
@@ -334,7 +334,7 @@ def _decode_tensor(fqn: Any, t: Any, files: list[RankFile], bad: Callable[..., F
                 and len(c[1]) == len(size) and all(_uint(v) for v in c[2:5]) and _digest(c[5])):
             raise bad(f"{fqn}: a chunk must be [offsets, sizes, rank, offset, nbytes, digest]", repr(c)[:80])
         offsets, sizes, rank, offset, nbytes = c[:5]
-        if any(o + s > d for o, s, d in zip(offsets, sizes, size)):
+        if any(o + s > d for o, s, d in zip(offsets, sizes, size, strict=False)):
             raise bad(f"{fqn}: chunk at {offsets} of {sizes} runs past the tensor's size {size}")
         if nbytes != math.prod(sizes) * DTYPE_SIZES[dtype]:
             raise bad(f"{fqn}: chunk nbytes disagrees with its sizes x itemsize", nbytes)
@@ -418,7 +418,7 @@ def verify_directory(directory: str | os.PathLike[str]) -> DirReport:
             raise
         return DirReport(directory, False, e, None, 0, 0, 0, size, hashed)
     except FormatError as e:
-        return DirReport(directory, False, e, md and md.world_size, 0, 0, 0, size, hashed)
+        return DirReport(directory, False, e, None if md is None else md.world_size, 0, 0, 0, size, hashed)
     n_chunks = sum(len(t.chunks) for t in md.tensors.values())
     return DirReport(directory, True, None, md.world_size, len(md.tensors), n_chunks, len(md.values), size, hashed)
 

@@ -30,7 +30,6 @@ from typing import Any
 
 import torch
 import xxhash
-from torch.futures import Future
 from torch.distributed.checkpoint import DefaultLoadPlanner, StorageReader, StorageWriter
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import (
@@ -42,8 +41,18 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadPlanner as DCPLoadPlanner,
+)
 from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 from ..codec import check_tensor, dtype_name, tensor_bytes, torch_dtype
 from ..container import Source
@@ -150,7 +159,7 @@ class Writer(StorageWriter, _Recorder):
             chunks.append((fqn, tuple(item.tensor_data.chunk.offsets), dtype, tuple(tensor.shape), buf))
             indexes.append(item.index)
         rank_file, placed = write_data_file(self.path, rank, world, chunks)
-        for index, (offset, nbytes, digest) in zip(indexes, placed):
+        for index, (offset, nbytes, digest) in zip(indexes, placed, strict=True):
             results.append(WriteResult(index, nbytes, ("chunk", rank, offset, nbytes, digest)))
         results.append(WriteResult(MetadataIndex(_FILE_KEY), rank_file.size, ("file", rank, rank_file)))
         return results
@@ -192,7 +201,8 @@ def _encode(metadata: Metadata, results: list[list[WriteResult]]) -> DirMetadata
         elif kind == "value":
             values[wr.index.fqn] = rest[0]
         else:
-            stored[(wr.index.fqn, tuple(wr.index.offset))] = tuple(rest)  # type: ignore[assignment]
+            assert wr.index.offset is not None  # a tensor's write result always carries its chunk's offset
+            stored[(wr.index.fqn, tuple(wr.index.offset))] = tuple(rest)
     world = len(results)
     if sorted(files) != list(range(world)):
         raise SaveFailed(f"rank file records {sorted(files)} do not cover world size {world}; nothing committed")
@@ -270,7 +280,7 @@ class Reader(StorageReader, _Recorder):
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         return plans
 
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+    def read_data(self, plan: LoadPlan, planner: DCPLoadPlanner) -> Future[None]:
         try:
             self._read(plan, planner)
         except CheckpointError as e:
@@ -279,7 +289,7 @@ class Reader(StorageReader, _Recorder):
         fut.set_result(None)
         return fut
 
-    def _read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+    def _read(self, plan: LoadPlan, planner: DCPLoadPlanner) -> None:
         md = self.metadata
         assert md is not None, "read_metadata() first"
         groups: dict[tuple[str, tuple[int, ...]], tuple[Chunk, list[tuple[Any, torch.Tensor]]]] = {}
@@ -312,7 +322,7 @@ class Reader(StorageReader, _Recorder):
                 src.close()
 
     def _read_chunk(self, src: Source, fqn: str, c: Chunk, reqs: list[tuple[Any, torch.Tensor]],
-                    planner: LoadPlanner) -> None:
+                    planner: DCPLoadPlanner) -> None:
         req, dest = reqs[0]
         direct = (len(reqs) == 1 and dest.is_contiguous() and dest.device.type == "cpu"
                   and tuple(dest.shape) == c.sizes and not any(req.storage_offsets))
@@ -337,7 +347,7 @@ def read_chunk(src: Source, directory: str, fqn: str, c: Chunk, out: torch.Tenso
     """
     h = xxhash.xxh3_64()
     if out.numel():
-        buf = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+        buf = out.reshape(-1).view(torch.uint8).numpy().data
         for a in range(0, c.nbytes, _READ_PIECE):
             piece = buf[a : a + _READ_PIECE]
             src.readinto(c.offset + a, piece)
@@ -347,7 +357,7 @@ def read_chunk(src: Source, directory: str, fqn: str, c: Chunk, out: torch.Tenso
 
 
 def _box(t: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
-    for dim, (o, n) in enumerate(zip(offsets, lengths)):
+    for dim, (o, n) in enumerate(zip(offsets, lengths, strict=True)):
         t = t.narrow(dim, o, n)
     return t
 
@@ -382,7 +392,7 @@ def logical_state(directory: str | os.PathLike[str]) -> Iterator[tuple[str, Any]
             src.close()
 
 
-def _set_value(planner: LoadPlanner, req: Any, value: Any) -> None:
+def _set_value(planner: DCPLoadPlanner, req: Any, value: Any) -> None:
     """Put a non-tensor leaf where DefaultLoadPlanner.load_bytes would (it would torch.load bytes)."""
     if not isinstance(planner, DefaultLoadPlanner):
         raise UnsupportedValue(
