@@ -13,7 +13,11 @@ from hypothesis import HealthCheck, settings
 
 settings.register_profile("dev", max_examples=30, deadline=None)
 settings.register_profile(
-    "ci", max_examples=25, deadline=None, derandomize=True, print_blob=True,
+    "ci",
+    max_examples=25,
+    deadline=None,
+    derandomize=True,
+    print_blob=True,
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.register_profile("thorough", max_examples=1000, deadline=None)

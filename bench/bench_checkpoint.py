@@ -115,13 +115,21 @@ def build_state(d: int, seed: int = 0) -> tuple[GPT, GPT, torch.optim.AdamW]:
 
 
 def ckpt_of(net: GPT, teacher: GPT, opt: torch.optim.Optimizer, step: int = 1000) -> Checkpoint:
-    return Checkpoint(step=step, model={"net": net.state_dict()}, teacher=teacher.state_dict(),
-                      optim={"optimizers": {"adamw": opt.state_dict()}}, monitor={"values": {"loss": 2.75}})
+    return Checkpoint(
+        step=step,
+        model={"net": net.state_dict()},
+        teacher=teacher.state_dict(),
+        optim={"optimizers": {"adamw": opt.state_dict()}},
+        monitor={"values": {"loss": 2.75}},
+    )
 
 
 def torch_obj(net: GPT, teacher: GPT, opt: torch.optim.Optimizer) -> dict[str, Any]:
-    return {"model": {"net": net.state_dict()}, "teacher": teacher.state_dict(),
-            "optim": {"optimizers": {"adamw": opt.state_dict()}}}
+    return {
+        "model": {"net": net.state_dict()},
+        "teacher": teacher.state_dict(),
+        "optim": {"optimizers": {"adamw": opt.state_dict()}},
+    }
 
 
 def flat_of(net: GPT, teacher: GPT, opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -263,8 +271,11 @@ def ckpt_extents(path: str, net: GPT, teacher: GPT, opt: torch.optim.Optimizer) 
 
     with Source(path) as src:
         layout = read_layout(src)
-    dest = {"model": {"net": net.state_dict()}, "teacher": teacher.state_dict(),
-            "optim": {"optimizers": {"adamw": opt.state_dict()}}}
+    dest = {
+        "model": {"net": net.state_dict()},
+        "teacher": teacher.state_dict(),
+        "optim": {"optimizers": {"adamw": opt.state_dict()}},
+    }
     out = []
     for name, tree in dest.items():
         sec = layout.sections[name]
@@ -337,8 +348,18 @@ def reset_peak() -> bool:
         return False
 
 
-MEMORY_OPS = ("ckptkit_save", "torch_save", "safetensors_save", "ckptkit_restore_into", "ckptkit_load",
-              "torch_load", "safetensors_load", "ckptkit_verify", "ckptkit_lazy_one", "ckptkit_async_save")
+MEMORY_OPS = (
+    "ckptkit_save",
+    "torch_save",
+    "safetensors_save",
+    "ckptkit_restore_into",
+    "ckptkit_load",
+    "torch_load",
+    "safetensors_load",
+    "ckptkit_verify",
+    "ckptkit_lazy_one",
+    "ckptkit_async_save",
+)
 
 
 def child_main(args: argparse.Namespace) -> None:
@@ -375,8 +396,18 @@ def child_main(args: argparse.Namespace) -> None:
         base = vm_status()
         ops[op]()
         peak = vm_status()
-        print(json.dumps({"op": op, "reset_ok": ok, "base_rss": base["VmRSS"], "peak_rss": peak["VmHWM"],
-                          "extra": peak["VmHWM"] - base["VmRSS"]}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "op": op,
+                    "reset_ok": ok,
+                    "base_rss": base["VmRSS"],
+                    "peak_rss": peak["VmHWM"],
+                    "extra": peak["VmHWM"] - base["VmRSS"],
+                }
+            ),
+            flush=True,
+        )
         for f in ("mem.ckpt", "mem.pt", "mem.safetensors", "mem-async.ckpt"):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(out_dir, f))
@@ -397,8 +428,14 @@ def _st_save(path: str, flat: dict[str, torch.Tensor], meta: dict[str, str]) -> 
 
 
 def _restore_into(path: str, net: GPT, teacher: GPT, opt: torch.optim.Optimizer) -> None:
-    ck = ckptkit.load(path, into={"model": {"net": net.state_dict()}, "teacher": teacher.state_dict(),
-                                  "optim": {"optimizers": {"adamw": opt.state_dict()}}})
+    ck = ckptkit.load(
+        path,
+        into={
+            "model": {"net": net.state_dict()},
+            "teacher": teacher.state_dict(),
+            "optim": {"optimizers": {"adamw": opt.state_dict()}},
+        },
+    )
     opt.load_state_dict(ck.optim["optimizers"]["adamw"])  # param_groups; the state tensors are already in place
 
 
@@ -484,7 +521,7 @@ def zstd_table(net: GPT, teacher: GPT, opt: torch.optim.Optimizer, sample_mb: in
         for t in ts:  # a sample from several tensors, the largest first
             b = t.detach().reshape(-1).view(torch.uint8).numpy()
             take = min(b.nbytes, sample_mb * MiB - n)
-            parts.append(b[:take - take % t.element_size()])
+            parts.append(b[: take - take % t.element_size()])
             n += parts[-1].nbytes
             if n >= sample_mb * MiB:
                 break
@@ -502,10 +539,18 @@ def zstd_table(net: GPT, teacher: GPT, opt: torch.optim.Optimizer, sample_mb: in
                 td = time.perf_counter() - t0
                 ratio = data.nbytes / len(comp)
                 c_gbps = data.nbytes / tc / 1e9
-                rows.append({"kind": kind, "level": level, "shuffle": shuffle, "ratio": ratio,
-                             "compress_gbps": c_gbps, "decompress_gbps": data.nbytes / td / 1e9,
-                             # compress-then-write beats writing raw only below this disk speed
-                             "pays_below_gbps": c_gbps * (1 - 1 / ratio) if ratio > 1 else 0.0})
+                rows.append(
+                    {
+                        "kind": kind,
+                        "level": level,
+                        "shuffle": shuffle,
+                        "ratio": ratio,
+                        "compress_gbps": c_gbps,
+                        "decompress_gbps": data.nbytes / td / 1e9,
+                        # compress-then-write beats writing raw only below this disk speed
+                        "pays_below_gbps": c_gbps * (1 - 1 / ratio) if ratio > 1 else 0.0,
+                    }
+                )
     return rows
 
 
@@ -578,10 +623,20 @@ def _run_flat(args: argparse.Namespace, log: Callable[[str], None], work: str) -
     if "memory" not in set(filter(None, args.skip.split(","))):
         env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
         for k in ops:
-            cmd = [sys.executable, os.path.abspath(__file__), "--state", "flat", "--child", k, "--files",
-                   json.dumps({"ckptkit": ck_path, "safetensors": st_path})]
+            cmd = [
+                sys.executable,
+                os.path.abspath(__file__),
+                "--state",
+                "flat",
+                "--child",
+                k,
+                "--files",
+                json.dumps({"ckptkit": ck_path, "safetensors": st_path}),
+            ]
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-            memory[k] = json.loads(proc.stdout.splitlines()[-1]) if proc.returncode == 0 else {"error": proc.stderr[-300:]}
+            memory[k] = (
+                json.loads(proc.stdout.splitlines()[-1]) if proc.returncode == 0 else {"error": proc.stderr[-300:]}
+            )
     ratios = {
         "load + copy_ / safetensors load_file + copy_": med["ckptkit load + copy_ (verified)"]
         / med["safetensors load_file + copy_"],
@@ -590,8 +645,16 @@ def _run_flat(args: argparse.Namespace, log: Callable[[str], None], work: str) -
         "lazy open + one tensor / safe_open + get_tensor": med["ckptkit open_checkpoint + one tensor"]
         / med["safetensors safe_open + get_tensor"],
     }
-    result = {"schema_version": 1, "state": "flat", "bytes": nbytes, "reps": args.reps,
-              "median_s": med, "times_s": r.times, "ratios": ratios, "peak_extra_rss_bytes": memory}
+    result = {
+        "schema_version": 1,
+        "state": "flat",
+        "bytes": nbytes,
+        "reps": args.reps,
+        "median_s": med,
+        "times_s": r.times,
+        "ratios": ratios,
+        "peak_extra_rss_bytes": memory,
+    }
     if args.json:
         print(json.dumps(result, indent=1, sort_keys=True))
         return 0
@@ -619,29 +682,49 @@ def flat_child(args: argparse.Namespace) -> None:
     keep = op()
     peak = vm_status()
     del keep
-    print(json.dumps({"op": args.child, "reset_ok": ok, "base_rss": base["VmRSS"], "peak_rss": peak["VmHWM"],
-                      "extra": peak["VmHWM"] - base["VmRSS"]}), flush=True)
+    print(
+        json.dumps(
+            {
+                "op": args.child,
+                "reset_ok": ok,
+                "base_rss": base["VmRSS"],
+                "peak_rss": peak["VmHWM"],
+                "extra": peak["VmHWM"] - base["VmRSS"],
+            }
+        ),
+        flush=True,
+    )
 
 
 # ============================================================================ main
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1])
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
     p.add_argument("--size-mb", type=float, default=1024, help="state size in MiB (default 1024)")
     p.add_argument("--reps", type=int, default=3, help="counted repetitions per op (default 3; medians)")
     p.add_argument("--dir", default=None, help="where files go (default: a new directory under the system temp dir)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
     p.add_argument("--skip", default="", help="comma-separated parts to skip: cold, memory, zstd, async")
-    p.add_argument("--torch-threads", type=int, default=0,
-                   help="torch intra-op threads (default: torch's own choice, one per core)")
+    p.add_argument(
+        "--torch-threads",
+        type=int,
+        default=0,
+        help="torch intra-op threads (default: torch's own choice, one per core)",
+    )
     p.add_argument("--zstd-sample-mb", type=int, default=16, help="MiB per tensor kind for the zstd table (16)")
-    p.add_argument("--state", choices=("gpt", "flat"), default="gpt",
-                   help="gpt (default): model + bf16 teacher + AdamW state of --size-mb; flat: the 304 MiB flat "
-                        "state dict of issue 12 (one 64 MiB fp32 embedding, 12 x 12 MiB fp32, 12 x 8 MiB bf16, "
-                        "24 small biases), load paths only, with their peak memory")
+    p.add_argument(
+        "--state",
+        choices=("gpt", "flat"),
+        default="gpt",
+        help="gpt (default): model + bf16 teacher + AdamW state of --size-mb; flat: the 304 MiB flat "
+        "state dict of issue 12 (one 64 MiB fp32 embedding, 12 x 12 MiB fp32, 12 x 8 MiB bf16, "
+        "24 small biases), load paths only, with their peak memory",
+    )
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--width", type=int, help=argparse.SUPPRESS)
     p.add_argument("--files", type=json.loads, help=argparse.SUPPRESS)
@@ -690,12 +773,21 @@ def _run(args: argparse.Namespace, skip: set[str], log: Callable[[str], None], w
     parts = {
         "model fp32": sum(t.numel() * 4 for t in net.state_dict().values()),
         "teacher bf16": sum(t.numel() * 2 for t in teacher.state_dict().values()),
-        "AdamW state": sum(v.numel() * v.element_size() for s in opt.state_dict()["state"].values()
-                           for v in s.values()),
+        "AdamW state": sum(
+            v.numel() * v.element_size() for s in opt.state_dict()["state"].values() for v in s.values()
+        ),
     }
-    P = {k: os.path.join(work, f) for k, f in (("ckptkit", "state.ckpt"), ("torch", "state.pt"),
-                                               ("safetensors", "state.safetensors"), ("raw", "state.raw"),
-                                               ("raw_wb", "state-wb.raw"), ("async", "async.ckpt"))}
+    P = {
+        k: os.path.join(work, f)
+        for k, f in (
+            ("ckptkit", "state.ckpt"),
+            ("torch", "state.pt"),
+            ("safetensors", "state.safetensors"),
+            ("raw", "state.raw"),
+            ("raw_wb", "state-wb.raw"),
+            ("async", "async.ckpt"),
+        )
+    }
     views = [byte_view(t) for t in tensors]
     header = msgpack.packb([[str(t.dtype), list(t.shape), t.numel() * t.element_size()] for t in tensors])
     r = Runner(args.reps, log)
@@ -705,33 +797,52 @@ def _run(args: argparse.Namespace, skip: set[str], log: Callable[[str], None], w
 
     # ------------------------------------------------------------ save
     log("save ...")
-    r.interleaved({
-        "ckptkit save": (fresh("ckptkit"), lambda: ckptkit.save(P["ckptkit"], ckpt_of(net, teacher, opt))),
-        "torch.save + fsync": (fresh("torch"), lambda: _torch_save(P["torch"], torch_obj(net, teacher, opt))),
-        "safetensors save_file + fsync": (fresh("safetensors"),
-                                          lambda: _st_save(P["safetensors"], *flat_of(net, teacher, opt))),
-        "raw write + fsync (naive floor)": (fresh("raw"), lambda: raw_write(P["raw"], header, views, False)),
-        "raw write + fsync, write-behind (limit)": (fresh("raw_wb"),
-                                                    lambda: raw_write(P["raw_wb"], header, views, True)),
-    })
+    r.interleaved(
+        {
+            "ckptkit save": (fresh("ckptkit"), lambda: ckptkit.save(P["ckptkit"], ckpt_of(net, teacher, opt))),
+            "torch.save + fsync": (fresh("torch"), lambda: _torch_save(P["torch"], torch_obj(net, teacher, opt))),
+            "safetensors save_file + fsync": (
+                fresh("safetensors"),
+                lambda: _st_save(P["safetensors"], *flat_of(net, teacher, opt)),
+            ),
+            "raw write + fsync (naive floor)": (fresh("raw"), lambda: raw_write(P["raw"], header, views, False)),
+            "raw write + fsync, write-behind (limit)": (
+                fresh("raw_wb"),
+                lambda: raw_write(P["raw_wb"], header, views, True),
+            ),
+        }
+    )
     file_size = os.path.getsize(P["ckptkit"])
 
     # ------------------------------------------------------------ restore
     log("restore ...")
     extents = ckpt_extents(P["ckptkit"], net, teacher, opt)
     warm = {k: (lambda k=k: warm_cache(P[k])) for k in ("ckptkit", "torch", "safetensors")}
-    r.interleaved({
-        "ckptkit load(into=...) (verified)": (warm["ckptkit"], lambda: _restore_into(P["ckptkit"], net, teacher, opt)),
-        "ckptkit load + load_state_dict (verified)": (warm["ckptkit"],
-                                                      lambda: _ckpt_load(P["ckptkit"], net, teacher, opt)),
-        "torch.load(weights_only) + load_state_dict": (warm["torch"],
-                                                       lambda: _torch_load(P["torch"], net, teacher, opt)),
-        "safetensors load_file + load_state_dict": (warm["safetensors"],
-                                                    lambda: _st_load(P["safetensors"], net, teacher, opt, st)),
-        "raw pread into params (limit)": (warm["ckptkit"], lambda: raw_read_into(P["ckptkit"], extents, False)),
-        "raw pread + xxh3 into params, 1 thread": (warm["ckptkit"],
-                                                   lambda: raw_read_into(P["ckptkit"], extents, True)),
-    })
+    r.interleaved(
+        {
+            "ckptkit load(into=...) (verified)": (
+                warm["ckptkit"],
+                lambda: _restore_into(P["ckptkit"], net, teacher, opt),
+            ),
+            "ckptkit load + load_state_dict (verified)": (
+                warm["ckptkit"],
+                lambda: _ckpt_load(P["ckptkit"], net, teacher, opt),
+            ),
+            "torch.load(weights_only) + load_state_dict": (
+                warm["torch"],
+                lambda: _torch_load(P["torch"], net, teacher, opt),
+            ),
+            "safetensors load_file + load_state_dict": (
+                warm["safetensors"],
+                lambda: _st_load(P["safetensors"], net, teacher, opt, st),
+            ),
+            "raw pread into params (limit)": (warm["ckptkit"], lambda: raw_read_into(P["ckptkit"], extents, False)),
+            "raw pread + xxh3 into params, 1 thread": (
+                warm["ckptkit"],
+                lambda: raw_read_into(P["ckptkit"], extents, True),
+            ),
+        }
+    )
 
     # ------------------------------------------------------------ lazy, verify, limits
     log("lazy, verify, limits ...")
@@ -773,8 +884,10 @@ def _run(args: argparse.Namespace, skip: set[str], log: Callable[[str], None], w
     }
     if "cold" not in skip:
         ops["ckptkit verify, cold cache"] = (lambda: drop_cache(P["ckptkit"]), verify)
-        ops["read file, cold cache (read bandwidth)"] = (lambda: drop_cache(P["ckptkit"]),
-                                                         lambda: read_file(P["ckptkit"], buf))
+        ops["read file, cold cache (read bandwidth)"] = (
+            lambda: drop_cache(P["ckptkit"]),
+            lambda: read_file(P["ckptkit"], buf),
+        )
     r.interleaved(ops)
     del copies
 
@@ -797,16 +910,30 @@ def _run(args: argparse.Namespace, skip: set[str], log: Callable[[str], None], w
         saver.close()
         ckptkit.save(P["ckptkit"], ckpt_of(net, teacher, opt))  # the same state, synchronously
         same = _file_digest(P["async"]) == _file_digest(P["ckptkit"])
-        asyncres = {"first_stall_s": stalls[0], "stall_s": statistics.median(stalls[1:]),
-                    "write_s": statistics.median(waits[1:]), "identical_bytes": same}
+        asyncres = {
+            "first_stall_s": stalls[0],
+            "stall_s": statistics.median(stalls[1:]),
+            "write_s": statistics.median(waits[1:]),
+            "identical_bytes": same,
+        }
 
     # ------------------------------------------------------------ memory
     memory: dict[str, Any] = {}
     if "memory" not in skip:
         log("peak memory (a child process runs each op in turn) ...")
         files = json.dumps({k: P[k] for k in ("ckptkit", "torch", "safetensors")})
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", ",".join(MEMORY_OPS), "--width", str(d),
-               "--files", files, "--dir", work]
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--child",
+            ",".join(MEMORY_OPS),
+            "--width",
+            str(d),
+            "--files",
+            files,
+            "--dir",
+            work,
+        ]
         # A fixed mmap threshold: every large block is its own mapping, returned to the
         # system when freed, so RSS measures what is live (not glibc's cached heap).
         env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
@@ -824,8 +951,21 @@ def _run(args: argparse.Namespace, skip: set[str], log: Callable[[str], None], w
         log("zstd ...")
         zrows = zstd_table(net, teacher, opt, args.zstd_sample_mb, [1, 3, 9])
 
-    result = _report(args, r, nbytes, file_size, parts, d, lazy_bytes, asyncres, memory, zrows,
-                     safetensors.__version__, time.perf_counter() - started, work)
+    result = _report(
+        args,
+        r,
+        nbytes,
+        file_size,
+        parts,
+        d,
+        lazy_bytes,
+        asyncres,
+        memory,
+        zrows,
+        safetensors.__version__,
+        time.perf_counter() - started,
+        work,
+    )
     if args.json:
         print(json.dumps(result, indent=1, sort_keys=True))
     else:
@@ -854,21 +994,32 @@ def _fs_type(path: str) -> str:
 def _report(args, r, nbytes, file_size, parts, d, lazy_bytes, asyncres, memory, zrows, st_version, wall, work):
     med = {k: r.median(k) for k in r.times}
     gb = nbytes / 1e9
-    ops = {k: {"median_s": v, "gbps": gb / v, "times_s": r.times[k], "cpu_s": statistics.median(r.cpu[k])}
-           for k, v in med.items()}
-    for k in ("ckptkit open_checkpoint + one tensor", "safetensors safe_open + get_tensor",
-              "torch.load(mmap=True) + one tensor"):
+    ops = {
+        k: {"median_s": v, "gbps": gb / v, "times_s": r.times[k], "cpu_s": statistics.median(r.cpu[k])}
+        for k, v in med.items()
+    }
+    for k in (
+        "ckptkit open_checkpoint + one tensor",
+        "safetensors safe_open + get_tensor",
+        "torch.load(mmap=True) + one tensor",
+    ):
         ops[k]["gbps"] = lazy_bytes / 1e9 / med[k]
     S, T, ST = med["ckptkit save"], med["torch.save + fsync"], med["safetensors save_file + fsync"]
     WL = med["raw write + fsync, write-behind (limit)"]
-    RI, TL, SL = (med["ckptkit load(into=...) (verified)"], med["torch.load(weights_only) + load_state_dict"],
-                  med["safetensors load_file + load_state_dict"])
+    RI, TL, SL = (
+        med["ckptkit load(into=...) (verified)"],
+        med["torch.load(weights_only) + load_state_dict"],
+        med["safetensors load_file + load_state_dict"],
+    )
     RL = med["raw pread into params (limit)"]
     V, RB = med["ckptkit verify"], med["read file, 8 MiB preads (read bandwidth)"]
     ratios = {
-        "save / torch.save": S / T, "save / safetensors": S / ST, "save / write limit": S / WL,
+        "save / torch.save": S / T,
+        "save / safetensors": S / ST,
+        "save / write limit": S / WL,
         "save / naive floor": S / med["raw write + fsync (naive floor)"],
-        "restore_into / safetensors": RI / SL, "restore_into / torch.load path": RI / TL,
+        "restore_into / safetensors": RI / SL,
+        "restore_into / torch.load path": RI / TL,
         "restore_into / pread limit": RI / RL,
         "verify speed / read bandwidth (warm)": RB / V,
         "lazy one tensor (ms)": med["ckptkit open_checkpoint + one tensor"] * 1e3,
@@ -877,8 +1028,9 @@ def _report(args, r, nbytes, file_size, parts, d, lazy_bytes, asyncres, memory, 
         / med["safetensors safe_open + get_tensor"],
     }
     if "ckptkit verify, cold cache" in med:
-        ratios["verify speed / read bandwidth (cold)"] = med["read file, cold cache (read bandwidth)"] / med[
-            "ckptkit verify, cold cache"]
+        ratios["verify speed / read bandwidth (cold)"] = (
+            med["read file, cold cache (read bandwidth)"] / med["ckptkit verify, cold cache"]
+        )
     if asyncres:
         ratios["async stall / sync save"] = asyncres["stall_s"] / S
     mem = {}
@@ -893,63 +1045,125 @@ def _report(args, r, nbytes, file_size, parts, d, lazy_bytes, asyncres, memory, 
         ("verified restore_into <= 1.2x safetensors restore", ratios["restore_into / safetensors"], 1.2, "<="),
         ("verified restore_into <= 0.3x torch.load path", ratios["restore_into / torch.load path"], 0.3, "<="),
         ("lazy: one tensor in milliseconds (<= 20 ms)", ratios["lazy one tensor (ms)"], 20, "<="),
-        ("verified load + load_state_dict <= 1.2x safetensors", ratios["load + load_state_dict / safetensors"], 1.2,
-         "<="),
+        (
+            "verified load + load_state_dict <= 1.2x safetensors",
+            ratios["load + load_state_dict / safetensors"],
+            1.2,
+            "<=",
+        ),
         ("verified restore_into <= 1.0x safetensors restore", ratios["restore_into / safetensors"], 1.0, "<="),
-        ("lazy open + one tensor <= 2x safetensors safe_open", ratios["lazy one tensor / safetensors safe_open"], 2,
-         "<="),
+        (
+            "lazy open + one tensor <= 2x safetensors safe_open",
+            ratios["lazy one tensor / safetensors safe_open"],
+            2,
+            "<=",
+        ),
         ("verify >= 0.8x read bandwidth (warm)", ratios["verify speed / read bandwidth (warm)"], 0.8, ">="),
     ]
     if "verify speed / read bandwidth (cold)" in ratios:
-        targets.append(("verify >= 0.8x read bandwidth (cold)", ratios["verify speed / read bandwidth (cold)"],
-                        0.8, ">="))
+        targets.append(
+            ("verify >= 0.8x read bandwidth (cold)", ratios["verify speed / read bandwidth (cold)"], 0.8, ">=")
+        )
     if asyncres:
         targets.append(("async save stall <= 0.1x sync save", ratios["async stall / sync save"], 0.1, "<="))
-        targets.append(("async and sync saves: identical bytes", 1.0 if asyncres["identical_bytes"] else 0.0,
-                        1.0, ">="))
+        targets.append(
+            ("async and sync saves: identical bytes", 1.0 if asyncres["identical_bytes"] else 0.0, 1.0, ">=")
+        )
     for op in ("ckptkit_save", "ckptkit_restore_into"):
         if op in mem and "of_checkpoint" in mem[op]:
             targets.append((f"{op}: peak extra RSS <= 0.2x checkpoint", mem[op]["of_checkpoint"], 0.2, "<="))
-    tgt = [{"target": n, "value": v, "limit": lim, "met": (v <= lim) if op == "<=" else (v >= lim)}
-           for n, v, lim, op in targets]
+    tgt = [
+        {"target": n, "value": v, "limit": lim, "met": (v <= lim) if op == "<=" else (v >= lim)}
+        for n, v, lim, op in targets
+    ]
     return {
         "schema_version": 1,
-        "config": {"size_mb": args.size_mb, "reps": args.reps, "state_bytes": nbytes, "file_bytes": file_size,
-                   "parts_bytes": parts, "width": d, "layers": N_LAYER, "vocab": VOCAB,
-                   "lazy_tensor": f"model/net/{lazy_key()} ({lazy_bytes} bytes)"},
-        "machine": {"cpus": os.cpu_count(), "loadavg_1min_at_end": os.getloadavg()[0],
-                    "torch_threads": torch.get_num_threads(),
-                    "python": platform.python_version(), "torch": torch.__version__,
-                    "safetensors": st_version, "ckptkit": ckptkit.__version__, "fs": _fs_type(work),
-                    "dir": work, "platform": platform.platform()},
-        "ops": ops, "ratios": ratios, "async": asyncres, "memory": mem, "zstd": zrows, "targets": tgt,
+        "config": {
+            "size_mb": args.size_mb,
+            "reps": args.reps,
+            "state_bytes": nbytes,
+            "file_bytes": file_size,
+            "parts_bytes": parts,
+            "width": d,
+            "layers": N_LAYER,
+            "vocab": VOCAB,
+            "lazy_tensor": f"model/net/{lazy_key()} ({lazy_bytes} bytes)",
+        },
+        "machine": {
+            "cpus": os.cpu_count(),
+            "loadavg_1min_at_end": os.getloadavg()[0],
+            "torch_threads": torch.get_num_threads(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "safetensors": st_version,
+            "ckptkit": ckptkit.__version__,
+            "fs": _fs_type(work),
+            "dir": work,
+            "platform": platform.platform(),
+        },
+        "ops": ops,
+        "ratios": ratios,
+        "async": asyncres,
+        "memory": mem,
+        "zstd": zrows,
+        "targets": tgt,
         "wall_s": wall,
     }
 
 
 def _print(res: dict) -> None:
     c, m = res["config"], res["machine"]
-    print(f"ckptkit bench: {c['state_bytes'] / MiB:.0f} MiB of state "
-          f"({', '.join(f'{k} {v / MiB:.0f} MiB' for k, v in c['parts_bytes'].items())}); "
-          f"GPT width {c['width']}, {c['layers']} layers; {c['reps']} reps, medians")
-    print(f"machine: {m['cpus']} cpus, torch threads {m['torch_threads']} (load average "
-          f"{m['loadavg_1min_at_end']:.1f} at the end), {m['fs']} at "
-          f"{m['dir']}, Python {m['python']}, torch {m['torch']}, safetensors {m['safetensors']}")
+    print(
+        f"ckptkit bench: {c['state_bytes'] / MiB:.0f} MiB of state "
+        f"({', '.join(f'{k} {v / MiB:.0f} MiB' for k, v in c['parts_bytes'].items())}); "
+        f"GPT width {c['width']}, {c['layers']} layers; {c['reps']} reps, medians"
+    )
+    print(
+        f"machine: {m['cpus']} cpus, torch threads {m['torch_threads']} (load average "
+        f"{m['loadavg_1min_at_end']:.1f} at the end), {m['fs']} at "
+        f"{m['dir']}, Python {m['python']}, torch {m['torch']}, safetensors {m['safetensors']}"
+    )
     groups = [
-        ("save (every byte checksummed by ckptkit; all fsync'd)", [
-            "ckptkit save", "torch.save + fsync", "safetensors save_file + fsync", "raw write + fsync (naive floor)",
-            "raw write + fsync, write-behind (limit)"]),
-        ("restore into a live model + teacher + AdamW (warm cache)", [
-            "ckptkit load(into=...) (verified)", "ckptkit load + load_state_dict (verified)",
-            "torch.load(weights_only) + load_state_dict", "safetensors load_file + load_state_dict",
-            "raw pread into params (limit)", "raw pread + xxh3 into params, 1 thread"]),
-        (f"lazy: open + one tensor ({c['lazy_tensor']}) + read it", [
-            "ckptkit open_checkpoint + one tensor", "safetensors safe_open + get_tensor",
-            "torch.load(mmap=True) + one tensor"]),
-        ("verify and the machine's limits", [
-            "ckptkit verify", "read file, 8 MiB preads (read bandwidth)", "ckptkit verify, cold cache",
-            "read file, cold cache (read bandwidth)", "memory copy of every tensor (2 threads)",
-            "xxh3 of every tensor in memory, 1 thread"]),
+        (
+            "save (every byte checksummed by ckptkit; all fsync'd)",
+            [
+                "ckptkit save",
+                "torch.save + fsync",
+                "safetensors save_file + fsync",
+                "raw write + fsync (naive floor)",
+                "raw write + fsync, write-behind (limit)",
+            ],
+        ),
+        (
+            "restore into a live model + teacher + AdamW (warm cache)",
+            [
+                "ckptkit load(into=...) (verified)",
+                "ckptkit load + load_state_dict (verified)",
+                "torch.load(weights_only) + load_state_dict",
+                "safetensors load_file + load_state_dict",
+                "raw pread into params (limit)",
+                "raw pread + xxh3 into params, 1 thread",
+            ],
+        ),
+        (
+            f"lazy: open + one tensor ({c['lazy_tensor']}) + read it",
+            [
+                "ckptkit open_checkpoint + one tensor",
+                "safetensors safe_open + get_tensor",
+                "torch.load(mmap=True) + one tensor",
+            ],
+        ),
+        (
+            "verify and the machine's limits",
+            [
+                "ckptkit verify",
+                "read file, 8 MiB preads (read bandwidth)",
+                "ckptkit verify, cold cache",
+                "read file, cold cache (read bandwidth)",
+                "memory copy of every tensor (2 threads)",
+                "xxh3 of every tensor in memory, 1 thread",
+            ],
+        ),
     ]
     ops = res["ops"]
     for title, names in groups:
@@ -968,25 +1182,35 @@ def _print(res: dict) -> None:
         print(f"  {k:42} {v:7.3f}")
     a = res["async"]
     if a:
-        print(f"\nasync save: stall {a['stall_s'] * 1e3:.1f} ms (first save, allocating the buffer: "
-              f"{a['first_stall_s'] * 1e3:.1f} ms), background write {a['write_s']:.3f} s, "
-              f"bytes identical to a synchronous save: {a['identical_bytes']}")
+        print(
+            f"\nasync save: stall {a['stall_s'] * 1e3:.1f} ms (first save, allocating the buffer: "
+            f"{a['first_stall_s'] * 1e3:.1f} ms), background write {a['write_s']:.3f} s, "
+            f"bytes identical to a synchronous save: {a['identical_bytes']}"
+        )
     if res["memory"]:
         print("\npeak extra resident memory during the op (VmHWM - VmRSS before; fresh process each)")
         for op, mm in res["memory"].items():
             if "extra_bytes" in mm:
-                print(f"  {op:24} {mm['extra_bytes'] / MiB:8.1f} MiB  = {mm['of_checkpoint']:.2f}x the checkpoint"
-                      + ("" if mm["reset_ok"] else "  (peak reset unavailable: upper bound)"))
+                print(
+                    f"  {op:24} {mm['extra_bytes'] / MiB:8.1f} MiB  = {mm['of_checkpoint']:.2f}x the checkpoint"
+                    + ("" if mm["reset_ok"] else "  (peak reset unavailable: upper bound)")
+                )
             else:
                 print(f"  {op:24} failed: {mm}")
     if res["zstd"]:
-        print("\nzstd on realistic tensors (one core; 'pays below' = disk speed under which compress-then-write "
-              "beats writing raw)")
-        print(f"  {'kind':26} {'level':>5} {'shuffle':>7} {'ratio':>6} {'comp GB/s':>9} {'dec GB/s':>8} "
-              f"{'pays below':>11}")
+        print(
+            "\nzstd on realistic tensors (one core; 'pays below' = disk speed under which compress-then-write "
+            "beats writing raw)"
+        )
+        print(
+            f"  {'kind':26} {'level':>5} {'shuffle':>7} {'ratio':>6} {'comp GB/s':>9} {'dec GB/s':>8} "
+            f"{'pays below':>11}"
+        )
         for z in res["zstd"]:
-            print(f"  {z['kind']:26} {z['level']:5d} {z['shuffle']:>7} {z['ratio']:6.3f} {z['compress_gbps']:9.2f} "
-                  f"{z['decompress_gbps']:8.2f} {z['pays_below_gbps'] * 1e3:7.0f} MB/s")
+            print(
+                f"  {z['kind']:26} {z['level']:5d} {z['shuffle']:>7} {z['ratio']:6.3f} {z['compress_gbps']:9.2f} "
+                f"{z['decompress_gbps']:8.2f} {z['pays_below_gbps'] * 1e3:7.0f} MB/s"
+            )
     print("\ntargets")
     for t in res["targets"]:
         print(f"  {'MET ' if t['met'] else 'MISS'} {t['target']:52} {t['value']:.3f} (limit {t['limit']})")

@@ -80,8 +80,9 @@ def _timed(fn: Any) -> float:
 
 def _rank(rank: int, world: int, init: str, args: argparse.Namespace, out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=600))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600)
+    )
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model, optim = _model(args.size_mb, world)
@@ -108,8 +109,11 @@ def _rank(rank: int, world: int, init: str, args: argparse.Namespace, out: str) 
             a = d + "-async"
             if backend == "default":
                 pending: list[Any] = []
-                t_async = _timed(lambda a=a, pending=pending: pending.append(dcp.async_save(
-                    state, storage_writer=dcp.FileSystemWriter(a), process_group=group)))
+                t_async = _timed(
+                    lambda a=a, pending=pending: pending.append(
+                        dcp.async_save(state, storage_writer=dcp.FileSystemWriter(a), process_group=group)
+                    )
+                )
                 pending[0].result()
             else:
                 t_async = _timed(lambda a=a: saver.save(state, a))
@@ -152,13 +156,22 @@ def main(argv: list[str] | None = None) -> int:
     med = {op: {b: statistics.median(ts) for b, ts in result["times"][op].items()} for op in OPS}
     ratios = {op: med[op]["ckptkit"] / med[op]["default"] for op in OPS}
     if args.json:
-        print(json.dumps({"schema_version": 1, "world_size": world, "state_bytes": result["state_bytes"],
-                          "rounds": args.rounds, "seconds": med, "ratio_ckptkit_over_default": ratios},
-                         sort_keys=True))
+        print(
+            json.dumps(
+                {
+                    "schema_version": 1,
+                    "world_size": world,
+                    "state_bytes": result["state_bytes"],
+                    "rounds": args.rounds,
+                    "seconds": med,
+                    "ratio_ckptkit_over_default": ratios,
+                },
+                sort_keys=True,
+            )
+        )
         return 0
     mb = result["state_bytes"] / 1e6
-    print(f"{mb:.0f} MB of FSDP2 + AdamW state on {world} gloo ranks, median of {args.rounds} round(s), "
-          "slowest rank")
+    print(f"{mb:.0f} MB of FSDP2 + AdamW state on {world} gloo ranks, median of {args.rounds} round(s), slowest rank")
     print(f"{'op':<12} {'default s':>10} {'ckptkit s':>10} {'ratio':>7}")
     for op in OPS:
         print(f"{op:<12} {med[op]['default']:>10.3f} {med[op]['ckptkit']:>10.3f} {ratios[op]:>7.2f}")

@@ -37,8 +37,9 @@ VARIANTS = ("plain", "fingerprints", "ring")
 
 def run_once(variant: str, steps: int, root: str) -> float:
     """Seconds for one fresh ``train()`` of ``steps`` steps in the given variant."""
-    cfg = TrainerConfig().replace(**{"train.steps": steps,
-                                     "train.auto_rollback": "on" if variant == "ring" else "warn"})
+    cfg = TrainerConfig().replace(
+        **{"train.steps": steps, "train.auto_rollback": "on" if variant == "ring" else "warn"}
+    )
     real = loop.param_digests
     if variant == "plain":
         loop.param_digests = lambda _model: None  # type: ignore[assignment]
@@ -73,7 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     per_step = {v: statistics.median(ts) / args.steps * 1e3 for v, ts in times.items()}
     base = per_step["plain"]
     out: dict[str, Any] = {
-        "schema_version": 1, "steps": args.steps, "rounds": args.rounds, "torch": torch.__version__,
+        "schema_version": 1,
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "torch": torch.__version__,
         "ms_per_step": per_step,
         "overhead_ms": {v: per_step[v] - base for v in VARIANTS if v != "plain"},
         "overhead_pct": {v: 100 * (per_step[v] - base) / base for v in VARIANTS if v != "plain"},

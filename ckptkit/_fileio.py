@@ -36,8 +36,9 @@ class Source:
     ``kind`` names the file in "no such ... file" errors (a checkpoint or a sidecar).
     """
 
-    def __init__(self, path: str | os.PathLike[str] | None = None, data: bytes | None = None,
-                 kind: str = "checkpoint") -> None:
+    def __init__(
+        self, path: str | os.PathLike[str] | None = None, data: bytes | None = None, kind: str = "checkpoint"
+    ) -> None:
         self.path = None if path is None else os.fspath(path)
         self._data = data
         self._fd = -1
@@ -85,7 +86,11 @@ class Source:
         if offset + n > self.size:
             raise TruncatedFile(
                 f"needs {n} bytes but the file ends at {self.size}",
-                path=self.path, offset=offset, field=field, expected=offset + n, actual=self.size,
+                path=self.path,
+                offset=offset,
+                field=field,
+                expected=offset + n,
+                actual=self.size,
             )
         if self._data is not None:
             return self._data[offset : offset + n]
@@ -135,8 +140,9 @@ class Source:
             base = pos - pos % mmap.ALLOCATIONGRANULARITY
             stop = min(end, base + _WINDOW)
             try:
-                m = mmap.mmap(self._fd, stop - base, flags=mmap.MAP_SHARED | _MAP_POPULATE,
-                              prot=mmap.PROT_READ, offset=base)
+                m = mmap.mmap(
+                    self._fd, stop - base, flags=mmap.MAP_SHARED | _MAP_POPULATE, prot=mmap.PROT_READ, offset=base
+                )
             except (OSError, ValueError):  # e.g. a file system without mmap: fall back to reads
                 for chunk in self.chunks(pos, end, scratch):
                     update(chunk)
@@ -144,7 +150,6 @@ class Source:
             with m, memoryview(m) as whole, whole[pos - base :] as piece:
                 update(piece)
             pos = stop
-
 
 
 def _open_regular(path: str, kind: str) -> tuple[int, int]:
@@ -164,8 +169,9 @@ def _open_regular(path: str, kind: str) -> tuple[int, int]:
         raise UnreadableFile(f"{path}: is a directory, not a {kind} file", errno=errno.EISDIR, path=path) from None
     except OSError as e:
         code = errno.errorcode.get(e.errno or 0, "error")
-        raise UnreadableFile(f"{path}: cannot open the {kind} file ({code}: {e.strerror})", errno=e.errno,
-                             path=path) from None
+        raise UnreadableFile(
+            f"{path}: cannot open the {kind} file ({code}: {e.strerror})", errno=e.errno, path=path
+        ) from None
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
@@ -175,8 +181,13 @@ def _open_regular(path: str, kind: str) -> tuple[int, int]:
     return fd, st.st_size
 
 
-_FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
-               (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+_FILE_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
 _CAN_MAP = hasattr(mmap, "MAP_SHARED") and hasattr(mmap, "PROT_READ")
 # MAP_POPULATE reads the window in one go (readahead-sized requests, no per-page faults).
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
@@ -192,7 +203,6 @@ def run_keyed(tasks: list[Callable[[], None]], keys: list[int], errors: dict[int
             errors[keys[k]] = e  # distinct keys: no lock needed
 
     run_parallel(one, range(len(tasks)), threads, "ckptkit-read")
-
 
 
 # ---------------------------------------------------------------------------- writing

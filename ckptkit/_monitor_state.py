@@ -19,8 +19,21 @@ __all__ = ["SPIKE_REASONS", "DetectorState", "ReportState", "exact_keys", "typed
 
 #: The verdict reasons that are spikes (the last three of ``monitor.REASONS``).
 SPIKE_REASONS = ("grad_norm", "non_finite_grad_norm", "non_finite_loss")
-_REPORT_KEYS = frozenset({"observed", "spikes", "recent_spikes", "refused", "refused_count", "finite_count",
-                          "non_finite_count", "sum", "min", "max", "recent"})
+_REPORT_KEYS = frozenset(
+    {
+        "observed",
+        "spikes",
+        "recent_spikes",
+        "refused",
+        "refused_count",
+        "finite_count",
+        "non_finite_count",
+        "sum",
+        "min",
+        "max",
+        "recent",
+    }
+)
 _SPIKE_RECORD_KEYS = frozenset({"step", "reason", "grad_norm", "loss", "median"})
 
 
@@ -67,17 +80,25 @@ class ReportState:
     def from_dict(cls, rep: Mapping[str, Any], *, history: int) -> ReportState:
         where = "monitor.report"
         exact_keys(rep, set(_REPORT_KEYS), where)
-        counts = {key: _int(rep, key, where) for key in ("observed", "refused_count", "finite_count", "non_finite_count")}
+        counts = {
+            key: _int(rep, key, where) for key in ("observed", "refused_count", "finite_count", "non_finite_count")
+        }
         spikes = typed(rep, "spikes", dict, where)
         exact_keys(spikes, set(SPIKE_REASONS), f"{where}.spikes")
         by_reason = {reason: _int(spikes, reason, f"{where}.spikes") for reason in SPIKE_REASONS}
         recent_spikes = _spike_records(typed(rep, "recent_spikes", list, where), history)
         refused = _refused(typed(rep, "refused", list, where), history)
         return cls(
-            observed=counts["observed"], spikes=by_reason, recent_spikes=recent_spikes, refused=refused,
-            refused_count=counts["refused_count"], finite_count=counts["finite_count"],
-            non_finite_count=counts["non_finite_count"], sum=_float(rep, "sum", where),
-            min=_opt_float(rep, "min", where), max=_opt_float(rep, "max", where),
+            observed=counts["observed"],
+            spikes=by_reason,
+            recent_spikes=recent_spikes,
+            refused=refused,
+            refused_count=counts["refused_count"],
+            finite_count=counts["finite_count"],
+            non_finite_count=counts["non_finite_count"],
+            sum=_float(rep, "sum", where),
+            min=_opt_float(rep, "min", where),
+            max=_opt_float(rep, "max", where),
             recent=tuple(_float_list(rep, "recent", where, history)),
         )
 
@@ -114,8 +135,10 @@ def _refused(steps: list[Any], history: int) -> tuple[int, ...]:
 def _at_most(values: list[Any], history: int, key: str) -> None:
     if len(values) > history:
         raise MalformedIndex(
-            f"{key} is longer than history", field=f"monitor.report.{key}",
-            expected=f"<= {history}", actual=len(values),
+            f"{key} is longer than history",
+            field=f"monitor.report.{key}",
+            expected=f"<= {history}",
+            actual=len(values),
         )
 
 
@@ -165,8 +188,10 @@ def _float_list(d: Mapping[str, Any], key: str, where: str, limit: int) -> list[
     values: list[float] = typed(d, key, list, where)  # each checked below
     if len(values) > limit:
         raise MalformedIndex(
-            f"{key} holds more values than the config allows", field=f"{where}.{key}",
-            expected=f"<= {limit}", actual=len(values),
+            f"{key} holds more values than the config allows",
+            field=f"{where}.{key}",
+            expected=f"<= {limit}",
+            actual=len(values),
         )
     for i, v in enumerate(values):
         if not isinstance(v, float):

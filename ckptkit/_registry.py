@@ -52,14 +52,20 @@ class Registry:
     def contents(self, step: int) -> Checkpoint:
         """The container contents for ``step`` (live tensors: see :meth:`RunState.checkpoint`)."""
         r = self
-        optim = {k: {n: o.state_dict() for n, o in group.items()}
-                 for k, group in (("optimizers", r.optimizers), ("schedulers", r.schedulers), ("scalers", r.scalers))
-                 if group}
-        monitor = {k: v for k, v in (
-            ("data", {n: e.get() for n, e in r.data.items()}),
-            ("monitors", {n: m.state_dict() for n, m in r.monitors.items()}),
-            ("values", {n: e.get() for n, e in r.values.items()}),
-        ) if v}
+        optim = {
+            k: {n: o.state_dict() for n, o in group.items()}
+            for k, group in (("optimizers", r.optimizers), ("schedulers", r.schedulers), ("scalers", r.scalers))
+            if group
+        }
+        monitor = {
+            k: v
+            for k, v in (
+                ("data", {n: e.get() for n, e in r.data.items()}),
+                ("monitors", {n: m.state_dict() for n, m in r.monitors.items()}),
+                ("values", {n: e.get() for n, e in r.values.items()}),
+            )
+            if v
+        }
         flags = 0
         for bit, name in FLAG_NAMES.items():
             if name in r.flags and r.flags[name].get():
@@ -84,7 +90,9 @@ class Registry:
             if want - have:
                 problems.append(f"{where} lacks {', '.join(sorted(want - have))}")
             if have - want:
-                problems.append(f"{where} carries {', '.join(sorted(map(str, have - want)))} that this run does not register")
+                problems.append(
+                    f"{where} carries {', '.join(sorted(map(str, have - want)))} that this run does not register"
+                )
 
         compare("model section", ckpt.model, r.models)
         optim = ckpt.optim or {}
@@ -95,8 +103,14 @@ class Registry:
             for group, regs in (("data", r.data), ("monitors", r.monitors), ("values", r.values)):
                 compare(f"monitor[{group!r}]", mon.get(group), regs)
             if (ckpt.teacher is None) != (r.teacher is None):
-                problems.append("teacher section is " + ("absent but a teacher is registered"
-                                                         if ckpt.teacher is None else "present but no teacher is registered"))
+                problems.append(
+                    "teacher section is "
+                    + (
+                        "absent but a teacher is registered"
+                        if ckpt.teacher is None
+                        else "present but no teacher is registered"
+                    )
+                )
         if not problems:
             for name, m in r.models.items():
                 _layout_problems(f"model[{name!r}]", ckpt.model[name], m.state_dict(), problems)
@@ -104,8 +118,9 @@ class Registry:
                 _layout_problems("teacher", ckpt.teacher, r.teacher.state_dict(), problems)
         if problems:
             more = f"; and {len(problems) - 10} more" if len(problems) > 10 else ""
-            raise StateMismatch(f"{path}: does not match this run's registered state: "
-                                + "; ".join(problems[:10]) + more, problems)
+            raise StateMismatch(
+                f"{path}: does not match this run's registered state: " + "; ".join(problems[:10]) + more, problems
+            )
         mon = ckpt.monitor or {}
         for name, entry in r.data.items():
             stored = mon.get("data", {}).get(name)
@@ -117,14 +132,20 @@ class Registry:
                         "the stream offset rule changed or the checkpoint is from another run"
                     )
 
-    def restore(self, ckpt: Checkpoint, *, sidecars: Mapping[str, tuple[int, Any]] | None,
-                skip: Iterable[str]) -> None:
+    def restore(self, ckpt: Checkpoint, *, sidecars: Mapping[str, tuple[int, Any]] | None, skip: Iterable[str]) -> None:
         """Put ``ckpt`` into the registered objects (see :meth:`RunState.restore`)."""
         r = self
         groups: dict[str, Mapping[str, Any]] = {
-            "model": r.models, "optimizer": r.optimizers, "scheduler": r.schedulers, "scaler": r.scalers,
-            "teacher": {"teacher": r.teacher} if r.teacher is not None else {}, "monitor": r.monitors,
-            "data": r.data, "value": r.values, "flag": r.flags, "sidecar": r.sidecars,
+            "model": r.models,
+            "optimizer": r.optimizers,
+            "scheduler": r.schedulers,
+            "scaler": r.scalers,
+            "teacher": {"teacher": r.teacher} if r.teacher is not None else {},
+            "monitor": r.monitors,
+            "data": r.data,
+            "value": r.values,
+            "flag": r.flags,
+            "sidecar": r.sidecars,
         }
         skip = set(skip)
         unknown = sorted(s for s in skip if s.partition(":")[2] not in groups.get(s.partition(":")[0], {}))
@@ -141,8 +162,11 @@ class Registry:
         for name, m in todo("model", r.models):
             m.load_state_dict(ckpt.model[name])
         optim = ckpt.optim or {}
-        for group, kind, regs in (("optimizers", "optimizer", r.optimizers), ("schedulers", "scheduler", r.schedulers),
-                                  ("scalers", "scaler", r.scalers)):
+        for group, kind, regs in (
+            ("optimizers", "optimizer", r.optimizers),
+            ("schedulers", "scheduler", r.schedulers),
+            ("scalers", "scaler", r.scalers),
+        ):
             for name, obj in todo(kind, regs):
                 obj.load_state_dict(optim[group][name])
         if r.teacher is not None and ckpt.teacher is not None and "teacher:teacher" not in skip:
@@ -183,7 +207,9 @@ def _layout_problems(where: str, stored: Mapping[str, Any], live: Mapping[str, A
             problems.append(f"{at}: in the checkpoint but not in the module")
         elif isinstance(a := stored[key], torch.Tensor) and isinstance(b := live[key], torch.Tensor):
             if a.dtype != b.dtype:
-                problems.append(f"{at}: dtype {dtype_name(a.dtype)} in the checkpoint, {dtype_name(b.dtype)} in the module")
+                problems.append(
+                    f"{at}: dtype {dtype_name(a.dtype)} in the checkpoint, {dtype_name(b.dtype)} in the module"
+                )
             elif a.shape != b.shape:
                 problems.append(f"{at}: shape {list(a.shape)} in the checkpoint, {list(b.shape)} in the module")
 

@@ -53,8 +53,13 @@ def clone(tree: Any) -> Any:
     if isinstance(tree, tuple):
         return tuple(clone(v) for v in tree)
     if isinstance(tree, Checkpoint):
-        return dataclasses.replace(tree, model=clone(tree.model), optim=clone(tree.optim),
-                                   teacher=clone(tree.teacher), monitor=clone(tree.monitor))
+        return dataclasses.replace(
+            tree,
+            model=clone(tree.model),
+            optim=clone(tree.optim),
+            teacher=clone(tree.teacher),
+            monitor=clone(tree.monitor),
+        )
     return copy.copy(tree)
 
 

@@ -58,22 +58,29 @@ def list_checkpoints(run_dir: str | os.PathLike[str]) -> list[tuple[int, str]]:
 
 def retain(run_dir: str, keep: int, delete: Callable[[str], None], log: Callable[[str], None]) -> None:
     """Delete all but the newest ``keep`` checkpoints, and companions orphaned by a
-    crash mid-delete (``delete`` removes a container and its companions). The new checkpoint is already committed, so a failure here
-    is reported and retried by the next save, never raised."""
+    crash mid-delete (``delete`` removes a container and its companions). The new
+    checkpoint is already committed, so a failure here is reported and retried by the
+    next save, never raised."""
     ckpts = list_checkpoints(run_dir)
-    for _step, path in ckpts[: -keep]:
+    for _step, path in ckpts[:-keep]:
         try:
             delete(path)
         except OSError as e:
             log(f"retention: cannot delete {path} ({e.strerror}); will retry at the next save")
     kept = {p for _s, p in list_checkpoints(run_dir)}
-    oldest = ckpts[-keep :][0][0] if ckpts else None
+    oldest = ckpts[-keep:][0][0] if ckpts else None
     for name in sorted(os.listdir(run_dir)):
         head, sep, _kind = name.partition(_SUFFIX + ".")
         container = os.path.join(run_dir, head + _SUFFIX)
         digits = head[len(_PREFIX) :]
-        if (sep and head.startswith(_PREFIX) and digits.isdigit() and container not in kept
-                and oldest is not None and int(digits) < oldest):
+        if (
+            sep
+            and head.startswith(_PREFIX)
+            and digits.isdigit()
+            and container not in kept
+            and oldest is not None
+            and int(digits) < oldest
+        ):
             try:
                 os.unlink(os.path.join(run_dir, name))
             except FileNotFoundError:

@@ -89,13 +89,18 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], objec
     except OSError as e:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
-        raise SaveFailed(f"{path}: cannot commit the new file ({e.strerror}); the previous file is intact",
-                         cause=e, path=path) from e
+        raise SaveFailed(
+            f"{path}: cannot commit the new file ({e.strerror}); the previous file is intact", cause=e, path=path
+        ) from e
     try:
         fsync_dir(directory)
     except OSError as e:  # the rename happened: the new file is whole, its durability unknown
-        raise SaveFailed(f"{path}: the new file is in place but the directory could not be synced "
-                         f"({e.strerror}); it may not survive a power loss", cause=e, path=path) from e
+        raise SaveFailed(
+            f"{path}: the new file is in place but the directory could not be synced "
+            f"({e.strerror}); it may not survive a power loss",
+            cause=e,
+            path=path,
+        ) from e
 
 
 def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> None:

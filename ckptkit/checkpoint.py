@@ -120,7 +120,10 @@ def save(
 
     trees = {name: getattr(ckpt, name) for name in SECTIONS}
     plans, keep = plan_trees(trees, start=HEADER_SIZE, compression=compression, level=level)
-    atomic_write(path, lambda f: write_container(f, step=ckpt.step, flags=ckpt.flags, plans=dict(zip(SECTIONS, plans, strict=True))))
+    atomic_write(
+        path,
+        lambda f: write_container(f, step=ckpt.step, flags=ckpt.flags, plans=dict(zip(SECTIONS, plans, strict=True))),
+    )
     del keep  # the tensors backing the written bytes may go now
 
 
@@ -193,11 +196,16 @@ def load(
             check_flags(layout)
         from .codec import load_sections
 
-        trees = load_sections(src, layout.sections, map_location=map_location, into=into, strict=strict,
-                              max_memory=max_memory)
+        trees = load_sections(
+            src, layout.sections, map_location=map_location, into=into, strict=strict, max_memory=max_memory
+        )
     return Checkpoint(
-        step=layout.step, flags=layout.flags, legacy=layout.legacy, missing=layout.missing,
-        version=layout.version, **trees,
+        step=layout.step,
+        flags=layout.flags,
+        legacy=layout.legacy,
+        missing=layout.missing,
+        version=layout.version,
+        **trees,
     )
 
 

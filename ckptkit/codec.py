@@ -229,8 +229,9 @@ def plan_trees(
             continue
         tree, tensors, held = encode_tree(value, name)
         codec = codecs.get(name, "raw")
-        plan = plan_section(tree, tensors, start=start, codec=codec,
-                            compress=_compressor(level) if codec != "raw" else None)
+        plan = plan_section(
+            tree, tensors, start=start, codec=codec, compress=_compressor(level) if codec != "raw" else None
+        )
         plans.append(plan)
         keep.append(held)
         start += plan.length
@@ -307,11 +308,21 @@ def load_sections(
                 "the checkpoint was written for another model or optimizer layout",
                 problems,
             )
-    homeless = [(name, sec, i) for name, sec in sections.items() if sec is not None
-                for i in range(len(sec.tensors)) if dests.get(name, {}).get(i) is None]
+    homeless = [
+        (name, sec, i)
+        for name, sec in sections.items()
+        if sec is not None
+        for i in range(len(sec.tensors))
+        if dests.get(name, {}).get(i) is None
+    ]
     mapping = src.map_private() if any(sec.codec == "raw" for _, sec, _ in homeless) else None
-    fresh = [(sec, i) for name, sec in sections.items() if sec is not None for i in range(len(sec.tensors))
-             if not _writable_in_place(dests.get(name, {}).get(i)) and not (mapping and sec.codec == "raw")]
+    fresh = [
+        (sec, i)
+        for name, sec in sections.items()
+        if sec is not None
+        for i in range(len(sec.tensors))
+        if not _writable_in_place(dests.get(name, {}).get(i)) and not (mapping and sec.codec == "raw")
+    ]
     check_memory(src.path, fresh, max_memory)
     jobs: list[tuple[SectionIndex, int, memoryview | None]] = []
     staged: list[tuple[torch.Tensor, torch.Tensor]] = []  # (read into, copy to) for indirect destinations
@@ -446,8 +457,15 @@ def mapped_tensor(mapping: Any, at: int, dtype: str, shape: tuple[int, ...]) -> 
 
 
 def _writable_in_place(t: torch.Tensor | None) -> TypeGuard[torch.Tensor]:
-    return (t is not None and t.device.type == "cpu" and t.layout == torch.strided and t.is_contiguous() and not t.is_conj()
-            and not t.is_neg() and not t.is_quantized)
+    return (
+        t is not None
+        and t.device.type == "cpu"
+        and t.layout == torch.strided
+        and t.is_contiguous()
+        and not t.is_conj()
+        and not t.is_neg()
+        and not t.is_quantized
+    )
 
 
 def _byte_view(t: torch.Tensor) -> memoryview:
@@ -499,8 +517,10 @@ def match_destinations(
             elif tuple(rec.shape) != tuple(d.shape):
                 problems.append(f"{at}: shape {list(rec.shape)} in the checkpoint, {list(d.shape)} in the destination")
             elif d.numel() > 1 and any(n > 1 and s == 0 for n, s in zip(d.shape, d.stride(), strict=True)):
-                problems.append(f"{at}: the destination (shape {list(d.shape)}, stride {list(d.stride())}) overlaps "
-                                "itself, an expand() view: it cannot hold distinct values; pass a tensor of its own")
+                problems.append(
+                    f"{at}: the destination (shape {list(d.shape)}, stride {list(d.stride())}) overlaps "
+                    "itself, an expand() view: it cannot hold distinct values; pass a tensor of its own"
+                )
             else:
                 out.setdefault(stored.id, d)
         elif isinstance(d, Mapping):
@@ -516,8 +536,10 @@ def match_destinations(
             if strict:
                 for k, v in stored.items():
                     if k not in d and _has_ref(v):
-                        problems.append(f"{at}{_key(k)}: in the checkpoint but not in the destination "
-                                        "(strict=False loads it into new memory)")
+                        problems.append(
+                            f"{at}{_key(k)}: in the checkpoint but not in the destination "
+                            "(strict=False loads it into new memory)"
+                        )
         elif isinstance(d, (list, tuple)):
             if not isinstance(stored, (list, tuple)) or len(stored) != len(d):
                 n = f"{len(stored)} items" if isinstance(stored, (list, tuple)) else _kind(stored)

@@ -44,8 +44,10 @@ __all__ = ["PLACEHOLDER", "CommandReport", "audit_command", "replay_command"]
 
 PLACEHOLDER = "{run_dir}"
 DEFAULT_TIMEOUT = 600.0  # seconds per process
-_HINT = ("the command must use ckptkit.RunState on {run_dir}, start with state.resume_or_start(), and call "
-         "state.step_done(step + 1) after every step (SpikeGuard.run does); docs/adopting.md")
+_HINT = (
+    "the command must use ckptkit.RunState on {run_dir}, start with state.resume_or_start(), and call "
+    "state.step_done(step + 1) after every step (SpikeGuard.run does); docs/adopting.md"
+)
 Log = Callable[[str], None]
 
 
@@ -67,15 +69,25 @@ class CommandReport:
         return self.difference is None
 
     def to_json(self) -> dict[str, Any]:
-        return {"schema_version": 1, "ok": self.ok, "what": self.what, "command": list(self.command),
-                "end": self.end, "stop_at": self.stop_at, "rows_compared": self.rows_compared,
-                "checkpoints_compared": self.checkpoints_compared, "kept": self.kept,
-                "difference": None if self.difference is None else self.difference.to_json()}
+        return {
+            "schema_version": 1,
+            "ok": self.ok,
+            "what": self.what,
+            "command": list(self.command),
+            "end": self.end,
+            "stop_at": self.stop_at,
+            "rows_compared": self.rows_compared,
+            "checkpoints_compared": self.checkpoints_compared,
+            "kept": self.kept,
+            "difference": None if self.difference is None else self.difference.to_json(),
+        }
 
     def describe(self) -> str:
         if self.what == "audit":
-            head = (f"audit: a: {self.end} steps uninterrupted; b: stopped at {self.stop_at}, resumed in a new "
-                    "process with the same arguments")
+            head = (
+                f"audit: a: {self.end} steps uninterrupted; b: stopped at {self.stop_at}, resumed in a new "
+                "process with the same arguments"
+            )
             sides = ("a", "b")
         else:
             head = f"replay: from the checkpoint at step {self.stop_at} to step {self.end}"
@@ -84,16 +96,22 @@ class CommandReport:
         if self.kept:
             lines.append(f"runs kept in {self.kept}")
         if self.rows_compared == 0:
-            lines.append("note: the command records no rows; add state.record(step, loss=...) to name the first "
-                         "step that differs (checkpoints are compared either way)")
+            lines.append(
+                "note: the command records no rows; add state.record(step, loss=...) to name the first "
+                "step that differs (checkpoints are compared either way)"
+            )
         if self.difference is None:
-            lines.append(f"IDENTICAL: {self.rows_compared} recorded row(s) and {self.checkpoints_compared} "
-                         "checkpoint(s) bit for bit")
+            lines.append(
+                f"IDENTICAL: {self.rows_compared} recorded row(s) and {self.checkpoints_compared} "
+                "checkpoint(s) bit for bit"
+            )
         else:
             lines += self.difference.describe(*sides)
-            lines.append("  usual causes: a draw from the global generator in the step (wrap it in ckptkit.step_rng), "
-                         "a data position or scheduler not registered, nondeterministic kernels "
-                         "(see ckptkit.ReplayDivergence)")
+            lines.append(
+                "  usual causes: a draw from the global generator in the step (wrap it in ckptkit.step_rng), "
+                "a data position or scheduler not registered, nondeterministic kernels "
+                "(see ckptkit.ReplayDivergence)"
+            )
         return "\n".join(lines)
 
 
@@ -101,8 +119,10 @@ def _substitute(argv: Sequence[str], run_dir: str, error: type[Exception]) -> li
     if not argv:
         raise error(f"no command given: put it after --, with {PLACEHOLDER} where its run directory goes")
     if not any(PLACEHOLDER in a for a in argv):
-        raise error(f"the command has no {PLACEHOLDER}: write {PLACEHOLDER} where its run directory goes, "
-                    f"e.g. -- python train.py --run-dir {PLACEHOLDER}")
+        raise error(
+            f"the command has no {PLACEHOLDER}: write {PLACEHOLDER} where its run directory goes, "
+            f"e.g. -- python train.py --run-dir {PLACEHOLDER}"
+        )
     return [a.replace(PLACEHOLDER, run_dir) for a in argv]
 
 
@@ -120,8 +140,10 @@ def _run(argv: list[str], label: str, timeout: float, stop_at: int | None, log: 
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-            raise AuditError(f"{label}: the command did not finish within {timeout:g} s (--timeout); a loop that "
-                             f"ignores the stop request or never ends runs until killed: {_HINT}") from None
+            raise AuditError(
+                f"{label}: the command did not finish within {timeout:g} s (--timeout); a loop that "
+                f"ignores the stop request or never ends runs until killed: {_HINT}"
+            ) from None
         except BaseException:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -146,8 +168,14 @@ def _workdir(keep_dir: str | None, prefix: str) -> Iterator[str]:
     yield keep_dir
 
 
-def audit_command(argv: Sequence[str], *, stop_at: int | None = None, timeout: float = DEFAULT_TIMEOUT,
-                  keep_dir: str | None = None, log: Log | None = None) -> CommandReport:
+def audit_command(
+    argv: Sequence[str],
+    *,
+    stop_at: int | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+    keep_dir: str | None = None,
+    log: Log | None = None,
+) -> CommandReport:
     """Run the command uninterrupted and stopped-at-``stop_at``-then-resumed; compare.
 
     Args:
@@ -179,13 +207,27 @@ def audit_command(argv: Sequence[str], *, stop_at: int | None = None, timeout: f
             raise AuditError(f"b: the command stopped at {k} but left no {checkpoint_name(k)}: {_HINT}")
         _run(_substitute(argv, b, AuditError), "b (resumed)", timeout, None, log)
         rec_b = RunRecording(b)
-        return CommandReport("audit", tuple(argv), end, k, min(len(rec_a.rows), len(rec_b.rows)),
-                             len(set(rec_a.checkpoints) & set(rec_b.checkpoints)), first_difference(rec_a, rec_b),
-                             keep_dir)
+        return CommandReport(
+            "audit",
+            tuple(argv),
+            end,
+            k,
+            min(len(rec_a.rows), len(rec_b.rows)),
+            len(set(rec_a.checkpoints) & set(rec_b.checkpoints)),
+            first_difference(rec_a, rec_b),
+            keep_dir,
+        )
 
 
-def replay_command(run_dir: str, from_step: int, argv: Sequence[str], *, timeout: float = DEFAULT_TIMEOUT,
-                   keep_dir: str | None = None, log: Log | None = None) -> CommandReport:
+def replay_command(
+    run_dir: str,
+    from_step: int,
+    argv: Sequence[str],
+    *,
+    timeout: float = DEFAULT_TIMEOUT,
+    keep_dir: str | None = None,
+    log: Log | None = None,
+) -> CommandReport:
     """Re-run an outside loop's run from its checkpoint at (or before) ``from_step``; compare.
 
     RUN is only read: the checkpoint, its companions, ``environment.json`` and
@@ -214,6 +256,13 @@ def replay_command(run_dir: str, from_step: int, argv: Sequence[str], *, timeout
         _run(_substitute(argv, work, ReplayError), f"replay from step {start}", timeout, None, log)
         got = RunRecording(work)
         compared = [r for r in got.rows if r["step"] >= start]
-        return CommandReport("replay", tuple(argv), got.last_step or start, start, len(compared),
-                             len({s for s in set(rec.checkpoints) & set(got.checkpoints) if s > start}),
-                             first_difference(rec, got, from_step=start), keep_dir)
+        return CommandReport(
+            "replay",
+            tuple(argv),
+            got.last_step or start,
+            start,
+            len(compared),
+            len({s for s in set(rec.checkpoints) & set(got.checkpoints) if s > start}),
+            first_difference(rec, got, from_step=start),
+            keep_dir,
+        )

@@ -56,8 +56,10 @@ ENVIRONMENT_FILE = "environment.json"
 """The run's environment record, one per run directory (spec/determinism.md)."""
 
 _U64 = 1 << 64
-UNBOUND_NOTE = ("records no companion digests (written before companion binding): "
-                "its snapshot, sidecars and environment.json are not integrity-checked")
+UNBOUND_NOTE = (
+    "records no companion digests (written before companion binding): "
+    "its snapshot, sidecars and environment.json are not integrity-checked"
+)
 
 
 def file_digest(path: str | os.PathLike[str], what: str) -> int:
@@ -96,16 +98,19 @@ def record_of(monitor: Any, path: str | None = None) -> dict[str, Any] | None:
     record = monitor[COMPANIONS_KEY]
 
     def bad(problem: str, actual: Any) -> MalformedIndex:
-        return MalformedIndex(problem, path=path, field=f"monitor[{COMPANIONS_KEY!r}]", actual=actual,
-                              hint="the checkpoint is damaged or was written by a newer ckptkit; "
-                                   "upgrade, or resume from another (R-C01)")
+        return MalformedIndex(
+            problem,
+            path=path,
+            field=f"monitor[{COMPANIONS_KEY!r}]",
+            actual=actual,
+            hint="the checkpoint is damaged or was written by a newer ckptkit; upgrade, or resume from another (R-C01)",
+        )
 
     if not isinstance(record, Mapping):
         raise bad("the companion record is not a map", type(record).__name__)
     keys = set(record)
     if not {"snapshot", "sidecars"} <= keys <= {"snapshot", "sidecars", "environment"}:
-        raise bad("the companion record needs snapshot and sidecars, and may have environment",
-                  sorted(map(str, keys)))
+        raise bad("the companion record needs snapshot and sidecars, and may have environment", sorted(map(str, keys)))
     sidecars = record["sidecars"]
     if not isinstance(sidecars, Mapping):
         raise bad("sidecars is not a map", type(sidecars).__name__)
@@ -159,9 +164,11 @@ class CompanionCheck:
 def _damaged(path: str, ckpt_path: str, expected: int, actual: int, rule: str) -> ChecksumMismatch:
     return ChecksumMismatch(
         f"damaged: its xxh3-64 does not match the digest {os.path.basename(ckpt_path)} records",
-        path=path, expected=f"0x{expected:016x}", actual=f"0x{actual:016x}",
+        path=path,
+        expected=f"0x{expected:016x}",
+        actual=f"0x{actual:016x}",
         hint=f"the file was edited, damaged or swapped after the checkpoint was saved; "
-             f"resume from an earlier checkpoint ({rule})",
+        f"resume from an earlier checkpoint ({rule})",
     )
 
 
@@ -171,8 +178,9 @@ def _sidecar_digest(path: str) -> int:
     return sidecar_digest(path)
 
 
-def _companions(ckpt_path: str, record: Mapping[str, Any], sidecars: Iterable[str] | None
-                ) -> list[tuple[str, str, Any, str]]:
+def _companions(
+    ckpt_path: str, record: Mapping[str, Any], sidecars: Iterable[str] | None
+) -> list[tuple[str, str, Any, str]]:
     """(kind, path, how to digest it, rule) for every companion the record binds."""
     base = os.path.dirname(ckpt_path)
     out: list[tuple[str, str, Any, str]] = [("snapshot", ckpt_path + SNAPSHOT_SUFFIX, record["snapshot"], "R-C02")]
@@ -186,16 +194,20 @@ def _companions(ckpt_path: str, record: Mapping[str, Any], sidecars: Iterable[st
 
 def _check_one(kind: str, path: str, want: int | None, rule: str, ckpt_path: str) -> None:
     if want is None:
-        raise FormatError(f"this sidecar is not among the companions {os.path.basename(ckpt_path)} records",
-                          path=path, hint=f"it was not saved with this checkpoint; resume from another ({rule})")
+        raise FormatError(
+            f"this sidecar is not among the companions {os.path.basename(ckpt_path)} records",
+            path=path,
+            hint=f"it was not saved with this checkpoint; resume from another ({rule})",
+        )
     what = {"snapshot": "config snapshot", "environment": "environment record", "sidecar": "sidecar"}[kind]
     got = _sidecar_digest(path) if kind == "sidecar" else file_digest(path, what)
     if got != want:
         raise _damaged(path, ckpt_path, want, got, rule)
 
 
-def check_companions(ckpt_path: str | os.PathLike[str], record: Mapping[str, Any] | None, *,
-                     sidecars: Iterable[str] = ()) -> None:
+def check_companions(
+    ckpt_path: str | os.PathLike[str], record: Mapping[str, Any] | None, *, sidecars: Iterable[str] = ()
+) -> None:
     """Refuse a checkpoint whose companions do not match its record (R-C02..R-C04).
 
     Args:
@@ -220,8 +232,9 @@ def check_companions(ckpt_path: str | os.PathLike[str], record: Mapping[str, Any
         _check_one(kind, path, want, rule, ckpt_path)
 
 
-def companion_checks(ckpt_path: str | os.PathLike[str], record: Mapping[str, Any] | None, *,
-                     missing_ok: bool = False) -> list[CompanionCheck]:
+def companion_checks(
+    ckpt_path: str | os.PathLike[str], record: Mapping[str, Any] | None, *, missing_ok: bool = False
+) -> list[CompanionCheck]:
     """Every companion of a checkpoint with its verdict, for ``ckptkit verify``.
 
     Args:

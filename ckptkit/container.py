@@ -98,7 +98,6 @@ _READ_PIECE = 256 << 10  # read_tensors: a piece read into its destination is ha
 # ---------------------------------------------------------------------------- reading
 
 
-
 @dataclass(frozen=True)
 class Layout:
     """A container's structure, parsed and bounds-checked but not yet hashed."""
@@ -134,8 +133,15 @@ def read_layout(src: Source) -> Layout:
 
 def _read_v2(src: Source, head: bytes) -> Layout:
     if len(head) < 8 or head[4] != 0 or head[7] != 0:
-        raise BadMagic("malformed magic", path=src.path, offset=0, field="magic",
-                       expected=repr(MAGIC), actual=repr(head), hint="R-001")
+        raise BadMagic(
+            "malformed magic",
+            path=src.path,
+            offset=0,
+            field="magic",
+            expected=repr(MAGIC),
+            actual=repr(head),
+            hint="R-001",
+        )
     version = struct.unpack_from("<H", head, 5)[0]
     if version != VERSION:
         raise _version_error(src, version)
@@ -144,9 +150,15 @@ def _read_v2(src: Source, head: bytes) -> Layout:
 
 def _read_v2_body(src: Source) -> Layout:
     if src.size < _HEADER.size + _TRAILER.size:
-        raise TruncatedFile("file ends inside the header or before the trailer", path=src.path, offset=src.size,
-                            field="header", expected=f">= {_HEADER.size + _TRAILER.size} bytes", actual=src.size,
-                            hint="R-003")
+        raise TruncatedFile(
+            "file ends inside the header or before the trailer",
+            path=src.path,
+            offset=src.size,
+            field="header",
+            expected=f">= {_HEADER.size + _TRAILER.size} bytes",
+            actual=src.size,
+            hint="R-003",
+        )
     _, step, m, o, t, flags, mon = _HEADER.unpack(src.pread(0, _HEADER.size, "header"))
     lengths = {"model": m, "optim": o, "teacher": t, "monitor": mon}
     offsets = {name: _FIELD_OFFSET[name] for name in lengths}
@@ -171,13 +183,25 @@ def _version_error(src: Source, version: int) -> FormatError:
         return ChecksumMismatch(
             f"header damaged: the version field reads {version}, but the file is laid out as a v{VERSION} "
             "container and its skeleton digest (which covers the version) does not match",
-            path=src.path, offset=5, field="magic", expected=e.expected, actual=e.actual, hint="R-005")
+            path=src.path,
+            offset=5,
+            field="magic",
+            expected=e.expected,
+            actual=e.actual,
+            hint="R-005",
+        )
     except FormatError:
         pass  # not laid out as v2: a format this reader does not know
     newer = "a newer ckptkit wrote it; upgrade ckptkit" if version > VERSION else "not a version ckptkit ever wrote"
-    return UnsupportedVersion(f"container version {version} is not supported", path=src.path, offset=5,
-                              field="magic", expected=f"version {VERSION} (or a legacy v1 file)",
-                              actual=version, hint=f"{newer} (R-002)")
+    return UnsupportedVersion(
+        f"container version {version} is not supported",
+        path=src.path,
+        offset=5,
+        field="magic",
+        expected=f"version {VERSION} (or a legacy v1 file)",
+        actual=version,
+        hint=f"{newer} (R-002)",
+    )
 
 
 def read_framed(
@@ -195,28 +219,51 @@ def read_framed(
     trailer_at = header_size + sum(lengths.values())
     digest, got_magic = _TRAILER.unpack(src.pread(trailer_at, _TRAILER.size, "trailer"))
     if got_magic != end_magic:
-        raise BadMagic("trailer end magic is wrong", path=src.path, offset=trailer_at + 8, field="trailer",
-                       expected=repr(end_magic), actual=repr(got_magic), hint="R-005")
+        raise BadMagic(
+            "trailer end magic is wrong",
+            path=src.path,
+            offset=trailer_at + 8,
+            field="trailer",
+            expected=repr(end_magic),
+            actual=repr(got_magic),
+            hint="R-005",
+        )
     sections = {name: _read_section(src, name, starts[name], n, legacy=False) for name, n in lengths.items()}
     return sections, trailer_at, digest
 
 
 def _read_v1(src: Source, head: bytes) -> Layout:
     if src.size < _V1_HEADER.size:
-        raise BadMagic("not a ckptkit checkpoint: too short for any header", path=src.path, offset=0,
-                       field="magic", expected=f">= {_V1_HEADER.size} bytes", actual=src.size, hint=_foreign_hint(head))
+        raise BadMagic(
+            "not a ckptkit checkpoint: too short for any header",
+            path=src.path,
+            offset=0,
+            field="magic",
+            expected=f">= {_V1_HEADER.size} bytes",
+            actual=src.size,
+            hint=_foreign_hint(head),
+        )
     step, m, o = _V1_HEADER.unpack(src.pread(0, _V1_HEADER.size, "v1 header"))
     if _V1_HEADER.size + m + o != src.size:
         start = src.pread(0, min(src.size, 64), "magic")
         if _looks_like_text(start):
-            raise BadMagic(f"not a ckptkit file: it starts with text ({_text_preview(start)})", path=src.path,
-                           offset=0, field="magic", expected=repr(MAGIC),
-                           hint="a text file; check the path: a checkpoint is a binary file (R-001)")
+            raise BadMagic(
+                f"not a ckptkit file: it starts with text ({_text_preview(start)})",
+                path=src.path,
+                offset=0,
+                field="magic",
+                expected=repr(MAGIC),
+                hint="a text file; check the path: a checkpoint is a binary file (R-001)",
+            )
         raise BadMagic(
             f"not a ckptkit file: no DMCK magic, and not a legacy v1 container either: read as v1, its header "
             f"claims 24 + model {m} + optim {o} bytes",
-            path=src.path, offset=0, field="magic", expected=f"file size {_V1_HEADER.size + m + o}",
-            actual=src.size, hint=_foreign_hint(head),
+            path=src.path,
+            offset=0,
+            field="magic",
+            expected=f"file size {_V1_HEADER.size + m + o}",
+            actual=src.size,
+            hint=_foreign_hint(head),
         )
     lengths = {"model": m, "optim": o}
     starts = _place_sections(src, _V1_HEADER.size, lengths, {"model": 8, "optim": 16}, reserve=0)
@@ -244,8 +291,10 @@ def _text_preview(data: bytes) -> str:
 
 def _foreign_hint(head: bytes) -> str:
     if head[:4] == b"PK\x03\x04" or head[:1] == b"\x80":
-        return ("this looks like a torch.save (zip/pickle) file; ckptkit never unpickles — "
-                "import it once with ckptkit.import_torch_checkpoint (R-001)")
+        return (
+            "this looks like a torch.save (zip/pickle) file; ckptkit never unpickles — "
+            "import it once with ckptkit.import_torch_checkpoint (R-001)"
+        )
     return "R-001"
 
 
@@ -257,16 +306,26 @@ def _place_sections(
         if pos + n + reserve > src.size:
             raise TruncatedFile(
                 f"{name} section of {n} bytes at offset {pos} runs past the end of the file",
-                path=src.path, offset=len_offsets[name],
-                field=f"{name}_len", expected=f"<= {max(0, src.size - pos - reserve)}", actual=n, hint="R-003",
+                path=src.path,
+                offset=len_offsets[name],
+                field=f"{name}_len",
+                expected=f"<= {max(0, src.size - pos - reserve)}",
+                actual=n,
+                hint="R-003",
             )
         starts[name] = pos
         pos += n
     if pos + reserve != src.size:
         extra = src.size - pos - reserve
-        raise TruncatedFile(f"{extra} unexpected byte{'s' if extra != 1 else ''} after the last section",
-                            path=src.path, offset=pos, field="trailer", expected=pos + reserve,
-                            actual=src.size, hint="R-003")
+        raise TruncatedFile(
+            f"{extra} unexpected byte{'s' if extra != 1 else ''} after the last section",
+            path=src.path,
+            offset=pos,
+            field="trailer",
+            expected=pos + reserve,
+            actual=src.size,
+            hint="R-003",
+        )
     return starts
 
 
@@ -274,16 +333,28 @@ def _read_section(src: Source, name: str, start: int, length: int, *, legacy: bo
     if length == 0:
         return None
     if length < 8:
-        raise TruncatedFile(f"{name} section is {length} bytes, shorter than its index_len field",
-                            path=src.path, offset=start, field=name, expected=">= 8", actual=length, hint="R-004")
+        raise TruncatedFile(
+            f"{name} section is {length} bytes, shorter than its index_len field",
+            path=src.path,
+            offset=start,
+            field=name,
+            expected=">= 8",
+            actual=length,
+            hint="R-004",
+        )
     index_len = _U64.unpack(src.pread(start, 8, f"{name} index_len"))[0]
     if 8 + index_len > length:
-        raise TruncatedFile(f"{name} index of {index_len} bytes does not fit in its {length}-byte section",
-                            path=src.path, offset=start, field=f"{name} index_len",
-                            expected=f"<= {length - 8}", actual=index_len, hint="R-004")
+        raise TruncatedFile(
+            f"{name} index of {index_len} bytes does not fit in its {length}-byte section",
+            path=src.path,
+            offset=start,
+            field=f"{name} index_len",
+            expected=f"<= {length - 8}",
+            actual=index_len,
+            hint="R-004",
+        )
     raw = src.pread(start + 8, index_len, f"{name} index")
-    return decode_index(raw, name=name, start=start, length=length, index_len=index_len, legacy=legacy,
-                        path=src.path)
+    return decode_index(raw, name=name, start=start, length=length, index_len=index_len, legacy=legacy, path=src.path)
 
 
 def skeleton_extents(layout: Layout) -> list[tuple[int, int]]:
@@ -313,8 +384,11 @@ def check_skeleton(src: Source, layout: Layout, scratch: bytearray | None = None
     if got != layout.skeleton_digest:
         raise ChecksumMismatch(
             "skeleton digest (header, indexes, padding) does not match",
-            path=src.path, offset=layout.trailer_offset, field="trailer",
-            expected=f"0x{layout.skeleton_digest:016x}", actual=f"0x{got:016x}",
+            path=src.path,
+            offset=layout.trailer_offset,
+            field="trailer",
+            expected=f"0x{layout.skeleton_digest:016x}",
+            actual=f"0x{got:016x}",
             hint="R-005",
         )
 
@@ -325,8 +399,12 @@ def check_flags(layout: Layout) -> None:
     if unknown:
         bit = (unknown & -unknown).bit_length() - 1
         raise ReservedBitSet(
-            f"reserved bit {bit} set", path=layout.path, offset=_FIELD_OFFSET["flags"], field="flags",
-            expected=0, actual=f"0x{unknown:x}",
+            f"reserved bit {bit} set",
+            path=layout.path,
+            offset=_FIELD_OFFSET["flags"],
+            field="flags",
+            expected=0,
+            actual=f"0x{unknown:x}",
             hint="a newer ckptkit wrote state this reader cannot restore; upgrade ckptkit (R-006)",
         )
 
@@ -336,8 +414,11 @@ def tensor_mismatch(src_path: str | None, sec: SectionIndex, i: int, got: int) -
     where = sec.data_start + rec.offset if sec.codec == "raw" else sec.data_start
     return ChecksumMismatch(
         f"tensor {i} ({rec.dtype}{list(rec.shape)}) digest does not match its bytes",
-        path=src_path, offset=where, field=f"{sec.name} data",
-        expected=f"0x{rec.digest:016x}", actual=f"0x{got:016x}",
+        path=src_path,
+        offset=where,
+        field=f"{sec.name} data",
+        expected=f"0x{rec.digest:016x}",
+        actual=f"0x{got:016x}",
         hint="R-007",
     )
 
@@ -386,8 +467,10 @@ class TensorCheck:
             raise BadTensorValue(
                 f"tensor {self.i} ({rec.dtype}{list(rec.shape)}): element {k} is byte 0x{value:02x}; "
                 "a bool is stored as 0 or 1",
-                path=path, offset=sec.data_start + rec.offset + k if raw else sec.data_start,
-                field=f"{sec.name} data", hint="R-017",
+                path=path,
+                offset=sec.data_start + rec.offset + k if raw else sec.data_start,
+                field=f"{sec.name} data",
+                hint="R-017",
             )
 
 
@@ -513,8 +596,11 @@ def _check_zstd_frame(src: Source, sec: SectionIndex) -> None:
     except zstandard.ZstdError as e:
         raise bad(f"zstd frame header does not parse: {e}") from None
     if params.window_size > MAX_ZSTD_WINDOW:
-        raise bad("zstd frame needs a larger window than a reader must support",
-                  expected=f"<= {MAX_ZSTD_WINDOW} bytes", actual=params.window_size)
+        raise bad(
+            "zstd frame needs a larger window than a reader must support",
+            expected=f"<= {MAX_ZSTD_WINDOW} bytes",
+            actual=params.window_size,
+        )
     while True:
         if pos + 3 > sec.data_len:
             raise bad("zstd frame is cut short (its blocks run past the data region)")
@@ -528,8 +614,11 @@ def _check_zstd_frame(src: Source, sec: SectionIndex) -> None:
         raise bad("zstd frame is cut short (its blocks run past the data region)")
     if pos < sec.data_len:
         extra = sec.data_len - pos
-        raise bad(f"{extra} byte{'s' if extra != 1 else ''} after the zstd frame (exactly one frame, nothing after it)",
-                  expected=f"frame end at {sec.data_start + sec.data_len}", actual=sec.data_start + pos)
+        raise bad(
+            f"{extra} byte{'s' if extra != 1 else ''} after the zstd frame (exactly one frame, nothing after it)",
+            expected=f"frame end at {sec.data_start + sec.data_len}",
+            actual=sec.data_start + pos,
+        )
 
 
 def _region_pieces(src: Source, sec: SectionIndex) -> Iterator[bytes]:
@@ -555,12 +644,23 @@ def _region_pieces(src: Source, sec: SectionIndex) -> Iterator[bytes]:
             if total <= sec.raw_len:
                 yield piece
     except zstandard.ZstdError as e:
-        raise MalformedIndex(f"zstd data region does not decompress: {e}", path=src.path,
-                             offset=sec.data_start, field=f"{sec.name} data", hint="R-008") from None
+        raise MalformedIndex(
+            f"zstd data region does not decompress: {e}",
+            path=src.path,
+            offset=sec.data_start,
+            field=f"{sec.name} data",
+            hint="R-008",
+        ) from None
     if total != sec.raw_len:
-        raise MalformedIndex("zstd data region decompresses to the wrong length", path=src.path,
-                             offset=sec.data_start, field=f"{sec.name} data", expected=sec.raw_len,
-                             actual=total if total <= sec.raw_len else f"> {sec.raw_len}", hint="R-008")
+        raise MalformedIndex(
+            "zstd data region decompresses to the wrong length",
+            path=src.path,
+            offset=sec.data_start,
+            field=f"{sec.name} data",
+            expected=sec.raw_len,
+            actual=total if total <= sec.raw_len else f"> {sec.raw_len}",
+            hint="R-008",
+        )
 
 
 def _scatter_region(src: Source, sec: SectionIndex, dests: Sequence[memoryview | None]) -> None:
@@ -594,8 +694,13 @@ def _scatter_region(src: Source, sec: SectionIndex, dests: Sequence[memoryview |
         check.finish(src.path)
 
 
-def read_tensors(src: Source, jobs: Sequence[tuple[SectionIndex, int, memoryview | None]], *,
-                 mapping: mmap.mmap | None = None, threads: int = 0) -> None:
+def read_tensors(
+    src: Source,
+    jobs: Sequence[tuple[SectionIndex, int, memoryview | None]],
+    *,
+    mapping: mmap.mmap | None = None,
+    threads: int = 0,
+) -> None:
     """Read tensors straight into their destinations, checking each digest in the same pass (R-007, R-008).
 
     Args:
@@ -627,8 +732,10 @@ def read_tensors(src: Source, jobs: Sequence[tuple[SectionIndex, int, memoryview
             zstd.setdefault(sec.start, (sec, [None] * len(sec.tensors)))[1][i] = dest
     # Largest first: a thread that picks the last task finishes soon after the others.
     raw.sort(key=lambda t: -t[1].tensors[t[2]].nbytes)
-    tasks: list[Callable[[], None]] = [_raw_task(src, sec, i, dest) if dest is not None
-                                       else _mapped_task(src.path, sec, i, mapping) for _, sec, i, dest in raw]
+    tasks: list[Callable[[], None]] = [
+        _raw_task(src, sec, i, dest) if dest is not None else _mapped_task(src.path, sec, i, mapping)
+        for _, sec, i, dest in raw
+    ]
     keys = [t[0] for t in raw]
     for _start, (sec, dests) in zstd.items():
         tasks.insert(0, functools.partial(_scatter_region, src, sec, dests))
@@ -771,12 +878,22 @@ def verify(path: str | os.PathLike[str]) -> Report:
 def _report(path: str, size: int, layout: Layout | None, error: CheckpointError | None, hashed: int) -> Report:
     if layout is None:
         return Report(path, False, error, None, None, (), False, (), (), size, hashed)
-    return Report(path, error is None, error, layout.version, layout.step, layout.flag_names, layout.legacy,
-                  layout.missing, section_infos(layout), size, hashed)
+    return Report(
+        path,
+        error is None,
+        error,
+        layout.version,
+        layout.step,
+        layout.flag_names,
+        layout.legacy,
+        layout.missing,
+        section_infos(layout),
+        size,
+        hashed,
+    )
 
 
 # ---------------------------------------------------------------------------- writing
-
 
 
 def write_container(f: BinaryIO, *, step: int, flags: int, plans: dict[str, SectionPlan | None]) -> None:

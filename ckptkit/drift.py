@@ -270,10 +270,7 @@ def _drift_message(strict: list[KeyDiff], where: str | None) -> str:
     source = f"the run's snapshot ({where})" if where else "the run's snapshot"
     lines = [f"config drift: {n} strict difference{'s' if n != 1 else ''} from {source}:"]
     lines += [f"  {d.describe()}" for d in strict]
-    lines.append(
-        "resuming would continue a different run; restore these values, "
-        "or start a new run in a new directory"
-    )
+    lines.append("resuming would continue a different run; restore these values, or start a new run in a new directory")
     return "\n".join(lines)
 
 

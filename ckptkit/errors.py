@@ -304,7 +304,13 @@ class LegacyCheckpoint(ResumeRefused):
 
 
 class TrainingUnstable(CheckpointError, RuntimeError):
-    """Spike rollbacks reached their bound; the last good checkpoint is intact."""
+    """Spike rollbacks reached their bound; the last good checkpoint is intact.
+
+    Attributes:
+        events: when a spike guard raised it, the spikes that exhausted the bound, oldest first.
+    """
+
+    events: list[dict[str, Any]]
 
 
 class DistributedFailure(CheckpointError, RuntimeError):

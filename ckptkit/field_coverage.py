@@ -190,7 +190,8 @@ def check_field_coverage(
             without arguments.
 
     Example:
-        >>> report = check_field_coverage(TrainConfig, exempt_fields={"train.log_dir": "output path only"})  # doctest: +SKIP
+        >>> exempt = {"train.log_dir": "output path only"}
+        >>> report = check_field_coverage(TrainConfig, exempt_fields=exempt)  # doctest: +SKIP
         >>> report.ok  # doctest: +SKIP
         True
     """
@@ -228,8 +229,9 @@ def _instance_of(cfg: Any) -> Any:
     return cfg
 
 
-def _declaration_problems(all_fields: list[str], exempt_fields: dict[str, str],
-                          flips: dict[str, Any]) -> list[tuple[str, str]]:
+def _declaration_problems(
+    all_fields: list[str], exempt_fields: dict[str, str], flips: dict[str, Any]
+) -> list[tuple[str, str]]:
     """Declared exemptions must name a field (or table) and give a reason; flips must name a field."""
     problems: list[tuple[str, str]] = []
     tables = {p for path in all_fields for p in prefixes(path)}
@@ -237,15 +239,18 @@ def _declaration_problems(all_fields: list[str], exempt_fields: dict[str, str],
         if name not in all_fields and name not in tables:
             problems.append((name, f"{name}: declared in exempt_fields but the config has no such field"))
         elif not isinstance(reason, str) or not reason.strip():
-            problems.append((name, f"{name}: declared in exempt_fields without a reason; write why it cannot change a step"))
+            problems.append(
+                (name, f"{name}: declared in exempt_fields without a reason; write why it cannot change a step")
+            )
     for name in sorted(flips):
         if name not in all_fields:
             problems.append((name, f"{name}: given in flips but the config has no such field"))
     return problems
 
 
-def _carry_problems(leaves: list[tuple[str, bool]], all_fields: list[str], written: list[str],
-                    allowed_absent: set[str]) -> list[tuple[str, str]]:
+def _carry_problems(
+    leaves: list[tuple[str, bool]], all_fields: list[str], written: list[str], allowed_absent: set[str]
+) -> list[tuple[str, str]]:
     """(a) every field is written, by name and by count."""
     problems: list[tuple[str, str]] = []
     written_set = set(written)
@@ -253,8 +258,15 @@ def _carry_problems(leaves: list[tuple[str, bool]], all_fields: list[str], writt
         if path in written_set or path in allowed_absent:
             continue
         if excluded:
-            problems.append((path, (f'{path}: excluded from the snapshot (metadata={{"snapshot": False}}) without a reason; '
-                                   f'declare it in exempt_fields={{"{path}": "why it cannot change a step"}}')))
+            problems.append(
+                (
+                    path,
+                    (
+                        f'{path}: excluded from the snapshot (metadata={{"snapshot": False}}) without a reason; '
+                        f'declare it in exempt_fields={{"{path}": "why it cannot change a step"}}'
+                    ),
+                )
+            )
         else:
             problems.append((path, f"{path}: a field of the config the snapshot does not carry"))
     for key in written:
@@ -262,35 +274,54 @@ def _carry_problems(leaves: list[tuple[str, bool]], all_fields: list[str], writt
             problems.append((key, f"{key}: in the snapshot but not a field of the config"))
     expected = len(all_fields) - len(allowed_absent - written_set)
     if len(written) != expected:
-        problems.append(("", (f"count: the snapshot carries {len(written)} keys, the config has "
-                             f"{len(all_fields)} fields ({len(allowed_absent - written_set)} exempt and absent)")))
+        problems.append(
+            (
+                "",
+                (
+                    f"count: the snapshot carries {len(written)} keys, the config has "
+                    f"{len(all_fields)} fields ({len(allowed_absent - written_set)} exempt and absent)"
+                ),
+            )
+        )
     return problems
 
 
-def _flip_problem(cfg: Any, path: str, flips: dict[str, Any], base: dict[str, Any],
-                  snapshot: Callable[[Any], Mapping[str, Any]], exempt_names: frozenset[str]) -> str | None:
+def _flip_problem(
+    cfg: Any,
+    path: str,
+    flips: dict[str, Any],
+    base: dict[str, Any],
+    snapshot: Callable[[Any], Mapping[str, Any]],
+    exempt_names: frozenset[str],
+) -> str | None:
     """(b) flipping the carried field at ``path`` reaches diff_keys as exactly that key, rightly classed."""
     value, owner = _get(cfg, path)
     new = flips[path] if path in flips else _flip(value, _hint_for(owner, path.rsplit(".", 1)[-1]))
     if new is dataclasses.MISSING:
-        return f"{path}: no automatic flip for {value!r}; pass flips={{\"{path}\": <another valid value>}}"
+        return f'{path}: no automatic flip for {value!r}; pass flips={{"{path}": <another valid value>}}'
     try:
         flipped = flatten(snapshot(_replace(cfg, path, new)), "", {})
     except Exception as e:  # noqa: BLE001 - the config's own validation may refuse the flip, any way it likes
-        return (f"{path}: flipping {value!r} -> {new!r} fails ({type(e).__name__}: {e}); "
-                f"pass flips={{\"{path}\": <another valid value>}}")
+        return (
+            f"{path}: flipping {value!r} -> {new!r} fails ({type(e).__name__}: {e}); "
+            f'pass flips={{"{path}": <another valid value>}}'
+        )
     diffs = diff_flat(base, flipped, exempt_names)
     want_exempt = is_exempt(path, exempt_names)
     if not diffs:
-        return (f"{path}: flipping {value!r} -> {new!r} does not reach diff_keys "
-                f"(the snapshot carries it but does not change: decoration)")
+        return (
+            f"{path}: flipping {value!r} -> {new!r} does not reach diff_keys "
+            f"(the snapshot carries it but does not change: decoration)"
+        )
     if [d.key for d in diffs] != [path]:
         keys = ", ".join(d.key for d in diffs)
         return f"{path}: flipping {value!r} -> {new!r} changes other keys ({keys})"
     if diffs[0].kind != "changed" or diffs[0].exempt != want_exempt:
         cls = "exempt" if diffs[0].exempt else "strict"
-        return (f"{path}: flipping {value!r} -> {new!r} is reported as {diffs[0].kind}, {cls} "
-                f"(expected changed, {'exempt' if want_exempt else 'strict'})")
+        return (
+            f"{path}: flipping {value!r} -> {new!r} is reported as {diffs[0].kind}, {cls} "
+            f"(expected changed, {'exempt' if want_exempt else 'strict'})"
+        )
     return None
 
 

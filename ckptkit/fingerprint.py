@@ -133,8 +133,10 @@ def _value_bytes(value: Any, name: str) -> bytes:
         return b"str:" + value.encode("utf-8")
     if isinstance(value, (bytes, bytearray, memoryview)):
         return b"bytes:" + bytes(value)
-    raise UnsupportedValue(f"{name}: cannot fingerprint a {type(value).__name__} (tensors, None, bool, int, "
-                           "float, str and bytes only; flatten containers first)")
+    raise UnsupportedValue(
+        f"{name}: cannot fingerprint a {type(value).__name__} (tensors, None, bool, int, "
+        "float, str and bytes only; flatten containers first)"
+    )
 
 
 def leaf_digest(name: str, value: Any) -> int:
@@ -194,8 +196,8 @@ def first_divergence(
     in ascending order. A field present in one row and absent in the other differs.
 
     Example:
-        >>> first_divergence([{"step": 1, "loss_bits": "0x1"}], [{"step": 1, "loss_bits": "0x2"}], ["loss_bits"])
-        Divergence(step=1, fields=('loss_bits',), expected={'step': 1, 'loss_bits': '0x1'}, actual={'step': 1, 'loss_bits': '0x2'})
+        >>> first_divergence([{"step": 1, "x": "0x1"}], [{"step": 1, "x": "0x2"}], ["x"])
+        Divergence(step=1, fields=('x',), expected={'step': 1, 'x': '0x1'}, actual={'step': 1, 'x': '0x2'})
     """
     by_step = {r["step"]: r for r in replayed}
     for row in sorted(recorded, key=lambda r: r["step"]):

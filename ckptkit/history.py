@@ -44,8 +44,21 @@ from typing import IO, Any
 from .atomic import write_bytes_atomic
 from .errors import FormatError
 
-__all__ = ["COMPARED_KINDS", "HISTORY_FILE", "WALL_FIELDS", "History", "HistoryCheck", "append_rows", "check_history",
-           "compared_rows", "f32_bits", "f64_bits", "json_float", "kept_rows", "read_rows"]
+__all__ = [
+    "COMPARED_KINDS",
+    "HISTORY_FILE",
+    "WALL_FIELDS",
+    "History",
+    "HistoryCheck",
+    "append_rows",
+    "check_history",
+    "compared_rows",
+    "f32_bits",
+    "f64_bits",
+    "json_float",
+    "kept_rows",
+    "read_rows",
+]
 
 HISTORY_FILE = "history.jsonl"
 WALL_FIELDS = frozenset({"time", "step_ms"})  # wall clock: allowed to differ between runs
@@ -101,11 +114,17 @@ def read_rows(path: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], bool]
         try:
             row = json.loads(line)
         except (UnicodeDecodeError, ValueError) as e:
-            raise FormatError(f"line {i + 1} is not JSON ({e})", path=path, offset=offset, field="history",
-                              hint="history.jsonl is written by ckptkit train; do not edit it") from None
+            raise FormatError(
+                f"line {i + 1} is not JSON ({e})",
+                path=path,
+                offset=offset,
+                field="history",
+                hint="history.jsonl is written by ckptkit train; do not edit it",
+            ) from None
         if not isinstance(row, dict) or not isinstance(row.get("kind"), str) or not isinstance(row.get("step"), int):
-            raise FormatError(f"line {i + 1} is not a history row (needs kind and step)", path=path,
-                              offset=offset, field="history")
+            raise FormatError(
+                f"line {i + 1} is not a history row (needs kind and step)", path=path, offset=offset, field="history"
+            )
         rows.append(row)
         offset += len(line) + 1
     return rows, torn
@@ -195,13 +214,17 @@ class History:
             seen += r["kind"] == "rollback"
         notes = []
         if len(kept) < len(rows) or torn:
-            notes.append(f"history: dropped {len(rows) - len(kept) + torn} row(s) written after step {step} "
-                         "by the interrupted run")
+            notes.append(
+                f"history: dropped {len(rows) - len(kept) + torn} row(s) written after step {step} "
+                "by the interrupted run"
+            )
         have = {r["step"] for r in kept if r["kind"] == "step"}
         missing = [s for s in range(step) if s not in have]
         if missing:
-            notes.append(f"history: {len(missing)} step row(s) before step {step} are missing "
-                         f"(first: {missing[0]}); the file was edited or lost")
+            notes.append(
+                f"history: {len(missing)} step row(s) before step {step} are missing "
+                f"(first: {missing[0]}); the file was edited or lost"
+            )
         write_bytes_atomic(self.path, b"".join(_encode(r) for r in kept))
         self._open()
         return notes
@@ -225,7 +248,6 @@ class History:
         if self._file is not None:
             self._file.close()
             self._file = None
-
 
 
 @dataclass(frozen=True)

@@ -182,7 +182,8 @@ class _Report:
         self.observed = s.observed
         self.spikes = dict(s.spikes)
         self.recent_spikes: collections.deque[dict[str, Any]] = collections.deque(
-            (dict(r) for r in s.recent_spikes), maxlen=history)
+            (dict(r) for r in s.recent_spikes), maxlen=history
+        )
         self.refused: collections.deque[int] = collections.deque(s.refused, maxlen=history)
         self.refused_count = s.refused_count
         self.finite_count = s.finite_count
@@ -394,8 +395,7 @@ class SpikeMonitor:
         snap_last, last = detector.last_step, self._detector.last_step
         if snap_last is not None and (last is None or snap_last > last):
             raise ValueError(
-                f"rewind snapshot is ahead of the monitor (snapshot last step {snap_last}, "
-                f"monitor last step {last})"
+                f"rewind snapshot is ahead of the monitor (snapshot last step {snap_last}, monitor last step {last})"
             )
         self._detector = _Detector(self.config, detector)
 
@@ -419,9 +419,7 @@ class SpikeMonitor:
             raise MalformedIndex(f"state must be a dict (got {type(state).__name__})", field="monitor")
         version = state.get("version")
         if isinstance(version, bool) or not isinstance(version, int):
-            raise MalformedIndex(
-                f"version must be an int (got {type(version).__name__})", field="monitor.version"
-            )
+            raise MalformedIndex(f"version must be an int (got {type(version).__name__})", field="monitor.version")
         if version != STATE_VERSION:
             raise UnsupportedVersion(
                 "monitor state version not supported",

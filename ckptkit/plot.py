@@ -136,8 +136,10 @@ class PlotSummary:
     series: tuple[str, ...]
 
     def describe(self) -> str:
-        return (f"{self.path}: {self.steps} step rows, {self.spikes} spike(s), {self.rollbacks} rollback(s), "
-                f"{self.resumes} resume(s); drew {', '.join(self.series)}")
+        return (
+            f"{self.path}: {self.steps} step rows, {self.spikes} spike(s), {self.rollbacks} rollback(s), "
+            f"{self.resumes} resume(s); drew {', '.join(self.series)}"
+        )
 
 
 def _number(value: Any) -> float | None:
@@ -177,8 +179,9 @@ def spike_config_of(run_dir: str | os.PathLike[str]) -> tuple[SpikeConfig, str]:
     return SpikeConfig(), _DEFAULTS
 
 
-def read_series(rows: Sequence[dict[str, Any]], spike_config: SpikeConfig | None = None,
-                config_source: str = "") -> RunSeries:
+def read_series(
+    rows: Sequence[dict[str, Any]], spike_config: SpikeConfig | None = None, config_source: str = ""
+) -> RunSeries:
     """Turn history rows into the series a plot draws (see the module docstring for the rules).
 
     Args:
@@ -191,8 +194,14 @@ def read_series(rows: Sequence[dict[str, Any]], spike_config: SpikeConfig | None
     monitor = SpikeMonitor(dataclasses.replace(config, history=0))  # the detector only: no report to keep
     before: collections.OrderedDict[int, dict[str, Any]] = collections.OrderedDict()  # step -> state before it
     step_rows = [r for r in rows if r["kind"] == "step"]
-    names = sorted({k for r in step_rows for k, v in r.items()
-                    if (_LOSS_NAME.match(k) or k in ("grad_norm", "lr")) and _number(v) is not None})
+    names = sorted(
+        {
+            k
+            for r in step_rows
+            for k, v in r.items()
+            if (_LOSS_NAME.match(k) or k in ("grad_norm", "lr")) and _number(v) is not None
+        }
+    )
     scalars: dict[str, list[float | None]] = {n: [] for n in names}
     threshold: list[float | None] = []
     spikes: list[tuple[int, float]] = []
@@ -224,18 +233,20 @@ def read_series(rows: Sequence[dict[str, Any]], spike_config: SpikeConfig | None
         before.move_to_end(step)
         if len(before) > _REWIND_LIMIT:
             before.popitem(last=False)
-        verdict = monitor.observe(step, grad_norm=max(g, 0.0) if not math.isnan(g) else g,
-                                  loss=_number(r.get("loss")) or 0.0)
+        verdict = monitor.observe(
+            step, grad_norm=max(g, 0.0) if not math.isnan(g) else g, loss=_number(r.get("loss")) or 0.0
+        )
         last = step
         median = None if verdict.reason == "warming_up" else verdict.median  # None: the detector is not armed
         threshold.append(None if median is None else max(config.floor, config.multiplier * median))
         recorded = r.get("spike")
-        if (recorded if isinstance(recorded, bool) else verdict.is_spike):
+        if recorded if isinstance(recorded, bool) else verdict.is_spike:
             spikes.append((step, g))
     kept_rows = set(lineage.values())
     rollbacks = tuple(
         (r["step"], r["to"], _number(r.get("lr_before")), _number(r.get("lr_after")))
-        for r in rows if r["kind"] == "rollback" and isinstance(r.get("to"), int)
+        for r in rows
+        if r["kind"] == "rollback" and isinstance(r.get("to"), int)
     )
     return RunSeries(
         steps=tuple(r["step"] for r in step_rows),
@@ -291,9 +302,11 @@ def render(series: RunSeries, *, title: str = "", start: int | None = None, end:
     hi = math.inf if end is None else end
     shown = [lo <= s <= hi for s in series.steps]
     if not any(shown):
-        raise ValueError(f"no step rows in the range {start if start is not None else 'start'}.."
-                         f"{end if end is not None else 'end'} (the recording has steps "
-                         f"{min(series.steps, default=0)}..{max(series.steps, default=0)})")
+        raise ValueError(
+            f"no step rows in the range {start if start is not None else 'start'}.."
+            f"{end if end is not None else 'end'} (the recording has steps "
+            f"{min(series.steps, default=0)}..{max(series.steps, default=0)})"
+        )
     xs = [s for s, v in zip(series.steps, shown, strict=True) if v]
     x0, x1 = (min(xs) if start is None else start), (max(xs) if end is None else end)
     gap = 0.07 * max(x1 - x0, 1)  # labels closer than this to the previous one are left out
@@ -316,9 +329,17 @@ def render(series: RunSeries, *, title: str = "", start: int | None = None, end:
         ys = [v for v, k in zip(values, kept, strict=True) if k]
         ax.plot(xs, ys, color=colors[name], lw=width, label=label, gid=name, zorder=3)
         for j, (a, b) in enumerate(_runs(abandoned)):
-            ax.plot(series.steps[a:b], values[a:b], color=colors[name], lw=max(width - 0.6, 0.8),
-                    alpha=_ABANDONED_ALPHA, ls="--", gid=f"abandoned:{name}", zorder=2,
-                    label="abandoned (rolled back)" if j == 0 and name in ("loss", "grad_norm") else "_nolegend_")
+            ax.plot(
+                series.steps[a:b],
+                values[a:b],
+                color=colors[name],
+                lw=max(width - 0.6, 0.8),
+                alpha=_ABANDONED_ALPHA,
+                ls="--",
+                gid=f"abandoned:{name}",
+                zorder=2,
+                label="abandoned (rolled back)" if j == 0 and name in ("loss", "grad_norm") else "_nolegend_",
+            )
 
     if losses:
         ax = ax_of["loss"]
@@ -329,17 +350,40 @@ def render(series: RunSeries, *, title: str = "", start: int | None = None, end:
         ax = ax_of["grad_norm"]
         line(ax, "grad_norm", "grad norm (pre-clip)", 1.5)
         cfg = series.spike_config
-        drawn = [(s, t) for s, t, v, k in zip(series.steps, series.threshold, shown, series.kept, strict=True)
-                 if v and k and t is not None]
+        drawn = [
+            (s, t)
+            for s, t, v, k in zip(series.steps, series.threshold, shown, series.kept, strict=True)
+            if v and k and t is not None
+        ]
         tx, ty = [d[0] for d in drawn], [d[1] for d in drawn]
         if tx:
             source = "" if series.config_source != _DEFAULTS else f"; {_DEFAULTS}"
-            ax.plot(tx, ty, color=COLORS["threshold"], lw=1.6, ls=(0, (4, 2)), gid="threshold", zorder=4,
-                    label=f"threshold: {cfg.multiplier:g}x rolling median ({cfg.window} steps{source})")
+            ax.plot(
+                tx,
+                ty,
+                color=COLORS["threshold"],
+                lw=1.6,
+                ls=(0, (4, 2)),
+                gid="threshold",
+                zorder=4,
+                label=f"threshold: {cfg.multiplier:g}x rolling median ({cfg.window} steps{source})",
+            )
         pts = [(s, g) for s, g in series.spikes if lo <= s <= hi and math.isfinite(g)]
         if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], ls="none", marker="X", ms=9, mec="white", mew=0.8,
-                    color=COLORS["spike"], gid="spike", zorder=6, clip_on=False, label="spike")
+            ax.plot(
+                [p[0] for p in pts],
+                [p[1] for p in pts],
+                ls="none",
+                marker="X",
+                ms=9,
+                mec="white",
+                mew=0.8,
+                color=COLORS["spike"],
+                gid="spike",
+                zorder=6,
+                clip_on=False,
+                label="spike",
+            )
         ax.set_yscale("log")
         ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
         ax.yaxis.set_minor_locator(LogLocator(subs=(2.0, 5.0)))
@@ -350,14 +394,29 @@ def render(series: RunSeries, *, title: str = "", start: int | None = None, end:
         line(ax, "lr", "learning rate", 1.6)
         drops = [(t, after) for n, t, before, after in series.rollbacks if lo <= t <= hi and after is not None]
         if drops:
-            ax.plot([d[0] for d in drops], [d[1] for d in drops], ls="none", marker="v", ms=8,
-                    color=COLORS["spike"], gid="lr_drop", zorder=6, label="LR drop at rollback")
+            ax.plot(
+                [d[0] for d in drops],
+                [d[1] for d in drops],
+                ls="none",
+                marker="v",
+                ms=8,
+                color=COLORS["spike"],
+                gid="lr_drop",
+                zorder=6,
+                label="LR drop at rollback",
+            )
             labelled = -math.inf
-            for (_n, t, before, after) in series.rollbacks:
+            for _n, t, before, after in series.rollbacks:
                 if lo <= t <= hi and before and after and t - labelled >= gap:
                     labelled = t
-                    ax.annotate(f"\u00d7{after / before:.3g}", (t, after), textcoords="offset points", xytext=(8, 4),
-                                fontsize=8, color=COLORS["spike"])
+                    ax.annotate(
+                        f"\u00d7{after / before:.3g}",
+                        (t, after),
+                        textcoords="offset points",
+                        xytext=(8, 4),
+                        fontsize=8,
+                        color=COLORS["spike"],
+                    )
         ax.set_ylabel("LR")
         ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
 
@@ -366,21 +425,48 @@ def render(series: RunSeries, *, title: str = "", start: int | None = None, end:
         if spike < lo or t > hi:
             continue
         for ax in axes:
-            ax.axvspan(t, spike + 1, color=COLORS["rollback"], alpha=0.45, lw=0, zorder=1, gid="rollback",
-                       label="rollback: step N back to N-K" if k == 0 and ax is axes[0] else "_nolegend_")
+            ax.axvspan(
+                t,
+                spike + 1,
+                color=COLORS["rollback"],
+                alpha=0.45,
+                lw=0,
+                zorder=1,
+                gid="rollback",
+                label="rollback: step N back to N-K" if k == 0 and ax is axes[0] else "_nolegend_",
+            )
         top = axes[0]
         y = top.get_ylim()[1]
-        top.annotate("", xy=(t, y), xytext=(spike + 1, y), annotation_clip=False,
-                     arrowprops={"arrowstyle": "-|>", "color": COLORS["spike"], "lw": 1.4})
+        top.annotate(
+            "",
+            xy=(t, y),
+            xytext=(spike + 1, y),
+            annotation_clip=False,
+            arrowprops={"arrowstyle": "-|>", "color": COLORS["spike"], "lw": 1.4},
+        )
         if t - labelled < gap:
             continue
         labelled = t
-        top.annotate(f"{spike}\u2192{t}", (t, y), textcoords="offset points", xytext=(0, 4), fontsize=8,
-                     color=COLORS["spike"], annotation_clip=False)
+        top.annotate(
+            f"{spike}\u2192{t}",
+            (t, y),
+            textcoords="offset points",
+            xytext=(0, 4),
+            fontsize=8,
+            color=COLORS["spike"],
+            annotation_clip=False,
+        )
     for k, s in enumerate(x for x in series.resumes if lo <= x <= hi):
         for ax in axes:
-            ax.axvline(s, color=COLORS["resume"], lw=2.0, ls=(0, (3, 2)), gid="resume", zorder=5,
-                       label="resume" if k == 0 and ax is axes[0] else "_nolegend_")
+            ax.axvline(
+                s,
+                color=COLORS["resume"],
+                lw=2.0,
+                ls=(0, (3, 2)),
+                gid="resume",
+                zorder=5,
+                label="resume" if k == 0 and ax is axes[0] else "_nolegend_",
+            )
 
     for ax in axes:
         ax.grid(True, color="#e6e6e6", lw=0.8)
@@ -398,8 +484,14 @@ def render(series: RunSeries, *, title: str = "", start: int | None = None, end:
     return fig
 
 
-def plot_run(run: str | os.PathLike[str], out: str | os.PathLike[str], *, start: int | None = None,
-             end: int | None = None, spike_config: SpikeConfig | None = None) -> PlotSummary:
+def plot_run(
+    run: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    start: int | None = None,
+    end: int | None = None,
+    spike_config: SpikeConfig | None = None,
+) -> PlotSummary:
     """Render a run's recording to an image file (PNG, or any format matplotlib writes).
 
     Args:
@@ -435,13 +527,21 @@ def plot_run(run: str | os.PathLike[str], out: str | os.PathLike[str], *, start:
     if not series.scalars:
         raise ValueError(f"{path}: no step row records a loss, grad_norm or lr; nothing to plot")
     name = os.path.basename(os.path.normpath(os.path.dirname(path) or os.getcwd()))
-    title = (f"{name}: {len(set(series.steps))} steps \u00b7 {len(series.spikes)} spike(s) \u00b7 "
-             f"{len(series.rollbacks)} rollback(s) \u00b7 {len(series.resumes)} resume(s)")
+    title = (
+        f"{name}: {len(set(series.steps))} steps \u00b7 {len(series.spikes)} spike(s) \u00b7 "
+        f"{len(series.rollbacks)} rollback(s) \u00b7 {len(series.resumes)} resume(s)"
+    )
     fig = render(series, title=title, start=start, end=end)
     out = os.fspath(out)
     image = io.BytesIO()
     fig.savefig(image, format=os.path.splitext(out)[1][1:].lower() or "png", dpi=100)
     write_bytes_atomic(out, image.getvalue())  # the image appears whole or not at all
     drawn = sorted({str(a.get_gid()) for ax in fig.axes for a in [*ax.lines, *ax.patches] if a.get_gid()})
-    return PlotSummary(path=out, steps=len(series.steps), spikes=len(series.spikes),
-                       rollbacks=len(series.rollbacks), resumes=len(series.resumes), series=tuple(drawn))
+    return PlotSummary(
+        path=out,
+        steps=len(series.steps),
+        spikes=len(series.spikes),
+        rollbacks=len(series.rollbacks),
+        resumes=len(series.resumes),
+        series=tuple(drawn),
+    )

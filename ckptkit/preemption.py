@@ -63,13 +63,16 @@ class StopRequests:
     def _handle(self, signum: int, _frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
         if self.signal is not None:
-            sys.stderr.write(f"ckptkit: second {name}: aborting now; the checkpoints on disk are intact "
-                             "(the next resume removes the temporary file of an interrupted save)\n")
+            sys.stderr.write(
+                f"ckptkit: second {name}: aborting now; the checkpoints on disk are intact "
+                "(the next resume removes the temporary file of an interrupted save)\n"
+            )
             sys.stderr.flush()
             os._exit(128 + signum)
         self.signal = signum
-        sys.stderr.write(f"ckptkit: {name}: finishing the current step, then saving it "
-                         f"(send {name} again to abort at once)\n")
+        sys.stderr.write(
+            f"ckptkit: {name}: finishing the current step, then saving it (send {name} again to abort at once)\n"
+        )
         sys.stderr.flush()
 
     def reason(self, steps_done: int) -> str | None:

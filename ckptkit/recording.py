@@ -48,8 +48,9 @@ def step_row(step: int, scalars: Mapping[str, Any]) -> dict[str, Any]:
         elif isinstance(value, float):
             row[f"{name}_bits"] = f64_bits(value)
         elif not isinstance(value, (int, str, bool)) or value is None:
-            raise TypeError(f"record(): {name} must be a number, a string or a one-element tensor "
-                            f"(got {type(value).__name__})")
+            raise TypeError(
+                f"record(): {name} must be a number, a string or a one-element tensor (got {type(value).__name__})"
+            )
         row[name] = json_float(value) if isinstance(value, float) else value
     return row
 
@@ -90,14 +91,22 @@ class Difference:
         if self.fields:
             lines.append(f"  fields: {', '.join(self.fields)}")
         if self.tensors:
-            lines.append(f"  tensors that differ ({len(self.tensors)}): " + ", ".join(self.tensors[:limit])
-                         + (" ..." if len(self.tensors) > limit else ""))
+            lines.append(
+                f"  tensors that differ ({len(self.tensors)}): "
+                + ", ".join(self.tensors[:limit])
+                + (" ..." if len(self.tensors) > limit else "")
+            )
         lines += [f"  {d}" for d in self.details[:limit]]
         return lines
 
     def to_json(self) -> dict[str, Any]:
-        return {"step": self.step, "kind": self.kind, "fields": list(self.fields), "tensors": list(self.tensors),
-                "file": self.file}
+        return {
+            "step": self.step,
+            "kind": self.kind,
+            "fields": list(self.fields),
+            "tensors": list(self.tensors),
+            "file": self.file,
+        }
 
 
 class RunRecording:
@@ -134,8 +143,11 @@ def first_difference(a: RunRecording, b: RunRecording, *, from_step: int = 0) ->
         if ra == rb:
             continue
         if ra["kind"] != rb["kind"] or ra["step"] != rb["step"]:
-            return Difference(min(ra["step"], rb["step"]), "rows", details=(
-                f"a: {ra['kind']} row of step {ra['step']}, b: {rb['kind']} row of step {rb['step']}",))
+            return Difference(
+                min(ra["step"], rb["step"]),
+                "rows",
+                details=(f"a: {ra['kind']} row of step {ra['step']}, b: {rb['kind']} row of step {rb['step']}",),
+            )
         if ra["kind"] == "digests":
             return Difference(ra["step"], "digests", tensors=tuple(differing_names(ra["tensors"], rb["tensors"])))
         fields = tuple(sorted(k for k in ra.keys() | rb.keys() if ra.get(k) != rb.get(k)))
@@ -150,8 +162,9 @@ def first_difference(a: RunRecording, b: RunRecording, *, from_step: int = 0) ->
     return _first_checkpoint_difference(a, b, from_step)
 
 
-def _next_digests(rows_a: list[dict[str, Any]], rows_b: list[dict[str, Any]],
-                  row: dict[str, Any]) -> tuple[dict[str, int], dict[str, int]] | None:
+def _next_digests(
+    rows_a: list[dict[str, Any]], rows_b: list[dict[str, Any]], row: dict[str, Any]
+) -> tuple[dict[str, int], dict[str, int]] | None:
     i = rows_a.index(row)
     for j in range(i + 1, min(len(rows_a), len(rows_b))):
         if rows_a[j]["kind"] == "digests" and rows_b[j]["kind"] == "digests":
@@ -171,8 +184,13 @@ def _first_checkpoint_difference(a: RunRecording, b: RunRecording, from_step: in
         if _same_bytes(pa, pb):
             continue
         diffs = compare_checkpoints(pa, pb)
-        return Difference(step, "checkpoint", tensors=tuple(d.name for d in diffs), file=checkpoint_name(step),
-                          details=tuple(f"{d.name}: {d.detail}" for d in diffs))
+        return Difference(
+            step,
+            "checkpoint",
+            tensors=tuple(d.name for d in diffs),
+            file=checkpoint_name(step),
+            details=tuple(f"{d.name}: {d.detail}" for d in diffs),
+        )
     return None
 
 

@@ -99,19 +99,25 @@ class RollbackRecord:
         if isinstance(version, bool) or not isinstance(version, int):
             raise MalformedIndex(f"version must be an int (got {type(version).__name__})", field=f"{where}.version")
         if version != RECORD_VERSION:
-            raise UnsupportedVersion("rollback record version not supported", field=f"{where}.version",
-                                     expected=RECORD_VERSION, actual=version,
-                                     hint="resume this run with the ckptkit version that wrote it")
+            raise UnsupportedVersion(
+                "rollback record version not supported",
+                field=f"{where}.version",
+                expected=RECORD_VERSION,
+                actual=version,
+                hint="resume this run with the ckptkit version that wrote it",
+            )
         keys = set(_TYPES) | {"version"}
         missing, unknown = sorted(keys - set(state)), sorted(map(str, set(state) - keys))
         if missing or unknown:
-            raise MalformedIndex(f"{'missing' if missing else 'unknown'} key(s) {', '.join(missing or unknown)}",
-                                 field=where)
+            raise MalformedIndex(
+                f"{'missing' if missing else 'unknown'} key(s) {', '.join(missing or unknown)}", field=where
+            )
         for key, types in _TYPES.items():
             value = state[key]
             if isinstance(value, bool) or not isinstance(value, types):
-                raise MalformedIndex(f"must be {' or '.join(t.__name__ for t in types)} (got {value!r})",
-                                     field=f"{where}.{key}")
+                raise MalformedIndex(
+                    f"must be {' or '.join(t.__name__ for t in types)} (got {value!r})", field=f"{where}.{key}"
+                )
             if isinstance(value, int) and value < 0:
                 raise MalformedIndex(f"must be >= 0 (got {value})", field=f"{where}.{key}")
         if not (math.isfinite(state["lr_scale"]) and 0.0 < state["lr_scale"] <= 1.0):
@@ -119,15 +125,21 @@ class RollbackRecord:
         events = []
         for i, event in enumerate(state["rollbacks"]):
             if not isinstance(event, Mapping) or set(event) != _EVENT_KEYS:
-                raise MalformedIndex(f"must be a dict with keys {', '.join(sorted(_EVENT_KEYS))}",
-                                     field=f"{where}.rollbacks[{i}]")
+                raise MalformedIndex(
+                    f"must be a dict with keys {', '.join(sorted(_EVENT_KEYS))}", field=f"{where}.rollbacks[{i}]"
+                )
             events.append(RollbackEvent(**{k: event[k] for k in _EVENT_KEYS}))
         return cls(**{k: state[k] for k in _TYPES if k != "rollbacks"}, rollbacks=tuple(events))
 
 
 _TYPES: dict[str, tuple[type, ...]] = {
-    "lr_scale": (float,), "count": (int,), "skipped_batches": (int,), "consecutive": (int,),
-    "horizon": (int, type(None)), "transient": (int,), "rollbacks": (list,),
+    "lr_scale": (float,),
+    "count": (int,),
+    "skipped_batches": (int,),
+    "consecutive": (int,),
+    "horizon": (int, type(None)),
+    "transient": (int,),
+    "rollbacks": (list,),
 }
 
 

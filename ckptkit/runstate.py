@@ -78,6 +78,7 @@ from .snapshot import encode_snapshot, read_snapshot, snapshot_path
 
 __all__ = ["ENVIRONMENT_FILE", "ResumeInfo", "RunState", "checkpoint_name", "list_checkpoints", "read_environment"]
 
+
 @dataclass(frozen=True)
 class ResumeInfo:
     """What :meth:`RunState.resume` did.
@@ -204,7 +205,9 @@ class RunState:
         """Register a monitor (e.g. :class:`ckptkit.monitor.SpikeMonitor`); plain-value state only."""
         self._name("monitor", name, self._reg.monitors)
         if not has_state_dict(monitor):
-            raise UnsupportedValue(f"monitor {name!r}: a {type(monitor).__name__} has no state_dict()/load_state_dict()")
+            raise UnsupportedValue(
+                f"monitor {name!r}: a {type(monitor).__name__} has no state_dict()/load_state_dict()"
+            )
         check_plain(monitor.state_dict(), f"monitor {name!r}")
         self._reg.monitors[name] = monitor
 
@@ -260,8 +263,10 @@ class RunState:
     def add_flag(self, name: str, *, get: Callable[[], bool], set: Callable[[bool], None]) -> None:  # noqa: A002
         """Register a container flag bit by name (``fp32_fallback`` = bit 0)."""
         if name not in FLAG_NAMES.values():
-            raise UnsupportedValue(f"flag {name!r} has no bit in this container version "
-                                   f"(known: {', '.join(FLAG_NAMES.values())}); store it with add_value")
+            raise UnsupportedValue(
+                f"flag {name!r} has no bit in this container version "
+                f"(known: {', '.join(FLAG_NAMES.values())}); store it with add_value"
+            )
         self._name("flag", name, self._reg.flags)
         self._reg.flags[name] = Entry(get, set)
 
@@ -356,9 +361,12 @@ class RunState:
 
         def write(snap: dict[str, Any]) -> None:
             write_bytes_atomic(snapshot_path(path), config)
-            bound = {kind: write_sidecar(sidecar_path(path, kind), train_step=ckpt.step, table_step=table_step,
-                                         tree=snap[f"sidecar:{kind}"])
-                     for kind, table_step in stamps.items()}
+            bound = {
+                kind: write_sidecar(
+                    sidecar_path(path, kind), train_step=ckpt.step, table_step=table_step, tree=snap[f"sidecar:{kind}"]
+                )
+                for kind, table_step in stamps.items()
+            }
             taken = dataclasses.replace(ckpt, **{name: snap[name] for name in SECTIONS})
             save(path, self._bind(taken, config, bound), compression=self.compression)
             self._retain()
@@ -434,8 +442,9 @@ class RunState:
         os.makedirs(self.run_dir, exist_ok=True)
         clean_stale_temps(self.run_dir)
         facts = capture()
-        write_bytes_atomic(os.path.join(self.run_dir, ENVIRONMENT_FILE),
-                           (json.dumps(facts, sort_keys=True, indent=2) + "\n").encode())
+        write_bytes_atomic(
+            os.path.join(self.run_dir, ENVIRONMENT_FILE), (json.dumps(facts, sort_keys=True, indent=2) + "\n").encode()
+        )
         return 0
 
     def resume(self, *, allow_legacy: bool = False, allow_env_change: bool = False) -> ResumeInfo:
@@ -484,8 +493,7 @@ class RunState:
         self.restore(ckpt, sidecars={k: (sc.table_step, sc.tree) for k, sc in sidecars.items()})
         for n in notes:
             self._log(n)
-        return ResumeInfo(ckpt.step, path, tuple(notes), tuple(skipped), tuple(exempt), tuple(env),
-                          legacy_missing)
+        return ResumeInfo(ckpt.step, path, tuple(notes), tuple(skipped), tuple(exempt), tuple(env), legacy_missing)
 
     def resume_or_start(self, *, allow_legacy: bool = False, allow_env_change: bool = False) -> int:
         """Resume the newest consistent checkpoint if the run directory holds one, else start
@@ -533,13 +541,16 @@ class RunState:
                 history.resume_at(step, rollback.get()["count"] if rollback is not None else 0)
             history.close()
             self._recording = True
-        append_rows(os.path.join(self.run_dir, HISTORY_FILE),
-                    [row, digests_row(step + 1, checkpoint_state(self.checkpoint(step + 1)))])
+        append_rows(
+            os.path.join(self.run_dir, HISTORY_FILE),
+            [row, digests_row(step + 1, checkpoint_state(self.checkpoint(step + 1)))],
+        )
 
     # ------------------------------------------------------------------ stopping (spec/runstate.md "Stopping")
 
-    def preemptible(self, signals: Iterable[int] = DEFAULT_SIGNALS, *,
-                    resume_hint: str | None = None) -> contextlib.AbstractContextManager[None]:
+    def preemptible(
+        self, signals: Iterable[int] = DEFAULT_SIGNALS, *, resume_hint: str | None = None
+    ) -> contextlib.AbstractContextManager[None]:
         """Opt in to preemption while the returned context is open: the first SIGTERM or
         SIGINT requests a stop (the loop finishes its step, :meth:`step_done` saves it and
         exits with ``EXIT_STOPPED``, 75); a second aborts at once, leaving every checkpoint
@@ -585,9 +596,13 @@ class RunState:
         path = self.save(steps_done)
         self.wait()
         hint = self._resume_hint or shlex.join(
-            [sys.executable, *sys.argv] if sys.argv and sys.argv[0].endswith(".py") else sys.argv)
-        print(f"ckptkit: stopped at step {steps_done} ({why}): saved {path}; resume with: {hint}",
-              file=sys.stderr, flush=True)
+            [sys.executable, *sys.argv] if sys.argv and sys.argv[0].endswith(".py") else sys.argv
+        )
+        print(
+            f"ckptkit: stopped at step {steps_done} ({why}): saved {path}; resume with: {hint}",
+            file=sys.stderr,
+            flush=True,
+        )
         raise RunStopped(steps_done, path, why)
 
     def _newest_consistent(self) -> tuple[Checkpoint, str, Any, dict[str, Any], list[tuple[str, str]]]:
@@ -599,13 +614,20 @@ class RunState:
             try:
                 ckpt = load(path)
                 if ckpt.step != named_step:
-                    raise FormatError("header step does not match the file name", path=path, offset=8,
-                                      field="step", expected=named_step, actual=ckpt.step,
-                                      hint="a checkpoint renamed or copied over another; resume from another")
+                    raise FormatError(
+                        "header step does not match the file name",
+                        path=path,
+                        offset=8,
+                        field="step",
+                        expected=named_step,
+                        actual=ckpt.step,
+                        hint="a checkpoint renamed or copied over another; resume from another",
+                    )
                 if not os.path.exists(snapshot_path(path)):
                     raise CheckpointNotFound(f"{snapshot_path(path)}: config snapshot is missing")
-                sidecars = {kind: read_sidecar(sidecar_path(path, kind), expect_step=ckpt.step)
-                            for kind in self._reg.sidecars}
+                sidecars = {
+                    kind: read_sidecar(sidecar_path(path, kind), expect_step=ckpt.step) for kind in self._reg.sidecars
+                }
                 # A damaged or swapped companion is damage, like a damaged container
                 # (spec/companions.md): it is skipped here, never reported as drift.
                 check_companions(path, record_of(ckpt.monitor, path), sidecars=self._reg.sidecars)

@@ -307,14 +307,14 @@ def check_plain(value: Any, where: str, depth: int = 0, on_leaf: Callable[[Any, 
     if isinstance(value, dict):
         for k in value:
             if isinstance(k, bool) or not isinstance(k, (int, str)):
-                raise UnsupportedValue(f"{where}: map key {k!r} is a {type(k).__name__}; only str and int keys are stored")
+                raise UnsupportedValue(
+                    f"{where}: map key {k!r} is a {type(k).__name__}; only str and int keys are stored"
+                )
             if isinstance(k, str):
                 _check_utf8(k, where)
             elif not -(2**63) <= k < 2**64:
                 raise UnsupportedValue(f"{where}: map key {k} does not fit in 64 bits")
-        return {
-            k: check_plain(value[k], f"{where}[{k!r}]", depth + 1, on_leaf) for k in sorted(value, key=sort_key)
-        }
+        return {k: check_plain(value[k], f"{where}[{k!r}]", depth + 1, on_leaf) for k in sorted(value, key=sort_key)}
     raise UnsupportedValue(
         f"{where}: a {type(value).__module__}.{type(value).__qualname__} cannot be stored "
         "(only tensors, None, bool, int, float, str, bytes, lists, tuples and dicts); "
@@ -363,8 +363,9 @@ def decode_index(
         return MalformedIndex(problem, path=path, offset=at, field=f"{name} index", **kw)
 
     try:
-        index = msgpack.unpackb(raw, raw=False, strict_map_key=False, use_list=True, object_pairs_hook=_map,
-                                ext_hook=_Exts().hook)
+        index = msgpack.unpackb(
+            raw, raw=False, strict_map_key=False, use_list=True, object_pairs_hook=_map, ext_hook=_Exts().hook
+        )
     except Exception as e:  # noqa: BLE001 - msgpack raises many types (ValueError, StackError, ExtraData...)
         why = f"msgpack {type(e).__name__}" + (f": {e}" if str(e) else "")
         raise bad(f"not a valid msgpack index ({why})", hint="R-010") from None
@@ -376,8 +377,13 @@ def decode_index(
     codec = index["codec"]
     if codec not in CODECS:
         raise UnsupportedVersion(
-            "unknown data codec", path=path, offset=at, field=f"{name} index",
-            expected=" or ".join(CODECS), actual=_show(codec, 40), hint="written by a newer ckptkit? (R-011)",
+            "unknown data codec",
+            path=path,
+            offset=at,
+            field=f"{name} index",
+            expected=" or ".join(CODECS),
+            actual=_show(codec, 40),
+            hint="written by a newer ckptkit? (R-011)",
         )
     data_len, raw_len = index["data_len"], index["raw_len"]
     for key, v in (("data_len", data_len), ("raw_len", raw_len)):
@@ -387,18 +393,25 @@ def decode_index(
     if data_start + data_len != start + length:
         raise TruncatedFile(
             f"data region of {data_len} bytes at offset {data_start} does not end at the section end",
-            path=path, offset=data_start, field=f"{name} data", expected=start + length, actual=data_start + data_len,
+            path=path,
+            offset=data_start,
+            field=f"{name} data",
+            expected=start + length,
+            actual=data_start + data_len,
             hint="R-012",
         )
     if codec == "zstd" and raw_len > data_len * MAX_ZSTD_RATIO + (1 << 20):
-        raise bad("raw_len exceeds what any zstd frame of data_len bytes can decode to",
-                  expected=f"<= {data_len * MAX_ZSTD_RATIO + (1 << 20)}", actual=raw_len, hint="R-008")
+        raise bad(
+            "raw_len exceeds what any zstd frame of data_len bytes can decode to",
+            expected=f"<= {data_len * MAX_ZSTD_RATIO + (1 << 20)}",
+            actual=raw_len,
+            hint="R-008",
+        )
     if codec == "raw" and raw_len != data_len:
         raise bad("raw_len must equal data_len for codec 'raw'", expected=data_len, actual=raw_len, hint="R-012")
     records = _decode_records(index["tensors"], raw_len, legacy=legacy, bad=bad)
     if index["tree"] is None:
-        raise bad("the tree of a present section is nil (a section without state is absent: length 0)",
-                  hint="R-016")
+        raise bad("the tree of a present section is nil (a section without state is absent: length 0)", hint="R-016")
     referenced: set[int] = set()
     tree = _unpack_tree(index["tree"], len(records), referenced, bad, 0)
     if len(referenced) != len(records):
@@ -466,27 +479,41 @@ def _decode_records(
             raise bad(f"{where}: record must be an array of {width} fields", actual=_show(r, 80), hint="R-013")
         dtype, shape, offset, nbytes = r[:4]
         if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
-            raise bad(f"{where}: unknown dtype", expected="a name from the dtype table", actual=_show(dtype, 40),
-                      hint="R-013")
+            raise bad(
+                f"{where}: unknown dtype", expected="a name from the dtype table", actual=_show(dtype, 40), hint="R-013"
+            )
         # type() is int: msgpack decodes integers as int, and a bool is not a dimension
         if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(type(d) is int and d >= 0 for d in shape):
-            raise bad(f"{where}: shape must be at most {MAX_NDIM} non-negative integers", actual=_show(shape, 80),
-                      hint="R-013")
+            raise bad(
+                f"{where}: shape must be at most {MAX_NDIM} non-negative integers",
+                actual=_show(shape, 80),
+                hint="R-013",
+            )
         if max(shape, default=0) >= 2**63 or math.prod(d or 1 for d in shape) >= 2**63:
             raise bad(f"{where}: shape does not fit in int64 element counts", actual=_show(shape, 80), hint="R-013")
         if not _is_uint(offset) or not _is_uint(nbytes):
-            raise bad(f"{where}: offset and nbytes must be non-negative integers", actual=_show(r[2:4], 80), hint="R-013")
+            raise bad(
+                f"{where}: offset and nbytes must be non-negative integers", actual=_show(r[2:4], 80), hint="R-013"
+            )
         want = math.prod(shape) * DTYPE_SIZES[dtype]
         if nbytes != want:
             raise bad(f"{where}: nbytes disagrees with shape x itemsize", expected=want, actual=nbytes, hint="R-014")
         if offset % ALIGN:
             raise bad(f"{where}: offset {offset} is not a multiple of {ALIGN}", hint="R-014")
         if offset < end_prev:
-            raise bad(f"{where}: overlaps the previous tensor (tensors must be in offset order, disjoint)",
-                      expected=f">= {end_prev}", actual=offset, hint="R-014")
+            raise bad(
+                f"{where}: overlaps the previous tensor (tensors must be in offset order, disjoint)",
+                expected=f">= {end_prev}",
+                actual=offset,
+                hint="R-014",
+            )
         if offset + nbytes > raw_len:
-            raise bad(f"{where}: extent [{offset}, {offset + nbytes}) runs past the data region",
-                      expected=f"end <= {raw_len}", actual=offset + nbytes, hint="R-014")
+            raise bad(
+                f"{where}: extent [{offset}, {offset + nbytes}) runs past the data region",
+                expected=f"end <= {raw_len}",
+                actual=offset + nbytes,
+                hint="R-014",
+            )
         end_prev = offset + nbytes
         digest = None
         if not legacy:
@@ -554,7 +581,7 @@ def _unpack_tree(v: Any, n_tensors: int, referenced: set[int], bad: Callable[...
     if isinstance(v, (list, dict)):
         is_tuple = isinstance(v, list) and bool(v) and v[0] is _TUPLE
         items = v[1:] if is_tuple else v
-        for k, x in (items.items() if isinstance(items, dict) else enumerate(items)):
+        for k, x in items.items() if isinstance(items, dict) else enumerate(items):
             if type(x) is TensorRef:
                 if x.id >= n_tensors:
                     raise bad(f"tree references tensor {x.id}, the table has {n_tensors}", hint="R-015")

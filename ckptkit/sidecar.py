@@ -91,17 +91,31 @@ def write_sidecar(path: str | os.PathLike[str], *, train_step: int, table_step: 
 def _layout(src: Source) -> tuple[Layout, int]:
     head = src.pread(0, min(src.size, 8), "magic")
     if head[:4] != _MAGIC[:4] or len(head) < 8 or head[4] or head[7]:
-        raise BadMagic("not a ckptkit sidecar", path=src.path, offset=0, field="magic",
-                       expected=repr(_MAGIC), actual=repr(head), hint="R-020")
+        raise BadMagic(
+            "not a ckptkit sidecar",
+            path=src.path,
+            offset=0,
+            field="magic",
+            expected=repr(_MAGIC),
+            actual=repr(head),
+            hint="R-020",
+        )
     version = struct.unpack_from("<H", head, 5)[0]
     if version != SIDECAR_VERSION:
-        raise UnsupportedVersion(f"sidecar version {version} is not supported", path=src.path, offset=5,
-                                 field="magic", expected=SIDECAR_VERSION, actual=version,
-                                 hint="a newer ckptkit wrote it; upgrade ckptkit (R-020)")
+        raise UnsupportedVersion(
+            f"sidecar version {version} is not supported",
+            path=src.path,
+            offset=5,
+            field="magic",
+            expected=SIDECAR_VERSION,
+            actual=version,
+            hint="a newer ckptkit wrote it; upgrade ckptkit (R-020)",
+        )
     _, train_step, table_step, n = _HEADER.unpack(src.pread(0, _HEADER.size, "sidecar header"))
     sections, trailer_at, digest = read_framed(src, _HEADER.size, {"table": n}, {"table": 24}, _END)
-    layout = Layout(src.path, SIDECAR_VERSION, train_step, 0, sections, False, (), src.size, trailer_at, digest,
-                    _HEADER.size)
+    layout = Layout(
+        src.path, SIDECAR_VERSION, train_step, 0, sections, False, (), src.size, trailer_at, digest, _HEADER.size
+    )
     return layout, table_step
 
 
@@ -109,7 +123,11 @@ def _check_stamp(path: str | None, train_step: int, expect_step: int | None) -> 
     if expect_step is not None and train_step != expect_step:
         raise SidecarMismatch(
             f"sidecar belongs to training step {train_step}, its checkpoint is at step {expect_step}",
-            path=path, offset=8, field="train_step", expected=expect_step, actual=train_step,
+            path=path,
+            offset=8,
+            field="train_step",
+            expected=expect_step,
+            actual=train_step,
             hint="a crash between the checkpoint and sidecar writes; resume from an earlier checkpoint (R-021)",
         )
 
@@ -162,8 +180,9 @@ def sidecar_report(path: str | os.PathLike[str]) -> Report:
             layout, _ = _layout(src)
     except FormatError as e:
         return Report(path, False, e, None, None, (), False, (), (), os.path.getsize(path), 0, "sidecar")
-    return Report(path, True, None, layout.version, layout.step, (), False, (), section_infos(layout),
-                  layout.size, 0, "sidecar")
+    return Report(
+        path, True, None, layout.version, layout.step, (), False, (), section_infos(layout), layout.size, 0, "sidecar"
+    )
 
 
 def read_sidecar(path: str | os.PathLike[str], *, expect_step: int | None = None) -> Sidecar:

@@ -278,8 +278,13 @@ def _decode(data: bytes, path: str | None) -> Snapshot:
         )
     version = doc.get("schema_version")
     if type(version) is not int:
-        raise FormatError("missing or non-integer schema_version", path=path, field="schema_version",
-                          expected="integer", actual=json.dumps(version))
+        raise FormatError(
+            "missing or non-integer schema_version",
+            path=path,
+            field="schema_version",
+            expected="integer",
+            actual=json.dumps(version),
+        )
     if version != SCHEMA_VERSION:
         raise UnsupportedVersion(
             "unsupported snapshot schema_version",
@@ -299,11 +304,17 @@ def _decode(data: bytes, path: str | None) -> Snapshot:
             actual=f"missing {missing}, unknown {extra}",
         )
     if not isinstance(doc["config_type"], str):
-        raise FormatError("config_type is not a string", path=path, field="config_type",
-                          expected="string", actual=json.dumps(doc["config_type"]))
+        raise FormatError(
+            "config_type is not a string",
+            path=path,
+            field="config_type",
+            expected="string",
+            actual=json.dumps(doc["config_type"]),
+        )
     if not isinstance(doc["config"], dict):
-        raise FormatError("config is not a table", path=path, field="config",
-                          expected="object", actual=type(doc["config"]).__name__)
+        raise FormatError(
+            "config is not a table", path=path, field="config", expected="object", actual=type(doc["config"]).__name__
+        )
     _check_keys(doc["config"], "", path)
     return Snapshot(config=doc["config"], config_type=doc["config_type"], schema_version=version, path=path)
 
@@ -330,8 +341,12 @@ def read_snapshot(path: str | os.PathLike[str]) -> Snapshot:
         0.0003
     """
     name = os.fspath(path)
-    data = read_small_file(name, "config snapshot", missing="no config snapshot here",
-                           hint="is this a checkpoint? its snapshot is <ckpt>.config.json")
+    data = read_small_file(
+        name,
+        "config snapshot",
+        missing="no config snapshot here",
+        hint="is this a checkpoint? its snapshot is <ckpt>.config.json",
+    )
     return _decode(data, name)
 
 
@@ -351,6 +366,11 @@ def read_small_file(path: str, what: str, *, missing: str, hint: str) -> bytes:
     except OSError as e:
         raise FormatError(f"cannot read the {what} ({e.strerror})", path=path) from None
     if len(data) > _MAX_SNAPSHOT_BYTES:
-        raise FormatError(f"file too large for a {what}", path=path, expected=f"<= {_MAX_SNAPSHOT_BYTES} bytes",
-                          actual=f"> {_MAX_SNAPSHOT_BYTES}", hint=hint)
+        raise FormatError(
+            f"file too large for a {what}",
+            path=path,
+            expected=f"<= {_MAX_SNAPSHOT_BYTES} bytes",
+            actual=f"> {_MAX_SNAPSHOT_BYTES}",
+            hint=hint,
+        )
     return data

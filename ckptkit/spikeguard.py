@@ -119,17 +119,23 @@ def _scalars(result: Any, step: int) -> tuple[float, float]:
     for name, v in (("grad norm", gn), ("loss", loss)):
         if hasattr(v, "numel"):
             if v.numel() != 1:
-                raise TypeError(f"step {step}: step_fn must return the step's grad norm as a scalar "
-                                f"(got a {name} tensor of shape {list(v.shape)}); return e.g. "
-                                "clip_grad_norm_(...) or its .item()")
+                raise TypeError(
+                    f"step {step}: step_fn must return the step's grad norm as a scalar "
+                    f"(got a {name} tensor of shape {list(v.shape)}); return e.g. "
+                    "clip_grad_norm_(...) or its .item()"
+                )
             v = v.item()
         if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise TypeError(f"step {step}: step_fn must return the step's grad norm as a number "
-                            f"(got {type(v).__name__} for the {name}); return e.g. clip_grad_norm_(...).item()")
+            raise TypeError(
+                f"step {step}: step_fn must return the step's grad norm as a number "
+                f"(got {type(v).__name__} for the {name}); return e.g. clip_grad_norm_(...).item()"
+            )
         values.append(float(v))
     if values[0] < 0:
-        raise ValueError(f"step {step}: step_fn returned a negative grad norm ({values[0]!r}); "
-                         "a grad norm is >= 0 (NaN and inf are spikes, judged by the monitor)")
+        raise ValueError(
+            f"step {step}: step_fn returned a negative grad norm ({values[0]!r}); "
+            "a grad norm is >= 0 (NaN and inf are spikes, judged by the monitor)"
+        )
     return values[0], values[1]
 
 
@@ -159,8 +165,10 @@ class _Effects:
             return
         gone = self.guard.state.discard_after(to)
         if gone:
-            self.say(f"deleted {len(gone)} checkpoint(s) of the abandoned timeline: "
-                     + ", ".join(os.path.basename(p) for p in gone))
+            self.say(
+                f"deleted {len(gone)} checkpoint(s) of the abandoned timeline: "
+                + ", ".join(os.path.basename(p) for p in gone)
+            )
         self.guard.save(to)
 
 
@@ -246,8 +254,9 @@ class SpikeGuard:
         if inject is not None:
             state.add_value(INJECTION_VALUE, get=inject.state, set=inject.load)
             self._keeps.add(f"value:{INJECTION_VALUE}")
-        self._leave_out = frozenset({f"monitors.{self._monitor_name}.report", f"values.{VALUE_NAME}",
-                                     f"values.{INJECTION_VALUE}"})
+        self._leave_out = frozenset(
+            {f"monitors.{self._monitor_name}.report", f"values.{VALUE_NAME}", f"values.{INJECTION_VALUE}"}
+        )
         self.ring = Ring(k) if self.on else None
         self._genesis = self._capture(0) if self.on else None
         self._live, self._quiet = _Effects(self, live=True), _Effects(self, live=False)
@@ -268,11 +277,15 @@ class SpikeGuard:
         if name is not None and name in positions:
             return name
         if not positions:
-            raise ValueError("SpikeGuard(mode='on') skips the spike's data through a registered data position, and "
-                             "this RunState registers none: register it with state.add_data_position(...), or pass "
-                             "skip_data=False to replay the same data after a rollback")
-        raise ValueError(f"SpikeGuard: data={name!r} names no registered data position "
-                         f"(registered: {', '.join(positions)}); pass data=<one of them>")
+            raise ValueError(
+                "SpikeGuard(mode='on') skips the spike's data through a registered data position, and "
+                "this RunState registers none: register it with state.add_data_position(...), or pass "
+                "skip_data=False to replay the same data after a rollback"
+            )
+        raise ValueError(
+            f"SpikeGuard: data={name!r} names no registered data position "
+            f"(registered: {', '.join(positions)}); pass data=<one of them>"
+        )
 
     def _load_record(self, stored: Any) -> None:
         self.record = RollbackRecord.from_state(stored)
@@ -336,16 +349,20 @@ class SpikeGuard:
         # 1. The update is discarded: the state before the step comes back from the ring.
         self.monitor.refuse(n)
         fx.row(self._spike_row(first, "rerun"))
-        fx.say(f"spike at step {n} ({_describe(first.verdict)}): update discarded; re-running step {n} "
-               "from the state before it")
+        fx.say(
+            f"spike at step {n} ({_describe(first.verdict)}): update discarded; re-running step {n} "
+            "from the state before it"
+        )
         self._restore(self._kept(n), keep_data=False)
         # 2. The re-run: a fault does not repeat, the data does.
         rerun = self._execute(n, step_fn, fx, rerun=True)
         if not rerun.verdict.is_spike:
             self.record = dataclasses.replace(self.record, transient=self.record.transient + 1)
             fx.row(self._spike_row(first, "transient", rerun))
-            fx.say(f"step {n} re-ran normally ({_describe(rerun.verdict)}): a transient spike, not the data; "
-                   "keeping the re-run, no rollback")
+            fx.say(
+                f"step {n} re-ran normally ({_describe(rerun.verdict)}): a transient spike, not the data; "
+                "keeping the re-run, no rollback"
+            )
             return Continue(rerun)
         # 3. Confirmed: roll back, or stop at the bound / the cap.
         rec = self.record
@@ -380,8 +397,9 @@ class SpikeGuard:
 
     # ------------------------------------------------------------------ rollback
 
-    def _rollback(self, first: Executed, rerun: Executed, consecutive: int, chained: bool,
-                  fx: _Effects) -> RollbackEvent:
+    def _rollback(
+        self, first: Executed, rerun: Executed, consecutive: int, chained: bool, fx: _Effects
+    ) -> RollbackEvent:
         n, rec = first.step, self.record
         # Never further back than the previous rollback's target: PaLM restarts repeated
         # spikes from the same point, and it is the oldest state the ring holds until
@@ -398,18 +416,38 @@ class SpikeGuard:
         scale = rec.lr_scale * self.lr_drop
         lr_before, lr_after = self._drop_lr(to, target, rec.lr_scale, scale)
         v = rerun.verdict
-        event = RollbackEvent(step=n, to=to, reason=v.reason, grad_norm=v.grad_norm, median=v.median, ratio=v.ratio,
-                              lr_before=lr_before, lr_after=lr_after, lr_scale=scale, skipped=skipped)
+        event = RollbackEvent(
+            step=n,
+            to=to,
+            reason=v.reason,
+            grad_norm=v.grad_norm,
+            median=v.median,
+            ratio=v.ratio,
+            lr_before=lr_before,
+            lr_after=lr_after,
+            lr_scale=scale,
+            skipped=skipped,
+        )
         self.record = dataclasses.replace(
-            rec, lr_scale=scale, count=rec.count + 1, consecutive=consecutive,
+            rec,
+            lr_scale=scale,
+            count=rec.count + 1,
+            consecutive=consecutive,
             skipped_batches=rec.skipped_batches + (skipped["batches"] if skipped else 0),
-            horizon=max(n, rec.horizon or 0) if chained else n, rollbacks=(*rec.rollbacks, event))
+            horizon=max(n, rec.horizon or 0) if chained else n,
+            rollbacks=(*rec.rollbacks, event),
+        )
         self._check_offset_rule(to)
         fx.row(self._rollback_row(event, rerun))
-        fx.say(f"ROLLED BACK to step {to} (rollback {self.record.count}, {consecutive} in a row): lr "
-               f"{lr_before:.3g} -> {lr_after:.3g} (x{scale:g} from now on); "
-               + (f"skipping data positions [{skipped['start']}, {skipped['end']}) ({skipped['batches']} batches)"
-                  if skipped else "replaying the same data"))
+        fx.say(
+            f"ROLLED BACK to step {to} (rollback {self.record.count}, {consecutive} in a row): lr "
+            f"{lr_before:.3g} -> {lr_after:.3g} (x{scale:g} from now on); "
+            + (
+                f"skipping data positions [{skipped['start']}, {skipped['end']}) ({skipped['batches']} batches)"
+                if skipped
+                else "replaying the same data"
+            )
+        )
         fx.rollback_durable(to)
         return event
 
@@ -433,7 +471,8 @@ class SpikeGuard:
                 raise StreamOffsetMismatch(
                     f"rollback to step {to}: data position {name!r} is {entry.get()}, but its rule expects {want} "
                     f"with {self.record.skipped_batches} skipped batches; the rule must add "
-                    "ckptkit.rollback_record.skipped_batches(values) (spec/rollback.md R-R05)")
+                    "ckptkit.rollback_record.skipped_batches(values) (spec/rollback.md R-R05)"
+                )
 
     def _unstable(self, first: Executed, rerun: Executed, consecutive: int, fx: _Effects) -> None:
         rec = self.record
@@ -442,23 +481,30 @@ class SpikeGuard:
         if self.history is not None and fx.live:
             self.history.sync()
         # The bound lists the chain's rollbacks; the cap, every rollback of the run.
-        chain = list(rec.rollbacks[len(rec.rollbacks) - (consecutive - 1):]) if consecutive > 1 else []
+        chain = list(rec.rollbacks[len(rec.rollbacks) - (consecutive - 1) :]) if consecutive > 1 else []
         chain = chain if bound_hit else list(rec.rollbacks)
         lines = [_event_line(i + 1, e) for i, e in enumerate(chain)]
         lines.append(f"  {len(lines) + 1}. step {rerun.step}: {_describe(rerun.verdict)}; not rolled back")
-        why = (f"{consecutive} consecutive spikes (rollback bound {self.bound})" if bound_hit else
-               f"rollback cap {self.cap}: {rec.count} rollbacks already done in this run")
+        why = (
+            f"{consecutive} consecutive spikes (rollback bound {self.bound})"
+            if bound_hit
+            else f"rollback cap {self.cap}: {rec.count} rollbacks already done in this run"
+        )
         ckpts = self.state.checkpoints()  # a save still in flight is "the newest": named once it is on disk
         resume_from = ckpts[-1][1] if ckpts else None
-        where = (f"the last good checkpoint is {resume_from} (the newest; intact: nothing was saved after it, "
-                 f"`ckptkit verify {self.state.run_dir}` checks it); resume from it once the cause is found, "
-                 "e.g. with a lower LR, gradient clipping or another seed"
-                 if resume_from else "no checkpoint was saved yet")
+        where = (
+            f"the last good checkpoint is {resume_from} (the newest; intact: nothing was saved after it, "
+            f"`ckptkit verify {self.state.run_dir}` checks it); resume from it once the cause is found, "
+            "e.g. with a lower LR, gradient clipping or another seed"
+            if resume_from
+            else "no checkpoint was saved yet"
+        )
         err = TrainingUnstable(f"training is unstable; investigate: {why}:\n" + "\n".join(lines) + f"\n{where}")
         v = rerun.verdict
-        err.events = [*(dataclasses.asdict(e) for e in chain),  # type: ignore[attr-defined]
-                      {"step": rerun.step, "reason": v.reason, "grad_norm": v.grad_norm, "median": v.median,
-                       "ratio": v.ratio}]
+        err.events = [
+            *(dataclasses.asdict(e) for e in chain),
+            {"step": rerun.step, "reason": v.reason, "grad_norm": v.grad_norm, "median": v.median, "ratio": v.ratio},
+        ]
         err.checkpoint = resume_from  # type: ignore[attr-defined]
         raise err
 
@@ -471,8 +517,10 @@ class SpikeGuard:
         assert self.ring is not None
         kept = self.ring.get(step)
         if kept is None:  # the ring holds steps n-k..n by construction (and after a rebuild, R-R12)
-            raise ReplayDivergence(f"rollback: no state kept for step {step} (ring holds {self.ring.steps()}); "
-                                   "a resumed loop must call SpikeGuard.rebuild(start, step_fn) before its first step")
+            raise ReplayDivergence(
+                f"rollback: no state kept for step {step} (ring holds {self.ring.steps()}); "
+                "a resumed loop must call SpikeGuard.rebuild(start, step_fn) before its first step"
+            )
         return kept
 
     def _restore(self, kept: Kept, *, keep_data: bool, full: bool = False) -> None:
@@ -493,12 +541,15 @@ class SpikeGuard:
         if keep_data and self.data is not None:
             apart.add(f"data.{self.data}")
         now = digests(self.state.checkpoint(kept.step), self.state.sidecar_contents(), leave_out=frozenset(apart))
-        differ = sorted(n for n in kept.digests.keys() | now.keys() if n not in apart and kept.digests.get(n) != now.get(n))
+        differ = sorted(
+            n for n in kept.digests.keys() | now.keys() if n not in apart and kept.digests.get(n) != now.get(n)
+        )
         if differ:
             raise ReplayDivergence(
                 f"the state restored for step {kept.step} differs from the state kept at step {kept.step} in: "
                 f"{', '.join(differ)}; a restore that misses run state cannot roll back exactly (a registration "
-                "whose set() or load_state_dict() does not put everything back?)")
+                "whose set() or load_state_dict() does not put everything back?)"
+            )
 
     # ------------------------------------------------------------------ resume: rebuild the ring
 
@@ -534,8 +585,11 @@ class SpikeGuard:
             raise ReplayDivergence(
                 f"rebuilding the rollback ring: replaying steps {frm}..{start} from {note} did not reproduce "
                 f"{checkpoint_name(start)} (differs in: {', '.join(differ)}); this run is not deterministic here, "
-                "so a rollback could not be exact; see ReplayDivergence's docstring for the usual causes")
-        msg = f"rollback ring rebuilt: replayed steps {frm}..{start} from {note}; it reproduced {checkpoint_name(start)}"
+                "so a rollback could not be exact; see ReplayDivergence's docstring for the usual causes"
+            )
+        msg = (
+            f"rollback ring rebuilt: replayed steps {frm}..{start} from {note}; it reproduced {checkpoint_name(start)}"
+        )
         self.log(msg)
         return [msg]
 
@@ -572,25 +626,50 @@ class SpikeGuard:
 
     def _spike_row(self, first: Executed, action: str, rerun: Executed | None = None) -> dict[str, Any]:
         v = first.verdict
-        row = {"kind": "spike", "step": first.step, "action": action, "mode": self.mode,
-               "reason": v.reason, "grad_norm": json_float(v.grad_norm), "grad_norm_bits": f32_bits(v.grad_norm),
-               "median": _num(v.median), "ratio": _num(v.ratio), "lr": first.lr}
+        row = {
+            "kind": "spike",
+            "step": first.step,
+            "action": action,
+            "mode": self.mode,
+            "reason": v.reason,
+            "grad_norm": json_float(v.grad_norm),
+            "grad_norm_bits": f32_bits(v.grad_norm),
+            "median": _num(v.median),
+            "ratio": _num(v.ratio),
+            "lr": first.lr,
+        }
         if self.on:
-            row["rerun"] = None if rerun is None else {
-                "reason": rerun.verdict.reason, "spike": rerun.verdict.is_spike,
-                "grad_norm": json_float(rerun.verdict.grad_norm), "grad_norm_bits": f32_bits(rerun.verdict.grad_norm)}
+            row["rerun"] = (
+                None
+                if rerun is None
+                else {
+                    "reason": rerun.verdict.reason,
+                    "spike": rerun.verdict.is_spike,
+                    "grad_norm": json_float(rerun.verdict.grad_norm),
+                    "grad_norm_bits": f32_bits(rerun.verdict.grad_norm),
+                }
+            )
         return row
 
     def _rollback_row(self, event: RollbackEvent, rerun: Executed) -> dict[str, Any]:
         rec = self.record
         return {
-            "kind": "rollback", "step": event.step, "to": event.to, "reason": event.reason,
-            "grad_norm": json_float(event.grad_norm), "grad_norm_bits": f32_bits(rerun.verdict.grad_norm),
-            "median": _num(event.median), "ratio": _num(event.ratio),
-            "lr_before": event.lr_before, "lr_after": event.lr_after, "lr_scale": event.lr_scale,
-            "skipped": event.skipped, "skipped_batches": rec.skipped_batches,
+            "kind": "rollback",
+            "step": event.step,
+            "to": event.to,
+            "reason": event.reason,
+            "grad_norm": json_float(event.grad_norm),
+            "grad_norm_bits": f32_bits(rerun.verdict.grad_norm),
+            "median": _num(event.median),
+            "ratio": _num(event.ratio),
+            "lr_before": event.lr_before,
+            "lr_after": event.lr_after,
+            "lr_scale": event.lr_scale,
+            "skipped": event.skipped,
+            "skipped_batches": rec.skipped_batches,
             "abandoned": {"from": event.to, "to": event.step},
-            "consecutive": rec.consecutive, "count": rec.count,
+            "consecutive": rec.consecutive,
+            "count": rec.count,
             "rollbacks": [e.row() for e in rec.rollbacks],
         }
 
@@ -630,5 +709,7 @@ def _event_line(i: int, e: RollbackEvent) -> str:
     median = "-" if e.median is None else f"{e.median:.4g}"
     s = e.skipped
     skip = f"skipped data positions [{s['start']}, {s['end']}) ({s['batches']} batches)" if s else "no data skipped"
-    return (f"  {i}. step {e.step}: {e.reason}: grad norm {e.grad_norm:.4g}, median {median}, ratio {ratio}; "
-            f"rolled back to step {e.to}, lr {e.lr_before:.3g} -> {e.lr_after:.3g}, {skip}")
+    return (
+        f"  {i}. step {e.step}: {e.reason}: grad norm {e.grad_norm:.4g}, median {median}, ratio {ratio}; "
+        f"rolled back to step {e.to}, lr {e.lr_before:.3g} -> {e.lr_after:.3g}, {skip}"
+    )

@@ -44,8 +44,14 @@ class Run(Protocol):
     state: RunState
 
 
-def _train(make_run: Callable[[Any, Path], Run], step: Callable[[Run, int], None], config: Any, run_dir: Path,
-           steps: int, stops: Collection[int]) -> str:
+def _train(
+    make_run: Callable[[Any, Path], Run],
+    step: Callable[[Run, int], None],
+    config: Any,
+    run_dir: Path,
+    steps: int,
+    stops: Collection[int],
+) -> str:
     run = make_run(config, run_dir)
     run.state.start()
     for i in range(steps):
@@ -67,7 +73,7 @@ def _files(path: str) -> dict[str, bytes]:
     for other in sorted(os.listdir(directory)):
         if other.startswith(name):
             with open(os.path.join(directory, other), "rb") as f:
-                out[other[len(name):] or ".ckpt"] = f.read()
+                out[other[len(name) :] or ".ckpt"] = f.read()
     return out
 
 
@@ -110,10 +116,12 @@ def assert_resume_equivalent(
     raise AssertionError("\n".join(lines))
 
 
-_RECIPES = ("usual causes: the data position is not registered (a shuffled DataLoader: make its order a function "
-            "of (seed, epoch) and register the batches read with add_data_position, docs/adopting.md); a draw from "
-            "the global generator in the step (nn.Dropout, torch.randn: wrap the step in "
-            "`with ckptkit.step_rng(seed, step):`); state not registered (scheduler, scaler, EMA copy)")
+_RECIPES = (
+    "usual causes: the data position is not registered (a shuffled DataLoader: make its order a function "
+    "of (seed, epoch) and register the batches read with add_data_position, docs/adopting.md); a draw from "
+    "the global generator in the step (nn.Dropout, torch.randn: wrap the step in "
+    "`with ckptkit.step_rng(seed, step):`); state not registered (scheduler, scaler, EMA copy)"
+)
 
 
 def interruptions(steps: int, max_stops: int = 3) -> Any:
@@ -171,7 +179,6 @@ def _differs(a: Any, b: Any) -> bool:
     return bool(a != b)
 
 
-
 class GradSpike:
     """TESTING AID: multiply every gradient of ``modules`` by ``factor`` on the first
     ``repeat`` executions of step ``at``, as a data x state spike would.
@@ -208,8 +215,9 @@ class GradSpike:
         self.arrivals += 1
         if self.arrivals <= self.repeat:
             factor = self.factor
-            self._handles = [p.register_hook(lambda g: g * factor)
-                             for m in self.modules for p in m.parameters() if p.requires_grad]
+            self._handles = [
+                p.register_hook(lambda g: g * factor) for m in self.modules for p in m.parameters() if p.requires_grad
+            ]
 
     def disarm(self) -> None:
         """Called after the step: the hooks go."""

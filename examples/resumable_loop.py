@@ -96,8 +96,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--run-dir", type=Path, required=True)
     p.add_argument("--steps", type=int, default=Config.steps)
     p.add_argument("--resume", action="store_true")
-    p.add_argument("--global-dropout", action="store_true",
-                   help="TESTING AID: draw dropout from the global generator; `ckptkit audit` then exits 1")
+    p.add_argument(
+        "--global-dropout",
+        action="store_true",
+        help="TESTING AID: draw dropout from the global generator; `ckptkit audit` then exits 1",
+    )
     args = p.parse_args(argv)
     cfg = Config(steps=args.steps, global_dropout=args.global_dropout)
     run = make_run(cfg, args.run_dir)

@@ -56,7 +56,7 @@ class EpochShuffle(torch.utils.data.Sampler[int]):
 
     def __iter__(self) -> Any:
         g = ckptkit.torch_generator(self.seed, self.epoch, stream=2)
-        return iter(torch.randperm(self.n, generator=g)[self.start:].tolist())
+        return iter(torch.randperm(self.n, generator=g)[self.start :].tolist())
 
     def __len__(self) -> int:
         return self.n - self.start
@@ -111,6 +111,7 @@ def schedule(cfg: Config) -> Any:
             return (step + 1) / cfg.warmup
         t = min(1.0, (step - cfg.warmup) / max(1, cfg.decay - cfg.warmup))
         return 0.1 + 0.45 * (1.0 + math.cos(math.pi * t))
+
     return factor
 
 
@@ -129,12 +130,21 @@ def make_run(cfg: Config, run_dir: Path) -> Run:
     state.add_model("net", net)  # ckptkit
     state.add_optimizer("adamw", opt)  # ckptkit
     state.add_scheduler("lr", sched)  # ckptkit
-    state.add_data_position("train", get=lambda: data.position, set=data.seek,  # ckptkit
-                            expected=lambda step, values: step + skipped_batches(values))  # ckptkit
+    state.add_data_position(
+        "train",
+        get=lambda: data.position,
+        set=data.seek,  # ckptkit
+        expected=lambda step, values: step + skipped_batches(values),
+    )  # ckptkit
     history = ckptkit.History(run_dir)  # ckptkit
     inject = None if cfg.spike_at is None else GradSpike([net], at=cfg.spike_at, repeat=cfg.spike_repeat)  # ckptkit
-    guard = ckptkit.SpikeGuard(state, cfg.mode, history=history, inject=inject,  # ckptkit
-                               on_step=lambda e: history.append(step_row(e)))  # ckptkit
+    guard = ckptkit.SpikeGuard(
+        state,
+        cfg.mode,
+        history=history,
+        inject=inject,  # ckptkit
+        on_step=lambda e: history.append(step_row(e)),
+    )  # ckptkit
     return Run(cfg, net, opt, sched, data, state, history, guard)
 
 
@@ -158,8 +168,15 @@ def train_step(run: Run, step: int) -> StepOut:
 
 def step_row(e: ckptkit.Executed) -> dict[str, Any]:
     """A ``step`` row of history.jsonl (the loop's scalars; spec/rollback.md R-R10)."""
-    return {"kind": "step", "step": e.step, "loss": e.result.loss, "grad_norm": e.result.grad_norm, "lr": e.lr,
-            "verdict": e.verdict.reason, "rerun": e.rerun}
+    return {
+        "kind": "step",
+        "step": e.step,
+        "loss": e.result.loss,
+        "grad_norm": e.result.grad_norm,
+        "lr": e.lr,
+        "verdict": e.verdict.reason,
+        "rerun": e.rerun,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,8 +21,14 @@ STEPS = 12
 @settings(max_examples=8)
 @given(stops=interruptions(STEPS))
 def test_interrupted_and_resumed_equals_uninterrupted(tmp_path_factory, stops):
-    assert_resume_equivalent(make_run, train_step, Config(steps=STEPS, ckpt_every=4), steps=STEPS, stops=stops,
-                             workdir=tmp_path_factory.mktemp("resume"))
+    assert_resume_equivalent(
+        make_run,
+        train_step,
+        Config(steps=STEPS, ckpt_every=4),
+        steps=STEPS,
+        stops=stops,
+        workdir=tmp_path_factory.mktemp("resume"),
+    )
 
 
 def test_a_training_step_leaves_global_rng_alone(tmp_path):

@@ -87,8 +87,9 @@ class Target:
                 bad = {k: o for k, o in got.items() if not k.endswith(":seconds") and finding(o)}
                 slow = {k: s for k, s in got.items() if k.endswith(":seconds") and float(s) > self.slow_s}
                 if bad or slow:
-                    raise Finding(f"{kind} readers on {len(v)} bytes{' (resealed)' if v is not data else ''}: "
-                                  f"{bad or slow}", v)
+                    raise Finding(
+                        f"{kind} readers on {len(v)} bytes{' (resealed)' if v is not data else ''}: {bad or slow}", v
+                    )
 
 
 # ------------------------------------------------------------------ atheris
@@ -112,8 +113,16 @@ def run_atheris(target: Target, seconds: int, extra: list[str], corpus_dir: str,
             raise AssertionError(str(e)) from None
 
     os.makedirs(artifacts, exist_ok=True)
-    argv = [sys.argv[0], f"-max_total_time={seconds}", "-timeout=20", "-rss_limit_mb=0", "-max_len=65536",
-            f"-artifact_prefix={artifacts.rstrip('/')}/", *extra, corpus_dir]
+    argv = [
+        sys.argv[0],
+        f"-max_total_time={seconds}",
+        "-timeout=20",
+        "-rss_limit_mb=0",
+        "-max_len=65536",
+        f"-artifact_prefix={artifacts.rstrip('/')}/",
+        *extra,
+        corpus_dir,
+    ]
     atheris.Setup(argv, one)
     atheris.Fuzz()  # exits the process; libFuzzer prints the summary
     return 0
@@ -122,8 +131,9 @@ def run_atheris(target: Target, seconds: int, extra: list[str], corpus_dir: str,
 # ------------------------------------------------------------------ hypothesis
 
 
-def run_hypothesis(target: Target, seconds: int, seed: int, artifacts: str, batch: int = 200,
-                   keep_going: bool = False) -> int:
+def run_hypothesis(
+    target: Target, seconds: int, seed: int, artifacts: str, batch: int = 200, keep_going: bool = False
+) -> int:
     import msgpack
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import seed as hseed
@@ -133,13 +143,22 @@ def run_hypothesis(target: Target, seconds: int, seed: int, artifacts: str, batc
     pool = seeds()
     interesting = [0, 1, 7, 8, 63, 64, 2**31, 2**32, 2**63 - 1, 2**63, 2**64 - 64, 2**64 - 1]
     values = st.recursive(
-        st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(), st.text(max_size=6),
-                  st.binary(max_size=9), st.sampled_from(["raw", "zstd", "float32", "uint8", "int64"]),
-                  st.builds(msgpack.ExtType, st.integers(0, 127), st.binary(max_size=5)),
-                  st.just(msgpack.Timestamp(1, 0))),
-        lambda c: st.lists(c, max_size=4) | st.dictionaries(st.one_of(st.text(max_size=4), st.integers(0, 9)), c,
-                                                            max_size=4),
-        max_leaves=10)
+        st.one_of(
+            st.none(),
+            st.booleans(),
+            st.integers(-(2**63), 2**64 - 1),
+            st.floats(),
+            st.text(max_size=6),
+            st.binary(max_size=9),
+            st.sampled_from(["raw", "zstd", "float32", "uint8", "int64"]),
+            st.builds(msgpack.ExtType, st.integers(0, 127), st.binary(max_size=5)),
+            st.just(msgpack.Timestamp(1, 0)),
+        ),
+        lambda c: (
+            st.lists(c, max_size=4) | st.dictionaries(st.one_of(st.text(max_size=4), st.integers(0, 9)), c, max_size=4)
+        ),
+        max_leaves=10,
+    )
 
     @st.composite
     def mutated(draw):
@@ -155,40 +174,53 @@ def run_hypothesis(target: Target, seconds: int, seed: int, artifacts: str, batc
             elif op == "u64" and n >= 8:
                 at = min(at, n - 8)
                 v = draw(st.sampled_from([*interesting, n, n - at, n + 8]))
-                data[at:at + 8] = struct.pack("<Q", v % 2**64)
+                data[at : at + 8] = struct.pack("<Q", v % 2**64)
             elif op == "cut":
                 del data[at:]
             elif op == "insert":
                 data[at:at] = draw(st.binary(min_size=1, max_size=64))
             elif op == "delete":
-                del data[at:at + draw(st.integers(1, 64))]
+                del data[at : at + draw(st.integers(1, 64))]
             elif op == "splice":
                 other = draw(st.sampled_from(pool))
-                data[at:] = other[draw(st.integers(0, max(len(other) - 1, 0))):]
+                data[at:] = other[draw(st.integers(0, max(len(other) - 1, 0))) :]
             elif op == "index":
                 sites = index_sites(bytes(data))
                 if sites:
                     start, ilen = draw(st.sampled_from(sites))
                     try:
-                        index = msgpack.unpackb(bytes(data[start + 8:start + 8 + ilen]), raw=False,
-                                                strict_map_key=False)
+                        index = msgpack.unpackb(
+                            bytes(data[start + 8 : start + 8 + ilen]), raw=False, strict_map_key=False
+                        )
                     except Exception:  # noqa: BLE001 - the seed's index may itself be hostile
                         continue
                     if isinstance(index, dict) and index:
                         key = draw(st.sampled_from(sorted(index, key=str)))
                         index[key] = draw(values)
-                        data = bytearray(replace_index(bytes(data), start, ilen,
-                                                       msgpack.packb(index, use_bin_type=True)))
+                        data = bytearray(
+                            replace_index(bytes(data), start, ilen, msgpack.packb(index, use_bin_type=True))
+                        )
         return bytes(data)
 
-    inputs = st.one_of(mutated(), st.binary(max_size=2048),
-                       st.builds(lambda p, b: p + b, st.sampled_from([b"DMCK\x00\x02\x00\x00",
-                                                                      b"DMSC\x00\x01\x00\x00"]),
-                                 st.binary(max_size=1024)))
+    inputs = st.one_of(
+        mutated(),
+        st.binary(max_size=2048),
+        st.builds(
+            lambda p, b: p + b,
+            st.sampled_from([b"DMCK\x00\x02\x00\x00", b"DMSC\x00\x01\x00\x00"]),
+            st.binary(max_size=1024),
+        ),
+    )
     failure: list[tuple[str, bytes]] = []
 
-    @settings(max_examples=batch, deadline=None, database=None, phases=[Phase.generate, Phase.shrink],
-              suppress_health_check=list(HealthCheck), report_multiple_bugs=False)
+    @settings(
+        max_examples=batch,
+        deadline=None,
+        database=None,
+        phases=[Phase.generate, Phase.shrink],
+        suppress_health_check=list(HealthCheck),
+        report_multiple_bugs=False,
+    )
     @given(inputs)
     def prop(data: bytes) -> None:
         try:
@@ -212,13 +244,19 @@ def run_hypothesis(target: Target, seconds: int, seed: int, artifacts: str, batc
                 with open(out, "wb") as f:
                     f.write(data)
                 found[sig] = out
-                print(f"FINDING after {target.runs} inputs: {msg}\n  saved to {out} "
-                      f"(replay: python fuzz/fuzz_load.py --replay {out})", file=sys.stderr)
+                print(
+                    f"FINDING after {target.runs} inputs: {msg}\n  saved to {out} "
+                    f"(replay: python fuzz/fuzz_load.py --replay {out})",
+                    file=sys.stderr,
+                )
             if not keep_going:
                 return 1
         rounds += 1
-    print(f"hypothesis engine: {target.runs} inputs in {rounds} rounds of {batch}, seed {seed}, "
-          f"{len(found)} distinct finding(s)", file=sys.stderr)
+    print(
+        f"hypothesis engine: {target.runs} inputs in {rounds} rounds of {batch}, seed {seed}, "
+        f"{len(found)} distinct finding(s)",
+        file=sys.stderr,
+    )
     return 1 if found else 0
 
 
@@ -238,8 +276,9 @@ def _import_readers() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+    )
     ap.add_argument("--seconds", type=int, default=60, help="time budget (default 60)")
     ap.add_argument("--engine", choices=("auto", "atheris", "hypothesis"), default="auto")
     ap.add_argument("--seed", type=int, default=0, help="hypothesis engine: base seed")
@@ -248,8 +287,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--corpus", default=os.path.join(ROOT, "fuzz", "corpus"), help="atheris working corpus")
     ap.add_argument("--artifacts", default=os.path.join(ROOT, "fuzz", "artifacts"), help="where findings go")
     ap.add_argument("--replay", metavar="FILE", help="run the readers on one file and exit")
-    ap.add_argument("--keep-going", action="store_true",
-                    help="hypothesis engine: record each distinct finding and go on until the time is up")
+    ap.add_argument(
+        "--keep-going",
+        action="store_true",
+        help="hypothesis engine: record each distinct finding and go on until the time is up",
+    )
     args, extra = ap.parse_known_args(argv)
     extra = [a for a in extra if a != "--"]
 

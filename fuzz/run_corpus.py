@@ -34,8 +34,13 @@ def expected_outcomes(case: dict) -> dict[str, str]:
         return {"read_sidecar": err, "verify_sidecar": err}
     insp = case.get("inspect", err)
     cli_rc = "rc0" if insp == "ok" else "rc1"
-    return {"load": err, "verify": err, "cli-verify": "rc0" if err == "ok" else "rc1",
-            "cli-inspect": cli_rc, "cli-inspect-json": cli_rc}
+    return {
+        "load": err,
+        "verify": err,
+        "cli-verify": "rc0" if err == "ok" else "rc1",
+        "cli-inspect": cli_rc,
+        "cli-inspect-json": cli_rc,
+    }
 
 
 def run(directory: str, mem_mib: int) -> dict:
@@ -58,13 +63,20 @@ def run(directory: str, mem_mib: int) -> dict:
         path = os.path.join(directory, case["file"])
         # a file declaring more tensor bytes than the cap (zstd-tensor-bomb: a legitimate 1 GiB
         # tensor) is verified but not loaded: a loader must allocate what the file holds
-        got = exercise(path, kind=case["kind"], expect_step=case.get("expect_step"),
-                       max_load_bytes=(mem_mib << 20) // 2)
+        got = exercise(
+            path, kind=case["kind"], expect_step=case.get("expect_step"), max_load_bytes=(mem_mib << 20) // 2
+        )
         want = expected_outcomes(case)
         wrong = {r: {"expected": want[r], "got": got[r]} for r in want if r in got and got[r] != want[r]}
-        results.append({"file": case["file"], "outcomes": got, "wrong": wrong,
-                        "findings": sorted(r for r in want if r in got and finding(got[r])),
-                        "seconds": max(float(v) for k, v in got.items() if k.endswith(":seconds"))})
+        results.append(
+            {
+                "file": case["file"],
+                "outcomes": got,
+                "wrong": wrong,
+                "findings": sorted(r for r in want if r in got and finding(got[r])),
+                "seconds": max(float(v) for k, v in got.items() if k.endswith(":seconds")),
+            }
+        )
     out = {"cap_bytes": cap, "marker": marker, "marker_exists": os.path.exists(marker), "cases": results}
     scratch.cleanup()
     return out
@@ -85,8 +97,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{c['file']}: {json.dumps(c['wrong'], sort_keys=True)}")
     if out["marker_exists"]:
         print(f"PICKLE PAYLOAD RAN: {out['marker']} exists")
-    print(f"{len(out['cases'])} cases, {len(bad)} with unexpected outcomes, "
-          f"slowest {max(c['seconds'] for c in out['cases']):.2f} s", file=sys.stderr)
+    print(
+        f"{len(out['cases'])} cases, {len(bad)} with unexpected outcomes, "
+        f"slowest {max(c['seconds'] for c in out['cases']):.2f} s",
+        file=sys.stderr,
+    )
     return 1 if bad or out["marker_exists"] else 0
 
 

@@ -69,8 +69,11 @@ def _cli(argv: list[str]) -> str:
         return f"!rc {rc} internal error: {err.getvalue().strip()[:200]}"
     if rc != 0 and len(lines) != 1 and argv[0] == "inspect":
         return f"!rc {rc} with {len(lines)} stderr lines: {err.getvalue()[:200]}"
-    if rc != 0 and argv[0] == "verify" and not (
-            rc == 1 and out.getvalue().startswith("FAIL") and len(out.getvalue().splitlines()) == 1 and not lines):
+    if (
+        rc != 0
+        and argv[0] == "verify"
+        and not (rc == 1 and out.getvalue().startswith("FAIL") and len(out.getvalue().splitlines()) == 1 and not lines)
+    ):
         return f"!rc {rc}: stdout {out.getvalue()[:100]!r} stderr {err.getvalue()[:100]!r}"
     if rc == 0 and err.getvalue():
         return f"!rc 0 but stderr: {err.getvalue()[:200]}"
@@ -89,8 +92,14 @@ def declared_tensor_bytes(path: str, kind: str) -> int:
     return sum(t.nbytes for s in layout.sections.values() if s is not None for t in s.tensors)
 
 
-def exercise(path: str, *, kind: str = "container", expect_step: int | None = None,
-             skip: tuple[str, ...] = (), max_load_bytes: int = 256 << 20) -> dict[str, str]:
+def exercise(
+    path: str,
+    *,
+    kind: str = "container",
+    expect_step: int | None = None,
+    skip: tuple[str, ...] = (),
+    max_load_bytes: int = 256 << 20,
+) -> dict[str, str]:
     """Run every reader of ``kind`` on ``path``.
 
     A file that *declares* more than ``max_load_bytes`` of tensors (legitimately
@@ -124,10 +133,10 @@ def exercise(path: str, *, kind: str = "container", expect_step: int | None = No
         }
     else:
         readers = {
-            "read_sidecar": lambda: _call(lambda: (sidecar.read_sidecar(path, expect_step=expect_step), None)[1],
-                                          path),
+            "read_sidecar": lambda: _call(lambda: (sidecar.read_sidecar(path, expect_step=expect_step), None)[1], path),
             "verify_sidecar": lambda: _call(
-                lambda: (sidecar.verify_sidecar(path, expect_step=expect_step), None)[1], path),
+                lambda: (sidecar.verify_sidecar(path, expect_step=expect_step), None)[1], path
+            ),
         }
     out: dict[str, str] = {}
     for name, fn in readers.items():
@@ -196,16 +205,16 @@ def reseal(data: bytes) -> bytes:
             continue
         for rec in sec.tensors:
             a = sec.data_start + rec.offset
-            new = _U64.pack(xxhash.xxh3_64_intdigest(bytes(out[a:a + rec.nbytes])))
+            new = _U64.pack(xxhash.xxh3_64_intdigest(bytes(out[a : a + rec.nbytes])))
             old = b"\xc4\x08" + _U64.pack(rec.digest or 0)
-            at = bytes(out[sec.start:sec.data_start]).find(old)
+            at = bytes(out[sec.start : sec.data_start]).find(old)
             if at >= 0:
-                out[sec.start + at + 2:sec.start + at + 10] = new
+                out[sec.start + at + 2 : sec.start + at + 10] = new
     h = xxhash.xxh3_64()
     for a, b in container.skeleton_extents(layout):
         h.update(bytes(out[a:b]))
     assert layout.trailer_offset is not None
-    out[layout.trailer_offset:layout.trailer_offset + 8] = _U64.pack(h.intdigest())
+    out[layout.trailer_offset : layout.trailer_offset + 8] = _U64.pack(h.intdigest())
     return bytes(out)
 
 
@@ -241,14 +250,14 @@ def replace_index(data: bytes, start: int, index_len: int, new_index: bytes) -> 
     for at in fields:
         n = _U64.unpack_from(data, at)[0]
         if pos == start and n:
-            out[at:at + 8] = _U64.pack(n + delta)
+            out[at : at + 8] = _U64.pack(n + delta)
             break
         pos += n
     return bytes(out)
 
 
 def decode_raw_index(data: bytes, start: int, index_len: int) -> Any:
-    return msgpack.unpackb(data[start + 8:start + 8 + index_len], raw=False, strict_map_key=False)
+    return msgpack.unpackb(data[start + 8 : start + 8 + index_len], raw=False, strict_map_key=False)
 
 
 if __name__ == "__main__":  # pragma: no cover - a quick manual probe

@@ -30,8 +30,13 @@ STEPS = 2
 
 def _serve(rank: int, world: int, init_file: str, timeout_s: float, inbox: Any, outbox: Any) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
     while True:
         msg = inbox.get()
         if msg is None:
@@ -52,8 +57,12 @@ class RankPool:
         os.unlink(self._init)
         self.inboxes = [ctx.Queue() for _ in range(world)]
         self.outboxes = [ctx.Queue() for _ in range(world)]
-        self.procs = [ctx.Process(target=_serve, args=(r, world, self._init, timeout_s, self.inboxes[r],
-                                                        self.outboxes[r]), daemon=True) for r in range(world)]
+        self.procs = [
+            ctx.Process(
+                target=_serve, args=(r, world, self._init, timeout_s, self.inboxes[r], self.outboxes[r]), daemon=True
+            )
+            for r in range(world)
+        ]
         for p in self.procs:
             p.start()
 

@@ -45,9 +45,15 @@ def same(a, b) -> bool:
 
 # Small enough that a step takes a few milliseconds on one core.
 TINY = {
-    "model.n_layer": 2, "model.n_head": 2, "model.d_model": 32, "model.block_size": 16,
-    "data.seq_len": 16, "data.batch": 4,
-    "train.log_every": 1000, "train.keep": 100, "train.warmup_iters": 2,
+    "model.n_layer": 2,
+    "model.n_head": 2,
+    "model.d_model": 32,
+    "model.block_size": 16,
+    "data.seq_len": 16,
+    "data.batch": 4,
+    "train.log_every": 1000,
+    "train.keep": 100,
+    "train.warmup_iters": 2,
 }
 
 
@@ -60,9 +66,11 @@ class Crash(Exception):
     """Raised from ``on_step`` to kill a run between checkpoints."""
 
 
-def run(cfg: TrainerConfig, run_dir: Path, steps: int, *, resume: bool = False,
-        crash_after: int | None = None, **kw: Any) -> Any:
+def run(
+    cfg: TrainerConfig, run_dir: Path, steps: int, *, resume: bool = False, crash_after: int | None = None, **kw: Any
+) -> Any:
     """Train ``cfg`` to ``steps`` in ``run_dir``; with ``crash_after`` die once that many steps are done."""
+
     def on_step(r: StepResult) -> None:
         if crash_after is not None and r.step + 1 == crash_after:
             raise Crash(crash_after)
@@ -98,8 +106,10 @@ def assert_same_run(a: Path, b: Path, step: int) -> None:
     ra, rb = compared_rows(history(a)), compared_rows(history(b))
     if ra != rb:
         i = next((i for i, (x, y) in enumerate(zip(ra, rb, strict=False)) if x != y), min(len(ra), len(rb)))
-        raise AssertionError(f"history differs first at compared row {i} ({len(ra)} vs {len(rb)} rows): "
-                             f"{str(ra[i:i + 1])[:300]} != {str(rb[i:i + 1])[:300]}")
+        raise AssertionError(
+            f"history differs first at compared row {i} ({len(ra)} vs {len(rb)} rows): "
+            f"{str(ra[i : i + 1])[:300]} != {str(rb[i : i + 1])[:300]}"
+        )
 
 
 def record_environment(run_dir: Path, facts: dict[str, object]) -> None:
@@ -125,8 +135,16 @@ class Loop:
     """A user's loop: two optimizers, a scheduler, a scaler, an EMA teacher, a
     spike monitor, a data position, a value, the fp32 flag and a sidecar."""
 
-    def __init__(self, run_dir: Path, cfg: Cfg | None = None, *, seed: int = 0, width: int | None = None,
-                 keep: int = 3, rule: Any = None) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        cfg: Cfg | None = None,
+        *,
+        seed: int = 0,
+        width: int | None = None,
+        keep: int = 3,
+        rule: Any = None,
+    ) -> None:
         self.cfg = cfg or Cfg()
         w = width or self.cfg.width
         g = ckptkit.torch_generator(seed, 0, stream=1)
@@ -157,8 +175,9 @@ class Loop:
         rs.add_scaler("amp", self.scaler)
         rs.add_teacher(self.teacher)
         rs.add_monitor("spike", self.monitor)
-        rs.add_data_position("train", get=lambda: self.position, set=self._seek,
-                             expected=rule or (lambda step, _values: 4 * step))
+        rs.add_data_position(
+            "train", get=lambda: self.position, set=self._seek, expected=rule or (lambda step, _values: 4 * step)
+        )
         rs.add_value("tokens", get=lambda: self.tokens_seen, set=lambda v: setattr(self, "tokens_seen", v))
         rs.add_flag("fp32_fallback", get=lambda: self.fp32, set=lambda v: setattr(self, "fp32", v))
         rs.add_sidecar("counts", get=lambda: (self.table_step, self.table), set=self._load_table)

@@ -18,8 +18,22 @@ from ckptkit.trainer.audit import compare_runs, knob_flags
 
 pytestmark = pytest.mark.slow
 
-TINY_FLAGS = ["--n-layer", "2", "--n-head", "2", "--d-model", "32", "--block-size", "16", "--seq-len", "16",
-              "--batch", "4", "--warmup-iters", "2"]
+TINY_FLAGS = [
+    "--n-layer",
+    "2",
+    "--n-head",
+    "2",
+    "--d-model",
+    "32",
+    "--block-size",
+    "16",
+    "--seq-len",
+    "16",
+    "--batch",
+    "4",
+    "--warmup-iters",
+    "2",
+]
 
 
 def _train_args(flags: list[str]) -> argparse.Namespace:
@@ -28,19 +42,29 @@ def _train_args(flags: list[str]) -> argparse.Namespace:
     return parser.parse_args(["train", "--run-dir", "x", *flags])
 
 
-@pytest.mark.parametrize("changes", [
-    {},
-    {"model.quant": "int8", "train.quant_check": True, "train.trip_latch_at": 3, "train.lr": 1.2345e-3},
-    {"train.aux": False, "model.ngram": False, "train.perturb_at": 2, "train.perturb_param": "wpe",
-     "monitor.multiplier": 2.5, "train.seed": 2**64 - 1},
-])
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {},
+        {"model.quant": "int8", "train.quant_check": True, "train.trip_latch_at": 3, "train.lr": 1.2345e-3},
+        {
+            "train.aux": False,
+            "model.ngram": False,
+            "train.perturb_at": 2,
+            "train.perturb_param": "wpe",
+            "monitor.multiplier": 2.5,
+            "train.seed": 2**64 - 1,
+        },
+    ],
+)
 def test_knob_flags_reproduce_the_config_on_the_train_command_line(changes: dict[str, object]) -> None:
     cfg = tiny(**changes)
     assert config_from_args(_train_args(knob_flags(cfg))) == cfg
 
 
 def test_audit_of_the_same_config_in_two_processes_is_identical(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     code = main(["audit", *TINY_FLAGS, "--steps", "3", "--keep-dir", str(tmp_path), "--json", "--quiet"])
     doc = json.loads(capsys.readouterr().out)
     assert code == 0, doc
@@ -76,8 +100,9 @@ def test_compare_runs_names_the_first_divergence_the_tensor_and_the_config_diffe
     assert d.rerun is not None and d.rerun.identical
     assert "train.perturb_at" in d.hints[0]
     doc = report.to_json()
-    assert doc["divergence"]["fields"] == [{"field": "params_digest", "a": d.fields[0].recorded,
-                                            "b": d.fields[0].replayed}]
+    assert doc["divergence"]["fields"] == [
+        {"field": "params_digest", "a": d.fields[0].recorded, "b": d.fields[0].replayed}
+    ]
     run(cfg, tmp_path / "c", 4)
     assert compare_runs(tmp_path / "a", tmp_path / "c").ok
 

@@ -134,18 +134,24 @@ def test_diff_table_shows_absent_sides_and_a_changed_config_type(tmp_path, capsy
         (lambda p: p / "empty", "{p}/empty: no step-XXXXXXXX.ckpt and no config.json in this run directory"),
         (
             lambda p: p / "bare" / "step-00000010.ckpt",
-            ("{p}/bare/step-00000010.ckpt: no config snapshot next to this checkpoint "
-            "(expected {p}/bare/step-00000010.ckpt.config.json)"),
+            (
+                "{p}/bare/step-00000010.ckpt: no config snapshot next to this checkpoint "
+                "(expected {p}/bare/step-00000010.ckpt.config.json)"
+            ),
         ),
         (
             lambda p: p / "bare",
-            ("{p}/bare/step-00000010.ckpt: the newest checkpoint has no config snapshot "
-            "(expected {p}/bare/step-00000010.ckpt.config.json)"),
+            (
+                "{p}/bare/step-00000010.ckpt: the newest checkpoint has no config snapshot "
+                "(expected {p}/bare/step-00000010.ckpt.config.json)"
+            ),
         ),
         (
             lambda p: p / "broken.config.json",
-            ("{p}/broken.config.json: not a config snapshot: invalid UTF-8 JSON (Expecting value: line 1 column 1 "
-            "(char 0)); a snapshot is the <ckpt>.config.json file written next to a checkpoint"),
+            (
+                "{p}/broken.config.json: not a config snapshot: invalid UTF-8 JSON (Expecting value: line 1 column 1 "
+                "(char 0)); a snapshot is the <ckpt>.config.json file written next to a checkpoint"
+            ),
         ),
     ],
 )

@@ -83,7 +83,9 @@ def test_dropout_from_the_global_generator_differs_and_the_tensor_is_named(capsy
     assert '"ok": false' in out and '"model:net.0.weight"' in out
 
 
-def test_stop_at_picks_the_step_and_the_toy_loop_is_identical(toy: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+def test_stop_at_picks_the_step_and_the_toy_loop_is_identical(
+    toy: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["audit", "--quiet", "--stop-at", "5", "--", *toy, "ok", "{run_dir}"]) == 0
     assert "b: stopped at 5" in capsys.readouterr().out
 
@@ -102,8 +104,11 @@ def test_a_command_without_run_dir_is_refused(toy: list[str], capsys: pytest.Cap
 
 def test_a_command_that_never_uses_runstate_is_refused_with_a_hint(capsys: pytest.CaptureFixture[str]) -> None:
     err = _trouble(["audit", "--quiet", "--", sys.executable, "-c", "import sys", "{run_dir}"], capsys)
-    assert re.search(r"a: the command saved no checkpoint in \{run_dir\} \(.*\): the command must use "
-                     r"ckptkit\.RunState on \{run_dir\}", err)
+    assert re.search(
+        r"a: the command saved no checkpoint in \{run_dir\} \(.*\): the command must use "
+        r"ckptkit\.RunState on \{run_dir\}",
+        err,
+    )
 
 
 def test_a_command_that_ignores_the_stop_request_is_refused(toy: list[str], capsys: pytest.CaptureFixture[str]) -> None:
@@ -134,7 +139,9 @@ def test_replay_of_an_outside_run_from_a_checkpoint(tmp_path: Path, capsys: pyte
     files = sorted(os.listdir(run))
     assert main(["replay", str(run), "--from", "55", "--quiet", "--", *LOOP, "--steps", "60"]) == 0
     out = capsys.readouterr().out
-    assert "replay: from the checkpoint at step 50 to step 60" in out and re.search(r"IDENTICAL: \d+ recorded row\(s\) and 1 checkpoint\(s\)", out)
+    assert "replay: from the checkpoint at step 50 to step 60" in out and re.search(
+        r"IDENTICAL: \d+ recorded row\(s\) and 1 checkpoint\(s\)", out
+    )
     assert sorted(os.listdir(run)) == files  # RUN is only read
     assert main(["replay", str(run), "--from", "50", "--quiet", "--", *LOOP, "--steps", "60", "--global-dropout"]) == 2
     assert "ckptkit replay: replay from step 50: the command exited 1" in capsys.readouterr().err  # config drift
@@ -142,4 +149,6 @@ def test_replay_of_an_outside_run_from_a_checkpoint(tmp_path: Path, capsys: pyte
 
 def test_replay_without_a_checkpoint_before_from_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["replay", str(tmp_path), "--from", "3", "--", *LOOP]) == 2
-    assert f"ckptkit replay: {tmp_path}: no checkpoint at or before step 3 (checkpoints: none)" in capsys.readouterr().err
+    assert (
+        f"ckptkit replay: {tmp_path}: no checkpoint at or before step 3 (checkpoints: none)" in capsys.readouterr().err
+    )

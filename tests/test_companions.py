@@ -18,8 +18,28 @@ from ckptkit import CheckpointNotFound, ChecksumMismatch
 from ckptkit.cli import main
 from ckptkit.runstate import checkpoint_name
 
-TINY_FLAGS = ["--n-layer", "2", "--n-head", "2", "--d-model", "32", "--block-size", "16", "--seq-len", "16",
-              "--batch", "4", "--warmup-iters", "2", "--ckpt-every", "2", "--keep", "10", "--log-every", "1000"]
+TINY_FLAGS = [
+    "--n-layer",
+    "2",
+    "--n-head",
+    "2",
+    "--d-model",
+    "32",
+    "--block-size",
+    "16",
+    "--seq-len",
+    "16",
+    "--batch",
+    "4",
+    "--warmup-iters",
+    "2",
+    "--ckpt-every",
+    "2",
+    "--keep",
+    "10",
+    "--log-every",
+    "1000",
+]
 
 
 def snapshot_of(run_dir: Path, step: int) -> Path:
@@ -126,8 +146,10 @@ def test_resume_of_an_unbound_checkpoint_says_its_companions_are_unprotected(tmp
     _strip_binding(tmp_path / checkpoint_name(2))
     _, info, _ = resume(tmp_path)
     assert info.step == 2
-    assert (f"{checkpoint_name(2)} records no companion digests (written before companion binding): "
-            "its snapshot, sidecars and environment.json are not integrity-checked") in info.notes
+    assert (
+        f"{checkpoint_name(2)} records no companion digests (written before companion binding): "
+        "its snapshot, sidecars and environment.json are not integrity-checked"
+    ) in info.notes
 
 
 def _strip_binding(path: Path) -> None:
@@ -136,8 +158,12 @@ def _strip_binding(path: Path) -> None:
 
     ckpt = ckptkit.load(path)
     monitor = {k: v for k, v in (ckpt.monitor or {}).items() if k != "companions"} or None
-    ckptkit.save(path, ckptkit.Checkpoint(step=ckpt.step, model=ckpt.model, optim=ckpt.optim,
-                                           teacher=ckpt.teacher, monitor=monitor, flags=ckpt.flags))
+    ckptkit.save(
+        path,
+        ckptkit.Checkpoint(
+            step=ckpt.step, model=ckpt.model, optim=ckpt.optim, teacher=ckpt.teacher, monitor=monitor, flags=ckpt.flags
+        ),
+    )
 
 
 def test_the_record_is_the_digest_of_each_companion_file(tmp_path: Path) -> None:
@@ -236,10 +262,14 @@ def test_verify_run_names_a_damaged_snapshot_and_exits_1(
         code, lines = verify(capsys, target)
         assert code == 1
         fails = [line for line in lines if line.startswith("FAIL")]
-        assert fails == [(f"FAIL  {snap}: damaged: its xxh3-64 does not match the digest {checkpoint_name(4)} "
-                          f"records (expected 0x{_recorded(tmp_path, 4):016x}, got 0x{_digest(snap):016x}); "
-                          "the file was edited, damaged or swapped after the checkpoint was saved; "
-                          "resume from an earlier checkpoint (R-C02)")]
+        assert fails == [
+            (
+                f"FAIL  {snap}: damaged: its xxh3-64 does not match the digest {checkpoint_name(4)} "
+                f"records (expected 0x{_recorded(tmp_path, 4):016x}, got 0x{_digest(snap):016x}); "
+                "the file was edited, damaged or swapped after the checkpoint was saved; "
+                "resume from an earlier checkpoint (R-C02)"
+            )
+        ]
 
 
 def _recorded(run_dir: Path, step: int) -> int:
@@ -299,8 +329,10 @@ def test_verify_warns_that_an_unbound_checkpoints_companions_are_unprotected(
     edit_value(snapshot_of(tmp_path, 2), "lr", 0.03)  # nothing can notice this
     code, lines = verify(capsys, tmp_path)
     assert code == 0
-    assert (f"WARN  {snapshot_of(tmp_path, 2)}: not protected: {checkpoint_name(2)} records no companion "
-            "digests (written before companion binding); it parses, nothing more is checked") in lines
+    assert (
+        f"WARN  {snapshot_of(tmp_path, 2)}: not protected: {checkpoint_name(2)} records no companion "
+        "digests (written before companion binding); it parses, nothing more is checked"
+    ) in lines
     flip_byte(snapshot_of(tmp_path, 2), 0)  # "{" -> "z": no longer JSON
     code, lines = verify(capsys, tmp_path)
     assert code == 1
@@ -338,8 +370,10 @@ def test_verifying_a_run_and_its_companions_does_not_import_torch(tmp_path: Path
     import sys
 
     trained(tmp_path, steps=2)
-    code = ("import sys, ckptkit.companions; from ckptkit.cli import main; "
-            f"assert main(['verify', {str(tmp_path)!r}]) == 0; assert 'torch' not in sys.modules, 'torch'")
+    code = (
+        "import sys, ckptkit.companions; from ckptkit.cli import main; "
+        f"assert main(['verify', {str(tmp_path)!r}]) == 0; assert 'torch' not in sys.modules, 'torch'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
 
 
@@ -363,8 +397,10 @@ def test_verify_reports_each_run_fixture_as_the_manifest_says(name: str, capsys:
         if entry["error"] is None:
             assert file not in got or (got[file]["ok"] and got[file]["protected"] == entry["protected"]), file
         else:
-            assert got[file]["error"] == {"type": entry["error"],
-                                          "message": str(entry["message"]).replace("<run>", str(run))}, file
+            assert got[file]["error"] == {
+                "type": entry["error"],
+                "message": str(entry["message"]).replace("<run>", str(run)),
+            }, file
     if name == "unbound":
         assert got[checkpoint_name(7) + ".config.json"]["protected"] is False
 
@@ -382,7 +418,9 @@ def test_the_generator_rebuilds_the_run_fixtures_byte_for_byte(tmp_path: Path) -
         files = entry["files"]
         assert sorted(p.name for p in (ROOT / "fixtures" / "runs" / name).iterdir()) == sorted(files)  # type: ignore[arg-type]
         for file, facts in files.items():  # type: ignore[attr-defined]
-            assert hashlib.sha256((ROOT / "fixtures" / "runs" / name / file).read_bytes()).hexdigest() == facts["sha256"]
+            assert (
+                hashlib.sha256((ROOT / "fixtures" / "runs" / name / file).read_bytes()).hexdigest() == facts["sha256"]
+            )
 
 
 def test_resume_skips_a_checkpoint_whose_record_is_malformed(tmp_path: Path) -> None:
@@ -426,8 +464,11 @@ def test_verify_checks_what_it_can_in_history(tmp_path: Path, capsys: pytest.Cap
     code, lines = verify(capsys, tmp_path)
     assert code == 1
     assert [line for line in lines if line.startswith("FAIL")] == [
-        (f"FAIL  {hist}: line {i + 1} (offset {sum(len(r) + 1 for r in rows[:i])}): "
-         f"loss {json.dumps(row['loss'])} disagrees with loss_bits {row['loss_bits']}")]
+        (
+            f"FAIL  {hist}: line {i + 1} (offset {sum(len(r) + 1 for r in rows[:i])}): "
+            f"loss {json.dumps(row['loss'])} disagrees with loss_bits {row['loss_bits']}"
+        )
+    ]
 
     # A step row lost, a line that is not JSON, and a torn tail.
     rows = original.split(b"\n")
@@ -450,8 +491,17 @@ def test_check_history_follows_reruns_rollbacks_and_resumes(tmp_path: Path) -> N
         path.write_text("".join(json.dumps({"kind": k, "step": s, **extra}) + "\n" for k, s, extra in pairs))
         return path
 
-    good = rows(("start", 0, {}), ("step", 0, {}), ("step", 1, {}), ("step", 1, {"rerun": True}),
-                ("rollback", 1, {"to": 0}), ("step", 0, {}), ("step", 1, {}), ("resume", 2, {}), ("step", 2, {}))
+    good = rows(
+        ("start", 0, {}),
+        ("step", 0, {}),
+        ("step", 1, {}),
+        ("step", 1, {"rerun": True}),
+        ("rollback", 1, {"to": 0}),
+        ("step", 0, {}),
+        ("step", 1, {}),
+        ("resume", 2, {}),
+        ("step", 2, {}),
+    )
     check = check_history(good)
     assert check.ok and check.rows == 9 and check.steps == (0, 2) and not check.torn
     bad = rows(("start", 0, {}), ("step", 1, {}), ("step", 1, {}), ("resume", 5, {}))

@@ -43,7 +43,9 @@ def test_a_one_ulp_change_is_found_with_its_count_and_size(tmp_path):
     b = _ckpt(tmp_path / "b.ckpt", w2, lr=0.05, extra={"b": torch.zeros(1)})
     diffs = compare_checkpoints(a, b)
     assert [(d.name, d.kind) for d in diffs] == [
-        ("model:net.b", "only_new"), ("model:net.w", "changed"), ("optim:adamw.param_groups.0.lr", "changed"),
+        ("model:net.b", "only_new"),
+        ("model:net.w", "changed"),
+        ("optim:adamw.param_groups.0.lr", "changed"),
     ]
     w_diff = diffs[1]
     assert (w_diff.n_diff, w_diff.numel) == (1, 6)
@@ -67,7 +69,8 @@ def test_dtype_or_shape_changes_are_reported_not_compared():
 
 def test_flatten_names_leaves_by_section_and_dotted_path():
     assert flatten({"state": {0: {"exp_avg": 1}}, "groups": [{"lr": 2}]}, "optim") == {
-        "optim:state.0.exp_avg": 1, "optim:groups.0.lr": 2,
+        "optim:state.0.exp_avg": 1,
+        "optim:groups.0.lr": 2,
     }
 
 
@@ -81,7 +84,15 @@ def test_cli_diff_tensors_shows_the_differing_tensor_and_exits_1(tmp_path, capsy
     assert "changed  model:net.w  1/6 elements differ, max |diff| 100" in out
     assert main(["diff", str(a), str(b), "--tensors", "--json"]) == 1
     doc = json.loads(capsys.readouterr().out)
-    assert doc["tensors"] == [{"detail": "1/6 elements differ, max |diff| 100", "kind": "changed",
-                               "max_abs_diff": 100.0, "n_diff": 1, "name": "model:net.w", "numel": 6}]
+    assert doc["tensors"] == [
+        {
+            "detail": "1/6 elements differ, max |diff| 100",
+            "kind": "changed",
+            "max_abs_diff": 100.0,
+            "n_diff": 1,
+            "name": "model:net.w",
+            "numel": 6,
+        }
+    ]
     assert main(["diff", str(a), str(a), "--tensors"]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == "tensors: bitwise identical"

@@ -65,8 +65,9 @@ def _whole(ck: Checkpoint) -> None:
 def test_readers_racing_a_writer_only_ever_see_whole_checkpoints(tmp_path):
     path = str(tmp_path / "x.ckpt")
     save(path, Checkpoint(step=0, model={"w": torch.zeros(200_000)}, monitor={"i": 0}))
-    writer = subprocess.Popen([sys.executable, "-c", _WRITER, path, "60"], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)
+    writer = subprocess.Popen(
+        [sys.executable, "-c", _WRITER, path, "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     stop = threading.Event()
     seen: dict[str, list] = {"verify": [], "load": [], "cli": [], "errors": []}
 
@@ -113,8 +114,12 @@ def test_readers_racing_a_writer_only_ever_see_whole_checkpoints(tmp_path):
 @pytest.mark.slow
 def test_verifying_a_run_directory_during_saves_and_retention_never_reports_a_torn_file(tmp_path):
     run_dir = tmp_path / "run"
-    writer = subprocess.Popen([sys.executable, "-c", _RUN_WRITER, str(run_dir), "80"], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True)
+    writer = subprocess.Popen(
+        [sys.executable, "-c", _RUN_WRITER, str(run_dir), "80"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     codes: list[int] = []
     fails: list[str] = []
     deadline = time.monotonic() + 240

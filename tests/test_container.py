@@ -31,8 +31,18 @@ from ckptkit.errors import (
 )
 from ckptkit.section import plan_section
 
-DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8, torch.int16, torch.int32,
-          torch.int64, torch.uint8, torch.bool]
+DTYPES = [
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float64,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.bool,
+]
 
 
 @st.composite
@@ -42,8 +52,12 @@ def tensors(draw):
     n = 1
     for d in shape:
         n *= d
-    raw = draw(st.binary(min_size=n * torch.empty((), dtype=dtype).element_size(),
-                         max_size=n * torch.empty((), dtype=dtype).element_size()))
+    raw = draw(
+        st.binary(
+            min_size=n * torch.empty((), dtype=dtype).element_size(),
+            max_size=n * torch.empty((), dtype=dtype).element_size(),
+        )
+    )
     t = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
     if dtype == torch.bool:
         t = t & 1
@@ -54,8 +68,12 @@ def tensors(draw):
 
 
 plain = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(allow_nan=True),
-    st.text(max_size=8), st.binary(max_size=8),
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), 2**64 - 1),
+    st.floats(allow_nan=True),
+    st.text(max_size=8),
+    st.binary(max_size=8),
 )
 trees = st.recursive(
     st.one_of(plain, tensors()),
@@ -69,11 +87,18 @@ trees = st.recursive(
 
 
 @settings(max_examples=60)
-@given(model=trees, optim=st.one_of(st.none(), trees), teacher=st.one_of(st.none(), trees),
-       monitor=st.one_of(st.none(), trees), step=st.integers(0, 2**64 - 1), flags=st.sampled_from([0, 1]),
-       compression=st.sampled_from(["raw", "zstd"]))
-def test_arbitrary_state_trees_round_trip_exactly(tmp_path_factory, model, optim, teacher, monitor, step, flags,
-                                                  compression):
+@given(
+    model=trees,
+    optim=st.one_of(st.none(), trees),
+    teacher=st.one_of(st.none(), trees),
+    monitor=st.one_of(st.none(), trees),
+    step=st.integers(0, 2**64 - 1),
+    flags=st.sampled_from([0, 1]),
+    compression=st.sampled_from(["raw", "zstd"]),
+)
+def test_arbitrary_state_trees_round_trip_exactly(
+    tmp_path_factory, model, optim, teacher, monitor, step, flags, compression
+):
     path = tmp_path_factory.mktemp("rt") / "x.ckpt"
     ckpt = Checkpoint(step=step, model=model, optim=optim, teacher=teacher, monitor=monitor, flags=flags)
     save(path, ckpt, compression=compression)
@@ -148,8 +173,13 @@ def test_adamw_state_resumes_optimisation_bit_identically(tmp_path):
 
 def _small(tmp_path, **kw):
     path = tmp_path / "small.ckpt"
-    ckpt = Checkpoint(step=7, model={"w": torch.arange(6, dtype=torch.float32)},
-                      optim={"lr": 0.5, "t": torch.ones(2, dtype=torch.int64)}, monitor={"window": [1.0, 2.0]}, **kw)
+    ckpt = Checkpoint(
+        step=7,
+        model={"w": torch.arange(6, dtype=torch.float32)},
+        optim={"lr": 0.5, "t": torch.ones(2, dtype=torch.int64)},
+        monitor={"window": [1.0, 2.0]},
+        **kw,
+    )
     save(path, ckpt)
     return path, path.read_bytes()
 
@@ -216,10 +246,13 @@ def test_an_unknown_version_is_refused_with_its_number(tmp_path):
 def test_a_flipped_version_bit_under_a_failing_digest_is_damage_not_a_newer_version(tmp_path):
     path, raw = _small(tmp_path)
     path.write_bytes(raw[:5] + struct.pack("<H", 3) + raw[7:])
-    with pytest.raises(ChecksumMismatch, match=r": offset 5 \(0x5\): magic: header damaged: the version field reads 3, "
-                       r"but the file is laid out as a v2 container and its skeleton digest \(which covers the version\) "
-                       r"does not match \(expected 0x[0-9a-f]{16}, got 0x[0-9a-f]{16}\); the file is damaged; resume "
-                       r"from an earlier checkpoint \(R-005\)$"):
+    with pytest.raises(
+        ChecksumMismatch,
+        match=r": offset 5 \(0x5\): magic: header damaged: the version field reads 3, "
+        r"but the file is laid out as a v2 container and its skeleton digest \(which covers the version\) "
+        r"does not match \(expected 0x[0-9a-f]{16}, got 0x[0-9a-f]{16}\); the file is damaged; resume "
+        r"from an earlier checkpoint \(R-005\)$",
+    ):
         load(path)
 
 
@@ -344,6 +377,8 @@ def test_map_location_places_tensors(tmp_path):
 
 
 def test_importing_the_format_core_does_not_import_torch():
-    code = ("import sys, ckptkit, ckptkit.container, ckptkit.sidecar, ckptkit.snapshot, ckptkit.atomic, "
-            "ckptkit.cli, ckptkit.cli.verify, ckptkit.cli.inspect_cmd; assert 'torch' not in sys.modules, 'torch'")
+    code = (
+        "import sys, ckptkit, ckptkit.container, ckptkit.sidecar, ckptkit.snapshot, ckptkit.atomic, "
+        "ckptkit.cli, ckptkit.cli.verify, ckptkit.cli.inspect_cmd; assert 'torch' not in sys.modules, 'torch'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -74,8 +74,13 @@ def _lab_main(work: str, external_kills: int, seed: int) -> None:
 
         def __init__(self, run_dir: str, width: int, async_save: bool = False) -> None:
             torch.manual_seed(0)
-            self.net = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.Tanh(), torch.nn.Linear(width, width),
-                                           torch.nn.Tanh(), torch.nn.Linear(width, 4))
+            self.net = torch.nn.Sequential(
+                torch.nn.Linear(8, width),
+                torch.nn.Tanh(),
+                torch.nn.Linear(width, width),
+                torch.nn.Tanh(),
+                torch.nn.Linear(width, 4),
+            )
             self.opt = torch.optim.AdamW(self.net.parameters(), lr=1e-2)
             self.offset = 0
             self.table_step = 0
@@ -85,8 +90,7 @@ def _lab_main(work: str, external_kills: int, seed: int) -> None:
             rs.add_model("net", self.net)
             rs.add_optimizer("adamw", self.opt)
             rs.add_data_position("train", get=lambda: self.offset, set=self._seek, expected=lambda s, _values: 32 * s)
-            rs.add_sidecar("ngram", get=lambda: (self.table_step, {"counts": self.counts.clone()}),
-                           set=self._set_table)
+            rs.add_sidecar("ngram", get=lambda: (self.table_step, {"counts": self.counts.clone()}), set=self._set_table)
 
         def _seek(self, v: int) -> None:
             self.offset = v
@@ -127,16 +131,30 @@ def _lab_main(work: str, external_kills: int, seed: int) -> None:
 
     # --------------------------------------------------------------- tracing
 
-    real = {"write": os.write, "pwrite": os.pwrite, "fsync": os.fsync, "replace": os.replace,
-            "unlink": os.unlink, "open": os.open, "bopen": builtins.open}
+    real = {
+        "write": os.write,
+        "pwrite": os.pwrite,
+        "fsync": os.fsync,
+        "replace": os.replace,
+        "unlink": os.unlink,
+        "open": os.open,
+        "bopen": builtins.open,
+    }
     tmp_re = re.compile(r"^\.(.+)\.tmp\.\d+\.[0-9a-f]{8}$")
 
     def part_of(name: str) -> str:
         m = tmp_re.match(name)
         base = m.group(1) if m else name
         step = re.search(r"step-(\d+)", base)
-        kind = ("snapshot" if base.endswith(".config.json") else "sidecar" if base.endswith(".ngram")
-                else "container" if base.endswith(".ckpt") else "other")
+        kind = (
+            "snapshot"
+            if base.endswith(".config.json")
+            else "sidecar"
+            if base.endswith(".ngram")
+            else "container"
+            if base.endswith(".ckpt")
+            else "other"
+        )
         return f"{kind}@{int(step.group(1)) if step else '-'}"
 
     class Tracer:
@@ -239,13 +257,15 @@ def _lab_main(work: str, external_kills: int, seed: int) -> None:
             for s in range(1, BASE_STEPS + 1):
                 r.step(s)
                 r.rs.save(s)
+
         assert wait(fork(go)) == 0, "base run failed"
 
     def files(run_dir: str) -> list[str]:
         return sorted(os.listdir(run_dir))
 
-    def check(run_dir: str, width: int, ref: dict[int, str], committed: list[int], final: int,
-              resumed_in: tuple[int, ...]) -> dict:
+    def check(
+        run_dir: str, width: int, ref: dict[int, str], committed: list[int], final: int, resumed_in: tuple[int, ...]
+    ) -> dict:
         """In a fresh process: what survived the kill, what resume does, how the run ends."""
         out_path = os.path.join(work, "check.json")
 
@@ -311,8 +331,14 @@ def _lab_main(work: str, external_kills: int, seed: int) -> None:
     base_dir = os.path.join(work, "base-small")
     make_base(base_dir, 16)
 
-    def victim(run_dir: str, width: int, saves: tuple[int, ...], tracer: Tracer | None, progress: str | None,
-               async_save: bool = False):
+    def victim(
+        run_dir: str,
+        width: int,
+        saves: tuple[int, ...],
+        tracer: Tracer | None,
+        progress: str | None,
+        async_save: bool = False,
+    ):
         def go():
             r = Run(run_dir, width, async_save=async_save)
             r.rs.resume()
@@ -329,6 +355,7 @@ def _lab_main(work: str, external_kills: int, seed: int) -> None:
             if tracer is not None:
                 with real["bopen"](os.path.join(work, "trace.json"), "w") as f:
                     json.dump(tracer.events, f)
+
         return go
 
     def traced_series(key: str, async_save: bool, write_every: int, torn_every: int) -> None:
@@ -353,11 +380,15 @@ def _lab_main(work: str, external_kills: int, seed: int) -> None:
         full = os.environ.get("CKPTKIT_CRASH_FULL") == "1"
         first = f"@{TRACED_SAVES[0]}"
         writes = [k for k, (op, _) in enumerate(events) if op in ("write", "pwrite")]
-        plan = [(k, False) for k, (op, _) in enumerate(events)
-                if full or op not in ("write", "pwrite") or writes.index(k) % write_every == 0]
+        plan = [
+            (k, False)
+            for k, (op, _) in enumerate(events)
+            if full or op not in ("write", "pwrite") or writes.index(k) % write_every == 0
+        ]
         plan += [(len(events), False)]
-        plan += [(k, True) for i, k in enumerate(writes)
-                 if full or (events[k][1].endswith(first) and i % torn_every == 1)]
+        plan += [
+            (k, True) for i, k in enumerate(writes) if full or (events[k][1].endswith(first) and i % torn_every == 1)
+        ]
         for i, (k, half) in enumerate(plan):
             run_dir = os.path.join(work, f"{key}-{i}")
             shutil.copytree(base_dir, run_dir)
@@ -402,8 +433,7 @@ def _lab_main(work: str, external_kills: int, seed: int) -> None:
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:
                 try:
-                    hit = [e for e in os.scandir(run_dir) if pat.match(e.name)
-                           and e.stat().st_size >= ckpt_size // 2]
+                    hit = [e for e in os.scandir(run_dir) if pat.match(e.name) and e.stat().st_size >= ckpt_size // 2]
                 except FileNotFoundError:
                     hit = []
                 if hit:
@@ -438,8 +468,14 @@ def _lab_main(work: str, external_kills: int, seed: int) -> None:
 def lab(tmp_path_factory):
     work = tmp_path_factory.mktemp("crashlab")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "lab", str(work), "8", "20240611"],
-                          env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "lab", str(work), "8", "20240611"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     with open(work / "results.json") as f:
         return json.load(f)
@@ -452,11 +488,27 @@ def _phases(events: list) -> set[str]:
 @pytest.mark.slow
 def test_every_phase_of_a_runstate_save_is_a_kill_point(lab):
     phases = _phases(lab["events"])
-    for want in ("create snapshot", "fsync snapshot", "rename snapshot", "dirsync snapshot",
-                 "create sidecar", "write sidecar", "pwrite sidecar", "fsync sidecar", "rename sidecar",
-                 "dirsync sidecar", "create container", "write container", "pwrite container",
-                 "fsync container", "rename container", "dirsync container",
-                 "unlink retention:container", "unlink retention:snapshot", "unlink retention:sidecar"):
+    for want in (
+        "create snapshot",
+        "fsync snapshot",
+        "rename snapshot",
+        "dirsync snapshot",
+        "create sidecar",
+        "write sidecar",
+        "pwrite sidecar",
+        "fsync sidecar",
+        "rename sidecar",
+        "dirsync sidecar",
+        "create container",
+        "write container",
+        "pwrite container",
+        "fsync container",
+        "rename container",
+        "dirsync container",
+        "unlink retention:container",
+        "unlink retention:snapshot",
+        "unlink retention:sidecar",
+    ):
         assert want in phases, f"no kill point in phase {want!r}: {sorted(phases)}"
     assert len(lab["traced"]) >= 60, len(lab["traced"])
     assert sum(e["half"] for e in lab["traced"]) >= 10  # torn writes inside temp files
@@ -492,23 +544,56 @@ def test_a_run_killed_from_outside_resumes_with_nothing_lost(lab):
 def test_a_killed_save_leaves_no_orphan_files_once_the_run_moves_on(lab):
     """Temp files are cleaned at resume; companions whose container is gone (a kill
     inside retention deletes the container first) must not pile up forever."""
-    bad = [(e.get("event", e.get("how")), e["orphans"])
-           for e in lab["traced"] + lab.get("traced-async", []) + lab["external"] if e.get("orphans")]
+    bad = [
+        (e.get("event", e.get("how")), e["orphans"])
+        for e in lab["traced"] + lab.get("traced-async", []) + lab["external"]
+        if e.get("orphans")
+    ]
     assert not bad, bad[:10]
 
 
 # =================================================================== the reference trainer, SIGKILLed
 
 # Small enough that a step takes a few milliseconds on one core (as tests/test_trainer_resume.py).
-_TRAIN_FLAGS = ["--n-layer", "2", "--n-head", "2", "--d-model", "32", "--block-size", "16", "--seq-len", "16",
-                "--batch", "4", "--keep", "3", "--warmup-iters", "2", "--ckpt-every", "4", "--log-every", "1000",
-                "--quiet"]
+_TRAIN_FLAGS = [
+    "--n-layer",
+    "2",
+    "--n-head",
+    "2",
+    "--d-model",
+    "32",
+    "--block-size",
+    "16",
+    "--seq-len",
+    "16",
+    "--batch",
+    "4",
+    "--keep",
+    "3",
+    "--warmup-iters",
+    "2",
+    "--ckpt-every",
+    "4",
+    "--log-every",
+    "1000",
+    "--quiet",
+]
 _TRAIN_STEPS = 16
 
 
 def _train_cmd(run_dir, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "ckptkit", "train", "--run-dir", str(run_dir), "--steps", str(_TRAIN_STEPS),
-            *_TRAIN_FLAGS, *extra]
+    return [
+        sys.executable,
+        "-m",
+        "ckptkit",
+        "train",
+        "--run-dir",
+        str(run_dir),
+        "--steps",
+        str(_TRAIN_STEPS),
+        *_TRAIN_FLAGS,
+        *extra,
+    ]
 
 
 def _kill_when(cmd: list[str], run_dir, ready, env) -> int:
@@ -545,16 +630,21 @@ def test_a_sigkilled_ckptkit_train_resumes_to_the_same_bytes(tmp_path):
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     ref, cut = tmp_path / "ref", tmp_path / "cut"
-    reference = subprocess.Popen(_train_cmd(ref), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                 text=True)
+    reference = subprocess.Popen(_train_cmd(ref), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     c8, c12 = checkpoint_name(8), checkpoint_name(12)
     # The first two aim inside a save; polling may miss a window that short, so
     # each falls back to "just after that checkpoint" rather than never firing.
     triggers = [
-        ("in the step-8 container write (or just after it)",
-         lambda names: any(n.startswith(f".{c8}.tmp.") for n in names) or c8 in names, False),
-        ("between the step-12 companions and its container (or just after it)",
-         lambda names: f"{c12}.ngram" in names, True),
+        (
+            "in the step-8 container write (or just after it)",
+            lambda names: any(n.startswith(f".{c8}.tmp.") for n in names) or c8 in names,
+            False,
+        ),
+        (
+            "between the step-12 companions and its container (or just after it)",
+            lambda names: f"{c12}.ngram" in names,
+            True,
+        ),
     ]
     killed = []
     for what, ready, resume in triggers:
@@ -576,7 +666,8 @@ def test_a_sigkilled_ckptkit_train_resumes_to_the_same_bytes(tmp_path):
 
 if __name__ == "__main__":
     if len(sys.argv) >= 3 and sys.argv[1] == "lab":
-        _lab_main(sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 12,
-                  int(sys.argv[4]) if len(sys.argv) > 4 else 0)
+        _lab_main(
+            sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 12, int(sys.argv[4]) if len(sys.argv) > 4 else 0
+        )
     else:
         sys.exit("usage: python tests/test_crash.py lab WORKDIR [EXTERNAL_KILLS] [SEED]")

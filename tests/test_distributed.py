@@ -173,9 +173,11 @@ def test_a_checkpoint_directory_without_metadata_is_refused_naming_what_is_missi
     with pytest.raises(ckptkit.IncompleteCheckpoint) as e:
         load_single(copy)
     assert e.value.missing == (METADATA_NAME,)
-    assert str(e.value) == (f"{copy}: incomplete distributed checkpoint: {METADATA_NAME} is missing (2 rank data "
-                            "files present); the save did not commit on every rank (a rank failed or was killed); "
-                            "load the previous checkpoint (R-DC03)")
+    assert str(e.value) == (
+        f"{copy}: incomplete distributed checkpoint: {METADATA_NAME} is missing (2 rank data "
+        "files present); the save did not commit on every rank (a rank failed or was killed); "
+        "load the previous checkpoint (R-DC03)"
+    )
 
 
 def test_a_committed_checkpoint_is_never_overwritten(copy):
@@ -213,8 +215,10 @@ def test_async_save_on_its_own_group_and_a_failure_surfaces_at_the_next_call(poo
     first, third = str(tmp_path / "step-3"), str(tmp_path / "step-5")
     for out in pool.run("async_saves", first, third):
         assert out[0] == "all_reduce 1048576"
-        assert out[1] == (f"SaveFailed: {first}: already holds a committed checkpoint; save into a new directory "
-                          "(one checkpoint, one directory) or remove this one first")
+        assert out[1] == (
+            f"SaveFailed: {first}: already holds a committed checkpoint; save into a new directory "
+            "(one checkpoint, one directory) or remove this one first"
+        )
         assert len(out) == 2
     state = {"w": torch.zeros(64), "step": 0}
     ckd.load(state, first)
@@ -231,8 +235,10 @@ def test_verify_and_inspect_a_distributed_checkpoint(saved, capsys):
     out = capsys.readouterr().out
     md = read_metadata(path)
     n_chunks = sum(len(t.chunks) for t in md.tensors.values())
-    assert out.startswith(f"OK    {path}  distributed world size 2  {len(md.tensors)} tensors in {n_chunks} chunks, "
-                          f"{len(md.values)} values  ")
+    assert out.startswith(
+        f"OK    {path}  distributed world size 2  {len(md.tensors)} tensors in {n_chunks} chunks, "
+        f"{len(md.values)} values  "
+    )
     assert main(["inspect", path]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith(f"{path}: distributed checkpoint, world size 2 at save, DCP metadata 1.0.0, ")

@@ -45,8 +45,12 @@ def test_the_generator_reproduces_every_byte(tmp_path):
 
 
 def _fresh_state() -> dict[str, Any]:
-    return {"model": {"w": torch.zeros(4, 3), "b": torch.zeros(3, dtype=torch.float64)}, "step": 0,
-            "betas": None, "name": ""}
+    return {
+        "model": {"w": torch.zeros(4, 3), "b": torch.zeros(3, dtype=torch.float64)},
+        "step": 0,
+        "betas": None,
+        "name": "",
+    }
 
 
 def test_the_two_rank_directory_loads_at_world_size_1_to_its_literal_values(capsys):
@@ -64,8 +68,10 @@ def test_the_two_rank_directory_loads_at_world_size_1_to_its_literal_values(caps
 @pytest.mark.parametrize("name", sorted(MANIFEST["invalid"]))
 def test_each_damaged_directory_is_refused_with_the_manifest_error(name, capsys):
     entry, path = MANIFEST["invalid"][name], FIXTURES / name
-    for call, want in ((lambda: load(_fresh_state(), path), entry["load"]),
-                       (lambda: _raise(verify_directory(path).error), entry["verify"])):
+    for call, want in (
+        (lambda: load(_fresh_state(), path), entry["load"]),
+        (lambda: _raise(verify_directory(path).error), entry["verify"]),
+    ):
         if want["error"] is None:  # load reads only chunks: bytes it never uses are verify's
             call()
             continue
@@ -83,7 +89,7 @@ def _raise(error: BaseException | None) -> None:
 
 def test_the_reference_reader_in_the_spec_reads_the_golden_directory():
     text = (Path(__file__).resolve().parents[1] / "spec" / "distributed.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", text[text.index("## 8. Reference reader"):], re.S)
+    blocks = re.findall(r"```python\n(.*?)```", text[text.index("## 8. Reference reader") :], re.S)
     assert len(blocks) == 1 and len(blocks[0].splitlines()) <= 20
     namespace: dict[str, Any] = {}
     exec(compile(blocks[0], "spec/distributed.md#8", "exec"), namespace)
@@ -107,14 +113,29 @@ def test_verify_and_inspect_json_on_the_golden_directory(capsys):
     doc = json.loads(capsys.readouterr().out)
     size = sum(p.stat().st_size for p in (FIXTURES / "two-ranks").iterdir())
     assert doc["ok"] is True and doc["files"] == [
-        {"path": path, "kind": "distributed", "ok": True, "error": None, "world_size": 2, "tensors": 2,
-         "chunks": 3, "values": 3, "size": size}]
+        {
+            "path": path,
+            "kind": "distributed",
+            "ok": True,
+            "error": None,
+            "world_size": 2,
+            "tensors": 2,
+            "chunks": 3,
+            "values": 3,
+            "size": size,
+        }
+    ]
     assert main(["inspect", path, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["world_size"] == 2 and doc["dcp_version"] == "1.0.0" and doc["values"] == ["betas", "name", "step"]
     assert [r["chunks"] for r in doc["ranks"]] == [2, 1]
-    assert doc["tensors"]["model.w"]["chunks"][1] == {"offsets": [2, 0], "sizes": [2, 3], "rank": 1,
-                                                      "offset": 128, "nbytes": 24}
+    assert doc["tensors"]["model.w"]["chunks"][1] == {
+        "offsets": [2, 0],
+        "sizes": [2, 3],
+        "rank": 1,
+        "offset": 128,
+        "nbytes": 24,
+    }
 
 
 def test_inspect_refuses_a_torn_directory_and_names_what_is_missing(capsys):
@@ -126,9 +147,11 @@ def test_verifying_a_distributed_directory_never_imports_torch():
     import subprocess
     import sys
 
-    code = ("import sys; from ckptkit.cli import main; import ckptkit.distributed as d; d.verify_directory; "
-            f"rc = main(['verify', {str(FIXTURES / 'two-ranks')!r}]); "
-            "assert rc == 0 and 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)[:5]")
+    code = (
+        "import sys; from ckptkit.cli import main; import ckptkit.distributed as d; d.verify_directory; "
+        f"rc = main(['verify', {str(FIXTURES / 'two-ranks')!r}]); "
+        "assert rc == 0 and 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)[:5]"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60, capture_output=True)
 
 

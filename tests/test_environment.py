@@ -62,9 +62,7 @@ def test_a_thread_count_change_is_detected() -> None:
     try:
         torch.set_num_threads(before + 1)
         now = capture()
-        assert diff_environment(recorded, now) == [
-            EnvDiff("intra_op_threads", before, before + 1, fatal=True)
-        ]
+        assert diff_environment(recorded, now) == [EnvDiff("intra_op_threads", before, before + 1, fatal=True)]
         with pytest.raises(EnvironmentDrift) as info:
             check_environment(recorded)
     finally:

@@ -36,6 +36,7 @@ VALID_SIDECAR = sorted(n for n, e in VALID.items() if e["kind"] == "sidecar")
 INVALID_CKPT = sorted(n for n, e in INVALID.items() if e["reader"] == "load")
 INVALID_SIDECAR = sorted(n for n, e in INVALID.items() if e["reader"] != "load")
 
+
 def _load_generator() -> Any:
     spec = importlib.util.spec_from_file_location("fixtures_generate", FIXTURES / "generate.py")
     assert spec is not None and spec.loader is not None
@@ -53,8 +54,10 @@ _ZSTD_THEN = MANIFEST["environment"]["zstd_version"]
 
 def _skip_if_zstd_differs(entry: dict[str, Any]) -> None:
     if entry["zstd_dependent"] and _ZSTD_NOW != _ZSTD_THEN:
-        pytest.skip(f"libzstd {_ZSTD_NOW} is installed but the fixture was compressed with libzstd {_ZSTD_THEN}; "
-                    "compressed bytes may legitimately differ between libzstd versions")
+        pytest.skip(
+            f"libzstd {_ZSTD_NOW} is installed but the fixture was compressed with libzstd {_ZSTD_THEN}; "
+            "compressed bytes may legitimately differ between libzstd versions"
+        )
 
 
 # ---------------------------------------------------------------------------- valid files
@@ -65,7 +68,11 @@ def test_valid_checkpoint_loads_with_the_manifest_content(name: str) -> None:
     entry = VALID[name]
     ckpt = load(FIXTURES / "valid" / name)
     assert (ckpt.version, ckpt.step, ckpt.flags, ckpt.legacy) == (
-        entry["version"], entry["step"], entry["flags"], entry["legacy"])
+        entry["version"],
+        entry["step"],
+        entry["flags"],
+        entry["legacy"],
+    )
     assert list(ckpt.missing) == entry["missing"]
     assert list(ckpt.absent) == entry["absent"]
     for section in ("model", "optim", "teacher", "monitor"):
@@ -89,7 +96,12 @@ def test_valid_checkpoint_verifies_ok_with_the_manifest_layout(name: str) -> Non
     for sec_name, s in present.items():
         want = entry["sections"][sec_name]
         assert (s.offset, s.length, s.codec, s.tensors, s.raw_len) == (
-            want["offset"], want["length"], want["codec"], want["stored_tensors"], want["raw_len"])
+            want["offset"],
+            want["length"],
+            want["codec"],
+            want["stored_tensors"],
+            want["raw_len"],
+        )
 
 
 def test_v1_fixture_loads_as_legacy_lacking_teacher_flags_monitor_and_integrity() -> None:
@@ -138,8 +150,10 @@ def test_generator_reproduces_the_fixture_byte_for_byte(regenerated: Path, kind:
     again = (regenerated / kind / name).read_bytes()
     hint = ""
     if name.endswith(".pt"):
-        hint = (f" (torch.save output; the fixture was made with torch {MANIFEST['environment']['torch']}, "
-                f"this is torch {torch.__version__})")
+        hint = (
+            f" (torch.save output; the fixture was made with torch {MANIFEST['environment']['torch']}, "
+            f"this is torch {torch.__version__})"
+        )
     assert again == committed, f"{kind}/{name} differs from what fixtures/generate.py writes now{hint}"
 
 
@@ -170,8 +184,9 @@ def test_saving_a_loaded_v2_fixture_gives_identical_bytes(tmp_path: Path, name: 
     entry = VALID[name]
     _skip_if_zstd_differs(entry)
     ckpt = load(FIXTURES / "valid" / name)
-    again = Checkpoint(step=ckpt.step, model=ckpt.model, optim=ckpt.optim, teacher=ckpt.teacher,
-                       monitor=ckpt.monitor, flags=ckpt.flags)
+    again = Checkpoint(
+        step=ckpt.step, model=ckpt.model, optim=ckpt.optim, teacher=ckpt.teacher, monitor=ckpt.monitor, flags=ckpt.flags
+    )
     save(tmp_path / name, again, compression=entry["compression"])
     assert (tmp_path / name).read_bytes() == (FIXTURES / "valid" / name).read_bytes()
 
@@ -265,7 +280,9 @@ def test_cli_verify_prints_one_ok_line_and_exits_0_for_the_valid_fixture(
     path = FIXTURES / "valid" / name
     assert main(["verify", str(path)]) == 0
     out = capsys.readouterr().out
-    assert out.count("\n") == 1 and out.startswith(f"OK    {path}  v{VALID[name]['version']} step {VALID[name]['step']}")
+    assert out.count("\n") == 1 and out.startswith(
+        f"OK    {path}  v{VALID[name]['version']} step {VALID[name]['step']}"
+    )
 
 
 def test_cli_verify_accepts_a_valid_sidecar(capsys: pytest.CaptureFixture[str]) -> None:
@@ -315,4 +332,5 @@ def test_layout_only_reader_agrees_with_the_manifest_offsets() -> None:
         with Source(FIXTURES / "valid" / name) as src:
             infos = {s.name: s for s in section_infos(read_layout(src)) if s.present}
         assert {k: (v.offset, v.length) for k, v in infos.items()} == {
-            k: (v["offset"], v["length"]) for k, v in VALID[name]["sections"].items()}, name
+            k: (v["offset"], v["length"]) for k, v in VALID[name]["sections"].items()
+        }, name

@@ -82,8 +82,9 @@ def test_the_independent_writer_agrees_with_ckptkit_byte_for_byte(tmp_path):
     )
     save(tmp_path / "a.ckpt", state)
     assert (tmp_path / "a.ckpt").read_bytes() == _bytes("ok-base.ckpt")
-    write_sidecar(tmp_path / "a.ngram", train_step=7, table_step=3,
-                  tree={"counts": torch.tensor([5, -1], dtype=torch.int64)})
+    write_sidecar(
+        tmp_path / "a.ngram", train_step=7, table_step=3, tree={"counts": torch.tensor([5, -1], dtype=torch.int64)}
+    )
     assert (tmp_path / "a.ngram").read_bytes() == _bytes("ok-sidecar.ngram")
     ck = load(os.path.join(HOSTILE, "ok-v1.ckpt"))
     assert ck.legacy and ck.step == 42 and ck.optim == {"lr": 0.5}
@@ -98,8 +99,13 @@ def corpus_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("corpus") / "results.json"
     marker = tmp_path_factory.mktemp("marker") / "pwned"
     env = {**os.environ, MANIFEST["marker_env"]: str(marker), "MALLOC_ARENA_MAX": "2", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, os.path.join(FUZZ, "run_corpus.py"), "--json", str(out),
-                           "--mem-mib", "512"], env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(FUZZ, "run_corpus.py"), "--json", str(out), "--mem-mib", "512"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.exists(), proc.stderr[-3000:]
     with open(out, encoding="utf-8") as f:
         results = json.load(f)
@@ -129,8 +135,13 @@ def test_the_pickle_payloads_would_run_a_command_if_unpickled(tmp_path):
         zipped = z.read("archive/data.pkl")
     for payload in (_bytes("pickle-os-system.pt"), zipped, _bytes("pickle-disguised-as-v1.ckpt")):
         assert not marker.exists()
-        subprocess.run([sys.executable, "-c", "import pickle, sys; pickle.loads(sys.stdin.buffer.read())"],
-                       input=payload, env=env, check=True, timeout=60)
+        subprocess.run(
+            [sys.executable, "-c", "import pickle, sys; pickle.loads(sys.stdin.buffer.read())"],
+            input=payload,
+            env=env,
+            check=True,
+            timeout=60,
+        )
         assert marker.exists()
         marker.unlink()
 
@@ -208,8 +219,13 @@ def test_resume_skips_a_hostile_newest_file_and_falls_back(tmp_path, valid_run, 
 
 
 def _zstd_base(tmp_path) -> bytes:
-    save(tmp_path / "z.ckpt", Checkpoint(step=3, model={"w": torch.arange(40, dtype=torch.float32)},
-                                         optim={"m": torch.ones(9, dtype=torch.bfloat16)}), compression="zstd")
+    save(
+        tmp_path / "z.ckpt",
+        Checkpoint(
+            step=3, model={"w": torch.arange(40, dtype=torch.float32)}, optim={"m": torch.ones(9, dtype=torch.bfloat16)}
+        ),
+        compression="zstd",
+    )
     return (tmp_path / "z.ckpt").read_bytes()
 
 
@@ -274,7 +290,7 @@ def test_a_u64_lie_at_any_offset_resealed_or_not_raises_only_typed_errors(tmp_pa
         # every offset gets one of the lies, in rotation: each value lands in every field over the sweep
         lies = (*_U64_LIES, *extra, len(data) - i)
         for v in (lies[i % len(lies)],):
-            bad = data[:i] + struct.pack("<Q", v % 2**64) + data[i + 8:]
+            bad = data[:i] + struct.pack("<Q", v % 2**64) + data[i + 8 :]
             for variant in (bad, targets.reseal(bad)):
                 p.write_bytes(variant)
                 _only_typed(p, kind, must_fail=False)
@@ -298,8 +314,13 @@ def test_arbitrary_bytes_raise_only_ckptkit_errors(tmp_path, data, prefix):
 
 
 _leaves = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(), st.text(max_size=6),
-    st.binary(max_size=10), st.sampled_from(["raw", "zstd", "float32", "uint8", "int64", "bool", "tensors"]),
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), 2**64 - 1),
+    st.floats(),
+    st.text(max_size=6),
+    st.binary(max_size=10),
+    st.sampled_from(["raw", "zstd", "float32", "uint8", "int64", "bool", "tensors"]),
     st.sampled_from([0, 64, 2**63, 2**64 - 1]),
     st.builds(msgpack.ExtType, st.integers(0, 127), st.binary(max_size=5)),
     st.builds(msgpack.ExtType, st.just(1), st.binary(min_size=4, max_size=4)),
@@ -307,8 +328,9 @@ _leaves = st.one_of(
 )
 _values = st.recursive(
     _leaves,
-    lambda c: st.lists(c, max_size=4) | st.dictionaries(st.one_of(st.text(max_size=5), st.integers(0, 9)), c,
-                                                        max_size=4),
+    lambda c: (
+        st.lists(c, max_size=4) | st.dictionaries(st.one_of(st.text(max_size=5), st.integers(0, 9)), c, max_size=4)
+    ),
     max_leaves=12,
 )
 
@@ -336,7 +358,11 @@ def _set(obj, path, value):
 @pytest.fixture(scope="module")
 def mutation_bases(tmp_path_factory):
     d = tmp_path_factory.mktemp("bases")
-    return {"ok-base.ckpt": _bytes("ok-base.ckpt"), "zstd": _zstd_base(d), "ok-sidecar.ngram": _bytes("ok-sidecar.ngram")}
+    return {
+        "ok-base.ckpt": _bytes("ok-base.ckpt"),
+        "zstd": _zstd_base(d),
+        "ok-sidecar.ngram": _bytes("ok-sidecar.ngram"),
+    }
 
 
 @settings(max_examples=400, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -349,7 +375,7 @@ def test_any_lie_inside_an_index_raises_only_ckptkit_errors(tmp_path, mutation_b
     raw = mutation_bases[name]
     sites = targets.index_sites(raw)
     start, n = data.draw(st.sampled_from(sites))
-    index = msgpack.unpackb(raw[start + 8:start + 8 + n], raw=False, strict_map_key=False)
+    index = msgpack.unpackb(raw[start + 8 : start + 8 + n], raw=False, strict_map_key=False)
     path = data.draw(st.sampled_from(list(_paths(index))))
     op = data.draw(st.sampled_from(["set", "drop"]))
     if op == "drop" and path:
@@ -374,8 +400,20 @@ def test_the_fuzz_harness_runs_clean_for_a_bounded_time(tmp_path, engine):
     if engine == "atheris":
         pytest.importorskip("atheris")
     env = {**os.environ, "MALLOC_ARENA_MAX": "2", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, os.path.join(FUZZ, "fuzz_load.py"), "--seconds", "8", "--engine", engine,
-           "--seed", "0", "--corpus", str(tmp_path / "corpus"), "--artifacts", str(tmp_path / "artifacts")]
+    cmd = [
+        sys.executable,
+        os.path.join(FUZZ, "fuzz_load.py"),
+        "--seconds",
+        "8",
+        "--engine",
+        engine,
+        "--seed",
+        "0",
+        "--corpus",
+        str(tmp_path / "corpus"),
+        "--artifacts",
+        str(tmp_path / "artifacts"),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     findings = [line for line in (proc.stdout + proc.stderr).splitlines() if "FINDING" in line]
     assert proc.returncode == 0 and not findings, "\n".join(findings[:5]) or proc.stderr[-3000:]
@@ -391,10 +429,13 @@ def test_a_fifo_named_like_a_checkpoint_is_refused_not_waited_on(tmp_path):
     fifo = tmp_path / "step-00000001.ckpt"
     os.mkfifo(fifo)
     assert stat.S_ISFIFO(os.stat(fifo).st_mode)
-    code = ("import sys, ckptkit\n"
-            "from ckptkit.cli import main\n"
-            "try:\n    ckptkit.load(sys.argv[1])\nexcept ckptkit.CheckpointError as e:\n    print('typed', type(e).__name__)\n"
-            "sys.exit(main(['verify', sys.argv[1]]) + 10)\n")
+    code = (
+        "import sys, ckptkit\n"
+        "from ckptkit.cli import main\n"
+        "try:\n    ckptkit.load(sys.argv[1])\n"
+        "except ckptkit.CheckpointError as e:\n    print('typed', type(e).__name__)\n"
+        "sys.exit(main(['verify', sys.argv[1]]) + 10)\n"
+    )
     try:
         proc = subprocess.run([sys.executable, "-c", code, str(fifo)], capture_output=True, text=True, timeout=60)
     except subprocess.TimeoutExpired:

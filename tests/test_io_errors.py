@@ -38,8 +38,9 @@ class Faults:
     (fsync of a directory), ``replace``, ``unlink``.
     """
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, op: str, err: int, match: str = "", nth: int = 1,
-                 every: bool = False) -> None:
+    def __init__(
+        self, monkeypatch: pytest.MonkeyPatch, op: str, err: int, match: str = "", nth: int = 1, every: bool = False
+    ) -> None:
         self.op, self.err, self.match, self.nth, self.every = op, err, match, nth, every
         self.seen = 0
         self.fired = 0
@@ -112,16 +113,25 @@ class Faults:
                 return File(real_open(file, mode, *a, **kw))
             return real_open(file, mode, *a, **kw)
 
-        for mod, name, fn in ((os, "write", write), (os, "pwrite", pwrite), (os, "fsync", fsync),
-                              (os, "replace", replace), (os, "unlink", unlink)):
+        for mod, name, fn in (
+            (os, "write", write),
+            (os, "pwrite", pwrite),
+            (os, "fsync", fsync),
+            (os, "replace", replace),
+            (os, "unlink", unlink),
+        ):
             monkeypatch.setattr(mod, name, fn)
         monkeypatch.setattr(atomic, "open", open_, raising=False)
 
 
 def _state(step: int) -> Checkpoint:
     g = torch.Generator().manual_seed(step)
-    return Checkpoint(step=step, model={"w": torch.randn(3000, generator=g), "b": torch.randn(7, generator=g)},
-                      optim={"lr": 0.1 * step}, monitor={"data": {"train": step}})
+    return Checkpoint(
+        step=step,
+        model={"w": torch.randn(3000, generator=g), "b": torch.randn(7, generator=g)},
+        optim={"lr": 0.1 * step},
+        monitor={"data": {"train": step}},
+    )
 
 
 def _read(path) -> bytes:
@@ -152,8 +162,9 @@ SAVE_FAULTS = [
 ]
 
 
-@pytest.mark.parametrize(("op", "err", "nth"), SAVE_FAULTS,
-                         ids=[f"{o}-{errno.errorcode[e]}-{n}" for o, e, n in SAVE_FAULTS])
+@pytest.mark.parametrize(
+    ("op", "err", "nth"), SAVE_FAULTS, ids=[f"{o}-{errno.errorcode[e]}-{n}" for o, e, n in SAVE_FAULTS]
+)
 def test_a_failed_save_raises_save_failed_keeps_the_old_file_and_no_temp(tmp_path, monkeypatch, op, err, nth):
     path = tmp_path / "x.ckpt"
     save(path, _state(1))
@@ -263,15 +274,18 @@ def _snapshot_dir(d) -> dict[str, bytes]:
 RUNSTATE_FAULTS = [
     (part, op, err)
     for part in ("snapshot", "sidecar", "container")
-    for op, err in (("create", errno.EACCES), ("write", errno.ENOSPC), ("fsync", errno.EIO),
-                    ("replace", errno.EIO))
+    for op, err in (("create", errno.EACCES), ("write", errno.ENOSPC), ("fsync", errno.EIO), ("replace", errno.EIO))
 ] + [("sidecar", "pwrite", errno.EIO), ("container", "pwrite", errno.ENOSPC)]
-_NAME = {"snapshot": "step-00000003.ckpt.config.json", "sidecar": "step-00000003.ckpt.ngram",
-         "container": "step-00000003.ckpt"}
+_NAME = {
+    "snapshot": "step-00000003.ckpt.config.json",
+    "sidecar": "step-00000003.ckpt.ngram",
+    "container": "step-00000003.ckpt",
+}
 
 
-@pytest.mark.parametrize(("part", "op", "err"), RUNSTATE_FAULTS,
-                         ids=[f"{p}-{o}-{errno.errorcode[e]}" for p, o, e in RUNSTATE_FAULTS])
+@pytest.mark.parametrize(
+    ("part", "op", "err"), RUNSTATE_FAULTS, ids=[f"{p}-{o}-{errno.errorcode[e]}" for p, o, e in RUNSTATE_FAULTS]
+)
 def test_a_failed_runstate_save_keeps_every_retained_checkpoint(tmp_path, monkeypatch, part, op, err):
     run = Tiny(tmp_path / "run")
     run.rs.start()

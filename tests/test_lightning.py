@@ -70,8 +70,17 @@ def data() -> DataLoader:
 
 
 def trainer(root: Path, steps: int, **kw: Any) -> Any:
-    return L.Trainer(max_steps=steps, plugins=[CheckpointIO()], default_root_dir=str(root), accelerator="cpu",
-                     devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False, **kw)
+    return L.Trainer(
+        max_steps=steps,
+        plugins=[CheckpointIO()],
+        default_root_dir=str(root),
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kw,
+    )
 
 
 def fit(root: Path, steps: int, ckpt_path: str | None = None, **kw: Any) -> tuple[Net, Any]:
@@ -111,8 +120,11 @@ def test_twenty_steps_resumed_to_forty_equal_forty_straight_bit_for_bit(runs: di
     assert t40.global_step == t_res.global_step == 40
     assert_bitwise(straight.state_dict(), resumed.state_dict(), "state_dict")
     assert_bitwise(t40.optimizers[0].state_dict(), t_res.optimizers[0].state_dict(), "optimizer")
-    assert_bitwise(t40.lr_scheduler_configs[0].scheduler.state_dict(),
-                   t_res.lr_scheduler_configs[0].scheduler.state_dict(), "lr_scheduler")
+    assert_bitwise(
+        t40.lr_scheduler_configs[0].scheduler.state_dict(),
+        t_res.lr_scheduler_configs[0].scheduler.state_dict(),
+        "lr_scheduler",
+    )
     assert t40.optimizers[0].state_dict()["state"][0]["step"].item() == 40
 
 
@@ -122,7 +134,7 @@ def test_every_lightning_checkpoint_is_a_verified_ckptkit_container(runs: dict[s
     files += sorted((runs["root"] / "half" / "checkpoints").iterdir())
     assert [f.name for f in files] == ["epoch=3-step=40.ckpt", "epoch=1-step=20.ckpt", "epoch=3-step=40.ckpt"]
     for f in [*files, runs["ckpt"]]:
-        assert f.read_bytes()[:len(MAGIC)] == MAGIC  # no pickle: torch.save files start with a zip header
+        assert f.read_bytes()[: len(MAGIC)] == MAGIC  # no pickle: torch.save files start with a zip header
         assert ckptkit.verify(f).ok
     ck = ckptkit.load(runs["ckpt"])
     assert ck.step == 20 and ck.monitor["layout"] == LAYOUT
@@ -137,8 +149,9 @@ def test_the_plugin_returns_the_dict_lightning_saved(tmp_path: Path) -> None:
     assert_bitwise(saved, CheckpointIO().load_checkpoint(tmp_path / "x.ckpt"), "checkpoint")
 
 
-def test_ckptkit_verify_and_inspect_read_lightning_checkpoints(runs: dict[str, Any],
-                                                               capsys: pytest.CaptureFixture[str]) -> None:
+def test_ckptkit_verify_and_inspect_read_lightning_checkpoints(
+    runs: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["verify", str(runs["ckpt"])]) == 0
     assert capsys.readouterr().out.startswith(f"OK    {runs['ckpt']}  v2 step 20")
     assert main(["inspect", str(runs["ckpt"])]) == 0
@@ -146,8 +159,9 @@ def test_ckptkit_verify_and_inspect_read_lightning_checkpoints(runs: dict[str, A
     assert out.startswith(f"{runs['ckpt']}: container v2, step 20")
 
 
-def test_a_damaged_checkpoint_is_refused_before_lightning_restores_anything(runs: dict[str, Any],
-                                                                           tmp_path: Path) -> None:
+def test_a_damaged_checkpoint_is_refused_before_lightning_restores_anything(
+    runs: dict[str, Any], tmp_path: Path
+) -> None:
     bad = tmp_path / "bad.ckpt"
     shutil.copyfile(runs["ckpt"], bad)
     report = ckptkit.verify(bad)
@@ -179,7 +193,8 @@ def test_an_object_in_hyper_parameters_is_refused_by_key_path_and_the_old_file_s
         "checkpoint['hyper_parameters']['act']: a torch.nn.modules.activation.ReLU cannot be stored (only tensors, "
         "None, bool, int, float, str, bytes, lists, tuples and dicts); convert it to one of those; exclude that "
         "argument with self.save_hyperparameters(ignore=[...]) and rebuild it in __init__, or pass a plain value "
-        "(for omegaconf, OmegaConf.to_container(cfg))")
+        "(for omegaconf, OmegaConf.to_container(cfg))"
+    )
     assert path.read_bytes() == good
     assert sorted(os.listdir(tmp_path)) == ["last.ckpt"]  # no temporary file left behind
 
@@ -191,8 +206,11 @@ class Keeps(L.Callback):
 
 def test_callback_state_that_is_not_plain_is_refused_with_advice(tmp_path: Path) -> None:
     _model, t = fit(tmp_path, 2, enable_checkpointing=False, callbacks=[Keeps()])
-    with pytest.raises(UnsupportedValue, match=r"^checkpoint\['callbacks'\]\['Keeps'\]\['seen'\]: a builtins\.set "
-                                               r"cannot be stored .*; a callback's state_dict\(\) must return plain"):
+    with pytest.raises(
+        UnsupportedValue,
+        match=r"^checkpoint\['callbacks'\]\['Keeps'\]\['seen'\]: a builtins\.set "
+        r"cannot be stored .*; a callback's state_dict\(\) must return plain",
+    ):
         t.save_checkpoint(tmp_path / "x.ckpt")
 
 
@@ -204,7 +222,8 @@ def test_a_container_not_written_by_the_plugin_is_refused(tmp_path: Path) -> Non
     assert str(e.value) == (
         f"{other}: monitor.layout: not a Lightning checkpoint written by ckptkit.integrations.lightning.CheckpointIO "
         f"(expected {LAYOUT}, got none); load it with ckptkit.load(); a torch.save file is imported once with "
-        "ckptkit.import_torch_checkpoint")
+        "ckptkit.import_torch_checkpoint"
+    )
 
 
 def test_a_plugin_container_without_its_lightning_keys_is_refused(tmp_path: Path) -> None:
@@ -212,8 +231,10 @@ def test_a_plugin_container_without_its_lightning_keys_is_refused(tmp_path: Path
     ckptkit.save(altered, ckptkit.Checkpoint(step=1, monitor={"layout": LAYOUT, "checkpoint": [1]}))
     with pytest.raises(FormatError) as e:
         CheckpointIO().load_checkpoint(altered)
-    assert str(e.value) == (f"{altered}: monitor.checkpoint: the Lightning keys are missing or not a map; "
-                            "the file was altered after it was written")
+    assert str(e.value) == (
+        f"{altered}: monitor.checkpoint: the Lightning keys are missing or not a map; "
+        "the file was altered after it was written"
+    )
 
 
 def test_missing_files_remote_paths_and_storage_options(tmp_path: Path) -> None:
@@ -263,9 +284,11 @@ def test_without_lightning_the_import_names_the_extra() -> None:
     import subprocess
     import sys
 
-    code = ("import sys; sys.modules['lightning'] = None\n"
-            "try:\n    import ckptkit.integrations.lightning\n"
-            "except ModuleNotFoundError as e:\n    print(e)")
+    code = (
+        "import sys; sys.modules['lightning'] = None\n"
+        "try:\n    import ckptkit.integrations.lightning\n"
+        "except ModuleNotFoundError as e:\n    print(e)"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert (proc.returncode, proc.stderr) == (0, "")
     assert proc.stdout == "ckptkit.integrations.lightning needs Lightning: pip install 'ckptkit[lightning]'\n"

@@ -63,7 +63,8 @@ def test_a_128_kib_file_declaring_a_4_gib_tensor_fails_before_allocating_under_a
             r"memory but only \d+ \(0\.\d\d GiB\) are available \(the address-space limit RLIMIT_AS\); the largest "
             r"tensor is model\['z'\] \(uint8\[4294967296\], 4294967296 bytes\); nothing was allocated\. Free memory, "
             r"load into existing tensors \(into=\.\.\.\), or pass max_memory=N bytes if the file is trusted",
-            line), line
+            line,
+        ), line
 
 
 def test_verify_checks_the_bomb_with_bounded_memory_and_finds_it_valid(tmp_path: Path) -> None:
@@ -73,8 +74,11 @@ def test_verify_checks_the_bomb_with_bounded_memory_and_finds_it_valid(tmp_path:
 
 def test_max_memory_is_the_limit_to_the_byte(tmp_path: Path) -> None:
     path = tmp_path / "z.ckpt"
-    save(path, Checkpoint(step=1, model={"a": torch.zeros(1000), "b": torch.ones(24, dtype=torch.int64)}),
-         compression="zstd")
+    save(
+        path,
+        Checkpoint(step=1, model={"a": torch.zeros(1000), "b": torch.ones(24, dtype=torch.int64)}),
+        compression="zstd",
+    )
     need = 1000 * 4 + 24 * 8
     assert load(path, max_memory=need).model["a"].shape == (1000,)
     with pytest.raises(InsufficientMemory) as info:
@@ -82,7 +86,8 @@ def test_max_memory_is_the_limit_to_the_byte(tmp_path: Path) -> None:
     assert str(info.value) == (
         f"{path}: loading needs 4192 bytes (0.00 GiB) of new tensor memory but only 4191 (0.00 GiB) are available "
         "(max_memory); the largest tensor is model['a'] (float32[1000], 4000 bytes); nothing was allocated. Free "
-        "memory, load into existing tensors (into=...), or pass max_memory=N bytes if the file is trusted")
+        "memory, load into existing tensors (into=...), or pass max_memory=N bytes if the file is trusted"
+    )
 
 
 def test_tensors_loaded_into_existing_memory_do_not_count(tmp_path: Path) -> None:
@@ -91,8 +96,6 @@ def test_tensors_loaded_into_existing_memory_do_not_count(tmp_path: Path) -> Non
     dest = torch.zeros(1000)
     load(path, into={"model": {"a": dest}}, max_memory=0)
     assert dest[999] == 999.0
-
-
 
 
 def test_a_million_references_to_one_tensor_cost_a_pointer_each_not_an_object(tmp_path: Path) -> None:

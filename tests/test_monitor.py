@@ -317,14 +317,19 @@ _FLOATS = st.one_of(
     st.sampled_from([0.0, 1.0, 5.0, 1e300, NAN, INF]),
 )
 _EVENTS = st.lists(
-    st.tuples(st.integers(1, 3), _FLOATS, st.one_of(st.floats(-10, 10), st.sampled_from([NAN, INF, -INF])),
-              st.booleans()),
+    st.tuples(
+        st.integers(1, 3), _FLOATS, st.one_of(st.floats(-10, 10), st.sampled_from([NAN, INF, -INF])), st.booleans()
+    ),
     max_size=80,
 )
 _CONFIGS = st.builds(
-    lambda w, mh, mult, floor, hist: SpikeConfig(window=w, min_history=min(mh, w), multiplier=mult, floor=floor,
-                                                 history=hist),
-    st.integers(1, 8), st.integers(1, 8), st.sampled_from([1.5, 3.0]), st.sampled_from([0.0, 2.0]),
+    lambda w, mh, mult, floor, hist: SpikeConfig(
+        window=w, min_history=min(mh, w), multiplier=mult, floor=floor, history=hist
+    ),
+    st.integers(1, 8),
+    st.integers(1, 8),
+    st.sampled_from([1.5, 3.0]),
+    st.sampled_from([0.0, 2.0]),
     st.integers(0, 6),
 )
 
@@ -407,38 +412,76 @@ _DELETE = object()
 @pytest.mark.parametrize(
     ("path", "value", "exc", "message"),
     [
-        ("version", 2, UnsupportedVersion,
-         ("monitor.version: monitor state version not supported (expected 1, got 2); "
-         "upgrade ckptkit to read this checkpoint")),
+        (
+            "version",
+            2,
+            UnsupportedVersion,
+            (
+                "monitor.version: monitor state version not supported (expected 1, got 2); "
+                "upgrade ckptkit to read this checkpoint"
+            ),
+        ),
         ("version", _DELETE, MalformedIndex, "monitor.version: version must be an int (got NoneType)"),
         ("version", True, MalformedIndex, "monitor.version: version must be an int (got bool)"),
         ("report", _DELETE, MalformedIndex, "monitor: missing key(s) report"),
         ("extra", 1, MalformedIndex, "monitor: unknown key(s) extra"),
-        ("detector.window", [1.0, 2.0, 3.0, 4.0], MalformedIndex,
-         "monitor.detector.window: window holds more values than the config allows (expected <= 3, got 4)"),
+        (
+            "detector.window",
+            [1.0, 2.0, 3.0, 4.0],
+            MalformedIndex,
+            "monitor.detector.window: window holds more values than the config allows (expected <= 3, got 4)",
+        ),
         ("detector.window", [1], MalformedIndex, "monitor.detector.window[0]: must be a float (got int)"),
-        ("detector.window", [NAN], MalformedIndex,
-         "monitor.detector.window: window holds nan; window values must be finite and >= 0"),
-        ("detector.window", [-1.0], MalformedIndex,
-         "monitor.detector.window: window holds -1.0; window values must be finite and >= 0"),
+        (
+            "detector.window",
+            [NAN],
+            MalformedIndex,
+            "monitor.detector.window: window holds nan; window values must be finite and >= 0",
+        ),
+        (
+            "detector.window",
+            [-1.0],
+            MalformedIndex,
+            "monitor.detector.window: window holds -1.0; window values must be finite and >= 0",
+        ),
         ("detector.window", "1.0", MalformedIndex, "monitor.detector.window: must be a list (got str)"),
         ("detector.last_step", -1, MalformedIndex, "monitor.detector.last_step: must be an int >= 0 (got -1)"),
         ("detector.last_step", None, MalformedIndex, "monitor.detector: window is not empty but last_step is None"),
         ("config.window", 0, MalformedIndex, "monitor.config: invalid spike config: window must be >= 1 (got 0)"),
         ("config.colour", "red", MalformedIndex, "monitor.config: unknown key(s) colour"),
         ("report.observed", True, MalformedIndex, "monitor.report.observed: must be an int >= 0 (got True)"),
-        ("report.spikes", {"grad_norm": 1}, MalformedIndex,
-         "monitor.report.spikes: missing key(s) non_finite_grad_norm, non_finite_loss"),
-        ("report.recent", [1.0, 2.0, 3.0], MalformedIndex,
-         "monitor.report.recent: recent holds more values than the config allows (expected <= 2, got 3)"),
-        ("report.refused", [1, 2, 3], MalformedIndex,
-         "monitor.report.refused: refused is longer than history (expected <= 2, got 3)"),
+        (
+            "report.spikes",
+            {"grad_norm": 1},
+            MalformedIndex,
+            "monitor.report.spikes: missing key(s) non_finite_grad_norm, non_finite_loss",
+        ),
+        (
+            "report.recent",
+            [1.0, 2.0, 3.0],
+            MalformedIndex,
+            "monitor.report.recent: recent holds more values than the config allows (expected <= 2, got 3)",
+        ),
+        (
+            "report.refused",
+            [1, 2, 3],
+            MalformedIndex,
+            "monitor.report.refused: refused is longer than history (expected <= 2, got 3)",
+        ),
         ("report.refused", [-1], MalformedIndex, "monitor.report.refused[0]: must be an int >= 0 (got -1)"),
         ("report.sum", 3, MalformedIndex, "monitor.report.sum: must be a float (got int)"),
-        ("report.recent_spikes", [{"step": 1}], MalformedIndex,
-         "monitor.report.recent_spikes[0]: missing key(s) grad_norm, loss, median, reason"),
-        ("report.recent_spikes", [{"step": 1, "reason": "ok", "grad_norm": 1.0, "loss": 1.0, "median": None}],
-         MalformedIndex, "monitor.report.recent_spikes[0]: reason 'ok' is not a spike reason"),
+        (
+            "report.recent_spikes",
+            [{"step": 1}],
+            MalformedIndex,
+            "monitor.report.recent_spikes[0]: missing key(s) grad_norm, loss, median, reason",
+        ),
+        (
+            "report.recent_spikes",
+            [{"step": 1, "reason": "ok", "grad_norm": 1.0, "loss": 1.0, "median": None}],
+            MalformedIndex,
+            "monitor.report.recent_spikes[0]: reason 'ok' is not a spike reason",
+        ),
     ],
 )
 def test_load_refuses_malformed_state(path: str, value: Any, exc: type, message: str) -> None:
@@ -521,8 +564,10 @@ def test_rewind_refuses_a_snapshot_from_the_future() -> None:
     _warm(m, [1.0, 1.0, 1.0])
     ahead = m.state_dict()
     m.rewind(ahead)  # the same step is fine
-    with pytest.raises(ValueError, match=re.escape(
-            "rewind snapshot is ahead of the monitor (snapshot last step 2, monitor last step None)")):
+    with pytest.raises(
+        ValueError,
+        match=re.escape("rewind snapshot is ahead of the monitor (snapshot last step 2, monitor last step None)"),
+    ):
         SpikeMonitor(SpikeConfig(window=4, min_history=2)).rewind(ahead)
 
 

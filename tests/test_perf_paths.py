@@ -45,9 +45,15 @@ def state() -> dict:
     w[0, 0], w[0, 1] = float("nan"), -0.0
     w.view(torch.int32)[0, 2] = 0x7FC00123  # a NaN with a payload
     return {
-        "w": w, "tied": w, "wT": w.t(), "b": torch.randn(8, generator=g).to(torch.bfloat16),
-        "i": torch.arange(5, dtype=torch.int64), "flag": torch.tensor([True, False]), "scalar": torch.tensor(3.5),
-        "empty": torch.empty(0, 4), "nested": {"t": (1, 2.5, "x", b"y", None, torch.ones(3, dtype=torch.float16))},
+        "w": w,
+        "tied": w,
+        "wT": w.t(),
+        "b": torch.randn(8, generator=g).to(torch.bfloat16),
+        "i": torch.arange(5, dtype=torch.int64),
+        "flag": torch.tensor([True, False]),
+        "scalar": torch.tensor(3.5),
+        "empty": torch.empty(0, 4),
+        "nested": {"t": (1, 2.5, "x", b"y", None, torch.ones(3, dtype=torch.float16))},
     }
 
 
@@ -123,8 +129,10 @@ def test_lazy_access_names_missing_keys_and_non_tensors(tmp_path):
     with open_checkpoint(path) as ck:
         with pytest.raises(KeyError) as e:
             ck.tensor("model", "net", "nope")
-        assert e.value.args[0] == (f"{path}: model['net']: no key 'nope' (keys here: 'b', 'empty', 'flag', 'i', "
-                                   "'nested', 'scalar', 'tied', 'w', ... (9 keys))")
+        assert e.value.args[0] == (
+            f"{path}: model['net']: no key 'nope' (keys here: 'b', 'empty', 'flag', 'i', "
+            "'nested', 'scalar', 'tied', 'w', ... (9 keys))"
+        )
         with pytest.raises(KeyError, match=r"no section 'teacher' in this checkpoint \(present: model, optim\)"):
             ck.get("teacher")
         with pytest.raises(TypeError, match=r"optim\['lr'\]: is a float, not a tensor"):
@@ -170,12 +178,15 @@ def test_load_into_restores_optimizer_state_in_place(tmp_path):
         return net, opt
 
     net_a, opt_a = trained(0, 3)
-    save(tmp_path / "o.ckpt", Checkpoint(step=3, model={"net": net_a.state_dict()},
-                                         optim={"optimizers": {"adamw": opt_a.state_dict()}}))
+    save(
+        tmp_path / "o.ckpt",
+        Checkpoint(step=3, model={"net": net_a.state_dict()}, optim={"optimizers": {"adamw": opt_a.state_dict()}}),
+    )
     net_b, opt_b = trained(1, 1)
     state_b = opt_b.state_dict()
-    ck = load(tmp_path / "o.ckpt", into={"model": {"net": net_b.state_dict()},
-                                         "optim": {"optimizers": {"adamw": state_b}}})
+    ck = load(
+        tmp_path / "o.ckpt", into={"model": {"net": net_b.state_dict()}, "optim": {"optimizers": {"adamw": state_b}}}
+    )
     opt_b.load_state_dict(ck.optim["optimizers"]["adamw"])  # param_groups; state tensors already in place
     for sa, sb in zip(opt_a.state_dict()["state"].values(), opt_b.state_dict()["state"].values(), strict=True):
         assert all(bits(sa[k]) == bits(sb[k]) for k in sa)
@@ -189,8 +200,11 @@ def test_load_into_an_empty_optimizer_needs_strict_false(tmp_path):
     opt.step()
     save(tmp_path / "o.ckpt", Checkpoint(step=1, optim={"optimizers": {"adamw": opt.state_dict()}}))
     fresh = torch.optim.AdamW(torch.nn.Linear(6, 3).parameters())
-    with pytest.raises(ResumeRefused, match=r"optim\['optimizers'\]\['adamw'\]\['state'\]\[0\]: in the checkpoint "
-                                            r"but not in the destination \(strict=False loads it into new memory\)"):
+    with pytest.raises(
+        ResumeRefused,
+        match=r"optim\['optimizers'\]\['adamw'\]\['state'\]\[0\]: in the checkpoint "
+        r"but not in the destination \(strict=False loads it into new memory\)",
+    ):
         load(tmp_path / "o.ckpt", into={"optim": {"optimizers": {"adamw": fresh.state_dict()}}})
     ck = load(tmp_path / "o.ckpt", into={"optim": {"optimizers": {"adamw": fresh.state_dict()}}}, strict=False)
     fresh.load_state_dict(ck.optim["optimizers"]["adamw"])
@@ -198,8 +212,10 @@ def test_load_into_an_empty_optimizer_needs_strict_false(tmp_path):
 
 
 def test_load_into_refuses_a_different_layout_listing_every_problem_and_writes_nothing(tmp_path):
-    save(tmp_path / "m.ckpt", Checkpoint(step=1, model={"net": {"w": torch.ones(2, 3), "b": torch.ones(3),
-                                                                 "extra": torch.ones(1)}}))
+    save(
+        tmp_path / "m.ckpt",
+        Checkpoint(step=1, model={"net": {"w": torch.ones(2, 3), "b": torch.ones(3), "extra": torch.ones(1)}}),
+    )
     dest = {"w": torch.zeros(3, 2), "b": torch.zeros(3, dtype=torch.float64), "gone": torch.zeros(1)}
     with pytest.raises(StateMismatch) as e:
         load(tmp_path / "m.ckpt", into={"model": {"net": dest}})

@@ -25,10 +25,41 @@ from ckptkit.plot import COLORS, plot_run, read_series, render, spike_config_of
 
 pytestmark = pytest.mark.slow
 
-TINY = ["--n-layer", "2", "--n-head", "2", "--d-model", "32", "--block-size", "16", "--seq-len", "16",
-        "--batch", "4", "--log-every", "1000", "--keep", "100", "--warmup-iters", "2", "--quiet"]
-ROLLBACK = ["--spike-window", "8", "--spike-min-history", "4", "--auto-rollback", "on", "--rollback-k", "3",
-            "--ckpt-every", "3", "--spike-at", "9"]
+TINY = [
+    "--n-layer",
+    "2",
+    "--n-head",
+    "2",
+    "--d-model",
+    "32",
+    "--block-size",
+    "16",
+    "--seq-len",
+    "16",
+    "--batch",
+    "4",
+    "--log-every",
+    "1000",
+    "--keep",
+    "100",
+    "--warmup-iters",
+    "2",
+    "--quiet",
+]
+ROLLBACK = [
+    "--spike-window",
+    "8",
+    "--spike-min-history",
+    "4",
+    "--auto-rollback",
+    "on",
+    "--rollback-k",
+    "3",
+    "--ckpt-every",
+    "3",
+    "--spike-at",
+    "9",
+]
 
 
 def train(run_dir: Path, *flags: str) -> None:
@@ -71,7 +102,7 @@ def pixels_near(path: Path, color: str, alpha: float = 1.0, tol: int = 6) -> int
     import numpy as np
 
     img = (matplotlib.image.imread(str(path))[..., :3] * 255).round()
-    rgb = np.array([int(color[i:i + 2], 16) for i in (1, 3, 5)], dtype=float)
+    rgb = np.array([int(color[i : i + 2], 16) for i in (1, 3, 5)], dtype=float)
     want = alpha * rgb + (1 - alpha) * 255
     return int((np.abs(img - want) <= tol).all(axis=-1).sum())
 
@@ -79,8 +110,9 @@ def pixels_near(path: Path, color: str, alpha: float = 1.0, tol: int = 6) -> int
 # ----------------------------------------------------------------------------- the CLI renders real runs
 
 
-def test_plot_of_a_run_with_a_rollback_and_a_resume_draws_every_series(rolled: Path, tmp_path: Path,
-                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+def test_plot_of_a_run_with_a_rollback_and_a_resume_draws_every_series(
+    rolled: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "rolled.png"
     assert main(["plot", str(rolled), "-o", str(out)]) == 0
     line = capsys.readouterr().out.strip()
@@ -106,17 +138,47 @@ def test_the_figure_names_each_series_it_draws(rolled: Path, plain: Path) -> Non
     cfg, source = spike_config_of(rolled)
     assert (cfg.window, cfg.min_history, source) == (8, 4, "step-00000014.ckpt.config.json")
     fig = render(read_series(rows_of(rolled), cfg))
-    assert gids(fig) == {"loss", "lm_loss", "aux_loss", "grad_norm", "threshold", "spike", "rollback", "lr",
-                         "lr_drop", "resume", "abandoned:loss", "abandoned:lm_loss", "abandoned:aux_loss",
-                         "abandoned:grad_norm", "abandoned:lr"}
+    assert gids(fig) == {
+        "loss",
+        "lm_loss",
+        "aux_loss",
+        "grad_norm",
+        "threshold",
+        "spike",
+        "rollback",
+        "lr",
+        "lr_drop",
+        "resume",
+        "abandoned:loss",
+        "abandoned:lm_loss",
+        "abandoned:aux_loss",
+        "abandoned:grad_norm",
+        "abandoned:lr",
+    }
     labels = {t.get_text() for ax in fig.axes if ax.get_legend() for t in ax.get_legend().get_texts()}
-    assert {"loss", "lm_loss", "aux_loss", "grad norm (pre-clip)", "threshold: 3x rolling median (8 steps)",
-            "spike", "rollback: step N back to N-K", "resume", "learning rate", "LR drop at rollback"} <= labels
+    assert {
+        "loss",
+        "lm_loss",
+        "aux_loss",
+        "grad norm (pre-clip)",
+        "threshold: 3x rolling median (8 steps)",
+        "spike",
+        "rollback: step N back to N-K",
+        "resume",
+        "learning rate",
+        "LR drop at rollback",
+    } <= labels
     band = next(p for ax in fig.axes for p in ax.patches if p.get_gid() == "rollback")
     xs = [band.get_x(), band.get_x() + band.get_width()]  # axvspan draws a Rectangle (matplotlib >= 3.9)
     assert (min(xs), max(xs)) == (6, 10)  # from the restart step T = 6 to the spiking step N = 9 inclusive
     assert gids(render(read_series(rows_of(plain), spike_config_of(plain)[0]))) == {
-        "loss", "lm_loss", "aux_loss", "grad_norm", "threshold", "lr"}
+        "loss",
+        "lm_loss",
+        "aux_loss",
+        "grad_norm",
+        "threshold",
+        "lr",
+    }
 
 
 def test_the_threshold_is_the_trainers_own_detector(rolled: Path, plain: Path) -> None:
@@ -149,8 +211,14 @@ def test_json_names_what_was_drawn(plain: Path, tmp_path: Path, capsys: pytest.C
     out = tmp_path / "p.png"
     assert main(["plot", str(plain), "-o", str(out), "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == {
-        "schema_version": 1, "path": str(out), "steps": 24, "spikes": 0, "rollbacks": 0, "resumes": 0,
-        "series": ["aux_loss", "grad_norm", "lm_loss", "loss", "lr", "threshold"]}
+        "schema_version": 1,
+        "path": str(out),
+        "steps": 24,
+        "spikes": 0,
+        "rollbacks": 0,
+        "resumes": 0,
+        "series": ["aux_loss", "grad_norm", "lm_loss", "loss", "lr", "threshold"],
+    }
 
 
 def test_from_and_to_zoom_the_step_axis(rolled: Path, tmp_path: Path) -> None:
@@ -169,8 +237,17 @@ def test_an_outside_loops_recording_is_drawn_with_its_own_scalar_names(tmp_path:
     h.start_fresh()
     for step in range(30):
         g = 40.0 if step == 20 else 1.0 + 0.01 * (step % 3)
-        h.append({"kind": "step", "step": step, "loss": 2.0 - step / 30, "loss_ce": 1.5 - step / 40,
-                  "grad_norm": g, "lr": 1e-3, "tokens": step * 512})
+        h.append(
+            {
+                "kind": "step",
+                "step": step,
+                "loss": 2.0 - step / 30,
+                "loss_ce": 1.5 - step / 40,
+                "grad_norm": g,
+                "lr": 1e-3,
+                "tokens": step * 512,
+            }
+        )
     h.append({"kind": "resume", "step": 25})
     h.close()
     out = tmp_path / "loop.png"
@@ -196,10 +273,12 @@ def test_a_recording_of_losses_only_is_one_panel(tmp_path: Path) -> None:
 def test_a_rerun_row_is_judged_from_the_state_before_its_step() -> None:
     """R-M07: the detector rewinds for a re-run, so the re-run is judged against the same median."""
     rows = [{"kind": "step", "step": s, "grad_norm": 1.0, "loss": 1.0} for s in range(4)]
-    rows += [{"kind": "step", "step": 4, "grad_norm": 50.0, "loss": 1.0},
-             {"kind": "spike", "step": 4, "action": "rerun"},
-             {"kind": "step", "step": 4, "grad_norm": 2.0, "loss": 1.0, "rerun": True},
-             {"kind": "step", "step": 5, "grad_norm": 1.0, "loss": 1.0}]
+    rows += [
+        {"kind": "step", "step": 4, "grad_norm": 50.0, "loss": 1.0},
+        {"kind": "spike", "step": 4, "action": "rerun"},
+        {"kind": "step", "step": 4, "grad_norm": 2.0, "loss": 1.0, "rerun": True},
+        {"kind": "step", "step": 5, "grad_norm": 1.0, "loss": 1.0},
+    ]
     series = read_series(rows, SpikeConfig(window=4, min_history=4))
     assert series.threshold[-3:] == (3.0, 3.0, 3.0)  # 3 x lower median of [1, 1, 1, 1], then of [1, 1, 1, 2]
     assert series.spikes == ((4, 50.0),)
@@ -209,17 +288,24 @@ def test_a_rerun_row_is_judged_from_the_state_before_its_step() -> None:
 # ----------------------------------------------------------------------------- errors
 
 
-def test_a_directory_without_a_recording_is_refused_in_one_line(tmp_path: Path,
-                                                                capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_directory_without_a_recording_is_refused_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["plot", str(tmp_path), "-o", str(tmp_path / "x.png")]) == 2
-    assert capsys.readouterr().err == f"ckptkit plot: {tmp_path}: no history.jsonl here (a run directory, or its history.jsonl)\n"
+    assert (
+        capsys.readouterr().err
+        == f"ckptkit plot: {tmp_path}: no history.jsonl here (a run directory, or its history.jsonl)\n"
+    )
 
 
-def test_an_empty_range_and_a_reversed_range_are_usage_errors(rolled: Path, tmp_path: Path,
-                                                              capsys: pytest.CaptureFixture[str]) -> None:
+def test_an_empty_range_and_a_reversed_range_are_usage_errors(
+    rolled: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "x.png"
     assert main(["plot", str(rolled), "-o", str(out), "--from", "50"]) == 2
-    assert capsys.readouterr().err == "ckptkit plot: no step rows in the range 50..end (the recording has steps 0..13)\n"
+    assert (
+        capsys.readouterr().err == "ckptkit plot: no step rows in the range 50..end (the recording has steps 0..13)\n"
+    )
     assert main(["plot", str(rolled), "-o", str(out), "--from", "9", "--to", "3"]) == 2
     assert capsys.readouterr().err == "ckptkit plot: --from 9 is after --to 3\n"
     assert not out.exists()
@@ -240,17 +326,25 @@ def test_a_recording_without_scalars_is_refused(tmp_path: Path, capsys: pytest.C
     h.append({"kind": "step", "step": 0, "tokens": 5})
     h.close()
     assert main(["plot", str(tmp_path), "-o", str(tmp_path / "x.png")]) == 2
-    assert capsys.readouterr().err == (f"ckptkit plot: {tmp_path / 'history.jsonl'}: no step row records a loss, "
-                                       "grad_norm or lr; nothing to plot\n")
+    assert capsys.readouterr().err == (
+        f"ckptkit plot: {tmp_path / 'history.jsonl'}: no step row records a loss, grad_norm or lr; nothing to plot\n"
+    )
 
 
 def test_without_matplotlib_the_cli_names_the_extra(plain: Path, tmp_path: Path) -> None:
     """A real process in which matplotlib cannot be imported (None in sys.modules blocks the import)."""
-    blocker = ("import sys; sys.modules['matplotlib'] = None; "
-               "from ckptkit.cli import main; raise SystemExit(main(sys.argv[1:]))")
+    blocker = (
+        "import sys; sys.modules['matplotlib'] = None; "
+        "from ckptkit.cli import main; raise SystemExit(main(sys.argv[1:]))"
+    )
     out = tmp_path / "x.png"
-    proc = subprocess.run([sys.executable, "-c", blocker, "plot", str(plain), "-o", str(out)],
-                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONWARNINGS": "error"})
+    proc = subprocess.run(
+        [sys.executable, "-c", blocker, "plot", str(plain), "-o", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONWARNINGS": "error"},
+    )
     assert (proc.returncode, proc.stdout) == (2, "")
     assert proc.stderr == "ckptkit plot: matplotlib is not installed: pip install 'ckptkit[plot]'\n"
     assert not out.exists()

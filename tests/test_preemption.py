@@ -29,13 +29,32 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "resumable_loop.py"
-TINY = ["--n-layer", "2", "--n-head", "2", "--d-model", "32", "--block-size", "16", "--seq-len", "16", "--batch", "4",
-        "--warmup-iters", "2", "--ckpt-every", "1000", "--log-every", "1"]
+TINY = [
+    "--n-layer",
+    "2",
+    "--n-head",
+    "2",
+    "--d-model",
+    "32",
+    "--block-size",
+    "16",
+    "--seq-len",
+    "16",
+    "--batch",
+    "4",
+    "--warmup-iters",
+    "2",
+    "--ckpt-every",
+    "1000",
+    "--log-every",
+    "1",
+]
 
 
 def _start(argv: list[str], **env: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            env={**os.environ, **env})
+    return subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, **env}
+    )
 
 
 def _wait_for_line(proc: subprocess.Popen[str], stream: str, pattern: str, timeout: float = 60.0) -> str:
@@ -79,8 +98,13 @@ def _train(run_dir: Path, steps: int, *extra: str) -> list[str]:
 
 
 def test_ctrl_c_saves_the_current_step_prints_the_resume_command_and_the_resume_is_bit_exact(tmp_path: Path) -> None:
-    m = _stop(_start(_train(tmp_path / "cut", 100000)), "stderr", r"step 3/100000 ", signal.SIGINT,
-              r"ckptkit train: stopped at step (\d+) \(SIGINT\): saved (\S+)\nresume with: (.+)")
+    m = _stop(
+        _start(_train(tmp_path / "cut", 100000)),
+        "stderr",
+        r"step 3/100000 ",
+        signal.SIGINT,
+        r"ckptkit train: stopped at step (\d+) \(SIGINT\): saved (\S+)\nresume with: (.+)",
+    )
     stop = int(m.group(1))
     assert m.group(2) == str(tmp_path / "cut" / checkpoint_name(stop))
     assert list_checkpoints(tmp_path / "cut")[-1][0] == stop  # the step in progress was finished and saved
@@ -136,18 +160,28 @@ def test_a_second_ctrl_c_aborts_at_once_and_damages_nothing(tmp_path: Path) -> N
 
 
 def test_sigterm_to_a_plain_loop_leaves_a_checkpoint_at_the_current_step_and_the_same_command_resumes(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     argv = [sys.executable, str(EXAMPLE), "--run-dir", str(tmp_path / "cut"), "--steps", "100000000"]
-    m = _stop(_start(argv), "stdout", r"^step 50: loss ", signal.SIGTERM,
-              r"ckptkit: stopped at step (\d+) \(SIGTERM\): saved (\S+); resume with: (.+)")
+    m = _stop(
+        _start(argv),
+        "stdout",
+        r"^step 50: loss ",
+        signal.SIGTERM,
+        r"ckptkit: stopped at step (\d+) \(SIGTERM\): saved (\S+); resume with: (.+)",
+    )
     stop = int(m.group(1))
     assert stop >= 50 and list_checkpoints(tmp_path / "cut")[-1] == (stop, m.group(2))
     assert m.group(3).endswith(f"{EXAMPLE} --run-dir {tmp_path / 'cut'} --steps 100000000")
     # The same command resumes by itself (resume-or-start); here with the end moved close.
     end = str(stop + 7)
     for d in ("cut", "ref"):
-        done = subprocess.run([sys.executable, str(EXAMPLE), "--run-dir", str(tmp_path / d), "--steps", end],
-                              cwd=ROOT, capture_output=True, timeout=120)
+        done = subprocess.run(
+            [sys.executable, str(EXAMPLE), "--run-dir", str(tmp_path / d), "--steps", end],
+            cwd=ROOT,
+            capture_output=True,
+            timeout=120,
+        )
         assert done.returncode == 0, done.stderr
     name = checkpoint_name(int(end))
     assert (tmp_path / "ref" / name).read_bytes() == (tmp_path / "cut" / name).read_bytes()
@@ -173,8 +207,9 @@ def test_resume_or_start_starts_an_empty_directory_and_resumes_a_full_one(tmp_pa
     assert state.resume_or_start() == 3
 
 
-def test_step_done_saves_and_raises_run_stopped_when_asked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                           capsys: pytest.CaptureFixture[str]) -> None:
+def test_step_done_saves_and_raises_run_stopped_when_asked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     state = ckptkit.RunState(tmp_path, config=_Cfg())
     state.start()
     monkeypatch.setenv(STOP_AT_ENV, "2")
@@ -184,8 +219,10 @@ def test_step_done_saves_and_raises_run_stopped_when_asked(tmp_path: Path, monke
     assert (e.value.code, e.value.step, e.value.reason) == (EXIT_STOPPED, 2, f"{STOP_AT_ENV}=2")
     assert os.path.isfile(e.value.path) and "resume with:" in capsys.readouterr().err
     monkeypatch.setenv(STOP_AT_ENV, "soon")
-    with pytest.raises(ckptkit.CheckpointError, match=re.escape(
-            "CKPTKIT_STOP_AT='soon': must be a step count (digits only), e.g. CKPTKIT_STOP_AT=20")):
+    with pytest.raises(
+        ckptkit.CheckpointError,
+        match=re.escape("CKPTKIT_STOP_AT='soon': must be a step count (digits only), e.g. CKPTKIT_STOP_AT=20"),
+    ):
         state.step_done(3)
 
 

@@ -31,11 +31,27 @@ from ckptkit.runstate import read_environment
 pytestmark = pytest.mark.slow
 
 # The tiny model of tests/test_trainer_resume.py, as flags.
-KNOBS = ["--n-layer", "2", "--n-head", "2", "--d-model", "32", "--block-size", "16", "--seq-len", "16",
-         "--batch", "4", "--warmup-iters", "2"]
+KNOBS = [
+    "--n-layer",
+    "2",
+    "--n-head",
+    "2",
+    "--d-model",
+    "32",
+    "--block-size",
+    "16",
+    "--seq-len",
+    "16",
+    "--batch",
+    "4",
+    "--warmup-iters",
+    "2",
+]
 # A bar line: "train:  50%|█████     | 20/40 [00:01<00:01, 19.73step/s, loss=2.9411]" (or "s/step" when slow).
-BAR = re.compile(r"train: +(\d+)%\|[^|]*\| (\d+)/(\d+) \[(\d\d:)?\d\d:\d\d<(\d\d:)?\d\d:\d\d, +[\d.]+(step/s|s/step), "
-                 r"loss=[\d.]+\]")
+BAR = re.compile(
+    r"train: +(\d+)%\|[^|]*\| (\d+)/(\d+) \[(\d\d:)?\d\d:\d\d<(\d\d:)?\d\d:\d\d, +[\d.]+(step/s|s/step), "
+    r"loss=[\d.]+\]"
+)
 
 
 def train(run: Path, *argv: str) -> list[str]:
@@ -49,19 +65,24 @@ def step_rows(run: Path) -> list[dict]:
 # ----------------------------------------------------------------------------- lines and quiet
 
 
-def test_lines_mode_off_a_terminal_prints_the_log_lines_and_no_bar(tmp_path: Path,
-                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+def test_lines_mode_off_a_terminal_prints_the_log_lines_and_no_bar(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(train(tmp_path, "--steps", "4", "--log-every", "2")) == 0
     err = capsys.readouterr().err
     lines = err.splitlines()
-    assert re.fullmatch(r"ckptkit train: warm-up probe: start loss \d\.\d{4} \(ln 256 = 5\.5452\), "
-                        r"forward deterministic", lines[0])
+    assert re.fullmatch(
+        r"ckptkit train: warm-up probe: start loss \d\.\d{4} \(ln 256 = 5\.5452\), "
+        r"forward deterministic",
+        lines[0],
+    )
     assert [line.split(" | ")[0] for line in lines[1:]] == ["ckptkit train: step 2/4", "ckptkit train: step 4/4"]
     assert "\r" not in err and "\x1b" not in err and "step/s" not in err  # a log file gets lines, not a bar
 
 
-def test_quiet_silences_stderr_and_keeps_the_result_and_summary(tmp_path: Path,
-                                                                capsys: pytest.CaptureFixture[str]) -> None:
+def test_quiet_silences_stderr_and_keeps_the_result_and_summary(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(train(tmp_path, "--steps", "2", "--quiet")) == 0
     out, err = capsys.readouterr()
     assert err == ""
@@ -76,23 +97,26 @@ def summary(out: str) -> dict[str, str]:
     """The summary's rows by name (``  final loss   2.4 ...`` -> {"final loss": "2.4 ..."})."""
     lines = out.splitlines()
     start = lines.index("summary:")
-    return {line[2:14].strip(): line[15:] for line in lines[start + 1:]}
+    return {line[2:14].strip(): line[15:] for line in lines[start + 1 :]}
 
 
-def test_summary_says_what_the_run_wrote_and_its_extend_command_works(tmp_path: Path,
-                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+def test_summary_says_what_the_run_wrote_and_its_extend_command_works(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     run = tmp_path / "run"
     assert main(train(run, "--steps", "6", "--ckpt-every", "2", "--keep", "2", "--lr", "0.002", "--quiet")) == 0
     rows = summary(capsys.readouterr().out)
     last = step_rows(run)[-1]
     assert list(rows) == ["trained", "final loss", "spikes", "rollbacks", "checkpoints", "history", "extend"]
     assert re.fullmatch(r"6 step\(s\) \(0 -> 6\) in [\d.]+ s, [\d.]+ steps/s", rows["trained"])
-    assert rows["final loss"] == (f"{last['loss']:.4f} (lm {last['lm_loss']:.4f}, aux {last['aux_loss']:.4f}) "
-                                  "at step 6")
+    assert rows["final loss"] == (
+        f"{last['loss']:.4f} (lm {last['lm_loss']:.4f}, aux {last['aux_loss']:.4f}) at step 6"
+    )
     assert rows["spikes"] == "none" and rows["rollbacks"] == "none"
     assert rows["checkpoints"] == f"2 kept in {run}: step 4, 6 (--keep 2: the newest 2 stay, older ones are deleted)"
-    assert rows["history"] == (f"{run / 'history.jsonl'}: one row per step (loss, grad norm, lr, spike verdict), "
-                               "6 step rows")
+    assert rows["history"] == (
+        f"{run / 'history.jsonl'}: one row per step (loss, grad norm, lr, spike verdict), 6 step rows"
+    )
     # The command carries the run's own flags (no drift), --steps spelled out, and it works as printed.
     extend = shlex.split(rows["extend"])
     assert extend[:7] == ["ckptkit", "train", "--run-dir", str(run), "--steps", "12", "--resume"]
@@ -107,9 +131,31 @@ def test_summary_says_what_the_run_wrote_and_its_extend_command_works(tmp_path: 
 
 def test_summary_names_spikes_and_rollbacks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # The rollback scenario of tests/test_rollback.py: a spike injected at step 9, re-run, rolled back to 6.
-    assert main(train(tmp_path, "--steps", "14", "--auto-rollback", "on", "--spike-at", "9", "--rollback-k", "3",
-                      "--spike-window", "8", "--spike-min-history", "4", "--ckpt-every", "3", "--keep", "100",
-                      "--quiet")) == 0
+    assert (
+        main(
+            train(
+                tmp_path,
+                "--steps",
+                "14",
+                "--auto-rollback",
+                "on",
+                "--spike-at",
+                "9",
+                "--rollback-k",
+                "3",
+                "--spike-window",
+                "8",
+                "--spike-min-history",
+                "4",
+                "--ckpt-every",
+                "3",
+                "--keep",
+                "100",
+                "--quiet",
+            )
+        )
+        == 0
+    )
     rows = summary(capsys.readouterr().out)
     assert rows["spikes"] == "1, at step 9"
     assert rows["rollbacks"] == "1: step 9 back to 6, lr x0.5 from then on"
@@ -170,8 +216,15 @@ def run_in_terminal(argv: list[str], cwd: Path, timeout: float = 240) -> tuple[i
     except OSError as e:  # a container without /dev/ptmx or devpts
         pytest.skip(f"no pseudo-terminal can be opened here ({e}); the bar needs a terminal to be seen")
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
-    proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, cwd=cwd, start_new_session=True,
-                            env={**os.environ, "TERM": "xterm"})
+    proc = subprocess.Popen(
+        argv,
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        cwd=cwd,
+        start_new_session=True,
+        env={**os.environ, "TERM": "xterm"},
+    )
     os.close(slave)
     chunks, deadline = [], time.monotonic() + timeout
     try:
@@ -198,8 +251,21 @@ def run_in_terminal(argv: list[str], cwd: Path, timeout: float = 240) -> tuple[i
 def test_a_terminal_shows_the_bar_with_rate_and_eta_and_the_summary_ends_the_output(tmp_path: Path) -> None:
     pytest.importorskip("pty", reason="the pseudo-terminal module is POSIX-only")
     code, screen = run_in_terminal(
-        [sys.executable, "-m", "ckptkit", "train", "--run-dir", str(tmp_path / "run"), "--steps", "40",
-         "--log-every", "20", *KNOBS], cwd=tmp_path)
+        [
+            sys.executable,
+            "-m",
+            "ckptkit",
+            "train",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--steps",
+            "40",
+            "--log-every",
+            "20",
+            *KNOBS,
+        ],
+        cwd=tmp_path,
+    )
     assert code == 0, screen
     pieces = [p.strip() for p in re.split(r"[\r\n]", screen) if p.strip()]
     bars = [m for m in map(BAR.search, pieces) if m]
@@ -209,7 +275,7 @@ def test_a_terminal_shows_the_bar_with_rate_and_eta_and_the_summary_ends_the_out
     # The log lines still come, above the bar, on their own lines.
     assert any(p.startswith("ckptkit train: step 20/40 | loss ") for p in pieces), screen
     # After the bar: the result line, then the summary, which ends the output.
-    after = pieces[pieces.index(final.string) + 1:]
+    after = pieces[pieces.index(final.string) + 1 :]
     assert after[0] == f"step 40: {tmp_path / 'run' / 'step-00000040.ckpt'}"
     assert after[1] == "summary:"
     assert after[-1].startswith(f"extend       ckptkit train --run-dir {tmp_path / 'run'} --steps 80 --resume ")
@@ -223,15 +289,16 @@ def test_replay_and_verify_show_their_bars_in_a_terminal(tmp_path: Path, capsys:
     assert code == 0, screen
     pieces = [p.strip() for p in re.split(r"[\r\n]", screen) if p.strip()]
     # The bar starts where the replay starts: 4 of the 6 steps are replayed.
-    assert any(re.search(r"replay: 100%\|[^|]*\| 6/6 \[\d\d:\d\d<00:00, +[\d.]+(step/s|s/step)\]", p)
-               for p in pieces), screen
+    assert any(
+        re.search(r"replay: 100%\|[^|]*\| 6/6 \[\d\d:\d\d<00:00, +[\d.]+(step/s|s/step)\]", p) for p in pieces
+    ), screen
     assert pieces[-1] == "IDENTICAL: 4 step(s) replayed (steps 2..5), every fingerprint bit for bit"
     # verify: a bar in bytes for two or more files, before the result lines (which go to stdout).
     code, screen = run_in_terminal([sys.executable, "-m", "ckptkit", "verify", str(run)], cwd=tmp_path)
     assert code == 0, screen
     pieces = [p.strip() for p in re.split(r"[\r\n]", screen) if p.strip()]
     bar = next(i for i, p in enumerate(pieces) if re.search(r"verify: 100%\|[^|]*\| [\d.]+[kMG]?/[\d.]+[kMG]? \[", p))
-    assert all(p.startswith("OK    ") for p in pieces[bar + 1:]) and len(pieces[bar + 1:]) == 11
+    assert all(p.startswith("OK    ") for p in pieces[bar + 1 :]) and len(pieces[bar + 1 :]) == 11
     # 3 checkpoints + 3 sidecars, then their companions (3 snapshots, environment.json) and history.jsonl
     # Off a terminal, verify prints its results only: nothing on stderr.
     assert main(["verify", str(run)]) == 0
@@ -242,8 +309,17 @@ def test_audit_reports_the_steps_both_runs_trained(tmp_path: Path) -> None:
     from ckptkit.trainer import TrainerConfig
     from ckptkit.trainer.audit import audit
 
-    cfg = TrainerConfig().replace(**{"model.d_model": 32, "model.block_size": 16, "data.seq_len": 16, "data.batch": 4,
-                                     "train.steps": 3, "train.ckpt_every": 1, "train.keep": 4})
+    cfg = TrainerConfig().replace(
+        **{
+            "model.d_model": 32,
+            "model.block_size": 16,
+            "data.seq_len": 16,
+            "data.batch": 4,
+            "train.steps": 3,
+            "train.ckpt_every": 1,
+            "train.keep": 4,
+        }
+    )
     seen: list[tuple[int, int]] = []
     assert audit(cfg, tmp_path / "audit", on_step=lambda done, total: seen.append((done, total))).ok
     assert {total for _, total in seen} == {6}
@@ -255,7 +331,8 @@ def test_audit_reports_the_steps_both_runs_trained(tmp_path: Path) -> None:
 
 
 def test_threads_is_part_of_the_run_and_another_count_on_resume_is_an_environment_change(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     default = torch.get_num_threads()
     mine = default + 1  # differs from what a call without --threads runs under
     assert main(train(tmp_path, "--steps", "2", "--threads", str(mine), "--quiet")) == 0
@@ -264,9 +341,11 @@ def test_threads_is_part_of_the_run_and_another_count_on_resume_is_an_environmen
     assert read_rows(tmp_path / "history.jsonl")[0][0]["intra_op_threads"] == mine  # the start row
     assert shlex.split(summary(capsys.readouterr().out)["extend"])[-2:] == ["--threads", str(mine)]
     # A resume under another count -- torch's default here -- is refused as the environment check says ...
-    refusal = (f"ckptkit train: the environment differs from the run's recording in 1 fact(s):\n"
-               f"  intra_op_threads: recorded {mine}, now {default}\n"
-               "pass --allow-env-change to resume anyway (the override is recorded in the run history)\n")
+    refusal = (
+        f"ckptkit train: the environment differs from the run's recording in 1 fact(s):\n"
+        f"  intra_op_threads: recorded {mine}, now {default}\n"
+        "pass --allow-env-change to resume anyway (the override is recorded in the run history)\n"
+    )
     assert main(train(tmp_path, "--steps", "3", "--resume")) == 1
     assert capsys.readouterr().err == refusal
     assert main(train(tmp_path, "--steps", "3", "--resume", "--threads", str(default))) == 1

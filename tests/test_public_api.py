@@ -12,17 +12,75 @@ import ckptkit
 
 # The public surface, by hand: adding or removing a name is a visible diff here.
 PUBLIC = [
-    "AsyncSaver", "AuditError", "BadMagic", "BadTensorValue", "Checkpoint", "CheckpointError", "CheckpointNotFound",
-    "ChecksumMismatch", "ConfigDrift", "Continue", "DEFAULT_EXEMPT", "DistributedFailure", "EnvironmentDrift",
-    "Executed", "FLAG_FP32_FALLBACK", "FormatError", "History", "IncompleteCheckpoint", "InsufficientMemory",
-    "KeyDiff", "LazyCheckpoint", "LegacyCheckpoint", "MalformedIndex", "ReplayDivergence", "ReplayError", "Report",
-    "ReservedBitSet", "ResumeInfo", "ResumeRefused", "RollbackEvent", "RollbackRecord", "RolledBack", "RunState",
-    "RunStopped", "SaveFailed", "SectionInfo", "Sidecar", "SidecarMismatch", "Snapshot", "SpikeConfig", "SpikeGuard",
-    "SpikeMonitor", "StateMismatch", "StreamOffsetMismatch", "TrainingUnstable", "TruncatedFile", "UnreadableFile",
-    "UnsupportedValue", "UnsupportedVersion", "VERSION", "Verdict", "__version__", "assert_field_coverage",
-    "check_field_coverage", "check_resume", "diff_keys", "import_torch_checkpoint", "load", "mask_stream",
-    "numpy_generator", "open_checkpoint", "read_sidecar", "read_snapshot", "save", "step_rng", "torch_generator",
-    "verify", "write_sidecar", "write_snapshot",
+    "AsyncSaver",
+    "AuditError",
+    "BadMagic",
+    "BadTensorValue",
+    "Checkpoint",
+    "CheckpointError",
+    "CheckpointNotFound",
+    "ChecksumMismatch",
+    "ConfigDrift",
+    "Continue",
+    "DEFAULT_EXEMPT",
+    "DistributedFailure",
+    "EnvironmentDrift",
+    "Executed",
+    "FLAG_FP32_FALLBACK",
+    "FormatError",
+    "History",
+    "IncompleteCheckpoint",
+    "InsufficientMemory",
+    "KeyDiff",
+    "LazyCheckpoint",
+    "LegacyCheckpoint",
+    "MalformedIndex",
+    "ReplayDivergence",
+    "ReplayError",
+    "Report",
+    "ReservedBitSet",
+    "ResumeInfo",
+    "ResumeRefused",
+    "RollbackEvent",
+    "RollbackRecord",
+    "RolledBack",
+    "RunState",
+    "RunStopped",
+    "SaveFailed",
+    "SectionInfo",
+    "Sidecar",
+    "SidecarMismatch",
+    "Snapshot",
+    "SpikeConfig",
+    "SpikeGuard",
+    "SpikeMonitor",
+    "StateMismatch",
+    "StreamOffsetMismatch",
+    "TrainingUnstable",
+    "TruncatedFile",
+    "UnreadableFile",
+    "UnsupportedValue",
+    "UnsupportedVersion",
+    "VERSION",
+    "Verdict",
+    "__version__",
+    "assert_field_coverage",
+    "check_field_coverage",
+    "check_resume",
+    "diff_keys",
+    "import_torch_checkpoint",
+    "load",
+    "mask_stream",
+    "numpy_generator",
+    "open_checkpoint",
+    "read_sidecar",
+    "read_snapshot",
+    "save",
+    "step_rng",
+    "torch_generator",
+    "verify",
+    "write_sidecar",
+    "write_snapshot",
 ]
 
 
@@ -35,7 +93,8 @@ def test_every_public_attribute_of_the_package_is_exported():
     """Derived from the package itself (httpx's test_exported_members): a name made
     public by an import in ``__init__.py`` and left out of ``__all__`` fails here."""
     public = sorted(
-        name for name, value in vars(ckptkit).items()
+        name
+        for name, value in vars(ckptkit).items()
         if not name.startswith("_") and not inspect.ismodule(value) and not isinstance(value, __future__._Feature)
     )
     assert public == [name for name in ckptkit.__all__ if not name.startswith("_")]
@@ -55,9 +114,12 @@ def test_every_exception_class_is_in_the_tree_drawn_in_errors_py():
                     assert not (e.name or "").startswith("ckptkit"), e  # noqa: PT017 - inside a walk, not one call
     defined = {
         (obj.__module__, name)
-        for m in list(sys.modules.values()) if m is not None and m.__name__.startswith("ckptkit")
+        for m in list(sys.modules.values())
+        if m is not None and m.__name__.startswith("ckptkit")
         for name, obj in vars(m).items()
-        if inspect.isclass(obj) and issubclass(obj, BaseException) and obj.__module__.startswith("ckptkit")
+        if inspect.isclass(obj)
+        and issubclass(obj, BaseException)
+        and obj.__module__.startswith("ckptkit")
         and not name.startswith("_")
     }
     assert {module for module, _ in defined} == {"ckptkit.errors"}, sorted(defined)

@@ -50,6 +50,7 @@ def _make(wrap: bool) -> Any:
         state.add_model("net", net)
         state.add_optimizer("sgd", opt)
         return Run(net, opt, state, wrap)
+
     return make_run
 
 
@@ -70,8 +71,11 @@ def test_plain_dropout_inside_step_rng_resumes_as_the_same_run(tmp_path: Path) -
 
 
 def test_plain_dropout_without_it_is_caught_and_the_message_names_the_recipe(tmp_path: Path) -> None:
-    with pytest.raises(AssertionError, match=r"model:net\.0\.weight(.|\n)*wrap the step in `with "
-                                             r"ckptkit\.step_rng\(seed, step\):`"):
+    with pytest.raises(
+        AssertionError,
+        match=r"model:net\.0\.weight(.|\n)*wrap the step in `with "
+        r"ckptkit\.step_rng\(seed, step\):`",
+    ):
         assert_resume_equivalent(_make(False), step, Cfg(), steps=8, stops=[3], workdir=tmp_path)
 
 

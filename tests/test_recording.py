@@ -60,12 +60,15 @@ def test_the_first_difference_names_the_step_the_fields_and_the_tensor(tmp_path:
     assert d.fields == ("loss", "loss_bits") and d.tensors == ("model:net.weight",)
 
 
-@pytest.mark.parametrize(("scalars", "message"), [
-    ({"kind": "x"}, "record(): 'kind' is a reserved row field"),
-    ({"loss_bits": 1.0}, "record(): 'loss_bits' is a reserved row field"),
-    ({"loss": None}, "record(): loss must be a number, a string or a one-element tensor (got NoneType)"),
-    ({"loss": torch.ones(2)}, "record(): loss must be a scalar (got a tensor of shape [2])"),
-])
+@pytest.mark.parametrize(
+    ("scalars", "message"),
+    [
+        ({"kind": "x"}, "record(): 'kind' is a reserved row field"),
+        ({"loss_bits": 1.0}, "record(): 'loss_bits' is a reserved row field"),
+        ({"loss": None}, "record(): loss must be a number, a string or a one-element tensor (got NoneType)"),
+        ({"loss": torch.ones(2)}, "record(): loss must be a scalar (got a tensor of shape [2])"),
+    ],
+)
 def test_a_scalar_that_cannot_be_recorded_is_named(tmp_path: Path, scalars: dict, message: str) -> None:
     state = ckptkit.RunState(tmp_path, config=Cfg())
     state.start()

@@ -102,8 +102,16 @@ def test_perturb_param_must_name_a_parameter(tmp_path: Path) -> None:
 
 
 def test_a_config_rebuilt_from_its_snapshot_is_the_same_config() -> None:
-    cfg = tiny(**{"train.perturb_at": 3, "train.perturb_param": PARAM, "model.quant": "int8", "train.lr": 1e-3,
-                  "train.trip_latch_at": 2, "train.rand_depth": True})
+    cfg = tiny(
+        **{
+            "train.perturb_at": 3,
+            "train.perturb_param": PARAM,
+            "model.quant": "int8",
+            "train.lr": 1e-3,
+            "train.trip_latch_at": 2,
+            "train.rand_depth": True,
+        }
+    )
     table = json.loads(encode_snapshot(cfg))["config"]
     assert TrainerConfig.from_table(table) == cfg
     assert {f"{t}.{k}" for t, sub in table.items() for k in sub} == {k for k, _ in knobs()}
@@ -117,7 +125,8 @@ def test_a_config_rebuilt_from_its_snapshot_is_the_same_config() -> None:
 
 
 def test_replay_of_an_untouched_run_is_identical_and_leaves_the_run_alone(
-        perturbed: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    perturbed: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     before = _files(perturbed)
     code, doc = _replay(capsys, str(perturbed), "--from", "2")
     assert code == 0, doc
@@ -129,7 +138,8 @@ def test_replay_of_an_untouched_run_is_identical_and_leaves_the_run_alone(
 
 
 def test_replay_names_the_step_and_parameter_of_a_recorded_perturbation(
-        perturbed: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    perturbed: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     before = _files(perturbed)
     code, doc = _replay(capsys, str(perturbed), "--from", "2", "--no-perturb")
     assert code == 1
@@ -150,8 +160,7 @@ def test_replay_names_the_step_and_parameter_of_a_recorded_perturbation(
     assert "DIVERGED at step 3" in out and NAME in out and "1/" in out
 
 
-def test_replay_with_a_perturbation_names_it_even_without_a_checkpoint_after_it(
-        perturbed: Path) -> None:
+def test_replay_with_a_perturbation_names_it_even_without_a_checkpoint_after_it(perturbed: Path) -> None:
     report = replay(perturbed, 2, overrides={"train.perturb_at": None, "train.perturb_param": "wpe"})
     assert report.divergence is not None and report.divergence.step == 3  # the recording's own perturbation
     report = replay(perturbed, 4, overrides={"train.perturb_at": 4, "train.perturb_param": "wpe"})
@@ -163,7 +172,8 @@ def test_replay_with_a_perturbation_names_it_even_without_a_checkpoint_after_it(
 
 
 def test_a_checkpoint_altered_after_the_fact_is_a_divergence_at_its_own_step(
-        perturbed: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    perturbed: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     run_dir = tmp_path / "run"
     shutil.copytree(perturbed, run_dir)
     path = run_dir / checkpoint_name(4)
@@ -192,7 +202,8 @@ def test_a_checkpoint_altered_after_the_fact_is_a_divergence_at_its_own_step(
 
 
 def test_diff_tensors_and_replay_name_the_same_tensors(
-        perturbed: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    perturbed: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "replayed"
     code, doc = _replay(capsys, str(perturbed), "--from", "2", "--no-perturb", "--out", str(out))
     assert code == 1
@@ -204,7 +215,8 @@ def test_diff_tensors_and_replay_name_the_same_tensors(
 
 
 def test_replay_refuses_a_different_environment_and_names_the_fact(
-        perturbed: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    perturbed: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     run_dir = tmp_path / "run"
     shutil.copytree(perturbed, run_dir)
     env = json.loads((run_dir / "environment.json").read_text())

@@ -175,7 +175,6 @@ def test_draw_accepts_numpy_integers_and_stream_members() -> None:
     assert draw(np.uint64(5), np.int64(6), np.int32(7), Stream.DATA) == draw(5, 6, 7, 2)
 
 
-
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
@@ -205,6 +204,7 @@ def test_mask_stream_matches_spec_vectors(args: tuple[int, float, int, int, int]
 def test_sample_depth_and_randint_match_spec_vectors() -> None:
     assert [sample_depth(12, 4, seed=1, step=s) for s in range(10)] == [6, 11, 10, 7, 11, 11, 5, 10, 11, 4]
     assert randint(5, 0, 0, 999, index=2, stream=Stream.DATA) == 917
+
 
 # ---------------------------------------------------------------------- vectorised == scalar
 
@@ -248,8 +248,9 @@ def test_mask_is_the_causal_dilation_of_its_starts(t: int, frac: float, span: in
 
 @settings(max_examples=100, deadline=None)
 @given(st.integers(0, 60), st.integers(0, 6), st.floats(0.0, 1.0), st.integers(1, 8), SMALL, SMALL)
-def test_a_mask_per_row_draws_row_r_at_indices_r_times_t(t: int, rows: int, frac: float, span: int, seed: int,
-                                                         step: int) -> None:
+def test_a_mask_per_row_draws_row_r_at_indices_r_times_t(
+    t: int, rows: int, frac: float, span: int, seed: int, step: int
+) -> None:
     masks = mask_stream(t, frac, span, seed=seed, step=step, rows=rows)
     assert masks.dtype == np.bool_ and masks.shape == (rows, t)
     for r in range(rows):
@@ -262,7 +263,10 @@ def test_a_mask_per_row_draws_row_r_at_indices_r_times_t(t: int, rows: int, frac
 def test_mask_rows_match_the_spec_vector() -> None:
     masks = mask_stream(16, 0.5, 2, seed=1, step=7, rows=3)
     assert ["".join("1" if x else "0" for x in row) for row in masks] == [
-        "0011001110001100", "0000001110111111", "0000000000111111"]
+        "0011001110001100",
+        "0000001110111111",
+        "0000000000111111",
+    ]
 
 
 def test_mask_every_masked_position_has_a_start_within_span_behind_it() -> None:

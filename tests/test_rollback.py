@@ -48,8 +48,16 @@ PRE = 1  # the warm-up probe batch
 
 def rb(**changes: Any) -> TrainerConfig:
     """The tiny config, rollback on, K = 3, a detector that judges from step 4."""
-    return tiny(**{"monitor.window": 8, "monitor.min_history": 4, "train.auto_rollback": "on",
-                   "train.rollback_k": 3, "train.ckpt_every": 3, **changes})
+    return tiny(
+        **{
+            "monitor.window": 8,
+            "monitor.min_history": 4,
+            "train.auto_rollback": "on",
+            "train.rollback_k": 3,
+            "train.ckpt_every": 3,
+            **changes,
+        }
+    )
 
 
 def kinds(rows: list[dict[str, Any]], *wanted: str) -> list[dict[str, Any]]:
@@ -86,8 +94,13 @@ def run_until_row(cfg: TrainerConfig, run_dir: Path, steps: int, nth: int, *, re
 def sections(path: Path) -> dict[str, Any]:
     """The parts of a checkpoint a rollback restores exactly (model, optimizer, teacher, flags)."""
     ck = load(path)
-    return {"model": ck.model, "optim": ck.optim, "teacher": ck.teacher, "flags": ck.flags,
-            "detector": ck.monitor["monitors"]["spike"]["detector"]}
+    return {
+        "model": ck.model,
+        "optim": ck.optim,
+        "teacher": ck.teacher,
+        "flags": ck.flags,
+        "detector": ck.monitor["monitors"]["spike"]["detector"],
+    }
 
 
 # ----------------------------------------------------------------------------- one rollback, read every way
@@ -113,9 +126,15 @@ def rolled(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def test_a_spike_is_rerun_then_rolled_back_k_steps(rolled: dict[str, Any]) -> None:
     s = story(rolled["rows"])
     i = s.index(("spike", 9, "rerun"))
-    assert s[i - 1:i + 5] == [("step", 9, False), ("spike", 9, "rerun"), ("step", 9, True),
-                              ("spike", 9, "rollback"), ("rollback", 9, 6), ("step", 6, False)]
-    assert [x[1] for x in s[i + 4:]] == list(range(6, 14))  # training goes on from step 6
+    assert s[i - 1 : i + 5] == [
+        ("step", 9, False),
+        ("spike", 9, "rerun"),
+        ("step", 9, True),
+        ("spike", 9, "rollback"),
+        ("rollback", 9, 6),
+        ("step", 6, False),
+    ]
+    assert [x[1] for x in s[i + 4 :]] == list(range(6, 14))  # training goes on from step 6
     assert [r["step"] for r in kept_rows(rolled["rows"])] == list(range(14))
     (rb_row,) = kinds(rolled["rows"], "rollback")
     assert rb_row["rollbacks"] == [{"step": 9, "to": 6, "reason": "grad_norm", "lr_after": rb_row["lr_after"]}]
@@ -197,8 +216,9 @@ def test_warn_logs_the_spike_keeps_the_update_and_off_only_counts_it(tmp_path: P
         assert "rollback" not in ck.monitor["values"]  # not run state outside mode on
     assert runs["warn"].report == runs["off"].report and runs["warn"].report["spikes"] == 1
     steps = [kinds(history(tmp_path / m), "step") for m in ("warn", "off")]
-    assert [{k: v for k, v in r.items() if k not in ("time", "step_ms")} for r in steps[0]] == \
-           [{k: v for k, v in r.items() if k not in ("time", "step_ms")} for r in steps[1]]
+    assert [{k: v for k, v in r.items() if k not in ("time", "step_ms")} for r in steps[0]] == [
+        {k: v for k, v in r.items() if k not in ("time", "step_ms")} for r in steps[1]
+    ]
 
 
 def test_a_transient_spike_is_rerun_kept_and_not_rolled_back(tmp_path: Path) -> None:
@@ -207,7 +227,7 @@ def test_a_transient_spike_is_rerun_kept_and_not_rolled_back(tmp_path: Path) -> 
     rows = history(tmp_path / "t")
     s = story(rows)
     i = s.index(("spike", 9, "rerun"))
-    assert s[i:i + 3] == [("spike", 9, "rerun"), ("step", 9, True), ("spike", 9, "transient")]
+    assert s[i : i + 3] == [("spike", 9, "rerun"), ("step", 9, True), ("spike", 9, "transient")]
     assert not kinds(rows, "rollback")
     assert result.rollback["transient"] == 1 and result.rollback["count"] == 0 and result.rollback["lr_scale"] == 1.0
     lineage = kept_rows(rows)
@@ -235,22 +255,70 @@ def test_rollback_skip_none_replays_the_window_with_the_lower_lr(tmp_path: Path)
 
 
 def test_three_consecutive_spikes_stop_the_run_with_exit_3(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    knobs = ["--n-layer", "2", "--n-head", "2", "--d-model", "32", "--block-size", "16", "--seq-len", "16",
-             "--batch", "4", "--keep", "100", "--warmup-iters", "2", "--ckpt-every", "3", "--log-every", "1000",
-             "--spike-window", "8", "--spike-min-history", "4", "--rollback-k", "3"]
-    code = main(["train", "--run-dir", str(tmp_path), "--steps", "14", "--auto-rollback", "on",
-                 "--spike-at", "9", "--spike-repeat", "6", *knobs])
+    knobs = [
+        "--n-layer",
+        "2",
+        "--n-head",
+        "2",
+        "--d-model",
+        "32",
+        "--block-size",
+        "16",
+        "--seq-len",
+        "16",
+        "--batch",
+        "4",
+        "--keep",
+        "100",
+        "--warmup-iters",
+        "2",
+        "--ckpt-every",
+        "3",
+        "--log-every",
+        "1000",
+        "--spike-window",
+        "8",
+        "--spike-min-history",
+        "4",
+        "--rollback-k",
+        "3",
+    ]
+    code = main(
+        [
+            "train",
+            "--run-dir",
+            str(tmp_path),
+            "--steps",
+            "14",
+            "--auto-rollback",
+            "on",
+            "--spike-at",
+            "9",
+            "--spike-repeat",
+            "6",
+            *knobs,
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 3
     assert "training is unstable; investigate: 3 consecutive spikes (rollback bound 3)" in err
-    assert re.search(r"1\. step 9: grad_norm: grad norm [\d.]+, median [\d.]+, ratio [\d.]+; rolled back to "
-                     r"step 6, lr [\d.e-]+ -> [\d.e-]+, skipped data positions \[448, 704\) \(4 batches\)", err)
+    assert re.search(
+        r"1\. step 9: grad_norm: grad norm [\d.]+, median [\d.]+, ratio [\d.]+; rolled back to "
+        r"step 6, lr [\d.e-]+ -> [\d.e-]+, skipped data positions \[448, 704\) \(4 batches\)",
+        err,
+    )
     assert "2. step 9:" in err and "3. step 9:" in err and "not rolled back" in err
     # Step 9 of the third timeline was never applied; checkpoint 9 (before it) is the newest.
     assert f"the last good checkpoint is {tmp_path / checkpoint_name(9)} (the newest; intact" in err
     rows = history(tmp_path)
     assert [(r["step"], r["action"]) for r in kinds(rows, "spike")] == [
-        (9, "rerun"), (9, "rollback"), (9, "rerun"), (9, "rollback"), (9, "rerun"), (9, "unstable")]
+        (9, "rerun"),
+        (9, "rollback"),
+        (9, "rerun"),
+        (9, "rollback"),
+        (9, "rerun"),
+        (9, "unstable"),
+    ]
     # The last good checkpoint is intact: it verifies, and it holds both rollbacks.
     assert [s for s, _ in list_checkpoints(tmp_path)] == [3, 6, 9]
     assert main(["verify", str(tmp_path)]) == 0
@@ -328,7 +396,8 @@ def scenarios(draw: Any) -> dict[str, Any]:
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(sc=scenarios())
 def test_interrupted_and_resumed_equals_uninterrupted_across_rollbacks(
-        tmp_path_factory: pytest.TempPathFactory, sc: dict[str, Any]) -> None:
+    tmp_path_factory: pytest.TempPathFactory, sc: dict[str, Any]
+) -> None:
     cfg = rb(**sc["changes"])
     n = sc["n"]
     ref, cut = tmp_path_factory.mktemp("ref"), tmp_path_factory.mktemp("cut")
@@ -349,14 +418,17 @@ def test_interrupted_and_resumed_equals_uninterrupted_across_rollbacks(
     assert report.ok, report.describe()
 
 
-def test_resume_checks_the_offset_rule_with_the_stored_skipped_batches(tmp_path: Path,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_resume_checks_the_offset_rule_with_the_stored_skipped_batches(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """After a skip the offset is no longer a function of the step alone; the stored
     count makes the rule exact again. Ignoring it refuses the resume."""
     cfg = rb(**{"train.spike_at": 9})
     run(cfg, tmp_path, 12)
     monkeypatch.setattr(train_mod, "skipped_batches", lambda values: 0)
-    with pytest.raises(StreamOffsetMismatch, match=r"data position 'train' is 1088, but a run at step 12 must be at 832"):
+    with pytest.raises(
+        StreamOffsetMismatch, match=r"data position 'train' is 1088, but a run at step 12 must be at 832"
+    ):
         run(cfg, tmp_path, 13, resume=True)
 
 
@@ -371,8 +443,9 @@ def test_a_restore_that_misses_run_state_is_refused(tmp_path: Path, monkeypatch:
         run(rb(**{"train.spike_at": 9}), tmp_path, 12)
 
 
-def test_the_abandoned_timeline_is_deleted_before_the_rollback_is_saved(tmp_path: Path,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_abandoned_timeline_is_deleted_before_the_rollback_is_saved(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     calls: list[tuple[str, int]] = []
 
     class Recording(RunState):
@@ -386,8 +459,15 @@ def test_the_abandoned_timeline_is_deleted_before_the_rollback_is_saved(tmp_path
 
     monkeypatch.setattr(train_mod, "RunState", Recording)
     run(rb(**{"train.spike_at": 9}), tmp_path, 10)
-    assert calls == [("save", 3), ("save", 6), ("save", 9), ("discard_after", 6), ("save", 6), ("save", 9),
-                     ("save", 10)]
+    assert calls == [
+        ("save", 3),
+        ("save", 6),
+        ("save", 9),
+        ("discard_after", 6),
+        ("save", 6),
+        ("save", 9),
+        ("save", 10),
+    ]
 
 
 def test_a_malformed_rollback_record_is_refused_whole() -> None:
@@ -396,8 +476,11 @@ def test_a_malformed_rollback_record_is_refused_whole() -> None:
     with pytest.raises(MalformedIndex, match=r"values\.rollback: unknown key\(s\) extra"):
         skipped_batches({"rollback": {**RollbackRecord().state(), "extra": 1}})
     assert skipped_batches({}) == 0
-    with pytest.raises(UnsupportedVersion, match=r"values\.rollback\.version: rollback record version not supported "
-                                                 r"\(expected 2, got 1\)"):
+    with pytest.raises(
+        UnsupportedVersion,
+        match=r"values\.rollback\.version: rollback record version not supported "
+        r"\(expected 2, got 1\)",
+    ):
         skipped_batches({"rollback": {**RollbackRecord().state(), "version": 1}})
 
 
@@ -417,8 +500,19 @@ def _rows(*spec: tuple[str, int]) -> list[dict[str, Any]]:
 
 
 def test_history_resume_keeps_the_abandoned_timeline_and_drops_what_follows_the_checkpoint(tmp_path: Path) -> None:
-    rows = _rows(("start", 0), ("step", 0), ("step", 1), ("step", 2), ("step", 3), ("spike", 3), ("step", 3),
-                 ("rollback", 3), ("step", 1), ("step", 2), ("step", 3))
+    rows = _rows(
+        ("start", 0),
+        ("step", 0),
+        ("step", 1),
+        ("step", 2),
+        ("step", 3),
+        ("spike", 3),
+        ("step", 3),
+        ("rollback", 3),
+        ("step", 1),
+        ("step", 2),
+        ("step", 3),
+    )
     for timeline, step, keep in ((1, 2, 9), (0, 2, 3), (1, 1, 8)):
         (tmp_path / "history.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         h = History(tmp_path)
@@ -429,8 +523,21 @@ def test_history_resume_keeps_the_abandoned_timeline_and_drops_what_follows_the_
 
 
 def test_kept_rows_is_the_lineage_of_the_final_state() -> None:
-    rows = _rows(("step", 0), ("step", 1), ("step", 2), ("step", 3), ("digests", 4), ("spike", 3), ("step", 3),
-                 ("spike", 3), ("rollback", 3), ("step", 1), ("step", 2), ("step", 3), ("step", 4))
+    rows = _rows(
+        ("step", 0),
+        ("step", 1),
+        ("step", 2),
+        ("step", 3),
+        ("digests", 4),
+        ("spike", 3),
+        ("step", 3),
+        ("spike", 3),
+        ("rollback", 3),
+        ("step", 1),
+        ("step", 2),
+        ("step", 3),
+        ("step", 4),
+    )
     rows[7]["action"] = "rollback"
     got = kept_rows(rows)
     assert [r["step"] for r in got] == [0, 1, 2, 3, 4] and got[1] is rows[9]
@@ -441,26 +548,33 @@ def test_kept_rows_is_the_lineage_of_the_final_state() -> None:
 # ----------------------------------------------------------------------------- config
 
 
-@pytest.mark.parametrize(("key", "value", "message"), [
-    ("train.auto_rollback", "yes", "--auto-rollback must be one of off, warn, on (got 'yes')"),
-    ("train.rollback_skip", "all", "--rollback-skip must be one of window, none (got 'all')"),
-    ("train.rollback_k", -1, "--rollback-k must be >= 0 (got -1)"),
-    ("train.lr_drop", 0.0, "--lr-drop must be finite, > 0.0 and <= 1.0 (got 0.0)"),
-    ("train.lr_drop", 1.0000000000000002, "--lr-drop must be finite, > 0.0 and <= 1.0 (got 1.0000000000000002)"),
-    ("train.rollback_bound", 0, "--rollback-bound must be >= 1 (got 0)"),
-    ("train.rollback_cap", -1, "--rollback-cap must be >= 0 (got -1)"),
-    ("train.spike_at", -1, "--spike-at must be >= 0 (got -1)"),
-    ("train.spike_repeat", 0, "--spike-repeat must be >= 1 (got 0)"),
-])
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("train.auto_rollback", "yes", "--auto-rollback must be one of off, warn, on (got 'yes')"),
+        ("train.rollback_skip", "all", "--rollback-skip must be one of window, none (got 'all')"),
+        ("train.rollback_k", -1, "--rollback-k must be >= 0 (got -1)"),
+        ("train.lr_drop", 0.0, "--lr-drop must be finite, > 0.0 and <= 1.0 (got 0.0)"),
+        ("train.lr_drop", 1.0000000000000002, "--lr-drop must be finite, > 0.0 and <= 1.0 (got 1.0000000000000002)"),
+        ("train.rollback_bound", 0, "--rollback-bound must be >= 1 (got 0)"),
+        ("train.rollback_cap", -1, "--rollback-cap must be >= 0 (got -1)"),
+        ("train.spike_at", -1, "--spike-at must be >= 0 (got -1)"),
+        ("train.spike_repeat", 0, "--spike-repeat must be >= 1 (got 0)"),
+    ],
+)
 def test_rollback_config_errors_name_the_flag(key: str, value: Any, message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         TrainerConfig().replace(**{key: value})
 
 
 def test_rollback_on_refuses_a_retention_that_could_leave_no_checkpoint() -> None:
-    with pytest.raises(ValueError, match=re.escape(
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
             "--auto-rollback on needs (--keep - 1) x --ckpt-every >= --rollback-k (got (1 - 1) x 50 < 10): a crash "
-            "while a rollback is saved could leave no checkpoint to resume from; use --keep 2 or more")):
+            "while a rollback is saved could leave no checkpoint to resume from; use --keep 2 or more"
+        ),
+    ):
         TrainerConfig().replace(**{"train.auto_rollback": "on", "train.keep": 1})
     with pytest.raises(ValueError, match=re.escape("(got (2 - 1) x 4 < 10)") + ".*use --keep 4 or more"):
         TrainerConfig().replace(**{"train.auto_rollback": "on", "train.keep": 2, "train.ckpt_every": 4})
@@ -470,8 +584,16 @@ def test_rollback_on_refuses_a_retention_that_could_leave_no_checkpoint() -> Non
 
 
 def test_rollback_config_boundaries_are_accepted() -> None:
-    cfg = TrainerConfig().replace(**{"train.rollback_k": 0, "train.lr_drop": 1.0, "train.rollback_bound": 1,
-                                     "train.rollback_cap": 0, "train.spike_at": 0, "train.spike_repeat": 1})
+    cfg = TrainerConfig().replace(
+        **{
+            "train.rollback_k": 0,
+            "train.lr_drop": 1.0,
+            "train.rollback_bound": 1,
+            "train.rollback_cap": 0,
+            "train.spike_at": 0,
+            "train.spike_repeat": 1,
+        }
+    )
     assert cfg.train.lr_drop == 1.0 and cfg.train.auto_rollback.value == "warn"
 
 
@@ -479,10 +601,27 @@ def test_rollback_config_boundaries_are_accepted() -> None:
 
 
 def test_acceptance_spike_at_200_rolls_back_to_190_and_training_goes_on(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """``ckptkit train --steps 300 --spike-at 200 --auto-rollback on`` on the reference model as shipped."""
-    assert main(["train", "--run-dir", str(tmp_path), "--steps", "300", "--spike-at", "200",
-                 "--auto-rollback", "on", "--quiet", "--json"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--run-dir",
+                str(tmp_path),
+                "--steps",
+                "300",
+                "--spike-at",
+                "200",
+                "--auto-rollback",
+                "on",
+                "--quiet",
+                "--json",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert out["step"] == 300 and out["rollback"]["count"] == 1 and out["rollback"]["lr_scale"] == 0.5
     rows = history(tmp_path)
@@ -522,25 +661,32 @@ def _files(run_dir: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(run_dir.iterdir())}
 
 
-@pytest.mark.parametrize(("argv", "executions", "ring"), [
-    (["--from", "3"], 16, "0..3 from step 0"),  # 3..9, the re-run of 9, then 6..13 of the new timeline
-    (["--from", "6"], 8, "3..6 from step-00000003.ckpt"),  # the rolled-back checkpoint 6: 6..13
-    (["--from", "3", "--to", "9"], 6, "0..3 from step 0"),  # before the spike, its rows superseded: 3..8
-])
+@pytest.mark.parametrize(
+    ("argv", "executions", "ring"),
+    [
+        (["--from", "3"], 16, "0..3 from step 0"),  # 3..9, the re-run of 9, then 6..13 of the new timeline
+        (["--from", "6"], 8, "3..6 from step-00000003.ckpt"),  # the rolled-back checkpoint 6: 6..13
+        (["--from", "3", "--to", "9"], 6, "0..3 from step 0"),  # before the spike, its rows superseded: 3..8
+    ],
+)
 def test_replay_goes_through_the_recorded_rollback_bit_for_bit_and_leaves_the_run_alone(
-        replayable: Path, capsys: pytest.CaptureFixture[str], argv: list[str], executions: int, ring: str) -> None:
+    replayable: Path, capsys: pytest.CaptureFixture[str], argv: list[str], executions: int, ring: str
+) -> None:
     before = _files(replayable)
     assert main(["replay", str(replayable), *argv]) == 0
     out, err = capsys.readouterr()
     assert f"rollback ring rebuilt: replayed steps {ring}" in err  # from RUN's checkpoint at or before start - K
-    assert ("note: the recording re-ran or rolled back at step(s) 9 (--auto-rollback on): replayed by the trainer's "
-            "own guarded loop, every history row compared in order (R-P15)") in out
+    assert (
+        "note: the recording re-ran or rolled back at step(s) 9 (--auto-rollback on): replayed by the trainer's "
+        "own guarded loop, every history row compared in order (R-P15)"
+    ) in out
     assert f"IDENTICAL: {executions} step execution(s) replayed through the recorded re-runs and rollbacks" in out
     assert _files(replayable) == before
 
 
 def test_replay_through_a_rollback_names_the_perturbed_step_and_parameter(
-        replayable: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    replayable: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["replay", str(replayable), "--from", "3", "--perturb-at", "7", "--json"]) == 1
     report = json.loads(capsys.readouterr().out)
     d = report["divergence"]
@@ -556,7 +702,8 @@ def test_replay_of_a_run_that_stopped_unstable_stops_the_same_way(tmp_path: Path
     report = replay(tmp_path, 3)
     assert report.ok and report.guarded and report.to == 10
     assert "the replay stopped: training is unstable; investigate: 3 consecutive spikes (rollback bound 3):" in (
-        report.notes)
+        report.notes
+    )
 
 
 def test_a_checkpoint_after_the_rollback_altered_and_resealed_is_named(replayable: Path, tmp_path: Path) -> None:

@@ -54,8 +54,12 @@ def test_every_registered_kind_of_state_comes_back_exactly(tmp_path: Path) -> No
 
 def test_a_save_writes_the_container_its_snapshot_and_each_sidecar(tmp_path: Path) -> None:
     trained(tmp_path, steps=2)
-    assert sorted(os.listdir(tmp_path)) == ["environment.json", "step-00000002.ckpt", "step-00000002.ckpt.config.json",
-                                            "step-00000002.ckpt.counts"]
+    assert sorted(os.listdir(tmp_path)) == [
+        "environment.json",
+        "step-00000002.ckpt",
+        "step-00000002.ckpt.config.json",
+        "step-00000002.ckpt.counts",
+    ]
     assert ckptkit.verify(tmp_path / checkpoint_name(2)).ok
 
 
@@ -63,8 +67,13 @@ def test_retention_keeps_the_newest_checkpoints_with_their_companions(tmp_path: 
     trained(tmp_path, steps=8, keep=2)
     assert [s for s, _ in list_checkpoints(tmp_path)] == [6, 8]
     assert sorted(n for n in os.listdir(tmp_path) if n.startswith("step-")) == [
-        "step-00000006.ckpt", "step-00000006.ckpt.config.json", "step-00000006.ckpt.counts",
-        "step-00000008.ckpt", "step-00000008.ckpt.config.json", "step-00000008.ckpt.counts"]
+        "step-00000006.ckpt",
+        "step-00000006.ckpt.config.json",
+        "step-00000006.ckpt.counts",
+        "step-00000008.ckpt",
+        "step-00000008.ckpt.config.json",
+        "step-00000008.ckpt.counts",
+    ]
 
 
 def test_discard_after_deletes_the_newer_checkpoints_and_their_companions(tmp_path: Path) -> None:
@@ -72,7 +81,10 @@ def test_discard_after_deletes_the_newer_checkpoints_and_their_companions(tmp_pa
     gone = loop.state.discard_after(2)
     assert [os.path.basename(p) for p in gone] == ["step-00000004.ckpt", "step-00000006.ckpt"]
     assert sorted(n for n in os.listdir(tmp_path) if n.startswith("step-")) == [
-        "step-00000002.ckpt", "step-00000002.ckpt.config.json", "step-00000002.ckpt.counts"]
+        "step-00000002.ckpt",
+        "step-00000002.ckpt.config.json",
+        "step-00000002.ckpt.counts",
+    ]
 
 
 # ----------------------------------------------------------------------------- refused when registered
@@ -93,25 +105,44 @@ class NoState:
     pass
 
 
-@pytest.mark.parametrize(("register", "error", "message"), [
-    (lambda rs: rs.add_model("m", NoState()), UnsupportedValue,
-     "model 'm': a NoState has no state_dict()/load_state_dict()"),
-    (lambda rs: rs.add_optimizer("o", NoState()), UnsupportedValue,
-     "optimizer 'o': a NoState has no state_dict()/load_state_dict()"),
-    (lambda rs: rs.add_model("m", _module_with_extra_state({1, 2})), UnsupportedValue, "model 'm'"),
-    (lambda rs: rs.add_value("v", get=lambda: {"when": object()}, set=print), UnsupportedValue, "value 'v'"),
-    (lambda rs: rs.add_monitor("mon", _module_with_extra_state(None)), UnsupportedValue, "monitor 'mon'"),
-    (lambda rs: rs.add_flag("turbo", get=lambda: True, set=print), UnsupportedValue,
-     "flag 'turbo' has no bit in this container version (known: fp32_fallback); store it with add_value"),
-    (lambda rs: rs.add_data_position("d", get=lambda: -1, set=print), UnsupportedValue,
-     "data position 'd' must be a non-negative int (got -1)"),
-    (lambda rs: rs.add_data_position("d", get=lambda: 1.5, set=print), UnsupportedValue,
-     "data position 'd' must be a non-negative int (got 1.5)"),
-    (lambda rs: rs.add_sidecar("c", get=lambda: (0, {"x": object()}), set=print), UnsupportedValue, "sidecar 'c'"),
-    (lambda rs: rs.add_model("", torch.nn.Linear(1, 1)), ValueError, "model name must be a non-empty string"),
-])
-def test_what_the_container_cannot_carry_is_refused_at_registration(tmp_path: Path, register: Any,
-                                                                     error: type[Exception], message: str) -> None:
+@pytest.mark.parametrize(
+    ("register", "error", "message"),
+    [
+        (
+            lambda rs: rs.add_model("m", NoState()),
+            UnsupportedValue,
+            "model 'm': a NoState has no state_dict()/load_state_dict()",
+        ),
+        (
+            lambda rs: rs.add_optimizer("o", NoState()),
+            UnsupportedValue,
+            "optimizer 'o': a NoState has no state_dict()/load_state_dict()",
+        ),
+        (lambda rs: rs.add_model("m", _module_with_extra_state({1, 2})), UnsupportedValue, "model 'm'"),
+        (lambda rs: rs.add_value("v", get=lambda: {"when": object()}, set=print), UnsupportedValue, "value 'v'"),
+        (lambda rs: rs.add_monitor("mon", _module_with_extra_state(None)), UnsupportedValue, "monitor 'mon'"),
+        (
+            lambda rs: rs.add_flag("turbo", get=lambda: True, set=print),
+            UnsupportedValue,
+            "flag 'turbo' has no bit in this container version (known: fp32_fallback); store it with add_value",
+        ),
+        (
+            lambda rs: rs.add_data_position("d", get=lambda: -1, set=print),
+            UnsupportedValue,
+            "data position 'd' must be a non-negative int (got -1)",
+        ),
+        (
+            lambda rs: rs.add_data_position("d", get=lambda: 1.5, set=print),
+            UnsupportedValue,
+            "data position 'd' must be a non-negative int (got 1.5)",
+        ),
+        (lambda rs: rs.add_sidecar("c", get=lambda: (0, {"x": object()}), set=print), UnsupportedValue, "sidecar 'c'"),
+        (lambda rs: rs.add_model("", torch.nn.Linear(1, 1)), ValueError, "model name must be a non-empty string"),
+    ],
+)
+def test_what_the_container_cannot_carry_is_refused_at_registration(
+    tmp_path: Path, register: Any, error: type[Exception], message: str
+) -> None:
     rs = RunState(tmp_path, config=Cfg())
     with pytest.raises(error) as e:
         register(rs)
@@ -178,7 +209,8 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one_and_says_so(
     assert info.step == 2 and loop.position == 8
     assert [os.path.basename(p) for p, _ in info.skipped] == ["step-00000006.ckpt", "step-00000004.ckpt"]
     assert "does not match" in info.skipped[0][1] and info.skipped[0][1].endswith(
-        "the file is damaged; resume from an earlier checkpoint (R-005)")
+        "the file is damaged; resume from an earlier checkpoint (R-005)"
+    )
     assert info.skipped[1][1] == f"{tmp_path / checkpoint_name(4)}.counts: no such sidecar file"
     assert logged[-1] == "falling back to step-00000002.ckpt (step 2)"
 
@@ -201,8 +233,11 @@ def test_a_stored_position_that_breaks_the_offset_rule_is_refused(tmp_path: Path
         return 5 * step  # the rule changed: 4 examples per step before
 
     loop = Loop(tmp_path, rule=rule)
-    with pytest.raises(StreamOffsetMismatch, match=r"data position 'train' is 8, but a run at step 2 must be at 10; "
-                                                   "the stream offset rule changed or the checkpoint is from another run"):
+    with pytest.raises(
+        StreamOffsetMismatch,
+        match=r"data position 'train' is 8, but a run at step 2 must be at 10; "
+        "the stream offset rule changed or the checkpoint is from another run",
+    ):
         loop.state.resume()
     assert seen == [{"total": 32, "by_source": [16, 16]}]  # the rule saw the checkpoint's stored values
     assert loop.position == 0
@@ -219,7 +254,8 @@ def test_a_checkpoint_for_other_registrations_is_refused_listing_every_differenc
         loop.state.resume()
     assert str(e.value) == (
         f"{tmp_path / checkpoint_name(2)}: does not match this run's registered state: model section lacks adapter; "
-        "optim['optimizers'] lacks adam2")
+        "optim['optimizers'] lacks adam2"
+    )
     assert same(before, loop.body.state_dict())  # nothing was restored
 
 
@@ -238,7 +274,8 @@ def test_a_module_built_differently_is_refused_before_anything_is_restored(tmp_p
         "model['body']['weight']: shape [8, 4] in the checkpoint, [16, 4] in the module",
         "model['head']['weight']: shape [1, 8] in the checkpoint, [1, 16] in the module",
         "teacher['bias']: shape [8] in the checkpoint, [16] in the module",
-        "teacher['weight']: shape [8, 4] in the checkpoint, [16, 4] in the module")
+        "teacher['weight']: shape [8, 4] in the checkpoint, [16, 4] in the module",
+    )
     for line in e.value.problems:
         assert line in msg
     assert same(before, loop.head.state_dict())  # head's bias would have fit: still not restored
@@ -263,11 +300,14 @@ def test_restore_puts_a_kept_state_back_except_what_is_skipped(tmp_path: Path) -
     assert loop.restored == ["after restore at position 16"]
 
 
-@pytest.mark.parametrize(("kw", "message"), [
-    ({"skip": ["data:nope", "model:body"]}, "restore: skip names data:nope, which this RunState does not register"),
-    ({"skip": ["teacher"]}, "restore: skip names teacher, which this RunState does not register"),
-    ({}, r"restore: no contents given for the registered sidecar\(s\) counts"),
-])
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"skip": ["data:nope", "model:body"]}, "restore: skip names data:nope, which this RunState does not register"),
+        ({"skip": ["teacher"]}, "restore: skip names teacher, which this RunState does not register"),
+        ({}, r"restore: no contents given for the registered sidecar\(s\) counts"),
+    ],
+)
 def test_restore_refuses_unknown_skips_and_missing_sidecars(tmp_path: Path, kw: dict[str, Any], message: str) -> None:
     loop = trained(tmp_path, steps=2)
     with pytest.raises(ValueError, match=message):

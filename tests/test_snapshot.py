@@ -116,7 +116,7 @@ def test_same_config_gives_same_bytes_whatever_the_field_order():
 def test_write_then_read_round_trips_every_value_exactly(tmp_path):
     floats = (0.1, 1 / 3, 5e-324, -0.0, 1.7976931348623157e308, 1e16, 2.0)
     C = dataclasses.make_dataclass("C", [("f", tuple), ("big", int), ("s", str), ("e", Act), ("n", type(None))])
-    cfg = C(f=floats, big=2**80 + 1, s="h\u00e9llo \U0001f600 \"q\"", e=Act.RELU, n=None)
+    cfg = C(f=floats, big=2**80 + 1, s='h\u00e9llo \U0001f600 "q"', e=Act.RELU, n=None)
     path = tmp_path / "step-00000001.ckpt.config.json"
     write_snapshot(path, cfg)
     snap = read_snapshot(path)
@@ -148,18 +148,24 @@ def test_enum_is_written_as_its_value():
     [
         (
             math.inf,
-            ('config field train.clip: cannot snapshot the non-finite float inf; '
-            'JSON has no NaN or infinity; use None for "no limit"'),
+            (
+                "config field train.clip: cannot snapshot the non-finite float inf; "
+                'JSON has no NaN or infinity; use None for "no limit"'
+            ),
         ),
         (
             {"a": 1},
-            ("config field train.clip: cannot snapshot a dict {'a': 1}; supported: bool, int, float, str, "
-            "None, list, tuple, Enum or a nested dataclass (a dict becomes a nested dataclass)"),
+            (
+                "config field train.clip: cannot snapshot a dict {'a': 1}; supported: bool, int, float, str, "
+                "None, list, tuple, Enum or a nested dataclass (a dict becomes a nested dataclass)"
+            ),
         ),
         (
             (1.0, math.nan),
-            ('config field train.clip[1]: cannot snapshot the non-finite float nan; '
-            'JSON has no NaN or infinity; use None for "no limit"'),
+            (
+                "config field train.clip[1]: cannot snapshot the non-finite float nan; "
+                'JSON has no NaN or infinity; use None for "no limit"'
+            ),
         ),
     ],
 )
@@ -205,26 +211,34 @@ def test_read_refuses_a_missing_file(tmp_path):
         (
             b"\xff{}",
             FormatError,
-            ("not a config snapshot: invalid UTF-8 JSON ('utf-8' codec can't decode byte 0xff in position 0: "
-            "invalid start byte); a snapshot is the <ckpt>.config.json file written next to a checkpoint"),
+            (
+                "not a config snapshot: invalid UTF-8 JSON ('utf-8' codec can't decode byte 0xff in position 0: "
+                "invalid start byte); a snapshot is the <ckpt>.config.json file written next to a checkpoint"
+            ),
         ),
         (
             b'{"schema_version": 1, "config_type": "x", "config": {"lr": NaN}}',
             FormatError,
-            ("not a config snapshot: invalid UTF-8 JSON (non-finite number NaN); "
-            "a snapshot is the <ckpt>.config.json file written next to a checkpoint"),
+            (
+                "not a config snapshot: invalid UTF-8 JSON (non-finite number NaN); "
+                "a snapshot is the <ckpt>.config.json file written next to a checkpoint"
+            ),
         ),
         (
             b'{"schema_version": 1, "config_type": "x", "config": {"lr": 1e400}}',
             FormatError,
-            ("not a config snapshot: invalid UTF-8 JSON (number 1e400 overflows a float); "
-            "a snapshot is the <ckpt>.config.json file written next to a checkpoint"),
+            (
+                "not a config snapshot: invalid UTF-8 JSON (number 1e400 overflows a float); "
+                "a snapshot is the <ckpt>.config.json file written next to a checkpoint"
+            ),
         ),
         (
             b'{"schema_version": 1, "config_type": "x", "config": {"lr": 1, "lr": 2}}',
             FormatError,
-            ("not a config snapshot: invalid UTF-8 JSON (duplicate key 'lr'); "
-            "a snapshot is the <ckpt>.config.json file written next to a checkpoint"),
+            (
+                "not a config snapshot: invalid UTF-8 JSON (duplicate key 'lr'); "
+                "a snapshot is the <ckpt>.config.json file written next to a checkpoint"
+            ),
         ),
         (b"[]", FormatError, "not a config snapshot: the document is not a JSON object (expected object, got list)"),
         (
@@ -287,8 +301,16 @@ def test_read_accepts_a_file_of_exactly_16_mib(tmp_path):
 def test_diff_keys_accepts_flat_nested_snapshot_and_dataclass_alike():
     new = Cfg(train=TrainCfg(lr=2e-3))
     nested = snapshot_config(Cfg())
-    flat = {"model.d": 4, "model.act": Act.GELU, "model.dropout": None, "seed": 1,
-            "train.lr": 1e-3, "train.steps": 10, "train.betas": (0.9, 0.95), "train.rand_depth": False}
+    flat = {
+        "model.d": 4,
+        "model.act": Act.GELU,
+        "model.dropout": None,
+        "seed": 1,
+        "train.lr": 1e-3,
+        "train.steps": 10,
+        "train.betas": (0.9, 0.95),
+        "train.rand_depth": False,
+    }
     expected = [KeyDiff("train.lr", 1e-3, 2e-3, "changed", exempt=False)]
     for old in (Cfg(), nested, flat, Snapshot(nested, "x.Cfg")):
         assert diff_keys(old, new) == expected
@@ -298,14 +320,24 @@ def test_diff_keys_exempts_default_names_at_any_nesting_depth():
     old = {"steps": 1, "train": {"steps": 1, "log_every": 1}, "a": {"b": {"eval_every": 1, "eval": 1}}, "ckpt_every": 1}
     new = {"steps": 2, "train": {"steps": 2, "log_every": 2}, "a": {"b": {"eval_every": 2, "eval": 2}}, "ckpt_every": 2}
     diffs = diff_keys(old, new)
-    assert [d.key for d in diffs] == ["a.b.eval", "a.b.eval_every", "ckpt_every", "steps", "train.log_every", "train.steps"]
+    assert [d.key for d in diffs] == [
+        "a.b.eval",
+        "a.b.eval_every",
+        "ckpt_every",
+        "steps",
+        "train.log_every",
+        "train.steps",
+    ]
     assert all(d.exempt and not d.strict for d in diffs)
     assert {"steps", "log_every", "ckpt_every", "eval", "eval_every"} == DEFAULT_EXEMPT
 
 
 def test_diff_keys_custom_exempt_set_replaces_the_default():
     old, new = {"train": {"steps": 1, "lr": 0.1}}, {"train": {"steps": 2, "lr": 0.2}}
-    assert [(d.key, d.exempt) for d in diff_keys(old, new, exempt={"lr"})] == [("train.lr", True), ("train.steps", False)]
+    assert [(d.key, d.exempt) for d in diff_keys(old, new, exempt={"lr"})] == [
+        ("train.lr", True),
+        ("train.steps", False),
+    ]
     # A dotted name matches that exact path only.
     assert [(d.key, d.exempt) for d in diff_keys(old, new, exempt={"train.lr"})] == [
         ("train.lr", True),
@@ -338,15 +370,26 @@ def test_diff_keys_refuses_a_string_as_the_exempt_set():
 
 
 def test_key_diff_describes_itself_in_one_human_line():
-    assert KeyDiff("train.steps", 1000, 2000, "changed", True).describe() == "train.steps 1000 -> 2000: extending the run"
+    assert (
+        KeyDiff("train.steps", 1000, 2000, "changed", True).describe() == "train.steps 1000 -> 2000: extending the run"
+    )
     assert KeyDiff("steps", 2000, 1000, "changed", True).describe() == "steps 2000 -> 1000: shortening the run"
     assert KeyDiff("log_every", 10, 20, "changed", True).describe() == (
         "log_every 10 -> 20: exempt (decides when we look, not what the model computes)"
     )
     assert KeyDiff("model.act", "gelu", "relu", "changed", False).describe() == 'model.act "gelu" -> "relu"'
-    assert KeyDiff("old", 3, None, "only_old", False).describe() == "old 3 -> (absent): dead key, the config no longer has it"
-    assert KeyDiff("new", None, [1], "only_new", False).describe() == "new (absent) -> [1]: the snapshot never carried this key"
-    assert str(KeyDiff("eval", 1, None, "only_old", True)) == "eval 1 -> (absent): dead key, the config no longer has it; exempt"
+    assert (
+        KeyDiff("old", 3, None, "only_old", False).describe()
+        == "old 3 -> (absent): dead key, the config no longer has it"
+    )
+    assert (
+        KeyDiff("new", None, [1], "only_new", False).describe()
+        == "new (absent) -> [1]: the snapshot never carried this key"
+    )
+    assert (
+        str(KeyDiff("eval", 1, None, "only_old", True))
+        == "eval 1 -> (absent): dead key, the config no longer has it; exempt"
+    )
 
 
 def test_key_diff_refuses_an_unknown_kind():
@@ -463,8 +506,15 @@ def test_coverage_passes_on_a_good_nested_config():
     report = assert_field_coverage(Cfg, exempt_fields={"train.log_dir": "where logs go; never read by a step"})
     assert report.ok
     assert report.fields == (
-        "model.act", "model.d", "model.dropout", "seed",
-        "train.betas", "train.log_dir", "train.lr", "train.rand_depth", "train.steps",
+        "model.act",
+        "model.d",
+        "model.dropout",
+        "seed",
+        "train.betas",
+        "train.log_dir",
+        "train.lr",
+        "train.rand_depth",
+        "train.steps",
     )
     assert len(report.written) == 8
     assert str(report) == "field coverage ok: the snapshot carries 8 of 9 fields"
@@ -475,8 +525,10 @@ def test_coverage_fails_on_a_field_opted_out_without_a_reason():
     assert not report.ok
     assert report.problems == (
         "count: the snapshot carries 8 keys, the config has 9 fields (0 exempt and absent)",
-        ('train.log_dir: excluded from the snapshot (metadata={"snapshot": False}) without a reason; '
-        'declare it in exempt_fields={"train.log_dir": "why it cannot change a step"}'),
+        (
+            'train.log_dir: excluded from the snapshot (metadata={"snapshot": False}) without a reason; '
+            'declare it in exempt_fields={"train.log_dir": "why it cannot change a step"}'
+        ),
     )
     with pytest.raises(AssertionError) as e:
         assert_field_coverage(Cfg)
@@ -545,8 +597,10 @@ class NeedsFlip:
 def test_coverage_asks_for_flips_where_no_automatic_flip_exists_and_uses_them():
     report = check_field_coverage(NeedsFlip)
     assert report.problems == (
-        ("mode: flipping 'a' -> 'ax' fails (ValueError: mode must be 'a' or 'b' (got 'ax')); "
-        'pass flips={"mode": <another valid value>}'),
+        (
+            "mode: flipping 'a' -> 'ax' fails (ValueError: mode must be 'a' or 'b' (got 'ax')); "
+            'pass flips={"mode": <another valid value>}'
+        ),
         'opaque: no automatic flip for None; pass flips={"opaque": <another valid value>}',
     )
     assert check_field_coverage(NeedsFlip, flips={"opaque": 3, "mode": "b"}).ok

@@ -43,13 +43,15 @@ def _refused(name: str, cls: type[Exception] = MalformedIndex) -> str:
 def test_a_dimension_of_2_pow_63_is_refused_by_r013() -> None:
     assert _refused("R-013-dim-2-63.ckpt") == (
         "offset 64 (0x40): model index: tensor 0: shape does not fit in int64 element counts "
-        f"(got [9223372036854775808]); {_DAMAGED} (R-013)")
+        f"(got [9223372036854775808]); {_DAMAGED} (R-013)"
+    )
 
 
 def test_an_element_count_of_2_pow_63_is_refused_by_r013_though_each_dimension_fits() -> None:
     assert _refused("R-013-element-count-overflows-int64.ckpt") == (
         "offset 64 (0x40): model index: tensor 0: shape does not fit in int64 element counts "
-        f"(got [4294967296, 2147483648]); {_DAMAGED} (R-013)")
+        f"(got [4294967296, 2147483648]); {_DAMAGED} (R-013)"
+    )
 
 
 def test_a_dimension_of_2_pow_63_minus_1_passes_r013_and_meets_the_nbytes_rule(tmp_path: Path) -> None:
@@ -71,25 +73,29 @@ def test_the_spec_writes_the_int64_bounds_of_r013() -> None:
 def test_a_skippable_zstd_frame_before_the_frame_is_refused() -> None:
     assert _refused("R-008-zstd-skippable-frame-before.ckpt") == (
         "offset 320 (0x140): model data: zstd data region starts with a skippable frame, not a zstd frame "
-        f"(exactly one frame is allowed); {_DAMAGED} (R-008)")
+        f"(exactly one frame is allowed); {_DAMAGED} (R-008)"
+    )
 
 
 def test_a_skippable_zstd_frame_after_the_frame_is_refused() -> None:
     assert _refused("R-008-zstd-skippable-frame-after.ckpt") == (
         "offset 320 (0x140): model data: 12 bytes after the zstd frame (exactly one frame, nothing after it) "
-        f"(expected frame end at 415, got 403); {_DAMAGED} (R-008)")
+        f"(expected frame end at 415, got 403); {_DAMAGED} (R-008)"
+    )
 
 
 def test_a_zstd_window_over_128_mib_is_refused_before_decoding() -> None:
     assert _refused("R-008-zstd-window-over-128MiB.ckpt") == (
         "offset 320 (0x140): model data: zstd frame needs a larger window than a reader must support "
-        f"(expected <= 134217728 bytes, got 268435456); {_DAMAGED} (R-008)")
+        f"(expected <= 134217728 bytes, got 268435456); {_DAMAGED} (R-008)"
+    )
 
 
 def test_a_raw_len_over_the_zstd_ratio_cap_is_refused_by_r008() -> None:
     assert _refused("R-008-zstd-raw-len-over-ratio-cap.ckpt") == (
         "offset 64 (0x40): model index: raw_len exceeds what any zstd frame of data_len bytes can decode to "
-        f"(expected <= 3768320, got 3768321); {_DAMAGED} (R-008)")
+        f"(expected <= 3768320, got 3768321); {_DAMAGED} (R-008)"
+    )
 
 
 def test_the_spec_states_the_zstd_limits_in_r008_not_only_in_the_guarantees() -> None:
@@ -104,17 +110,20 @@ def test_the_spec_states_the_zstd_limits_in_r008_not_only_in_the_guarantees() ->
 
 def test_an_index_with_codec_twice_is_refused_by_r010() -> None:
     assert _refused("R-010-index-key-twice.ckpt") == (
-        f"offset 64 (0x40): model index: the index map key 'codec' appears twice; {_DAMAGED} (R-010)")
+        f"offset 64 (0x40): model index: the index map key 'codec' appears twice; {_DAMAGED} (R-010)"
+    )
 
 
 def test_a_tree_map_with_a_key_twice_is_refused_by_r016() -> None:
     assert _refused("R-016-map-key-twice.ckpt") == (
-        f"offset 64 (0x40): model index: map key '0.bias' appears twice; {_DAMAGED} (R-016)")
+        f"offset 64 (0x40): model index: map key '0.bias' appears twice; {_DAMAGED} (R-016)"
+    )
 
 
 def test_an_array_map_key_is_r016_not_an_unhashable_type() -> None:
     assert _refused("R-016-array-map-key.ckpt") == (
-        f"offset 64 (0x40): model index: map key [1, 2] is not a string or integer; {_DAMAGED} (R-016)")
+        f"offset 64 (0x40): model index: map key [1, 2] is not a string or integer; {_DAMAGED} (R-016)"
+    )
 
 
 # ---------------------------------------------------------------------------- 6. nil tree of a present section
@@ -124,8 +133,10 @@ def test_a_present_section_with_a_nil_tree_is_refused_by_load_verify_and_inspect
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     name = "R-016-present-section-nil-tree.ckpt"
-    message = (f"offset 64 (0x40): model index: the tree of a present section is nil "
-               f"(a section without state is absent: length 0); {_DAMAGED} (R-016)")
+    message = (
+        f"offset 64 (0x40): model index: the tree of a present section is nil "
+        f"(a section without state is absent: length 0); {_DAMAGED} (R-016)"
+    )
     assert _refused(name) == message
     path = INVALID / name
     assert main(["inspect", str(path)]) == 1
@@ -150,7 +161,8 @@ def test_the_writer_never_writes_a_nil_tree_so_absent_has_one_encoding(tmp_path:
 def test_a_bool_byte_other_than_0_or_1_is_refused_by_r017() -> None:
     assert _refused("R-017-bool-byte-7.ckpt", BadTensorValue) == (
         "offset 1345 (0x541): model data: tensor 1 (bool[2, 3]): element 1 is byte 0x07; a bool is stored as "
-        "0 or 1; the file was not written by a correct ckptkit writer; do not load it (R-017)")
+        "0 or 1; the file was not written by a correct ckptkit writer; do not load it (R-017)"
+    )
 
 
 def test_the_lazy_reader_refuses_the_bad_bool_tensor_and_serves_the_others() -> None:
@@ -172,8 +184,9 @@ def test_a_bad_bool_byte_in_a_zstd_section_is_refused_with_the_region_offset(tmp
     path.write_bytes(GENERATE.repack(src, "model", bad_bools, lambda r: region))
     with pytest.raises(BadTensorValue) as info:
         load(path)
-    assert re.search(r"model data: tensor 0 \(bool\[3\]\): element 1 is byte 0xff; a bool is stored as 0 or 1;",
-                     str(info.value))
+    assert re.search(
+        r"model data: tensor 0 \(bool\[3\]\): element 1 is byte 0xff; a bool is stored as 0 or 1;", str(info.value)
+    )
 
 
 # ---------------------------------------------------------------------------- 9. R-014 wording

@@ -27,7 +27,7 @@ INVALID_CKPT = sorted(n for n, e in MANIFEST["invalid"].items() if e["reader"] =
 
 def _reader_source() -> str:
     text = (ROOT / "spec" / "container.md").read_text()
-    section = text[text.index("## 13. Reference reader"):]
+    section = text[text.index("## 13. Reference reader") :]
     blocks = re.findall(r"```python\n(.*?)```", section, re.S)
     assert len(blocks) == 1, "spec/container.md §13 must hold exactly one python block"
     return blocks[0]

@@ -46,8 +46,17 @@ def _close_histories() -> Any:
 class Toy:
     """A plain loop with the guard: what an outside user writes."""
 
-    def __init__(self, run_dir: Path, mode: str = "on", *, spike_at: int | None = None, repeat: int = 2,
-                 k: int = 3, register_data: bool = True, **guard_kw: Any) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        mode: str = "on",
+        *,
+        spike_at: int | None = None,
+        repeat: int = 2,
+        k: int = 3,
+        register_data: bool = True,
+        **guard_kw: Any,
+    ) -> None:
         g = ckptkit.torch_generator(0, 0, stream=1)
         self.net = torch.nn.Linear(4, 1)
         with torch.no_grad():
@@ -61,14 +70,19 @@ class Toy:
         self.state.add_optimizer("adamw", self.opt)
         self.state.add_scheduler("lr", self.sched)
         if register_data:
-            self.state.add_data_position("train", get=lambda: self.pos, set=self._seek,
-                                         expected=lambda step, values: step + skipped_batches(values))
+            self.state.add_data_position(
+                "train",
+                get=lambda: self.pos,
+                set=self._seek,
+                expected=lambda step, values: step + skipped_batches(values),
+            )
         self.history = History(run_dir)
         _OPEN.append(self.history)
         inject = None if spike_at is None else GradSpike([self.net], at=spike_at, repeat=repeat)
         monitor = ckptkit.SpikeMonitor(ckptkit.SpikeConfig(window=8, min_history=4))
-        self.guard = ckptkit.SpikeGuard(self.state, mode, monitor=monitor, k=k, history=self.history,
-                                        inject=inject, **guard_kw)
+        self.guard = ckptkit.SpikeGuard(
+            self.state, mode, monitor=monitor, k=k, history=self.history, inject=inject, **guard_kw
+        )
         self.lrs: list[tuple[int, float]] = []
 
     def _seek(self, pos: int) -> None:
@@ -146,7 +160,9 @@ def test_a_transient_spike_keeps_the_rerun_and_does_not_roll_back(tmp_path: Path
     assert [(r["step"], r["action"]) for r in rows(tmp_path, "spike")] == [(9, "rerun"), (9, "transient")]
     clean = Toy(tmp_path / "clean")
     clean.guard.run(clean.step, clean.start(), 12)
-    assert all(torch.equal(a, b) for a, b in zip(toy.net.state_dict().values(), clean.net.state_dict().values(), strict=True))
+    assert all(
+        torch.equal(a, b) for a, b in zip(toy.net.state_dict().values(), clean.net.state_dict().values(), strict=True)
+    )
 
 
 @pytest.mark.parametrize("mode", ["warn", "off"])
@@ -160,8 +176,10 @@ def test_warn_logs_the_spike_and_off_only_counts_it(tmp_path: Path, mode: str) -
 
 def test_three_consecutive_spikes_stop_the_run(tmp_path: Path) -> None:
     toy = Toy(tmp_path, spike_at=9, repeat=6)
-    with pytest.raises(ckptkit.TrainingUnstable, match=re.escape(
-            "training is unstable; investigate: 3 consecutive spikes (rollback bound 3):")) as e:
+    with pytest.raises(
+        ckptkit.TrainingUnstable,
+        match=re.escape("training is unstable; investigate: 3 consecutive spikes (rollback bound 3):"),
+    ) as e:
         toy.guard.run(toy.step, toy.start(), 14, save_every=3)
     assert "the last good checkpoint is" in str(e.value) and [ev["step"] for ev in e.value.events] == [9, 9, 9]
     assert [(r["step"], r["action"]) for r in rows(tmp_path, "spike")][-1] == (9, "unstable")
@@ -176,8 +194,9 @@ def test_a_resume_after_a_rollback_equals_the_uninterrupted_run(tmp_path: Path) 
     again.guard.run(again.step, again.resume(), 16, save_every=2)
     name = "step-00000016.ckpt"
     assert (tmp_path / "ref" / name).read_bytes() == (tmp_path / "cut" / name).read_bytes()
-    assert list(rows(tmp_path / "ref", "step", "spike", "rollback")) == \
-           list(rows(tmp_path / "cut", "step", "spike", "rollback"))
+    assert list(rows(tmp_path / "ref", "step", "spike", "rollback")) == list(
+        rows(tmp_path / "cut", "step", "spike", "rollback")
+    )
 
 
 def test_a_resume_before_the_spike_rebuilds_the_ring_and_rolls_back_the_same(tmp_path: Path) -> None:
@@ -188,7 +207,8 @@ def test_a_resume_before_the_spike_rebuilds_the_ring_and_rolls_back_the_same(tmp
     again = Toy(tmp_path / "cut", spike_at=9)
     start = again.resume()
     assert again.guard.rebuild(start, again.step) == [
-        "rollback ring rebuilt: replayed steps 4..8 from step-00000004.ckpt; it reproduced step-00000008.ckpt"]
+        "rollback ring rebuilt: replayed steps 4..8 from step-00000004.ckpt; it reproduced step-00000008.ckpt"
+    ]
     again.guard.run(again.step, start, 14, save_every=2)
     name = "step-00000014.ckpt"
     assert (tmp_path / "ref" / name).read_bytes() == (tmp_path / "cut" / name).read_bytes()
@@ -206,8 +226,11 @@ def test_a_nondeterministic_step_is_refused_when_the_ring_is_rebuilt(tmp_path: P
             again.net.weight.add_(torch.rand(again.net.weight.shape) * 1e-3)  # the global RNG: not (seed, step)
         return gn
 
-    with pytest.raises(ckptkit.ReplayDivergence, match=r"replaying steps 3\.\.6 from step-00000003\.ckpt did not "
-                                                       r"reproduce step-00000006\.ckpt \(differs in: model"):
+    with pytest.raises(
+        ckptkit.ReplayDivergence,
+        match=r"replaying steps 3\.\.6 from step-00000003\.ckpt did not "
+        r"reproduce step-00000006\.ckpt \(differs in: model",
+    ):
         again.guard.rebuild(start, noisy)
 
 
@@ -227,19 +250,30 @@ def test_kept_rows_are_one_lineage(tmp_path: Path) -> None:
     toy.guard.run(toy.step, toy.start(), 14)
     got, _ = read_rows(tmp_path / "history.jsonl")
     assert [r["step"] for r in kept_rows(got)] == []  # the toy writes no step rows of its own
-    assert kept_rows([{"kind": "step", "step": 0}, {"kind": "step", "step": 1}, {"kind": "spike", "step": 1,
-                       "action": "rerun"}, {"kind": "step", "step": 1}]) == [{"kind": "step", "step": 0},
-                                                                              {"kind": "step", "step": 1}]
+    assert kept_rows(
+        [
+            {"kind": "step", "step": 0},
+            {"kind": "step", "step": 1},
+            {"kind": "spike", "step": 1, "action": "rerun"},
+            {"kind": "step", "step": 1},
+        ]
+    ) == [{"kind": "step", "step": 0}, {"kind": "step", "step": 1}]
 
 
 # ----------------------------------------------------------------------------- bad input
 
 
-@pytest.mark.parametrize(("returned", "message"), [
-    (None, "step 0: step_fn must return the step's grad norm as a number (got NoneType for the grad norm)"),
-    (torch.ones(3), "step 0: step_fn must return the step's grad norm as a scalar (got a grad norm tensor of shape [3])"),
-    ("1.0", "step 0: step_fn must return the step's grad norm as a number (got str for the grad norm)"),
-])
+@pytest.mark.parametrize(
+    ("returned", "message"),
+    [
+        (None, "step 0: step_fn must return the step's grad norm as a number (got NoneType for the grad norm)"),
+        (
+            torch.ones(3),
+            "step 0: step_fn must return the step's grad norm as a scalar (got a grad norm tensor of shape [3])",
+        ),
+        ("1.0", "step 0: step_fn must return the step's grad norm as a number (got str for the grad norm)"),
+    ],
+)
 def test_a_step_fn_that_returns_no_scalar_grad_norm_is_refused(tmp_path: Path, returned: Any, message: str) -> None:
     toy = Toy(tmp_path)
     toy.start()
@@ -258,9 +292,13 @@ def test_a_negative_grad_norm_is_refused_and_a_non_finite_one_is_a_spike(tmp_pat
 
 
 def test_mode_on_without_a_data_position_says_so_at_construction(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=re.escape(
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
             "SpikeGuard(mode='on') skips the spike's data through a registered data position, and this RunState "
-            "registers none: register it with state.add_data_position(...), or pass skip_data=False")):
+            "registers none: register it with state.add_data_position(...), or pass skip_data=False"
+        ),
+    ):
         Toy(tmp_path, register_data=False)
     toy = Toy(tmp_path / "replays", register_data=False, skip_data=False, spike_at=9)
     toy.guard.run(toy.step, toy.start(), 12)
@@ -268,12 +306,15 @@ def test_mode_on_without_a_data_position_says_so_at_construction(tmp_path: Path)
     assert rb["skipped"] is None and rb["skipped_batches"] == 0
 
 
-@pytest.mark.parametrize(("kw", "message"), [
-    ({"mode": "yes"}, "mode must be one of off, warn, on (got 'yes')"),
-    ({"k": -1}, "k must be an int >= 0 (got -1)"),
-    ({"bound": 0}, "bound must be an int >= 1 (got 0)"),
-    ({"lr_drop": 0.0}, "lr_drop must be a float, finite, > 0 and <= 1 (got 0.0)"),
-])
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"mode": "yes"}, "mode must be one of off, warn, on (got 'yes')"),
+        ({"k": -1}, "k must be an int >= 0 (got -1)"),
+        ({"bound": 0}, "bound must be an int >= 1 (got 0)"),
+        ({"lr_drop": 0.0}, "lr_drop must be a float, finite, > 0 and <= 1 (got 0.0)"),
+    ],
+)
 def test_bad_knobs_are_named(tmp_path: Path, kw: dict[str, Any], message: str) -> None:
     state = ckptkit.RunState(tmp_path, config=Cfg())
     with pytest.raises(ValueError, match=re.escape(message)):

@@ -14,21 +14,26 @@ from ckptkit import torch_generator
 from ckptkit.testing import assert_resume_equivalent, assert_step_leaves_global_rng_alone, interruptions
 
 
-@pytest.mark.parametrize(("step", "changed"), [
-    (lambda: torch.rand(3), "torch"),
-    (lambda: torch.nn.functional.dropout(torch.ones(4), 0.5), "torch"),
-    (lambda: torch.manual_seed(0), "torch"),
-    (lambda: random.random(), "python"),
-    (lambda: np.random.rand(2), "numpy"),
-    (lambda: (random.random(), np.random.rand()), "python, numpy"),
-])
+@pytest.mark.parametrize(
+    ("step", "changed"),
+    [
+        (lambda: torch.rand(3), "torch"),
+        (lambda: torch.nn.functional.dropout(torch.ones(4), 0.5), "torch"),
+        (lambda: torch.manual_seed(0), "torch"),
+        (lambda: random.random(), "python"),
+        (lambda: np.random.rand(2), "numpy"),
+        (lambda: (random.random(), np.random.rand()), "python, numpy"),
+    ],
+)
 def test_a_step_that_touches_a_global_rng_is_named(step, changed):
     with pytest.raises(AssertionError) as e:
         assert_step_leaves_global_rng_alone(step)
-    assert str(e.value) == (f"the step changed global RNG state: {changed}; draw from "
-                            "ckptkit.torch_generator(seed, step, stream) instead of the global generator, or "
-                            "wrap the draws you cannot hand a generator (nn.Dropout, torch.randn) in "
-                            "`with ckptkit.step_rng(seed, step):`")
+    assert str(e.value) == (
+        f"the step changed global RNG state: {changed}; draw from "
+        "ckptkit.torch_generator(seed, step, stream) instead of the global generator, or "
+        "wrap the draws you cannot hand a generator (nn.Dropout, torch.randn) in "
+        "`with ckptkit.step_rng(seed, step):`"
+    )
 
 
 def test_a_step_drawing_from_its_own_generator_passes():

@@ -19,8 +19,10 @@ def test_a_torch_save_state_dict_imports_and_re_saves_exactly(tmp_path):
     opt.step()
     torch.save({"model": net.state_dict(), "optimizer": opt.state_dict(), "step": 7}, tmp_path / "old.pt")
     old = import_torch_checkpoint(tmp_path / "old.pt")
-    ckptkit.save(tmp_path / "new.ckpt", Checkpoint(step=old["step"], model={"net": old["model"]},
-                                                   optim={"adamw": old["optimizer"]}))
+    ckptkit.save(
+        tmp_path / "new.ckpt",
+        Checkpoint(step=old["step"], model={"net": old["model"]}, optim={"adamw": old["optimizer"]}),
+    )
     back = ckptkit.load(tmp_path / "new.ckpt")
     assert torch.equal(back.model["net"]["weight"], net.weight)
     assert torch.equal(back.optim["adamw"]["state"][0]["exp_avg"], opt.state[net.weight]["exp_avg"])

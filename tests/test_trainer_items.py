@@ -154,8 +154,7 @@ def test_item2_resumed_int8_run_keeps_training_int8(tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------- item 3: the mask
 
 
-def _mask_from_global_rng(t: int, mask_frac: float, mask_span: int, *, seed: int, step: int,
-                          rows: int) -> np.ndarray:
+def _mask_from_global_rng(t: int, mask_frac: float, mask_span: int, *, seed: int, step: int, rows: int) -> np.ndarray:
     """The original bug: a mask from an unseeded global RNG."""
     starts = np.random.random((rows, t)) < mask_frac / mask_span
     return np.stack([np.convolve(s, np.ones(mask_span, dtype=bool))[:t] > 0 for s in starts])
@@ -240,7 +239,9 @@ def test_item5_rand_depth_reaches_the_drift_check(tmp_path: Path) -> None:
     assert len([r for r in history(tmp_path / "run") if r["kind"] == "step"]) == 2  # nothing ran
 
 
-def test_item5_a_blind_drift_check_would_resume_a_different_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_item5_a_blind_drift_check_would_resume_a_different_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """What the check prevents: with rand_depth exempt, the flipped resume runs and parts from the real run."""
     cfg = tiny(**{"model.n_layer": 3, "train.rand_depth": True, "train.ckpt_every": 2})
 
@@ -261,8 +262,9 @@ def test_item5_a_blind_drift_check_would_resume_a_different_run(tmp_path: Path, 
 
 
 @pytest.mark.parametrize(("warmup_probe", "quant_check", "pre"), [(False, False, 0), (True, False, 1), (True, True, 2)])
-def test_item6_stream_lands_at_step_plus_pre_batches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                    warmup_probe: bool, quant_check: bool, pre: int) -> None:
+def test_item6_stream_lands_at_step_plus_pre_batches(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, warmup_probe: bool, quant_check: bool, pre: int
+) -> None:
     """After ``S`` steps the stream is at ``(S + pre_batches) * batch * seq_len``,
     pre_batches counting the probe batches (warm-up, quant check).
 
@@ -270,8 +272,14 @@ def test_item6_stream_lands_at_step_plus_pre_batches(tmp_path: Path, monkeypatch
     original ``skip = step * batch * seq_len``) is refused with
     StreamOffsetMismatch instead of re-training on seen batches.
     """
-    cfg = tiny(**{"train.warmup_probe": warmup_probe, "train.quant_check": quant_check,
-                  "model.quant": "int8", "train.ckpt_every": 2})
+    cfg = tiny(
+        **{
+            "train.warmup_probe": warmup_probe,
+            "train.quant_check": quant_check,
+            "model.quant": "int8",
+            "train.ckpt_every": 2,
+        }
+    )
     assert train_mod.pre_batches(cfg) == pre
     assert resumed_matches(tmp_path, cfg, stop=2, n=4)
     per = 4 * 16  # batch * seq_len of the tiny config
@@ -366,8 +374,16 @@ def test_item8_snapshot_carries_every_config_field() -> None:
     """
     report = field_coverage.assert_field_coverage(TrainerConfig, flips=FLIPS)
     assert len(report.fields) == len(report.written) == len(knobs())  # one CLI flag per key, all carried
-    assert {"train.rand_depth", "train.min_depth", "train.seed", "train.trip_latch_at",
-            "train.ema_decay", "model.quant", "data.path", "monitor.window"} <= set(report.written)
+    assert {
+        "train.rand_depth",
+        "train.min_depth",
+        "train.seed",
+        "train.trip_latch_at",
+        "train.ema_decay",
+        "model.quant",
+        "data.path",
+        "monitor.window",
+    } <= set(report.written)
 
     def blind(cfg: Any) -> dict[str, Any]:
         table = snapshot.snapshot_config(cfg)

@@ -79,8 +79,16 @@ def _has_ckpt(run_dir: Path) -> bool:
 
 @pytest.mark.parametrize("crash", [False, True], ids=["stop", "crash"])
 def test_resume_with_every_feature_on_matches_uninterrupted(tmp_path: Path, crash: bool) -> None:
-    cfg = tiny(**{"train.ckpt_every": 2, "model.quant": "int8", "train.quant_check": True,
-                  "train.rand_depth": True, "train.seed": 12345, "train.trip_latch_at": 5})
+    cfg = tiny(
+        **{
+            "train.ckpt_every": 2,
+            "model.quant": "int8",
+            "train.quant_check": True,
+            "train.rand_depth": True,
+            "train.seed": 12345,
+            "train.trip_latch_at": 5,
+        }
+    )
     run(cfg, tmp_path / "ref", 8)
     if crash:
         run(cfg, tmp_path / "cut", 8, crash_after=5)  # newest checkpoint: 4; rows 4 is after it
@@ -110,18 +118,65 @@ def test_resume_truncates_history_written_after_the_checkpoint(tmp_path: Path) -
 
 
 def test_resume_in_a_separate_process_through_the_cli(tmp_path: Path) -> None:
-    knobs = ["--n-layer", "2", "--n-head", "2", "--d-model", "32", "--block-size", "16", "--seq-len", "16",
-             "--batch", "4", "--keep", "100", "--warmup-iters", "2", "--ckpt-every", "2", "--log-every", "1000",
-             "--quant", "int8", "--quant-check", "--rand-depth", "--seed", "99", "--trip-latch-at", "3"]
-    cfg = tiny(**{"train.ckpt_every": 2, "model.quant": "int8", "train.quant_check": True,
-                  "train.rand_depth": True, "train.seed": 99, "train.trip_latch_at": 3})
+    knobs = [
+        "--n-layer",
+        "2",
+        "--n-head",
+        "2",
+        "--d-model",
+        "32",
+        "--block-size",
+        "16",
+        "--seq-len",
+        "16",
+        "--batch",
+        "4",
+        "--keep",
+        "100",
+        "--warmup-iters",
+        "2",
+        "--ckpt-every",
+        "2",
+        "--log-every",
+        "1000",
+        "--quant",
+        "int8",
+        "--quant-check",
+        "--rand-depth",
+        "--seed",
+        "99",
+        "--trip-latch-at",
+        "3",
+    ]
+    cfg = tiny(
+        **{
+            "train.ckpt_every": 2,
+            "model.quant": "int8",
+            "train.quant_check": True,
+            "train.rand_depth": True,
+            "train.seed": 99,
+            "train.trip_latch_at": 3,
+        }
+    )
     run(cfg, tmp_path / "ref", 7)
     # Interrupted in this process, resumed by another one through `python -m ckptkit train`.
     run(cfg, tmp_path / "cut", 4)
     proc = subprocess.run(
-        [sys.executable, "-m", "ckptkit", "train", "--run-dir", str(tmp_path / "cut"), "--steps", "7",
-         "--resume", *knobs],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "ckptkit",
+            "train",
+            "--run-dir",
+            str(tmp_path / "cut"),
+            "--steps",
+            "7",
+            "--resume",
+            *knobs,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[0] == f"step 7: {tmp_path / 'cut' / checkpoint_name(7)}"

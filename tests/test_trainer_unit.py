@@ -44,8 +44,9 @@ def _global_rng_states() -> tuple[Any, ...]:
 
 
 def _same_states(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
-    return (torch.equal(a[0], b[0]) and all(np.array_equal(x, y) for x, y in zip(a[1], b[1], strict=False))
-            and a[2] == b[2])
+    return (
+        torch.equal(a[0], b[0]) and all(np.array_equal(x, y) for x, y in zip(a[1], b[1], strict=False)) and a[2] == b[2]
+    )
 
 
 def test_a_training_step_leaves_every_global_rng_untouched() -> None:
@@ -86,16 +87,19 @@ def test_train_restores_the_deterministic_algorithms_setting(tmp_path: Path) -> 
 # ----------------------------------------------------------------------------- config
 
 
-@pytest.mark.parametrize(("key", "value", "message"), [
-    ("train.keep", 0, "--keep must be >= 1 (got 0)"),
-    ("data.seq_len", 65, "--seq-len must be <= --block-size (got 65 > 64)"),
-    ("model.quant", "fp8", "--quant must be one of none, int8 (got 'fp8')"),
-    ("train.seed", -1, "--seed must be an integer in [0, 2**64) (got -1)"),
-    ("train.lr", math.nan, "--lr must be finite, > 0.0 (got nan)"),
-    ("train.ema_decay", 1.5, "--ema-decay must be finite, >= 0.0 and <= 1.0 (got 1.5)"),
-    ("train.min_depth", 3, "--min-depth must be <= --n-layer (got 3 > 2)"),
-    ("model.n_head", 3, "--d-model must be a multiple of --n-head (got 64 and 3)"),
-])
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("train.keep", 0, "--keep must be >= 1 (got 0)"),
+        ("data.seq_len", 65, "--seq-len must be <= --block-size (got 65 > 64)"),
+        ("model.quant", "fp8", "--quant must be one of none, int8 (got 'fp8')"),
+        ("train.seed", -1, "--seed must be an integer in [0, 2**64) (got -1)"),
+        ("train.lr", math.nan, "--lr must be finite, > 0.0 (got nan)"),
+        ("train.ema_decay", 1.5, "--ema-decay must be finite, >= 0.0 and <= 1.0 (got 1.5)"),
+        ("train.min_depth", 3, "--min-depth must be <= --n-layer (got 3 > 2)"),
+        ("model.n_head", 3, "--d-model must be a multiple of --n-head (got 64 and 3)"),
+    ],
+)
 def test_config_errors_name_the_flag(key: str, value: Any, message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         TrainerConfig().replace(**{key: value})
@@ -177,8 +181,9 @@ def test_quant_check_latches_before_step_zero(tmp_path: Path) -> None:
     assert all(r["compute"] == "fp32" and r["latch"] is None for r in history(tmp_path) if r["kind"] == "step")
 
 
-def test_a_non_finite_int8_loss_latches_and_the_step_trains_fp32(tmp_path: Path,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_non_finite_int8_loss_latches_and_the_step_trains_fp32(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(model_mod, "fake_quant", lambda w, bits: w * math.nan)
     run(tiny(**{"model.quant": "int8", "train.warmup_probe": False}), tmp_path, 2)
     rows = [r for r in history(tmp_path) if r["kind"] == "step"]
@@ -198,8 +203,17 @@ def test_history_rows_are_exact(tmp_path: Path) -> None:
     run(tiny(), tmp_path, 3)
     rows = history(tmp_path)
     # After each step its per-parameter digests; before the checkpoint, every leaf's digest (spec/replay.md).
-    assert [r["kind"] for r in rows] == ["start", "probe", "step", "digests", "step", "digests", "step", "digests",
-                                         "checkpoint"]
+    assert [r["kind"] for r in rows] == [
+        "start",
+        "probe",
+        "step",
+        "digests",
+        "step",
+        "digests",
+        "step",
+        "digests",
+        "checkpoint",
+    ]
     for r in (r for r in rows if r["kind"] == "step"):
         assert r["loss_bits"] == f32_bits(r["loss"]) and r["grad_norm_bits"] == f32_bits(r["grad_norm"])
         assert r["lr_bits"] == f64_bits(r["lr"])
@@ -297,14 +311,40 @@ def test_cli_help_shows_an_example_the_exit_codes_and_the_testing_aid(capsys: py
     out = capsys.readouterr().out
     assert "example:" in out and "exit codes:" in out
     assert re.search(r"--trip-latch-at .*TESTING AID", out, re.S)
-    for flag in ("--lr", "--seed", "--batch", "--seq-len", "--ckpt-every", "--log-every", "--keep", "--data",
-                 "--quant", "--quant-threshold", "--quant-check", "--no-aux", "--rand-depth", "--ema-decay"):
+    for flag in (
+        "--lr",
+        "--seed",
+        "--batch",
+        "--seq-len",
+        "--ckpt-every",
+        "--log-every",
+        "--keep",
+        "--data",
+        "--quant",
+        "--quant-threshold",
+        "--quant-check",
+        "--no-aux",
+        "--rand-depth",
+        "--ema-decay",
+    ):
         assert flag in out
 
 
 def test_cli_trains_and_resumes_in_process(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    knobs = ["--n-layer", "1", "--d-model", "32", "--block-size", "16", "--seq-len", "16", "--batch", "2",
-             "--run-dir", str(tmp_path)]
+    knobs = [
+        "--n-layer",
+        "1",
+        "--d-model",
+        "32",
+        "--block-size",
+        "16",
+        "--seq-len",
+        "16",
+        "--batch",
+        "2",
+        "--run-dir",
+        str(tmp_path),
+    ]
     assert main(["train", "--steps", "2", "--quiet", *knobs]) == 0
     assert capsys.readouterr().out.splitlines()[0] == f"step 2: {tmp_path / checkpoint_name(2)}"
     assert main(["train", "--steps", "3", "--resume", "--json", "--quiet", *knobs]) == 0
@@ -312,21 +352,39 @@ def test_cli_trains_and_resumes_in_process(tmp_path: Path, capsys: pytest.Captur
     assert out["schema_version"] == 1 and out["step"] == 3 and out["resume_notes"][0].startswith("train.steps 2 -> 3")
 
 
-@pytest.mark.parametrize(("argv", "code", "message"), [
-    (["--keep", "0"], 2, "--keep must be >= 1 (got 0)"),
-    (["--data", "/nonexistent/file"], 2, "--data /nonexistent/file: no such file"),
-    (["--resume"], 2, "no checkpoints to resume from"),
-])
-def test_cli_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                 argv: list[str], code: int, message: str) -> None:
+@pytest.mark.parametrize(
+    ("argv", "code", "message"),
+    [
+        (["--keep", "0"], 2, "--keep must be >= 1 (got 0)"),
+        (["--data", "/nonexistent/file"], 2, "--data /nonexistent/file: no such file"),
+        (["--resume"], 2, "no checkpoints to resume from"),
+    ],
+)
+def test_cli_errors_are_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], code: int, message: str
+) -> None:
     assert main(["train", "--run-dir", str(tmp_path / "run"), *argv]) == code
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
 
 
 def test_cli_refusals_exit_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    base = ["train", "--run-dir", str(tmp_path), "--quiet", "--n-layer", "1", "--d-model", "32", "--batch", "2",
-            "--seq-len", "8", "--block-size", "8"]
+    base = [
+        "train",
+        "--run-dir",
+        str(tmp_path),
+        "--quiet",
+        "--n-layer",
+        "1",
+        "--d-model",
+        "32",
+        "--batch",
+        "2",
+        "--seq-len",
+        "8",
+        "--block-size",
+        "8",
+    ]
     assert main([*base, "--steps", "1"]) == 0
     assert main([*base, "--steps", "1"]) == 1  # fresh start over checkpoints
     assert main([*base, "--steps", "2", "--resume", "--rand-depth"]) == 1  # drift
@@ -346,4 +404,3 @@ def test_the_format_library_never_imports_the_trainer() -> None:
         if re.search(r"^\s*(from|import)\s+(\.+|ckptkit\.)trainer\b", f.read_text(), re.M):
             offenders.append(rel)
     assert offenders == []
-

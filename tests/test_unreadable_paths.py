@@ -32,8 +32,10 @@ CASES = {
     "symlink loop": (_loop, "cannot open the checkpoint file (ELOOP: Too many levels of symbolic links)"),
     "FIFO": (_fifo, "is a FIFO (named pipe), not a checkpoint file (a checkpoint is a regular file)"),
     "directory": (lambda tmp: tmp, "is a directory, not a checkpoint file (a checkpoint is a regular file)"),
-    "/dev/zero": (lambda tmp: Path("/dev/zero"),
-                  "is a character device, not a checkpoint file (a checkpoint is a regular file)"),
+    "/dev/zero": (
+        lambda tmp: Path("/dev/zero"),
+        "is a character device, not a checkpoint file (a checkpoint is a regular file)",
+    ),
 }
 
 
@@ -59,8 +61,9 @@ def test_load_and_the_lazy_reader_raise_unreadable_file_naming_the_path(tmp_path
 
 
 @pytest.mark.parametrize("case", ["symlink loop", "FIFO", "/dev/zero"])
-def test_cli_verify_prints_one_fail_line_and_exits_1(tmp_path: Path, case: str,
-                                                      capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_verify_prints_one_fail_line_and_exits_1(
+    tmp_path: Path, case: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     make, problem = CASES[case]
     path = make(tmp_path)
     assert main(["verify", str(path)]) == 1
@@ -68,7 +71,8 @@ def test_cli_verify_prints_one_fail_line_and_exits_1(tmp_path: Path, case: str,
 
 
 def test_cli_inspect_of_a_symlink_loop_says_so_in_one_line_and_exits_2(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     path = _loop(tmp_path)
     assert main(["inspect", str(path)]) == 2

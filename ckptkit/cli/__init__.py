@@ -62,8 +62,9 @@ def _build_parser(only: str | None) -> argparse.ArgumentParser:
                 raise
             continue
         module.add_parser(sub)
-        sub.choices[name].add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                                       help="re-raise errors with a traceback")
+        sub.choices[name].add_argument(
+            "--debug", action="store_true", default=argparse.SUPPRESS, help="re-raise errors with a traceback"
+        )
     return parser
 
 
@@ -82,7 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # split it off before argparse, which would read its flags as ours.
     given_command = "--" in args_list
     split = args_list.index("--") if given_command else len(args_list)
-    args_list, trailing = args_list[:split], args_list[split + 1:]
+    args_list, trailing = args_list[:split], args_list[split + 1 :]
     chosen = next((a for a in args_list if a in _COMMANDS), None)
     parser = _build_parser(chosen)
     try:
@@ -110,8 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:
         if args.debug:
             raise
-        print(f"ckptkit {args.command}: internal error: {type(e).__name__}: {e} (re-run with --debug)",
-              file=sys.stderr)
+        print(f"ckptkit {args.command}: internal error: {type(e).__name__}: {e} (re-run with --debug)", file=sys.stderr)
         return EXIT_TROUBLE
 
 

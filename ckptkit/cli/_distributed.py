@@ -30,23 +30,34 @@ def is_distributed_dir(path: str) -> bool:
     if not os.path.isdir(path):
         return False
     names = os.listdir(path)
-    return (METADATA_NAME in names or DCP_DEFAULT_METADATA in names
-            or any(n.startswith("rank-") and n.endswith(".ckdcp") for n in names))
+    return (
+        METADATA_NAME in names
+        or DCP_DEFAULT_METADATA in names
+        or any(n.startswith("rank-") and n.endswith(".ckdcp") for n in names)
+    )
 
 
 def report_json(r: DirReport) -> dict[str, Any]:
     return {
-        "path": r.path, "kind": "distributed", "ok": r.ok,
+        "path": r.path,
+        "kind": "distributed",
+        "ok": r.ok,
         "error": None if r.error is None else {"type": type(r.error).__name__, "message": str(r.error)},
-        "world_size": r.world_size, "tensors": r.tensors, "chunks": r.chunks, "values": r.values, "size": r.size,
+        "world_size": r.world_size,
+        "tensors": r.tensors,
+        "chunks": r.chunks,
+        "values": r.values,
+        "size": r.size,
     }
 
 
 def print_reports(reports: list[DirReport], size: Any) -> None:
     for r in reports:
         if r.ok:
-            print(f"OK    {r.path}  distributed world size {r.world_size}  {r.tensors} tensors in {r.chunks} chunks, "
-                  f"{r.values} values  {size(r.size)}")
+            print(
+                f"OK    {r.path}  distributed world size {r.world_size}  {r.tensors} tensors in {r.chunks} chunks, "
+                f"{r.values} values  {size(r.size)}"
+            )
         else:
             print(f"FAIL  {r.error}" if str(r.error).startswith(r.path) else f"FAIL  {r.path}: {r.error}")
 
@@ -61,21 +72,55 @@ def inspect_directory(path: str, as_json: bool, size: Any) -> int:
     ranks = []
     for rank, f in enumerate(md.files):
         chunks = [(fqn, c) for fqn, t in md.tensors.items() for c in t.chunks if c.rank == rank]
-        ranks.append({"rank": rank, "file": data_name(rank), "size": f.size, "chunks": len(chunks),
-                      "bytes": sum(c.nbytes for _, c in chunks)})
-    tensors: dict[str, dict[str, Any]] = {fqn: {"dtype": t.dtype, "size": list(t.size),
-                     "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes), "rank": c.rank,
-                                 "offset": c.offset, "nbytes": c.nbytes} for c in t.chunks]}
-               for fqn, t in sorted(md.tensors.items())}
+        ranks.append(
+            {
+                "rank": rank,
+                "file": data_name(rank),
+                "size": f.size,
+                "chunks": len(chunks),
+                "bytes": sum(c.nbytes for _, c in chunks),
+            }
+        )
+    tensors: dict[str, dict[str, Any]] = {
+        fqn: {
+            "dtype": t.dtype,
+            "size": list(t.size),
+            "chunks": [
+                {
+                    "offsets": list(c.offsets),
+                    "sizes": list(c.sizes),
+                    "rank": c.rank,
+                    "offset": c.offset,
+                    "nbytes": c.nbytes,
+                }
+                for c in t.chunks
+            ],
+        }
+        for fqn, t in sorted(md.tensors.items())
+    }
     if as_json:
-        print(json.dumps({"schema_version": 1, "path": path, "kind": "distributed", "world_size": md.world_size,
-                          "dcp_version": md.dcp_version, "ranks": ranks, "tensors": tensors,
-                          "values": sorted(md.values)}, sort_keys=True))
+        print(
+            json.dumps(
+                {
+                    "schema_version": 1,
+                    "path": path,
+                    "kind": "distributed",
+                    "world_size": md.world_size,
+                    "dcp_version": md.dcp_version,
+                    "ranks": ranks,
+                    "tensors": tensors,
+                    "values": sorted(md.values),
+                },
+                sort_keys=True,
+            )
+        )
         return 0
     total = sum(f.size for f in md.files) + os.path.getsize(os.path.join(path, METADATA_NAME))
     n_chunks = sum(len(t.chunks) for t in md.tensors.values())
-    print(f"{path}: distributed checkpoint, world size {md.world_size} at save, DCP metadata {md.dcp_version}, "
-          f"{size(total)}")
+    print(
+        f"{path}: distributed checkpoint, world size {md.world_size} at save, DCP metadata {md.dcp_version}, "
+        f"{size(total)}"
+    )
     print(f"{'rank':>4}  {'file':<18} {'bytes':>12} {'chunks':>7}")
     for r in ranks:
         print(f"{r['rank']:>4}  {r['file']:<18} {r['size']:>12} {r['chunks']:>7}")
@@ -96,8 +141,9 @@ def diff_directories(args: Any, tensor_lines: Callable[[list[dict[str, Any]]], l
             if not is_distributed_dir(p):
                 raise CheckpointNotFound(f"{p}: not a distributed checkpoint directory; diff compares two of a kind")
         if not args.tensors:
-            raise CheckpointError("distributed checkpoints carry no config snapshot; compare their tensors "
-                                  "with --tensors")
+            raise CheckpointError(
+                "distributed checkpoints carry no config snapshot; compare their tensors with --tensors"
+            )
         tensors = _tensor_diffs(args.a, args.b)
     except (CheckpointError, OSError) as e:
         if getattr(args, "debug", False):
@@ -105,8 +151,14 @@ def diff_directories(args: Any, tensor_lines: Callable[[list[dict[str, Any]]], l
         print(f"ckptkit diff: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps({"schema_version": 1, "old": {"checkpoint": args.a}, "new": {"checkpoint": args.b},
-                          "tensors": tensors}, sort_keys=True, indent=2, ensure_ascii=True))
+        print(
+            json.dumps(
+                {"schema_version": 1, "old": {"checkpoint": args.a}, "new": {"checkpoint": args.b}, "tensors": tensors},
+                sort_keys=True,
+                indent=2,
+                ensure_ascii=True,
+            )
+        )
     else:
         print("\n".join([f"a: {args.a}", f"b: {args.b}", *tensor_lines(tensors)]))
     return 1 if tensors else 0
@@ -123,8 +175,17 @@ def _tensor_diffs(a: str, b: str) -> list[dict[str, Any]]:
     while ka is not None or kb is not None:  # both in key order: one tensor of each side in memory at a time
         old = {ka: va} if ka is not None and (kb is None or ka <= kb) else {}
         new = {kb: vb} if kb is not None and (ka is None or kb <= ka) else {}
-        out += [{"name": d.name, "kind": d.kind, "detail": d.detail, "n_diff": d.n_diff, "numel": d.numel,
-                 "max_abs_diff": d.max_abs_diff} for d in compare_states(old, new)]
+        out += [
+            {
+                "name": d.name,
+                "kind": d.kind,
+                "detail": d.detail,
+                "n_diff": d.n_diff,
+                "numel": d.numel,
+                "max_abs_diff": d.max_abs_diff,
+            }
+            for d in compare_states(old, new)
+        ]
         if old:
             ka, va = next(left, (None, None))
         if new:

@@ -15,4 +15,3 @@ def print_verdict(report: Any, as_json: bool) -> int:
     else:
         print(report.describe())
     return 0 if report.ok else 1
-

@@ -73,9 +73,17 @@ class Progress:
 
             # The bar starts one unit before the first report, so the first update
             # is a real unit of work and the rate never counts what a resume skipped.
-            self._bar = tqdm(total=total, initial=max(done - 1, 0), unit=self.unit, desc=self.command,
-                             file=self.stream, dynamic_ncols=True, leave=True,
-                             unit_scale=self.unit == "B", unit_divisor=1024)  # bytes: KiB, MiB, GiB
+            self._bar = tqdm(
+                total=total,
+                initial=max(done - 1, 0),
+                unit=self.unit,
+                desc=self.command,
+                file=self.stream,
+                dynamic_ncols=True,
+                leave=True,
+                unit_scale=self.unit == "B",
+                unit_divisor=1024,
+            )  # bytes: KiB, MiB, GiB
         self._bar.total = total
         if postfix:
             self._bar.set_postfix(postfix, refresh=False)

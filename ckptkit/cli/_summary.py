@@ -62,15 +62,27 @@ class TrainSummary:
         rollbacks = "none"
         if self.rollbacks:
             rollbacks = f"{len(self.rollbacks)}: " + "; ".join(
-                f"step {r['step']} back to {r['to']}, lr x{r.get('lr_scale')} from then on" for r in self.rollbacks)
+                f"step {r['step']} back to {r['to']}, lr x{r.get('lr_scale')} from then on" for r in self.rollbacks
+            )
         if self.rollbacks_in_run != len(self.rollbacks):
             rollbacks += f" ({self.rollbacks_in_run} in the whole run)"
         rows.append(("rollbacks", rollbacks))
         kept = ", ".join(map(str, self.checkpoints)) or "none"
-        rows.append(("checkpoints", (f"{len(self.checkpoints)} kept in {self.run_dir}: step {kept} "
-                                     f"(--keep {self.keep}: the newest {self.keep} stay, older ones are deleted)")))
-        rows.append(("history", (f"{self.history}: one row per step (loss, grad norm, lr, spike verdict), "
-                                 f"{self.step_rows} step rows")))
+        rows.append(
+            (
+                "checkpoints",
+                (
+                    f"{len(self.checkpoints)} kept in {self.run_dir}: step {kept} "
+                    f"(--keep {self.keep}: the newest {self.keep} stay, older ones are deleted)"
+                ),
+            )
+        )
+        rows.append(
+            (
+                "history",
+                (f"{self.history}: one row per step (loss, grad norm, lr, spike verdict), {self.step_rows} step rows"),
+            )
+        )
         rows.append(("extend", self.extend))
         return ["summary:"] + [f"  {name:<12} {text}" for name, text in rows]
 
@@ -97,15 +109,22 @@ def summarize(run_dir: str, *, seconds: float, keep: int, extend: str) -> TrainS
     began = mine[0]["step"] if mine else 0
     final = steps[-1] if steps else None
     return TrainSummary(
-        run_dir=run_dir, began=began, resumed=bool(mine) and mine[0]["kind"] == "resume",
-        done=final["step"] + 1 if final is not None else began, steps_run=len(my_steps),
-        seconds=seconds, final=final,
+        run_dir=run_dir,
+        began=began,
+        resumed=bool(mine) and mine[0]["kind"] == "resume",
+        done=final["step"] + 1 if final is not None else began,
+        steps_run=len(my_steps),
+        seconds=seconds,
+        final=final,
         spikes=tuple(r["step"] for r in my_steps if _spiked(r)),
         spikes_in_run=sum(1 for r in steps if _spiked(r)),
         rollbacks=tuple(r for r in mine if r["kind"] == "rollback"),
         rollbacks_in_run=sum(1 for r in rows if r["kind"] == "rollback"),
         checkpoints=tuple(step for step, _ in list_checkpoints(run_dir)),
-        keep=keep, history=history, step_rows=len(steps), extend=extend,
+        keep=keep,
+        history=history,
+        step_rows=len(steps),
+        extend=extend,
     )
 
 

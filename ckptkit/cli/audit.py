@@ -53,24 +53,45 @@ def add_parser(sub: Any) -> None:
     from .train import add_knobs  # the trainer's flags, one per config key: reused, not copied
 
     p = sub.add_parser(
-        "audit", help="train the same short run twice (or stopped and resumed) and check it is bit-identical",
+        "audit",
+        help="train the same short run twice (or stopped and resumed) and check it is bit-identical",
         description="Train the same config twice, each in a fresh process, and compare the runs bit for bit "
-                    "(history fingerprints, then checkpoint bytes). With --resume-at K the second run stops at "
-                    "K and is resumed in another fresh process. The environment (environment.json) is shown, "
-                    "and any fact that differs between the runs is listed.",
-        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        "(history fingerprints, then checkpoint bytes). With --resume-at K the second run stops at "
+        "K and is resumed in another fresh process. The environment (environment.json) is shown, "
+        "and any fact that differs between the runs is listed.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     g = p.add_argument_group("audit")
-    g.add_argument("--resume-at", type=int, default=None, metavar="K",
-                   help="the second run stops after K steps and is resumed in a fresh process")
-    g.add_argument("--keep-dir", metavar="DIR", default=None,
-                   help="keep the two runs in DIR/a and DIR/b (an empty or new directory); default: a temporary one")
+    g.add_argument(
+        "--resume-at",
+        type=int,
+        default=None,
+        metavar="K",
+        help="the second run stops after K steps and is resumed in a fresh process",
+    )
+    g.add_argument(
+        "--keep-dir",
+        metavar="DIR",
+        default=None,
+        help="keep the two runs in DIR/a and DIR/b (an empty or new directory); default: a temporary one",
+    )
     g.add_argument("--json", action="store_true", help="print one JSON object (schema_version 1)")
     g.add_argument("--quiet", action="store_true", help="no progress bar and no progress lines on stderr")
-    g.add_argument("--stop-at", type=int, default=None, metavar="K",
-                   help="with -- CMD: run b stops after K steps (default: half of run a's end)")
-    g.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
-                   help="with -- CMD: the most each process may take (default 600)")
+    g.add_argument(
+        "--stop-at",
+        type=int,
+        default=None,
+        metavar="K",
+        help="with -- CMD: run b stops after K steps (default: half of run a's end)",
+    )
+    g.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="with -- CMD: the most each process may take (default 600)",
+    )
     add_knobs(p)
 
 
@@ -123,13 +144,17 @@ def _run_command(args: argparse.Namespace, command: list[str]) -> int:
 
     given = [key for key, _ in knobs() if getattr(args, key, None) is not None]
     if given or args.resume_at is not None:
-        print("ckptkit audit: the trainer's flags (and --resume-at) audit `ckptkit train`; with -- CMD the "
-              "command has its own arguments (use --stop-at K)", file=sys.stderr)
+        print(
+            "ckptkit audit: the trainer's flags (and --resume-at) audit `ckptkit train`; with -- CMD the "
+            "command has its own arguments (use --stop-at K)",
+            file=sys.stderr,
+        )
         return 2
     if args.timeout <= 0:
         print(f"ckptkit audit: --timeout must be > 0 (got {args.timeout:g})", file=sys.stderr)
         return 2
     with Progress("audit", quiet=args.quiet) as progress:
-        report = audit_command(command, stop_at=args.stop_at, timeout=args.timeout, keep_dir=args.keep_dir,
-                               log=progress.log)
+        report = audit_command(
+            command, stop_at=args.stop_at, timeout=args.timeout, keep_dir=args.keep_dir, log=progress.log
+        )
     return print_verdict(report, args.json)

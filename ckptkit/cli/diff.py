@@ -140,13 +140,15 @@ def _config_lines(a: Snapshot, b: Snapshot, diffs: list[KeyDiff]) -> list[str]:
         return [*lines, "no differences"]
     rows = [["CLASS", "KEY", "OLD", "NEW", "NOTE"]]
     for d in diffs:
-        rows.append([
-            "exempt" if d.exempt else "strict",
-            d.key,
-            "-" if d.kind == "only_new" else _show(d.old),
-            "-" if d.kind == "only_old" else _show(d.new),
-            d.note,
-        ])
+        rows.append(
+            [
+                "exempt" if d.exempt else "strict",
+                d.key,
+                "-" if d.kind == "only_new" else _show(d.old),
+                "-" if d.kind == "only_old" else _show(d.new),
+                d.note,
+            ]
+        )
     strict = sum(d.strict for d in diffs)
     n = len(diffs)
     lines += _table(rows)
@@ -172,8 +174,14 @@ def _tensor_diffs(ckpt_a: str | None, ckpt_b: str | None) -> list[dict[str, Any]
     from ..compare import compare_checkpoints  # imports torch: only when asked
 
     return [
-        {"name": d.name, "kind": d.kind, "detail": d.detail, "n_diff": d.n_diff, "numel": d.numel,
-         "max_abs_diff": d.max_abs_diff}
+        {
+            "name": d.name,
+            "kind": d.kind,
+            "detail": d.detail,
+            "n_diff": d.n_diff,
+            "numel": d.numel,
+            "max_abs_diff": d.max_abs_diff,
+        }
         for d in compare_checkpoints(ckpt_a, ckpt_b)
     ]
 

@@ -1,7 +1,7 @@
 """``ckptkit inspect PATH``: what a checkpoint holds, without loading tensors (torch-free).
 
-    ckptkit inspect run/step-00000100.ckpt
-    ckptkit inspect run/step-00000100.ckpt --json
+ckptkit inspect run/step-00000100.ckpt
+ckptkit inspect run/step-00000100.ckpt --json
 """
 
 from __future__ import annotations
@@ -33,9 +33,11 @@ exit codes: 0 shown, 1 the file is malformed, 2 usage error or unreadable path
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
-        "inspect", help="show a checkpoint's header, sections and flags",
+        "inspect",
+        help="show a checkpoint's header, sections and flags",
         description="Show a checkpoint's version, step, flags, sections and what it lacks.",
-        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("path", metavar="PATH", help="a checkpoint file")
     p.add_argument("--json", action="store_true", help="print one JSON object (schema_version 1)")
@@ -67,8 +69,19 @@ def run(args: argparse.Namespace) -> int:
         layout = read_layout(src)
     from ..container import Report
 
-    report = Report(args.path, True, None, layout.version, layout.step, layout.flag_names, layout.legacy,
-                    layout.missing, section_infos(layout), layout.size, 0)
+    report = Report(
+        args.path,
+        True,
+        None,
+        layout.version,
+        layout.step,
+        layout.flag_names,
+        layout.legacy,
+        layout.missing,
+        section_infos(layout),
+        layout.size,
+        0,
+    )
     monitor = layout.sections.get("monitor")
     run_state = _plain(monitor.tree) if monitor is not None else None
     if args.json:
@@ -109,9 +122,11 @@ def _rollback_lines(run_state: Any) -> list[str]:
     rec = _rollback_record(run_state)
     if not isinstance(rec, dict):
         return []
-    head = (f"rollback: {rec.get('count')} rollback(s), lr scale {rec.get('lr_scale')}, "
-            f"{rec.get('skipped_batches')} skipped batch(es), {rec.get('transient')} transient spike(s), "
-            f"{rec.get('consecutive')} consecutive (until step {rec.get('horizon')} is passed)")
+    head = (
+        f"rollback: {rec.get('count')} rollback(s), lr scale {rec.get('lr_scale')}, "
+        f"{rec.get('skipped_batches')} skipped batch(es), {rec.get('transient')} transient spike(s), "
+        f"{rec.get('consecutive')} consecutive (until step {rec.get('horizon')} is passed)"
+    )
     lines = [head]
     events = rec.get("rollbacks")
     for e in events if isinstance(events, list) else []:
@@ -119,9 +134,14 @@ def _rollback_lines(run_state: Any) -> list[str]:
             lines.append(f"  {e!r}")
             continue
         skipped = e.get("skipped")
-        skip = (f"skipped data positions [{skipped.get('start')}, {skipped.get('end')}) ({skipped.get('batches')} batches)"
-                if isinstance(skipped, dict) else "replayed the window")
-        lines.append(f"  step {e.get('step')} -> {e.get('to')}: {e.get('reason')}, grad norm {e.get('grad_norm')}, "
-                     f"median {e.get('median')}, ratio {e.get('ratio')}; lr {e.get('lr_before')} -> "
-                     f"{e.get('lr_after')}; {skip}")
+        skip = (
+            f"skipped data positions [{skipped.get('start')}, {skipped.get('end')}) ({skipped.get('batches')} batches)"
+            if isinstance(skipped, dict)
+            else "replayed the window"
+        )
+        lines.append(
+            f"  step {e.get('step')} -> {e.get('to')}: {e.get('reason')}, grad norm {e.get('grad_norm')}, "
+            f"median {e.get('median')}, ratio {e.get('ratio')}; lr {e.get('lr_before')} -> "
+            f"{e.get('lr_after')}; {skip}"
+        )
     return lines

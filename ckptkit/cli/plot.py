@@ -1,7 +1,7 @@
 """``ckptkit plot RUN -o FILE.png``: draw a run's recording (needs ``pip install 'ckptkit[plot]'``).
 
-    ckptkit plot runs/a -o runs/a.png
-    ckptkit plot runs/a -o zoom.png --from 180 --to 220
+ckptkit plot runs/a -o runs/a.png
+ckptkit plot runs/a -o zoom.png --from 180 --to 220
 """
 
 from __future__ import annotations
@@ -32,14 +32,21 @@ exit codes: 0 written, 2 usage error, unreadable run, nothing to plot, or matplo
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
-        "plot", help="draw loss, grad norm, spikes, rollbacks, LR and resumes of a run to an image",
+        "plot",
+        help="draw loss, grad norm, spikes, rollbacks, LR and resumes of a run to an image",
         description="Draw a run's history.jsonl: loss (and its parts), grad norm against the spike threshold, "
-                    "spikes, rollbacks, the LR and resumes. Needs matplotlib: pip install 'ckptkit[plot]'.",
-        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        "spikes, rollbacks, the LR and resumes. Needs matplotlib: pip install 'ckptkit[plot]'.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("run", metavar="RUN", help="a run directory (or its history.jsonl)")
-    p.add_argument("-o", "--output", required=True, metavar="FILE",
-                   help="the image to write; its suffix picks the format (.png, .svg, .pdf)")
+    p.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        metavar="FILE",
+        help="the image to write; its suffix picks the format (.png, .svg, .pdf)",
+    )
     p.add_argument("--from", dest="start", type=int, default=None, metavar="STEP", help="first step drawn")
     p.add_argument("--to", dest="end", type=int, default=None, metavar="STEP", help="last step drawn")
     p.add_argument("--json", action="store_true", help="print what was drawn as one JSON object (schema_version 1)")

@@ -55,33 +55,63 @@ def add_parser(sub: Any) -> None:
     from .train import add_knobs  # the trainer's flags, one per config key: reused, not copied
 
     p = sub.add_parser(
-        "replay", help="re-run a recorded run from a checkpoint; name the first step and tensor that diverge",
+        "replay",
+        help="re-run a recorded run from a checkpoint; name the first step and tensor that diverge",
         description="Re-run RUN from its checkpoint at (or nearest before) --from and compare every step's "
-                    "fingerprints with history.jsonl; on the first difference, name the step, the fingerprint "
-                    "and the tensors that differ, and re-run that step twice to tell nondeterminism here from a "
-                    "difference with the recording. RUN is only read.",
-        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        "fingerprints with history.jsonl; on the first difference, name the step, the fingerprint "
+        "and the tensors that differ, and re-run that step twice to tell nondeterminism here from a "
+        "difference with the recording. RUN is only read.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("run_dir", metavar="RUN", help="the recorded run directory")
     g = p.add_argument_group("replay")
-    g.add_argument("--from", dest="from_step", type=int, required=True, metavar="STEP",
-                   help="start at the checkpoint at or nearest before this step (steps done)")
-    g.add_argument("--to", dest="to_step", type=int, default=None, metavar="STEP",
-                   help="stop when this many steps are done (default: the end of the recording)")
+    g.add_argument(
+        "--from",
+        dest="from_step",
+        type=int,
+        required=True,
+        metavar="STEP",
+        help="start at the checkpoint at or nearest before this step (steps done)",
+    )
+    g.add_argument(
+        "--to",
+        dest="to_step",
+        type=int,
+        default=None,
+        metavar="STEP",
+        help="stop when this many steps are done (default: the end of the recording)",
+    )
     g.add_argument("--json", action="store_true", help="print one JSON object (schema_version 1)")
-    g.add_argument("--out", metavar="DIR", default=None,
-                   help="keep the replay's checkpoints here (an empty directory outside RUN), for "
-                        "`ckptkit diff --tensors RUN/step-N.ckpt DIR/step-N.ckpt`")
-    g.add_argument("--allow-env-change", action="store_true",
-                   help="replay even when the environment differs from RUN/environment.json (listed with the result)")
-    g.add_argument("--threads", type=int, default=None, metavar="N",
-                   help="run with N intra-op threads (an environment change: needs --allow-env-change unless "
-                        "the recording used N)")
-    g.add_argument("--no-perturb", action="store_true",
-                   help="TESTING AID: replay without the recording's --perturb-at")
+    g.add_argument(
+        "--out",
+        metavar="DIR",
+        default=None,
+        help="keep the replay's checkpoints here (an empty directory outside RUN), for "
+        "`ckptkit diff --tensors RUN/step-N.ckpt DIR/step-N.ckpt`",
+    )
+    g.add_argument(
+        "--allow-env-change",
+        action="store_true",
+        help="replay even when the environment differs from RUN/environment.json (listed with the result)",
+    )
+    g.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="run with N intra-op threads (an environment change: needs --allow-env-change unless "
+        "the recording used N)",
+    )
+    g.add_argument("--no-perturb", action="store_true", help="TESTING AID: replay without the recording's --perturb-at")
     g.add_argument("--quiet", action="store_true", help="no progress bar and no progress lines on stderr")
-    g.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
-                   help="with -- CMD: the most the command may take (default 600)")
+    g.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="with -- CMD: the most the command may take (default 600)",
+    )
     add_knobs(p)
 
 
@@ -95,8 +125,9 @@ def run(args: argparse.Namespace) -> int:
         from ..command_runs import replay_command
 
         with Progress("replay", quiet=args.quiet) as progress:
-            outcome = replay_command(args.run_dir, args.from_step, command, timeout=args.timeout, keep_dir=args.out,
-                                     log=progress.log)
+            outcome = replay_command(
+                args.run_dir, args.from_step, command, timeout=args.timeout, keep_dir=args.out, log=progress.log
+            )
         return print_verdict(outcome, args.json)
     overrides = {key: getattr(args, key) for key, _ in knobs() if getattr(args, key, None) is not None}
     overrides.pop("train.steps", None)  # --to says where to stop
@@ -107,9 +138,17 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         with Progress("replay", quiet=args.quiet) as progress:
-            report = replay(args.run_dir, args.from_step, args.to_step, overrides=overrides,
-                            allow_env_change=args.allow_env_change, threads=args.threads, out_dir=args.out,
-                            log=progress.log, on_step=progress.at)
+            report = replay(
+                args.run_dir,
+                args.from_step,
+                args.to_step,
+                overrides=overrides,
+                allow_env_change=args.allow_env_change,
+                threads=args.threads,
+                out_dir=args.out,
+                log=progress.log,
+                on_step=progress.at,
+            )
     except CheckpointError:
         raise  # the dispatcher prints it: 1 for a damaged file or a refused environment, 2 otherwise (ReplayError)
     except ValueError as e:  # an override the config refuses

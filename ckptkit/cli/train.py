@@ -87,24 +87,37 @@ def add_knobs(p: argparse.ArgumentParser) -> None:
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
-        "train", help="train the reference byte-level GPT (resumable, bit-exact)",
+        "train",
+        help="train the reference byte-level GPT (resumable, bit-exact)",
         description="Train a tiny byte-level GPT whose resume is the same run, or a hard error.",
-        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     run_group = p.add_argument_group("run")
     run_group.add_argument("--run-dir", required=True, metavar="DIR", help="the run directory")
-    run_group.add_argument("--resume", action="store_true",
-                           help="continue from the newest consistent checkpoint in --run-dir")
-    run_group.add_argument("--allow-legacy", action="store_true",
-                           help="accept a v1 checkpoint that lacks state (recorded in history.jsonl)")
-    run_group.add_argument("--allow-env-change", action="store_true",
-                           help="accept a different environment (recorded in history.jsonl)")
-    run_group.add_argument("--threads", type=int, default=None, metavar="N",
-                           help="torch intra-op threads (default: torch's own, e.g. from OMP_NUM_THREADS). "
-                                "Recorded with the run (environment.json): a resume under another count is "
-                                "refused unless --allow-env-change; the summary's extend command repeats it")
-    run_group.add_argument("--quiet", action="store_true",
-                           help="no progress bar and no log lines on stderr (the summary still prints)")
+    run_group.add_argument(
+        "--resume", action="store_true", help="continue from the newest consistent checkpoint in --run-dir"
+    )
+    run_group.add_argument(
+        "--allow-legacy",
+        action="store_true",
+        help="accept a v1 checkpoint that lacks state (recorded in history.jsonl)",
+    )
+    run_group.add_argument(
+        "--allow-env-change", action="store_true", help="accept a different environment (recorded in history.jsonl)"
+    )
+    run_group.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="torch intra-op threads (default: torch's own, e.g. from OMP_NUM_THREADS). "
+        "Recorded with the run (environment.json): a resume under another count is "
+        "refused unless --allow-env-change; the summary's extend command repeats it",
+    )
+    run_group.add_argument(
+        "--quiet", action="store_true", help="no progress bar and no log lines on stderr (the summary still prints)"
+    )
     run_group.add_argument("--json", action="store_true", help="print the result as one JSON object")
     add_knobs(p)
 
@@ -153,26 +166,40 @@ def run(args: argparse.Namespace) -> int:
             with intra_op_threads(args.threads):
                 threads = torch_threads()
                 result = train(
-                    cfg, args.run_dir, resume=args.resume, allow_legacy=args.allow_legacy,
-                    allow_env_change=args.allow_env_change, log=progress.log, on_step=on_step,
+                    cfg,
+                    args.run_dir,
+                    resume=args.resume,
+                    allow_legacy=args.allow_legacy,
+                    allow_env_change=args.allow_env_change,
+                    log=progress.log,
+                    on_step=on_step,
                     preemptible=True,
                 )
     except RunStopped as stop:  # Ctrl-C / SIGTERM: the step in progress was saved (after the bar closed)
-        print(f"ckptkit train: stopped at step {stop.step} ({stop.reason}): saved {stop.path}\n"
-              f"resume with: {_resume_command(args, cfg)}", file=sys.stderr, flush=True)
+        print(
+            f"ckptkit train: stopped at step {stop.step} ({stop.reason}): saved {stop.path}\n"
+            f"resume with: {_resume_command(args, cfg)}",
+            file=sys.stderr,
+            flush=True,
+        )
         return stop.code  # type: ignore[return-value]
     seconds = time.monotonic() - began
     if args.json:
-        print(json.dumps({
-            "schema_version": 1,
-            "step": result.step,
-            "checkpoint": result.checkpoint,
-            "history": result.history,
-            "fp32_latched": result.fp32_latched,
-            "spikes": result.report["spikes"],
-            "rollback": result.rollback,
-            "resume_notes": list(result.resume_notes),
-        }, sort_keys=True))
+        print(
+            json.dumps(
+                {
+                    "schema_version": 1,
+                    "step": result.step,
+                    "checkpoint": result.checkpoint,
+                    "history": result.history,
+                    "fp32_latched": result.fp32_latched,
+                    "spikes": result.report["spikes"],
+                    "rollback": result.rollback,
+                    "resume_notes": list(result.resume_notes),
+                },
+                sort_keys=True,
+            )
+        )
     else:
         print(f"step {result.step}: {result.checkpoint or '(no new checkpoint)'}")
         print("\n".join(_summary(args, cfg, result.step, threads, seconds).lines()))

@@ -1,7 +1,7 @@
 """``ckptkit verify PATH...``: check every byte of checkpoint files and their companions (torch-free).
 
-    ckptkit verify run/step-00000100.ckpt
-    ckptkit verify run/ --json
+ckptkit verify run/step-00000100.ckpt
+ckptkit verify run/ --json
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ example:
   FAIL  run/step-00000200.ckpt: offset 1156 (0x484): monitor_len: ... runs past the end of the file
 
   OK    run/step-00000100.ckpt.config.json  snapshot, bound to step-00000100.ckpt
-  FAIL  run/step-00000200.ckpt.config.json: damaged: its xxh3-64 does not match the digest step-00000200.ckpt records ...
+  FAIL  run/step-00000200.ckpt.config.json: damaged: its xxh3-64 does not match the digest ...
 
 A checkpoint's companions (its config snapshot, its sidecars, the run's environment.json)
 are checked against the digests it records (spec/companions.md); in a run directory a
@@ -39,10 +39,12 @@ exit codes: 0 every file valid, 1 any file invalid, 2 usage error or unreadable 
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
-        "verify", help="check every byte of checkpoint files",
+        "verify",
+        help="check every byte of checkpoint files",
         description="Check every byte of one or more checkpoints (files, or run directories), the "
-                    "companions each records (snapshot, sidecars, environment.json), and a run's history.jsonl.",
-        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        "companions each records (snapshot, sidecars, environment.json), and a run's history.jsonl.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("paths", nargs="+", metavar="PATH", help="checkpoint file or run directory")
     p.add_argument("--json", action="store_true", help="print one JSON object (schema_version 1)")
@@ -71,8 +73,14 @@ def report_json(r: Report) -> dict[str, Any]:
         "missing": list(r.missing),
         "size": r.size,
         "sections": [
-            {"name": s.name, "offset": s.offset, "length": s.length, "codec": s.codec, "tensors": s.tensors,
-             "raw_len": s.raw_len}
+            {
+                "name": s.name,
+                "offset": s.offset,
+                "length": s.length,
+                "codec": s.codec,
+                "tensors": s.tensors,
+                "raw_len": s.raw_len,
+            }
             for s in r.sections
         ],
     }
@@ -130,15 +138,30 @@ def run(args: argparse.Namespace) -> int:
             progress.at(done, total)
     companions = _companion_checks(reports, args.paths)
     histories = _history_checks(args.paths)
-    ok = (all(r.ok for r in reports + dir_reports) and all(c["ok"] for c in companions)
-          and all(h.ok for h in histories))
+    ok = all(r.ok for r in reports + dir_reports) and all(c["ok"] for c in companions) and all(h.ok for h in histories)
     if args.json:
-        print(json.dumps({"schema_version": 1, "ok": ok, "files": [report_json(r) for r in reports]
-                          + [_distributed.report_json(r) for r in dir_reports],
-                          "companions": companions,
-                          "history": [{"path": h.path, "ok": h.ok, "rows": h.rows, "torn": h.torn,
-                                       "steps": None if h.steps is None else list(h.steps),
-                                       "problems": list(h.problems)} for h in histories]}, sort_keys=True))
+        print(
+            json.dumps(
+                {
+                    "schema_version": 1,
+                    "ok": ok,
+                    "files": [report_json(r) for r in reports] + [_distributed.report_json(r) for r in dir_reports],
+                    "companions": companions,
+                    "history": [
+                        {
+                            "path": h.path,
+                            "ok": h.ok,
+                            "rows": h.rows,
+                            "torn": h.torn,
+                            "steps": None if h.steps is None else list(h.steps),
+                            "problems": list(h.problems),
+                        }
+                        for h in histories
+                    ],
+                },
+                sort_keys=True,
+            )
+        )
     else:
         _distributed.print_reports(dir_reports, _size)
         for r in reports:
@@ -198,8 +221,14 @@ def _companion_checks(reports: list[Report], paths: list[str]) -> list[dict[str,
         except CheckpointNotFound:  # deleted since it verified (retention in a live run)
             continue
         except CheckpointError as e:  # a record this reader cannot trust checks nothing (R-C01)
-            merged[r.path] = {"path": r.path, "kind": "record", "checkpoints": [r.path], "ok": False,
-                              "protected": True, "error": {"type": type(e).__name__, "message": str(e)}}
+            merged[r.path] = {
+                "path": r.path,
+                "kind": "record",
+                "checkpoints": [r.path],
+                "ok": False,
+                "protected": True,
+                "error": {"type": type(e).__name__, "message": str(e)},
+            }
             continue
         checks = companion_checks(r.path, record, missing_ok=not in_run)
         if any(isinstance(c.error, CheckpointNotFound) for c in checks) and not os.path.exists(r.path):
@@ -208,14 +237,26 @@ def _companion_checks(reports: list[Report], paths: list[str]) -> list[dict[str,
             error = c.error
             if error is None and c.kind == "sidecar" and not in_run:
                 error = sidecar_report(c.path).error
-            entry = merged.setdefault(c.path, {"path": c.path, "kind": c.kind, "checkpoints": [], "ok": True,
-                                               "protected": c.protected, "error": None})
+            entry = merged.setdefault(
+                c.path,
+                {
+                    "path": c.path,
+                    "kind": c.kind,
+                    "checkpoints": [],
+                    "ok": True,
+                    "protected": c.protected,
+                    "error": None,
+                },
+            )
             entry["checkpoints"].append(r.path)
             if error is not None and entry["ok"]:
                 entry.update(ok=False, error={"type": type(error).__name__, "message": str(error)})
     # A sidecar of a run directory has its own line already; its binding is news only when it fails.
-    return [e for _, e in sorted(merged.items())
-            if not (e["kind"] == "sidecar" and e["ok"] and os.path.normpath(os.path.dirname(e["path"])) in run_dirs)]
+    return [
+        e
+        for _, e in sorted(merged.items())
+        if not (e["kind"] == "sidecar" and e["ok"] and os.path.normpath(os.path.dirname(e["path"])) in run_dirs)
+    ]
 
 
 def _print_companion(c: dict[str, Any]) -> None:
@@ -225,7 +266,9 @@ def _print_companion(c: dict[str, Any]) -> None:
         message = c["error"]["message"]
         print(f"FAIL  {message}" if message.startswith(c["path"]) else f"FAIL  {c['path']}: {message}")
     elif not c["protected"]:
-        print(f"WARN  {c['path']}: not protected: {names} records no companion digests "
-              "(written before companion binding); it parses, nothing more is checked")
+        print(
+            f"WARN  {c['path']}: not protected: {names} records no companion digests "
+            "(written before companion binding); it parses, nothing more is checked"
+        )
     else:
         print(f"OK    {c['path']}  {c['kind']}, bound to {names}")

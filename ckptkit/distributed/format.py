@@ -127,7 +127,10 @@ class DirMetadata:
 
 
 def write_data_file(
-    directory: str, rank: int, world_size: int, chunks: list[tuple[str, tuple[int, ...], str, tuple[int, ...], memoryview]]
+    directory: str,
+    rank: int,
+    world_size: int,
+    chunks: list[tuple[str, tuple[int, ...], str, tuple[int, ...], memoryview]],
 ) -> tuple[RankFile, list[tuple[int, int, int]]]:
     """Write one rank's data file atomically (temp file, fsync, rename, fsync dir).
 
@@ -180,8 +183,11 @@ def _metadata_tree(md: DirMetadata) -> dict[str, Any]:
         "files": [[f.size, _U64.pack(f.digest)] for f in md.files],
         "planner_data": md.planner_data,
         "tensors": {
-            fqn: [t.dtype, list(t.size), [[list(c.offsets), list(c.sizes), c.rank, c.offset, c.nbytes,
-                                           _U64.pack(c.digest)] for c in t.chunks]]
+            fqn: [
+                t.dtype,
+                list(t.size),
+                [[list(c.offsets), list(c.sizes), c.rank, c.offset, c.nbytes, _U64.pack(c.digest)] for c in t.chunks],
+            ]
             for fqn, t in md.tensors.items()
         },
         "values": dict(md.values),
@@ -195,21 +201,35 @@ def _metadata_tree(md: DirMetadata) -> dict[str, Any]:
 def _check_magic(src: Source, magic: bytes, what: str, rule: str) -> None:
     head = src.pread(0, min(src.size, 8), "magic")
     if head[:4] != magic[:4] or len(head) < 8 or head[4] or head[7]:
-        raise BadMagic(f"not a ckptkit distributed {what}", path=src.path, offset=0, field="magic",
-                       expected=repr(magic), actual=repr(head), hint=f"the file is damaged or foreign ({rule})")
+        raise BadMagic(
+            f"not a ckptkit distributed {what}",
+            path=src.path,
+            offset=0,
+            field="magic",
+            expected=repr(magic),
+            actual=repr(head),
+            hint=f"the file is damaged or foreign ({rule})",
+        )
     version = struct.unpack_from("<H", head, 5)[0]
     if version != FORMAT_VERSION:
-        raise UnsupportedVersion(f"distributed {what} version {version} is not supported", path=src.path,
-                                 offset=5, field="magic", expected=FORMAT_VERSION, actual=version,
-                                 hint=f"a newer ckptkit wrote it; upgrade ckptkit ({rule})")
+        raise UnsupportedVersion(
+            f"distributed {what} version {version} is not supported",
+            path=src.path,
+            offset=5,
+            field="magic",
+            expected=FORMAT_VERSION,
+            actual=version,
+            hint=f"a newer ckptkit wrote it; upgrade ckptkit ({rule})",
+        )
 
 
 def _meta_layout(src: Source) -> Layout:
     _check_magic(src, _META_MAGIC, "metadata file", "R-DC01")
     _, world, n = _META_HEADER.unpack(src.pread(0, _META_HEADER.size, "metadata header"))
     sections, trailer_at, digest = read_framed(src, _META_HEADER.size, {"metadata": n}, {"metadata": 16}, _META_END)
-    return Layout(src.path, FORMAT_VERSION, world, 0, sections, False, (), src.size, trailer_at, digest,
-                  _META_HEADER.size)
+    return Layout(
+        src.path, FORMAT_VERSION, world, 0, sections, False, (), src.size, trailer_at, digest, _META_HEADER.size
+    )
 
 
 def data_layout(src: Source) -> tuple[Layout, int]:
@@ -217,8 +237,9 @@ def data_layout(src: Source) -> tuple[Layout, int]:
     _check_magic(src, _DATA_MAGIC, "data file", "R-DC02")
     _, rank, world, n = _DATA_HEADER.unpack(src.pread(0, _DATA_HEADER.size, "data header"))
     sections, trailer_at, digest = read_framed(src, _DATA_HEADER.size, {"data": n}, {"data": 24}, _DATA_END)
-    return Layout(src.path, FORMAT_VERSION, rank, 0, sections, False, (), src.size, trailer_at, digest,
-                  _DATA_HEADER.size), world
+    return Layout(
+        src.path, FORMAT_VERSION, rank, 0, sections, False, (), src.size, trailer_at, digest, _DATA_HEADER.size
+    ), world
 
 
 def check_directory(directory: str) -> str:
@@ -238,9 +259,10 @@ def check_directory(directory: str) -> str:
         raise BadMagic(
             "a checkpoint written by DCP's default filesystem backend: its .metadata is a pickle and its "
             ".distcp files hold torch.save data, which ckptkit never unpickles",
-            path=directory, field=DCP_DEFAULT_METADATA,
+            path=directory,
+            field=DCP_DEFAULT_METADATA,
             hint="load it once in a trusted environment with FileSystemReader and save it again with "
-                 "ckptkit.distributed.save (R-DC10)",
+            "ckptkit.distributed.save (R-DC10)",
         )
     present = sorted(n for n in os.listdir(directory) if n.startswith("rank-") and n.endswith(".ckdcp"))
     raise IncompleteCheckpoint(
@@ -277,8 +299,9 @@ def read_metadata(directory: str, *, check_files: bool = True) -> DirMetadata:
             if size != f.size:
                 problems.append(f"{data_name(rank)} (rank {rank}) is {size} bytes, the metadata says {f.size}")
         if problems:
-            raise IncompleteCheckpoint(f"{directory}: " + "; ".join(problems) + " (R-DC04)",
-                                       missing=tuple(p.split(" ")[0] for p in problems))
+            raise IncompleteCheckpoint(
+                f"{directory}: " + "; ".join(problems) + " (R-DC04)", missing=tuple(p.split(" ")[0] for p in problems)
+            )
     return md
 
 
@@ -286,12 +309,20 @@ def _decode(tree: Any, path: str | None, sec: SectionIndex | None, header_world:
     at = None if sec is None else sec.start + 8
 
     def bad(problem: str, actual: Any = None) -> FormatError:
-        return MalformedIndex(problem, path=path, offset=at, field="metadata", actual=actual,
-                              hint="the metadata is damaged or was not written by ckptkit (R-DC05)")
+        return MalformedIndex(
+            problem,
+            path=path,
+            offset=at,
+            field="metadata",
+            actual=actual,
+            hint="the metadata is damaged or was not written by ckptkit (R-DC05)",
+        )
 
     if not isinstance(tree, dict) or sorted(tree) != list(_META_KEYS):
-        raise bad("the metadata must be a map with exactly the keys " + ", ".join(_META_KEYS),
-                  sorted(map(str, tree)) if isinstance(tree, dict) else type(tree).__name__)
+        raise bad(
+            "the metadata must be a map with exactly the keys " + ", ".join(_META_KEYS),
+            sorted(map(str, tree)) if isinstance(tree, dict) else type(tree).__name__,
+        )
     world = tree["world_size"]
     if not _uint(world) or not 1 <= world <= MAX_WORLD or world != header_world:
         raise bad(f"world_size must be 1..{MAX_WORLD} and equal the header's {header_world}", world)
@@ -330,8 +361,16 @@ def _decode_tensor(fqn: Any, t: Any, files: list[RankFile], bad: Callable[..., F
         raise bad(f"{fqn}: size must be at most {MAX_NDIM} non-negative integers", repr(size)[:60])
     out = []
     for c in chunks:
-        if not (isinstance(c, list) and len(c) == 6 and _dims(c[0]) and _dims(c[1]) and len(c[0]) == len(size)
-                and len(c[1]) == len(size) and all(_uint(v) for v in c[2:5]) and _digest(c[5])):
+        if not (
+            isinstance(c, list)
+            and len(c) == 6
+            and _dims(c[0])
+            and _dims(c[1])
+            and len(c[0]) == len(size)
+            and len(c[1]) == len(size)
+            and all(_uint(v) for v in c[2:5])
+            and _digest(c[5])
+        ):
             raise bad(f"{fqn}: a chunk must be [offsets, sizes, rank, offset, nbytes, digest]", repr(c)[:80])
         offsets, sizes, rank, offset, nbytes = c[:5]
         if any(o + s > d for o, s, d in zip(offsets, sizes, size, strict=False)):
@@ -364,8 +403,10 @@ def chunk_mismatch(directory: str, fqn: str, c: Chunk, got: int) -> ChecksumMism
     """The error for a chunk whose bytes do not match the digest in the metadata."""
     return ChecksumMismatch(
         f"tensor {fqn!r} chunk at {list(c.offsets)} of {list(c.sizes)} ({c.nbytes} bytes): digest does not match",
-        path=os.path.join(directory, data_name(c.rank)), offset=c.offset,
-        expected=f"0x{c.digest:016x}", actual=f"0x{got:016x}",
+        path=os.path.join(directory, data_name(c.rank)),
+        offset=c.offset,
+        expected=f"0x{c.digest:016x}",
+        actual=f"0x{got:016x}",
         hint="the rank data file is damaged; load an earlier checkpoint (R-DC07)",
     )
 
@@ -410,9 +451,12 @@ def verify_directory(directory: str | os.PathLike[str]) -> DirReport:
             size += f.size
         if expect:
             (fqn, offsets), (_, c) = min(expect.items(), key=lambda kv: (kv[0][0], kv[0][1]))
-            raise MalformedIndex(f"tensor {fqn!r} chunk at {list(offsets)} is in the metadata but in no data file",
-                                 path=os.path.join(directory, data_name(c.rank)), field="data index",
-                                 hint="the data file does not belong to this commit (R-DC06)")
+            raise MalformedIndex(
+                f"tensor {fqn!r} chunk at {list(offsets)} is in the metadata but in no data file",
+                path=os.path.join(directory, data_name(c.rank)),
+                field="data index",
+                hint="the data file does not belong to this commit (R-DC06)",
+            )
     except CheckpointNotFound as e:
         if not os.path.isdir(directory):
             raise
@@ -423,46 +467,82 @@ def verify_directory(directory: str | os.PathLike[str]) -> DirReport:
     return DirReport(directory, True, None, md.world_size, len(md.tensors), n_chunks, len(md.values), size, hashed)
 
 
-def _verify_data_file(directory: str, rank: int, world: int, f: RankFile,
-                      expect: dict[tuple[str, tuple[int, ...]], tuple[str, Chunk]]) -> int:
+def _verify_data_file(
+    directory: str, rank: int, world: int, f: RankFile, expect: dict[tuple[str, tuple[int, ...]], tuple[str, Chunk]]
+) -> int:
     path = os.path.join(directory, data_name(rank))
     with Source(path) as src:
         layout, file_world = data_layout(src)
         if layout.step != rank or file_world != world:
-            raise MalformedIndex("data file belongs to another rank or world size", path=path, offset=8,
-                                 field="data header", expected=f"rank {rank} of {world}",
-                                 actual=f"rank {layout.step} of {file_world}", hint="R-DC06")
+            raise MalformedIndex(
+                "data file belongs to another rank or world size",
+                path=path,
+                offset=8,
+                field="data header",
+                expected=f"rank {rank} of {world}",
+                actual=f"rank {layout.step} of {file_world}",
+                hint="R-DC06",
+            )
         if layout.skeleton_digest != f.digest:
-            raise ChecksumMismatch("data file is not the one this commit wrote (its digest differs from the "
-                                   "metadata's)", path=path, offset=layout.trailer_offset, field="trailer",
-                                   expected=f"0x{f.digest:016x}", actual=f"0x{layout.skeleton_digest:016x}",
-                                   hint="a stray or damaged rank file; load an earlier checkpoint (R-DC06)")
+            raise ChecksumMismatch(
+                "data file is not the one this commit wrote (its digest differs from the metadata's)",
+                path=path,
+                offset=layout.trailer_offset,
+                field="trailer",
+                expected=f"0x{f.digest:016x}",
+                actual=f"0x{layout.skeleton_digest:016x}",
+                hint="a stray or damaged rank file; load an earlier checkpoint (R-DC06)",
+            )
         check_skeleton(src, layout)
         sec = layout.sections["data"]
         if sec is None:
             return 0
         entries = sec.tree
         if not isinstance(entries, list) or not all(
-            isinstance(e, list) and len(e) == 3 and isinstance(e[0], str) and _dims(e[1])
-            and isinstance(e[2], TensorRef) for e in entries
+            isinstance(e, list)
+            and len(e) == 3
+            and isinstance(e[0], str)
+            and _dims(e[1])
+            and isinstance(e[2], TensorRef)
+            for e in entries
         ):
-            raise MalformedIndex("data tree must be a list of [fqn, offsets, tensor]", path=path,
-                                 offset=sec.start + 8, field="data index", hint="R-DC02")
+            raise MalformedIndex(
+                "data tree must be a list of [fqn, offsets, tensor]",
+                path=path,
+                offset=sec.start + 8,
+                field="data index",
+                hint="R-DC02",
+            )
         hashed, scratch = 0, bytearray(1 << 20)
         for fqn, offsets, ref in entries:
             got = expect.pop((fqn, tuple(offsets)), None)
             rec = sec.tensors[ref.id]
             if got is None:
-                raise MalformedIndex(f"tensor {fqn!r} chunk at {offsets} is not in the metadata", path=path,
-                                     offset=sec.start + 8, field="data index", hint="R-DC06")
+                raise MalformedIndex(
+                    f"tensor {fqn!r} chunk at {offsets} is not in the metadata",
+                    path=path,
+                    offset=sec.start + 8,
+                    field="data index",
+                    hint="R-DC06",
+                )
             dtype, c = got
             if (rec.dtype, rec.shape, sec.data_start + rec.offset, rec.nbytes, rec.digest, c.rank) != (
-                    dtype, c.sizes, c.offset, c.nbytes, c.digest, rank):
-                raise MalformedIndex(f"tensor {fqn!r} chunk at {offsets}: the data index and the metadata disagree",
-                                     path=path, offset=sec.start + 8, field="data index",
-                                     expected=f"{dtype}{list(c.sizes)} at {c.offset}",
-                                     actual=f"{rec.dtype}{list(rec.shape)} at {sec.data_start + rec.offset}",
-                                     hint="R-DC06")
+                dtype,
+                c.sizes,
+                c.offset,
+                c.nbytes,
+                c.digest,
+                rank,
+            ):
+                raise MalformedIndex(
+                    f"tensor {fqn!r} chunk at {offsets}: the data index and the metadata disagree",
+                    path=path,
+                    offset=sec.start + 8,
+                    field="data index",
+                    expected=f"{dtype}{list(c.sizes)} at {c.offset}",
+                    actual=f"{rec.dtype}{list(rec.shape)} at {sec.data_start + rec.offset}",
+                    hint="R-DC06",
+                )
             h = xxhash.xxh3_64()
             src.feed(c.offset, c.offset + c.nbytes, h.update, scratch)
             if h.intdigest() != c.digest:

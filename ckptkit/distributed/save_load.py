@@ -61,8 +61,11 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], process_group
         >>> ckptkit.distributed.load(state, "ckpt/step-100")  # doctest: +SKIP
     """
     reader, planner = Reader(path), LoadPlanner()
-    _run(lambda: dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group),
-         reader, planner)
+    _run(
+        lambda: dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group),
+        reader,
+        planner,
+    )
 
 
 def _run(call: Callable[[], Any], *recorders: _Recorder) -> Any:
@@ -86,7 +89,8 @@ def _run(call: Callable[[], Any], *recorders: _Recorder) -> Any:
             f"rank {rank}: a collective of torch.distributed.checkpoint failed ({type(e).__name__}: "
             f"{str(e).splitlines()[0] if str(e) else ''}); another rank probably failed or was killed; whether the "
             "save committed is what its directory says (no metadata.ckdcp: it did not, and load refuses it)",
-            {rank: f"{type(e).__name__}: {e}"}) from e
+            {rank: f"{type(e).__name__}: {e}"},
+        ) from e
     finally:
         if collect:
             gc.enable()
@@ -102,8 +106,9 @@ def translate(e: CheckpointException, *recorders: _Recorder) -> CheckpointError:
         if isinstance(exc, CheckpointError):
             return exc
     lines = {rank: f"{type(exc).__name__}: {exc}" for rank, exc in failures.items()}
-    return DistributedFailure("torch.distributed.checkpoint failed: "
-                              + "; ".join(f"rank {r}: {m}" for r, m in lines.items()), lines)
+    return DistributedFailure(
+        "torch.distributed.checkpoint failed: " + "; ".join(f"rank {r}: {m}" for r, m in lines.items()), lines
+    )
 
 
 class AsyncSaver:
@@ -137,8 +142,9 @@ class AsyncSaver:
         self.wait()
         self._writer = Writer(path)
         writer = self._writer
-        self._pending = _run(lambda: dcp.async_save(state_dict, storage_writer=writer, process_group=self._group),
-                             writer)
+        self._pending = _run(
+            lambda: dcp.async_save(state_dict, storage_writer=writer, process_group=self._group), writer
+        )
 
     def wait(self) -> None:
         """Block until the background save has committed.

@@ -114,20 +114,30 @@ class Writer(StorageWriter, _Recorder):
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if kwargs.get("use_collectives", True) is False:
-            raise self._record(UnsupportedValue(
-                "ckptkit.distributed.Writer needs DCP's collectives (use_collectives=False writes rank-local "
-                "metadata, which breaks the all-ranks-commit rule)"))
+            raise self._record(
+                UnsupportedValue(
+                    "ckptkit.distributed.Writer needs DCP's collectives (use_collectives=False writes rank-local "
+                    "metadata, which breaks the all-ranks-commit rule)"
+                )
+            )
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         try:
             os.makedirs(self.path, exist_ok=True)
         except OSError as e:
-            raise self._record(SaveFailed(f"{self.path}: cannot create the checkpoint directory ({e.strerror})",
-                                          cause=e, path=self.path)) from e
+            raise self._record(
+                SaveFailed(
+                    f"{self.path}: cannot create the checkpoint directory ({e.strerror})", cause=e, path=self.path
+                )
+            ) from e
         if os.path.exists(os.path.join(self.path, METADATA_NAME)):
-            raise self._record(SaveFailed(
-                f"{self.path}: already holds a committed checkpoint; save into a new directory "
-                "(one checkpoint, one directory) or remove this one first", path=self.path))
+            raise self._record(
+                SaveFailed(
+                    f"{self.path}: already holds a committed checkpoint; save into a new directory "
+                    "(one checkpoint, one directory) or remove this one first",
+                    path=self.path,
+                )
+            )
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -186,7 +196,8 @@ def _lookup(planner: SavePlanner, item: Any) -> Any:
         raise UnsupportedValue(
             f"{item.index.fqn}: a non-tensor value, and the planner {type(planner).__name__} has no lookup_object; "
             "ckptkit stores non-tensor leaves as plain data, not torch.save bytes: use a DefaultSavePlanner (the "
-            "default) or a subclass")
+            "default) or a subclass"
+        )
     return lookup(item.index)
 
 
@@ -212,8 +223,14 @@ def _encode(metadata: Metadata, results: list[list[WriteResult]]) -> DirMetadata
             continue
         chunks = tuple(Chunk(tuple(c.offsets), tuple(c.sizes), *stored[(fqn, tuple(c.offsets))]) for c in md.chunks)
         tensors[fqn] = TensorEntry(dtype_name(md.properties.dtype, fqn), tuple(md.size), chunks)
-    return DirMetadata(world, metadata.version or DCP_VERSION, tuple(files[r] for r in range(world)), tensors, values,
-                       metadata.planner_data)
+    return DirMetadata(
+        world,
+        metadata.version or DCP_VERSION,
+        tuple(files[r] for r in range(world)),
+        tensors,
+        values,
+        metadata.planner_data,
+    )
 
 
 class Reader(StorageReader, _Recorder):
@@ -260,7 +277,8 @@ class Reader(StorageReader, _Recorder):
         storage: dict[MetadataIndex, Any] = {}
         for fqn, t in md.tensors.items():
             sdm[fqn] = TensorStorageMetadata(
-                TensorProperties(dtype=torch_dtype(t.dtype)), torch.Size(t.size),
+                TensorProperties(dtype=torch_dtype(t.dtype)),
+                torch.Size(t.size),
                 [ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes)) for c in t.chunks],
             )
             for i, c in enumerate(t.chunks):
@@ -268,8 +286,13 @@ class Reader(StorageReader, _Recorder):
         for fqn in md.values:
             sdm[fqn] = BytesStorageMetadata()
             storage[MetadataIndex(fqn)] = (fqn, None)
-        return Metadata(sdm, planner_data=md.planner_data, storage_data=storage,
-                        storage_meta=StorageMeta(checkpoint_id=self.path, load_id=self.load_id), version=md.dcp_version)
+        return Metadata(
+            sdm,
+            planner_data=md.planner_data,
+            storage_data=storage,
+            storage_meta=StorageMeta(checkpoint_id=self.path, load_id=self.load_id),
+            version=md.dcp_version,
+        )
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.storage_data = metadata.storage_data
@@ -302,14 +325,18 @@ class Reader(StorageReader, _Recorder):
             dest = planner.resolve_tensor(req).detach()
             want = torch_dtype(md.tensors[fqn].dtype)
             if dest.dtype != want:
-                problems.append(f"{req.dest_index.fqn}: the checkpoint holds {md.tensors[fqn].dtype}, "
-                                f"the destination is {str(dest.dtype).removeprefix('torch.')} (never cast)")
+                problems.append(
+                    f"{req.dest_index.fqn}: the checkpoint holds {md.tensors[fqn].dtype}, "
+                    f"the destination is {str(dest.dtype).removeprefix('torch.')} (never cast)"
+                )
                 continue
             groups.setdefault((fqn, c.offsets), (c, []))[1].append((req, dest))
         if problems:
             problems = sorted(set(problems))
-            raise StateMismatch(f"{self.path}: {len(problems)} tensor(s) do not fit their destination: "
-                                + "; ".join(problems[:10]), problems)
+            raise StateMismatch(
+                f"{self.path}: {len(problems)} tensor(s) do not fit their destination: " + "; ".join(problems[:10]),
+                problems,
+            )
         files: dict[int, Source] = {}
         try:
             for (fqn, _), (c, reqs) in groups.items():
@@ -321,11 +348,17 @@ class Reader(StorageReader, _Recorder):
             for src in files.values():
                 src.close()
 
-    def _read_chunk(self, src: Source, fqn: str, c: Chunk, reqs: list[tuple[Any, torch.Tensor]],
-                    planner: DCPLoadPlanner) -> None:
+    def _read_chunk(
+        self, src: Source, fqn: str, c: Chunk, reqs: list[tuple[Any, torch.Tensor]], planner: DCPLoadPlanner
+    ) -> None:
         req, dest = reqs[0]
-        direct = (len(reqs) == 1 and dest.is_contiguous() and dest.device.type == "cpu"
-                  and tuple(dest.shape) == c.sizes and not any(req.storage_offsets))
+        direct = (
+            len(reqs) == 1
+            and dest.is_contiguous()
+            and dest.device.type == "cpu"
+            and tuple(dest.shape) == c.sizes
+            and not any(req.storage_offsets)
+        )
         whole = dest if direct else torch.empty(c.sizes, dtype=dest.dtype)
         read_chunk(src, self.path, fqn, c, whole)
         for req, dest in reqs:
@@ -397,7 +430,8 @@ def _set_value(planner: DCPLoadPlanner, req: Any, value: Any) -> None:
     if not isinstance(planner, DefaultLoadPlanner):
         raise UnsupportedValue(
             f"{req.dest_index.fqn}: a non-tensor value, and the planner {type(planner).__name__} is not a "
-            "DefaultLoadPlanner; ckptkit hands non-tensor leaves over as plain data, never as torch.load bytes")
+            "DefaultLoadPlanner; ckptkit hands non-tensor leaves over as plain data, never as torch.load bytes"
+        )
     fqn = req.dest_index.fqn
     if planner.flatten_state_dict:
         set_element(planner.original_state_dict, planner.mappings[fqn], value)
@@ -425,13 +459,20 @@ class LoadPlanner(DefaultLoadPlanner, _Recorder):
                 problems.append(f"{fqn}: the checkpoint holds a tensor, the destination a {type(obj).__name__}")
             else:
                 if tuple(md.size) != tuple(obj.size()):
-                    problems.append(f"{fqn}: the checkpoint's shape is {list(md.size)}, the destination's "
-                                    f"{list(obj.size())}")
+                    problems.append(
+                        f"{fqn}: the checkpoint's shape is {list(md.size)}, the destination's {list(obj.size())}"
+                    )
                 if md.properties.dtype != obj.dtype:
-                    problems.append(f"{fqn}: the checkpoint holds {dtype_name(md.properties.dtype)}, the destination "
-                                    f"is {str(obj.dtype).removeprefix('torch.')} (never cast)")
+                    problems.append(
+                        f"{fqn}: the checkpoint holds {dtype_name(md.properties.dtype)}, the destination "
+                        f"is {str(obj.dtype).removeprefix('torch.')} (never cast)"
+                    )
         if problems:
-            raise self._record(StateMismatch(
-                f"{len(problems)} problem(s) between the checkpoint and the state to load: "
-                + "; ".join(problems[:10]), problems))
+            raise self._record(
+                StateMismatch(
+                    f"{len(problems)} problem(s) between the checkpoint and the state to load: "
+                    + "; ".join(problems[:10]),
+                    problems,
+                )
+            )
         return super().create_local_plan()

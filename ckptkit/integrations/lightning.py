@@ -73,9 +73,9 @@ _OPTIM_KEYS = ("optimizer_states", "lr_schedulers")
 # What to do when a top-level key holds a value the container cannot carry.
 _ADVICE = {
     "hyper_parameters": "exclude that argument with self.save_hyperparameters(ignore=[...]) and rebuild it in "
-                        "__init__, or pass a plain value (for omegaconf, OmegaConf.to_container(cfg))",
+    "__init__, or pass a plain value (for omegaconf, OmegaConf.to_container(cfg))",
     "hparams_type": "omegaconf hyper-parameters are stored with their type; pass "
-                    "OmegaConf.to_container(cfg) to save_hyperparameters instead",
+    "OmegaConf.to_container(cfg) to save_hyperparameters instead",
     "callbacks": "a callback's state_dict() must return plain values (tensors, numbers, strings, lists, dicts)",
 }
 _DEFAULT_ADVICE = "convert it to plain values in on_save_checkpoint (and back in on_load_checkpoint)"
@@ -97,8 +97,10 @@ def _check(checkpoint: dict[str, Any]) -> None:
         raise UnsupportedValue(f"checkpoint: a {type(checkpoint).__name__}; Lightning checkpoints are dicts")
     for key, value in checkpoint.items():
         if not isinstance(key, str):
-            raise UnsupportedValue(f"checkpoint: top-level key {key!r} is a {type(key).__name__}; "
-                                   "only str keys are stored at the top level")
+            raise UnsupportedValue(
+                f"checkpoint: top-level key {key!r} is a {type(key).__name__}; "
+                "only str keys are stored at the top level"
+            )
         try:
             check_plain(value, f"checkpoint[{key!r}]", 1, on_leaf=tensor)
         except UnsupportedValue as e:
@@ -118,8 +120,9 @@ def to_container(checkpoint: dict[str, Any]) -> Checkpoint:
     step = checkpoint.get("global_step", 0)
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         step = 0
-    return Checkpoint(step=step, model=model or None, optim=optim or None,
-                      monitor={"layout": LAYOUT, "checkpoint": rest})
+    return Checkpoint(
+        step=step, model=model or None, optim=optim or None, monitor={"layout": LAYOUT, "checkpoint": rest}
+    )
 
 
 def from_container(ckpt: Checkpoint, path: str = "") -> dict[str, Any]:
@@ -132,12 +135,19 @@ def from_container(ckpt: Checkpoint, path: str = "") -> dict[str, Any]:
     monitor = ckpt.monitor
     layout = monitor.get("layout") if isinstance(monitor, dict) else None
     if layout == LAYOUT and not isinstance(monitor.get("checkpoint"), dict):
-        raise FormatError("the Lightning keys are missing or not a map", path=path or None,
-                          field="monitor.checkpoint", hint="the file was altered after it was written")
+        raise FormatError(
+            "the Lightning keys are missing or not a map",
+            path=path or None,
+            field="monitor.checkpoint",
+            hint="the file was altered after it was written",
+        )
     if layout != LAYOUT:
         raise FormatError(
             "not a Lightning checkpoint written by ckptkit.integrations.lightning.CheckpointIO",
-            path=path or None, field="monitor.layout", expected=LAYOUT, actual=layout or "none",
+            path=path or None,
+            field="monitor.layout",
+            expected=LAYOUT,
+            actual=layout or "none",
             hint="load it with ckptkit.load(); a torch.save file is imported once with ckptkit.import_torch_checkpoint",
         )
     out = dict(monitor["checkpoint"])
@@ -150,8 +160,9 @@ def from_container(ckpt: Checkpoint, path: str = "") -> dict[str, Any]:
 def _local(path: str | os.PathLike[str]) -> str:
     name = os.fspath(path)
     if "://" in name:
-        raise UnsupportedValue(f"{name}: remote paths are not supported; ckptkit writes local files atomically "
-                               "(temp file, fsync, rename)")
+        raise UnsupportedValue(
+            f"{name}: remote paths are not supported; ckptkit writes local files atomically (temp file, fsync, rename)"
+        )
     return name
 
 
@@ -181,15 +192,18 @@ class CheckpointIO(_LightningCheckpointIO):
             SaveFailed: the write failed; a previous file at ``path`` is intact.
         """
         if storage_options is not None:
-            raise UnsupportedValue(f"storage_options are not supported by {type(self).__name__} "
-                                   f"(got {storage_options!r}); pass compression= to the plug-in instead")
+            raise UnsupportedValue(
+                f"storage_options are not supported by {type(self).__name__} "
+                f"(got {storage_options!r}); pass compression= to the plug-in instead"
+            )
         name = _local(path)
         ckpt = to_container(checkpoint)
         os.makedirs(os.path.dirname(name) or ".", exist_ok=True)
         save(name, ckpt, compression=self.compression, level=self.level)
 
-    def load_checkpoint(self, path: Any, map_location: Any | None = None,
-                        weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
         """Read and verify (every byte, against its checksum) the checkpoint at ``path``.
 
         Raises:
@@ -211,4 +225,3 @@ def _is_device(value: Any) -> TypeGuard[torch.device]:
     import torch
 
     return isinstance(value, torch.device)
-

@@ -60,8 +60,17 @@ Log = Callable[[str], None]
 AUDIT_DEFAULTS: dict[str, Any] = {"train.steps": 10, "train.ckpt_every": 1, "train.log_every": 1000}
 
 #: Environment facts worth a line in the report (all are compared).
-_SHOWN = ("torch", "python", "numpy", "intra_op_threads", "inter_op_threads", "deterministic_algorithms",
-          "platform_system", "platform_machine", "cuda_device")
+_SHOWN = (
+    "torch",
+    "python",
+    "numpy",
+    "intra_op_threads",
+    "inter_op_threads",
+    "deterministic_algorithms",
+    "platform_system",
+    "platform_machine",
+    "cuda_device",
+)
 
 
 @dataclass(frozen=True)
@@ -93,8 +102,9 @@ class AuditReport:
             "steps": self.steps,
             "resume_at": self.resume_at,
             "environment": dict(sorted(self.environment.items())),
-            "environment_differences": [{"key": d.key, "a": d.recorded, "b": d.current}
-                                        for d in self.environment_differences],
+            "environment_differences": [
+                {"key": d.key, "a": d.recorded, "b": d.current} for d in self.environment_differences
+            ],
             "checkpoints_compared": self.checkpoints_compared,
             "divergence": None if self.divergence is None else divergence_json(self.divergence, "a", "b"),
         }
@@ -102,13 +112,17 @@ class AuditReport:
     def describe(self, limit: int = 12) -> str:
         """The human report (what ``ckptkit audit`` prints on stdout)."""
         fresh = ", each in a fresh process" if self.fresh_processes else ""
-        how = (f"a: {self.steps} steps uninterrupted; b: stopped at {self.resume_at}, resumed in a fresh process"
-               if self.resume_at is not None else f"a, b: {self.steps} steps each{fresh}")
+        how = (
+            f"a: {self.steps} steps uninterrupted; b: stopped at {self.resume_at}, resumed in a fresh process"
+            if self.resume_at is not None
+            else f"a, b: {self.steps} steps each{fresh}"
+        )
         lines = [f"audit: {how}"]
         if self.a is not None:
             lines.append(f"runs: {self.a} {self.b}")
-        env = ", ".join(f"{k} {self.environment[k]}" for k in _SHOWN
-                        if k in self.environment and self.environment[k] != "none")
+        env = ", ".join(
+            f"{k} {self.environment[k]}" for k in _SHOWN if k in self.environment and self.environment[k] != "none"
+        )
         lines.append(f"environment: {env}")
         if self.environment_differences:
             lines.append(f"environment differs between the runs in {len(self.environment_differences)} fact(s):")
@@ -116,8 +130,10 @@ class AuditReport:
         d = self.divergence
         if d is None:
             if self.ok:
-                lines.append(f"IDENTICAL: {self.steps} steps, every history fingerprint and "
-                             f"{self.checkpoints_compared} checkpoint(s) bit for bit")
+                lines.append(
+                    f"IDENTICAL: {self.steps} steps, every history fingerprint and "
+                    f"{self.checkpoints_compared} checkpoint(s) bit for bit"
+                )
             return "\n".join(lines)
         where = {"start": "the start row", "probe": "a probe before step 0"}.get(d.kind)
         if d.kind == "checkpoint":
@@ -179,10 +195,19 @@ def knob_flags(cfg: TrainerConfig) -> list[str]:
 _POLL_S = 0.25  # how often a waiting audit reads the child's history for the progress callback
 
 
-def _train_process(run_dir: str, cfg: TrainerConfig, *, steps: int, resume: bool, log: Log,
-                   on_step: Callable[[int], None]) -> None:
-    argv = [sys.executable, "-m", "ckptkit", "train", "--run-dir", run_dir, "--quiet",
-            *knob_flags(cfg.replace(**{"train.steps": steps}))]
+def _train_process(
+    run_dir: str, cfg: TrainerConfig, *, steps: int, resume: bool, log: Log, on_step: Callable[[int], None]
+) -> None:
+    argv = [
+        sys.executable,
+        "-m",
+        "ckptkit",
+        "train",
+        "--run-dir",
+        run_dir,
+        "--quiet",
+        *knob_flags(cfg.replace(**{"train.steps": steps})),
+    ]
     if resume:
         argv.append("--resume")
     log(f"{'resume' if resume else 'train'} {os.path.basename(run_dir)} to step {steps} (fresh process)")
@@ -250,9 +275,17 @@ def audit(
         trained(steps)(steps)
         report = compare_runs(a, b, log=log)
     kept = work_dir is not None
-    return AuditReport(report.a if kept else None, report.b if kept else None, steps, resume_at, report.environment,
-                       report.environment_differences, report.checkpoints_compared, report.divergence,
-                       fresh_processes=True)
+    return AuditReport(
+        report.a if kept else None,
+        report.b if kept else None,
+        steps,
+        resume_at,
+        report.environment,
+        report.environment_differences,
+        report.checkpoints_compared,
+        report.divergence,
+        fresh_processes=True,
+    )
 
 
 # ----------------------------------------------------------------------------- comparing
@@ -267,7 +300,9 @@ def _environment(run_dir: str) -> dict[str, Any]:
     return facts if isinstance(facts, dict) else {}
 
 
-def _first_row_difference(rows_a: list[dict[str, Any]], rows_b: list[dict[str, Any]], kind: str) -> StepDivergence | None:
+def _first_row_difference(
+    rows_a: list[dict[str, Any]], rows_b: list[dict[str, Any]], kind: str
+) -> StepDivergence | None:
     a = [r for r in compared_rows(rows_a) if r["kind"] == kind]
     b = [r for r in compared_rows(rows_b) if r["kind"] == kind]
     for ra, rb in zip(a, b, strict=False):
@@ -278,8 +313,9 @@ def _first_row_difference(rows_a: list[dict[str, Any]], rows_b: list[dict[str, A
     return None
 
 
-def compare_runs(a: str | os.PathLike[str], b: str | os.PathLike[str], *, rerun: bool = True,
-                 log: Log | None = None) -> AuditReport:
+def compare_runs(
+    a: str | os.PathLike[str], b: str | os.PathLike[str], *, rerun: bool = True, log: Log | None = None
+) -> AuditReport:
     """Compare two run directories of the same config: are they bit-identical?
 
     Args:
@@ -313,28 +349,49 @@ def compare_runs(a: str | os.PathLike[str], b: str | os.PathLike[str], *, rerun:
     fields = step_fields(steps_a[0]) if steps_a else []
     d = first_divergence(steps_a, steps_b, fields)
     if d is None and len(steps_a) != len(steps_b):
-        return report(StepDivergence("step", min(len(steps_a), len(steps_b)),
-                                     fields=(FieldDiff("step rows", len(steps_a), len(steps_b)),)))
+        return report(
+            StepDivergence(
+                "step", min(len(steps_a), len(steps_b)), fields=(FieldDiff("step rows", len(steps_a), len(steps_b)),)
+            )
+        )
     if d is not None:
-        div = _explain(a, b, rows_a, rows_b, d.step,
-                       divergence_fields(d), rerun, log)
+        div = _explain(a, b, rows_a, rows_b, d.step, divergence_fields(d), rerun, log)
         drift = _config_drift(a, b)
         if drift:
-            div = StepDivergence(div.kind, div.step, div.fields, div.tensors, div.values, div.rerun, div.file,
-                                 (f"the runs' configs differ in {', '.join(drift)}: the likely cause", *div.hints))
+            div = StepDivergence(
+                div.kind,
+                div.step,
+                div.fields,
+                div.tensors,
+                div.values,
+                div.rerun,
+                div.file,
+                (f"the runs' configs differ in {', '.join(drift)}: the likely cause", *div.hints),
+            )
         return report(div)
     # Every history row matched: the checkpoints both runs wrote must be the same bytes.
     common = sorted({s for s, _ in list_checkpoints(a)} & {s for s, _ in list_checkpoints(b)})
     differ = first_differing_checkpoint(a, b, common)
     if differ is not None:
         s, diffs = differ
-        return report(StepDivergence(
-            "checkpoint", s, file=checkpoint_name(s), tensors=tuple(tensor_reports(diffs, {})),
-            values=f"both runs' {checkpoint_name(s)}, compared as ckptkit diff --tensors does",
-            hints=(("the container bytes differ while every fingerprint matched: state outside the "
-                    "fingerprints (see the tensors) was not reproduced"),) if diffs else
-                  ("the states are equal but the bytes are not: the writer is not canonical (a bug)",)),
-            len(common))
+        return report(
+            StepDivergence(
+                "checkpoint",
+                s,
+                file=checkpoint_name(s),
+                tensors=tuple(tensor_reports(diffs, {})),
+                values=f"both runs' {checkpoint_name(s)}, compared as ckptkit diff --tensors does",
+                hints=(
+                    (
+                        "the container bytes differ while every fingerprint matched: state outside the "
+                        "fingerprints (see the tensors) was not reproduced"
+                    ),
+                )
+                if diffs
+                else ("the states are equal but the bytes are not: the writer is not canonical (a bug)",),
+            ),
+            len(common),
+        )
     return report(None, len(common))
 
 
@@ -355,8 +412,16 @@ def _digests(rows: list[dict[str, Any]], kind: str, step: int) -> dict[str, int]
     return dict(found[-1].get("tensors") or {}) if found else {}
 
 
-def _explain(a: str, b: str, rows_a: list[dict[str, Any]], rows_b: list[dict[str, Any]], step: int,
-             fields: tuple[FieldDiff, ...], rerun: bool, log: Log) -> StepDivergence:
+def _explain(
+    a: str,
+    b: str,
+    rows_a: list[dict[str, Any]],
+    rows_b: list[dict[str, Any]],
+    step: int,
+    fields: tuple[FieldDiff, ...],
+    rerun: bool,
+    log: Log,
+) -> StepDivergence:
     done = step + 1
     da = {**_digests(rows_a, "digests", done), **_digests(rows_a, "checkpoint", done)}
     db = {**_digests(rows_b, "digests", done), **_digests(rows_b, "checkpoint", done)}
@@ -367,8 +432,10 @@ def _explain(a: str, b: str, rows_a: list[dict[str, Any]], rows_b: list[dict[str
         values = f"both runs' {checkpoint_name(done)}, compared as ckptkit diff --tensors does"
     else:
         tensors = named_reports(bad, da, db, "values unavailable")
-        values = (f"unavailable: the runs have no checkpoint after step {step} on both sides "
-                  "(the audit's default --ckpt-every 1 keeps one after every step)")
+        values = (
+            f"unavailable: the runs have no checkpoint after step {step} on both sides "
+            "(the audit's default --ckpt-every 1 keeps one after every step)"
+        )
     again = None
     hints: list[str] = []
     if rerun:
@@ -381,10 +448,14 @@ def _explain(a: str, b: str, rows_a: list[dict[str, Any]], rows_b: list[dict[str
                 with deterministic_torch():
                     cfg = config_of(ckpt).replace(**{"train.steps": done})
                     again = rerun_step(cfg, ckpt, start, a, step, tmp, frozenset(DEFAULT_EXEMPT), log)
-            hints.append("the step is deterministic within one process: the runs differ by process state "
-                         "(thread pools, lazily initialised kernels, a global RNG seeded per process) or by the "
-                         "resume" if again.identical else
-                         "the step is not deterministic even within one process: see ReplayDivergence's "
-                         "docstring for the usual causes")
-    return StepDivergence("step", step, fields=fields, tensors=tuple(tensors), values=values, rerun=again,
-                          hints=tuple(hints))
+            hints.append(
+                "the step is deterministic within one process: the runs differ by process state "
+                "(thread pools, lazily initialised kernels, a global RNG seeded per process) or by the "
+                "resume"
+                if again.identical
+                else "the step is not deterministic even within one process: see ReplayDivergence's "
+                "docstring for the usual causes"
+            )
+    return StepDivergence(
+        "step", step, fields=fields, tensors=tuple(tensors), values=values, rerun=again, hints=tuple(hints)
+    )

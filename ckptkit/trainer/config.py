@@ -52,10 +52,14 @@ class ModelConfig:
     n_head: int = _knob(2, "attention heads per block, >= 1, divides --d-model")
     d_model: int = _knob(64, "residual stream width (channels), >= 1, a multiple of --n-head")
     block_size: int = _knob(64, "longest sequence the position table holds (bytes), >= --seq-len")
-    quant: str = _knob("none", "factor-weight compute format: none (fp32) or int8 (fake-quantized, "
-                               "straight-through gradients; fp32 master weights)")
-    ngram: bool = _knob(True, "add the bigram logit-bias table (updated outside autograd, saved as "
-                              "the .ngram sidecar) to the logits")
+    quant: str = _knob(
+        "none",
+        "factor-weight compute format: none (fp32) or int8 (fake-quantized, "
+        "straight-through gradients; fp32 master weights)",
+    )
+    ngram: bool = _knob(
+        True, "add the bigram logit-bias table (updated outside autograd, saved as the .ngram sidecar) to the logits"
+    )
     ngram_weight: float = _knob(1.0, "scale of the bigram log-probability bias added to the logits, >= 0")
 
     def __post_init__(self) -> None:
@@ -71,8 +75,12 @@ class ModelConfig:
 class DataConfig:
     """The training bytes: one file read as an endless byte stream."""
 
-    path: str = _knob("", "training file, read as raw bytes and wrapped at EOF; empty = the corpus "
-                          "shipped in ckptkit/trainer/data/corpus.txt", flag="--data")
+    path: str = _knob(
+        "",
+        "training file, read as raw bytes and wrapped at EOF; empty = the corpus "
+        "shipped in ckptkit/trainer/data/corpus.txt",
+        flag="--data",
+    )
     seq_len: int = _knob(32, "bytes per training sequence, 1 ..= --block-size")
     batch: int = _knob(8, "sequences per step, >= 1 (a step consumes batch * seq_len bytes)")
 
@@ -111,27 +119,44 @@ class TrainConfig:
     lr: float = _knob(3e-3, "peak learning rate, > 0")
     min_lr: float = _knob(3e-4, "learning rate after the cosine decay, 0 ..= --lr")
     warmup_iters: int = _knob(10, "linear LR warmup (steps), >= 0")
-    lr_decay_iters: int = _knob(2000, "cosine decay ends at this step; independent of --steps so "
-                                      "extending a run never changes an LR already used, >= --warmup-iters")
+    lr_decay_iters: int = _knob(
+        2000,
+        "cosine decay ends at this step; independent of --steps so "
+        "extending a run never changes an LR already used, >= --warmup-iters",
+    )
     weight_decay: float = _knob(0.1, "AdamW decoupled weight decay on matrices, >= 0")
     beta1: float = _knob(0.9, "AdamW first-moment decay, 0 ..< 1")
     beta2: float = _knob(0.99, "AdamW second-moment decay, 0 ..< 1")
     grad_clip: float = _knob(1.0, "clip the global grad norm to this; 0 = no clipping, >= 0")
     # -- probes before step 0 (they consume stream batches: the stream offset rule) --
-    warmup_probe: bool = _knob(True, "before step 0, two no-grad forwards on one probe batch check "
-                                     "the start loss is finite and the forward deterministic")
-    quant_check: bool = _knob(False, "with --quant int8, before step 0 one probe batch checks the "
-                                     "quantized forward; a bad one latches fp32 at once")
+    warmup_probe: bool = _knob(
+        True,
+        "before step 0, two no-grad forwards on one probe batch check "
+        "the start loss is finite and the forward deterministic",
+    )
+    quant_check: bool = _knob(
+        False,
+        "with --quant int8, before step 0 one probe batch checks the quantized forward; a bad one latches fp32 at once",
+    )
     # -- int8 fake quantization and its one-way fp32 fallback latch --
-    quant_threshold: float = _knob(0.05, "latch fp32 for the rest of the run when a factor matrix's "
-                                         "relative int8 error |q(W)-W|/|W| exceeds this, > 0")
-    trip_latch_at: int | None = _knob(None, "TESTING AID: latch fp32 at this step (as if the int8 "
-                                            "check failed there); unset = never, >= 0")
+    quant_threshold: float = _knob(
+        0.05,
+        "latch fp32 for the rest of the run when a factor matrix's relative int8 error |q(W)-W|/|W| exceeds this, > 0",
+    )
+    trip_latch_at: int | None = _knob(
+        None, "TESTING AID: latch fp32 at this step (as if the int8 check failed there); unset = never, >= 0"
+    )
     # -- deliberate divergence, for testing replay and audit (spec/replay.md R-P10) --
-    perturb_at: int | None = _knob(None, "TESTING AID: at the end of this step add 1 ulp to element 0 "
-                                         "of --perturb-param, so the run diverges there; unset = never, >= 0")
-    perturb_param: str = _knob("", "TESTING AID: the parameter --perturb-at changes, as the model names it "
-                                   "(blocks.0.attn.qkv.weight); empty = the first parameter")
+    perturb_at: int | None = _knob(
+        None,
+        "TESTING AID: at the end of this step add 1 ulp to element 0 "
+        "of --perturb-param, so the run diverges there; unset = never, >= 0",
+    )
+    perturb_param: str = _knob(
+        "",
+        "TESTING AID: the parameter --perturb-at changes, as the model names it "
+        "(blocks.0.attn.qkv.weight); empty = the first parameter",
+    )
     # -- auxiliary masked-prediction loss against an EMA teacher (JEPA-style) --
     aux: bool = _knob(True, "add the masked hidden-state prediction loss against the EMA teacher")
     aux_weight: float = _knob(0.5, "weight of the auxiliary loss in the total loss, >= 0")
@@ -139,30 +164,50 @@ class TrainConfig:
     mask_frac: float = _knob(0.15, "span-start budget of the per-step mask, fraction of positions, 0 ..= 1")
     mask_span: int = _knob(4, "masked span length (positions), >= 1")
     # -- stochastic depth: blocks used per step drawn from the (seed, step) stream --
-    rand_depth: bool = _knob(False, "use a random number of blocks each step, uniform in "
-                                    "[--min-depth, --n-layer], drawn from (seed, step)")
+    rand_depth: bool = _knob(
+        False, "use a random number of blocks each step, uniform in [--min-depth, --n-layer], drawn from (seed, step)"
+    )
     min_depth: int = _knob(1, "smallest depth --rand-depth samples, 1 ..= --n-layer")
     # -- what a spike verdict does (spec/rollback.md R-R01..R-R12; monitor knobs are --spike-*) --
-    auto_rollback: RollbackMode = _knob(RollbackMode.WARN, "on a spike: off (statistics only), warn (a spike "
-                                        "row in the history; the update is kept), on (re-run the step once; "
-                                        "a spike again rolls back --rollback-k steps and drops the LR)")
+    auto_rollback: RollbackMode = _knob(
+        RollbackMode.WARN,
+        "on a spike: off (statistics only), warn (a spike "
+        "row in the history; the update is kept), on (re-run the step once; "
+        "a spike again rolls back --rollback-k steps and drops the LR)",
+    )
     rollback_k: int = _knob(10, "roll back to this many steps before the spiking step (steps), >= 0")
-    lr_drop: float = _knob(0.5, "multiply the LR by this at every rollback, for the rest of the run "
-                                "(applied after the schedule), > 0 and <= 1")
-    rollback_skip: RollbackSkip = _knob(RollbackSkip.WINDOW, "after a rollback: window (skip the batches "
-                                        "from the rollback step to the spike, as PaLM did) or none (replay "
-                                        "them with the lower LR)")
-    rollback_bound: int = _knob(3, "the run stops (training is unstable) at this many consecutive spikes, "
-                                   "so at most bound-1 rollbacks in a row, >= 1")
-    rollback_cap: int = _knob(10, "the run stops when a spike would need rollback number cap+1 (whole "
-                                  "run), >= 0")
-    spike_at: int | None = _knob(None, "TESTING AID: multiply the gradient (so the grad norm) by 10 at this "
-                                       "step, on its execution and its re-run, not after a rollback; "
-                                       "unset = never, >= 0")
-    spike_repeat: int = _knob(2, "TESTING AID: with --spike-at, fire on the first N arrivals at that step "
-                                 "(execution, re-run, executions after rollbacks, ...), >= 1")
-    spike_transient: bool = _knob(False, "TESTING AID: with --spike-at, fire on the first arrival only, "
-                                         "not on the re-run (a transient fault, not the data)")
+    lr_drop: float = _knob(
+        0.5,
+        "multiply the LR by this at every rollback, for the rest of the run (applied after the schedule), > 0 and <= 1",
+    )
+    rollback_skip: RollbackSkip = _knob(
+        RollbackSkip.WINDOW,
+        "after a rollback: window (skip the batches "
+        "from the rollback step to the spike, as PaLM did) or none (replay "
+        "them with the lower LR)",
+    )
+    rollback_bound: int = _knob(
+        3,
+        "the run stops (training is unstable) at this many consecutive spikes, "
+        "so at most bound-1 rollbacks in a row, >= 1",
+    )
+    rollback_cap: int = _knob(10, "the run stops when a spike would need rollback number cap+1 (whole run), >= 0")
+    spike_at: int | None = _knob(
+        None,
+        "TESTING AID: multiply the gradient (so the grad norm) by 10 at this "
+        "step, on its execution and its re-run, not after a rollback; "
+        "unset = never, >= 0",
+    )
+    spike_repeat: int = _knob(
+        2,
+        "TESTING AID: with --spike-at, fire on the first N arrivals at that step "
+        "(execution, re-run, executions after rollbacks, ...), >= 1",
+    )
+    spike_transient: bool = _knob(
+        False,
+        "TESTING AID: with --spike-at, fire on the first arrival only, "
+        "not on the re-run (a transient fault, not the data)",
+    )
 
     def __post_init__(self) -> None:
         _positive(self, "ckpt_every", "log_every", "keep", "mask_span", "min_depth")
@@ -174,8 +219,9 @@ class TrainConfig:
         if self.min_lr > self.lr:
             raise ValueError(f"--min-lr must be <= --lr (got {self.min_lr} > {self.lr})")
         if self.lr_decay_iters < self.warmup_iters:
-            raise ValueError(f"--lr-decay-iters must be >= --warmup-iters "
-                             f"(got {self.lr_decay_iters} < {self.warmup_iters})")
+            raise ValueError(
+                f"--lr-decay-iters must be >= --warmup-iters (got {self.lr_decay_iters} < {self.warmup_iters})"
+            )
         _finite(self, "weight_decay", "grad_clip", "aux_weight", low=0.0)
         _finite(self, "beta1", "beta2", low=0.0, high=1.0, high_open=True)
         _finite(self, "quant_threshold", low=0.0, strict=True)
@@ -220,9 +266,7 @@ class TrainerConfig:
             if table not in _TABLES or name not in {f.name for f in dataclasses.fields(_TABLES[table])}:
                 raise KeyError(f"{key!r} is not a config key (keys: {', '.join(sorted(k for k, _ in knobs()))})")
             tables.setdefault(table, {})[name] = value
-        return dataclasses.replace(
-            self, **{t: dataclasses.replace(getattr(self, t), **kv) for t, kv in tables.items()}
-        )
+        return dataclasses.replace(self, **{t: dataclasses.replace(getattr(self, t), **kv) for t, kv in tables.items()})
 
     @classmethod
     def from_table(cls, table: Any) -> TrainerConfig:
@@ -315,8 +359,9 @@ def _non_negative(obj: Any, *names: str) -> None:
             raise ValueError(f"{_flag(name)} must be >= 0 (got {value})")
 
 
-def _finite(obj: Any, *names: str, low: float, high: float | None = None,
-            strict: bool = False, high_open: bool = False) -> None:
+def _finite(
+    obj: Any, *names: str, low: float, high: float | None = None, strict: bool = False, high_open: bool = False
+) -> None:
     for name in names:
         value = getattr(obj, name)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -357,6 +402,8 @@ def _check_rollback(tc: Any) -> None:
         # R-R09: a rollback deletes the abandoned timeline's checkpoints before it saves its
         # target; a checkpoint at or before the target must then still be on disk.
         need = -(-tc.rollback_k // tc.ckpt_every) + 1
-        raise ValueError(f"--auto-rollback on needs (--keep - 1) x --ckpt-every >= --rollback-k (got ({tc.keep} - 1) "
-                         f"x {tc.ckpt_every} < {tc.rollback_k}): a crash while a rollback is saved could leave no "
-                         f"checkpoint to resume from; use --keep {need} or more")
+        raise ValueError(
+            f"--auto-rollback on needs (--keep - 1) x --ckpt-every >= --rollback-k (got ({tc.keep} - 1) "
+            f"x {tc.ckpt_every} < {tc.rollback_k}): a crash while a rollback is saved could leave no "
+            f"checkpoint to resume from; use --keep {need} or more"
+        )

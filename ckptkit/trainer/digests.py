@@ -27,8 +27,15 @@ import torch
 from ..compare import checkpoint_state
 from ..fingerprint import combine, leaf_digests, tensor_digest
 
-__all__ = ["MODEL_PREFIX", "checkpoint_row", "digests_row", "param_digests", "params_digest", "perturb",
-           "perturb_target"]
+__all__ = [
+    "MODEL_PREFIX",
+    "checkpoint_row",
+    "digests_row",
+    "param_digests",
+    "params_digest",
+    "perturb",
+    "perturb_target",
+]
 
 #: How the checkpoint names the student's tensors: section ``model``, entry ``model``
 #: (``RunState.add_model("model", ...)``), then the module's own name.
@@ -66,12 +73,14 @@ def perturb_target(cfg: Any, model: torch.nn.Module) -> str | None:
     names = [n for n, _ in model.named_parameters()]
     want: str = cfg.train.perturb_param
     if want.startswith(MODEL_PREFIX):
-        want = want[len(MODEL_PREFIX):]
+        want = want[len(MODEL_PREFIX) :]
     if not want:
         return names[0]
     if want not in names:
-        raise ValueError(f"--perturb-param {cfg.train.perturb_param!r} is not a parameter of the model "
-                         f"(parameters: {', '.join(names)})")
+        raise ValueError(
+            f"--perturb-param {cfg.train.perturb_param!r} is not a parameter of the model "
+            f"(parameters: {', '.join(names)})"
+        )
     return want
 
 

@@ -64,8 +64,20 @@ from .digests import checkpoint_row, digests_row, param_digests, params_digest, 
 from .model import GPT, apply_compute_settings, make_teacher
 from .ngram import BigramTable
 
-__all__ = ["Run", "StepResult", "TrainResult", "build", "get_lr", "intra_op_threads", "observed_step", "pre_batches",
-           "run_state", "spike_guard", "train", "train_step"]
+__all__ = [
+    "Run",
+    "StepResult",
+    "TrainResult",
+    "build",
+    "get_lr",
+    "intra_op_threads",
+    "observed_step",
+    "pre_batches",
+    "run_state",
+    "spike_guard",
+    "train",
+    "train_step",
+]
 
 Log = Callable[[str], None]
 
@@ -164,9 +176,11 @@ class StepResult:
         aux = "" if self.aux_loss is None else f" | aux {self.aux_loss:.4f}"
         spike = f" | SPIKE ({self.verdict.reason})" if self.verdict.is_spike else ""
         latch = f" | LATCHED fp32: {self.latch}" if self.latch else ""
-        return (f"step {self.step + 1}/{steps} | loss {self.loss:.4f} | lm {self.lm_loss:.4f}{aux} | "
-                f"gnorm {self.grad_norm:.3f} | lr {self.lr:.2e} | depth {self.depth} | {self.compute} | "
-                f"{self.step_ms:.1f} ms{spike}{latch}")
+        return (
+            f"step {self.step + 1}/{steps} | loss {self.loss:.4f} | lm {self.lm_loss:.4f}{aux} | "
+            f"gnorm {self.grad_norm:.3f} | lr {self.lr:.2e} | depth {self.depth} | {self.compute} | "
+            f"{self.step_ms:.1f} ms{spike}{latch}"
+        )
 
 
 @dataclass(frozen=True)
@@ -263,9 +277,11 @@ def run_probes(run: Run, log: Log) -> list[dict[str, Any]]:
             raise ReplayDivergence(
                 f"warm-up probe: the same forward on the same batch gave {first!r} then {second!r}; this "
                 "environment is not deterministic (thread count, kernels), so no resume of this run could be "
-                "checked; see ReplayDivergence's docstring for the usual causes")
-        rows.append({"kind": "probe", "step": 0, "probe": "warmup",
-                     "loss": json_float(first), "loss_bits": f32_bits(first)})
+                "checked; see ReplayDivergence's docstring for the usual causes"
+            )
+        rows.append(
+            {"kind": "probe", "step": 0, "probe": "warmup", "loss": json_float(first), "loss_bits": f32_bits(first)}
+        )
         log(f"warm-up probe: start loss {first:.4f} (ln 256 = {math.log(256):.4f}), forward deterministic")
     if _quant_check_on(cfg):
         x, y = run.stream.next_batch(cfg.data.batch, cfg.data.seq_len)
@@ -274,11 +290,22 @@ def run_probes(run: Run, log: Log) -> list[dict[str, Any]]:
         bad = not math.isfinite(quant_loss) or error > cfg.train.quant_threshold
         if bad:
             run.latch_fp32()
-            log(f"quant check: int8 loss {quant_loss:.4f}, quant error {error:.4g} "
-                f"(threshold {cfg.train.quant_threshold}): LATCHED fp32 for the whole run")
-        rows.append({"kind": "probe", "step": 0, "probe": "quant_check",
-                     "loss": json_float(quant_loss), "loss_bits": f32_bits(quant_loss),
-                     "quant_error": json_float(error), "quant_error_bits": f64_bits(error), "latched": bad})
+            log(
+                f"quant check: int8 loss {quant_loss:.4f}, quant error {error:.4g} "
+                f"(threshold {cfg.train.quant_threshold}): LATCHED fp32 for the whole run"
+            )
+        rows.append(
+            {
+                "kind": "probe",
+                "step": 0,
+                "probe": "quant_check",
+                "loss": json_float(quant_loss),
+                "loss_bits": f32_bits(quant_loss),
+                "quant_error": json_float(error),
+                "quant_error_bits": f64_bits(error),
+                "latched": bad,
+            }
+        )
     return rows
 
 
@@ -326,8 +353,7 @@ def _aux_loss(run: Run, x: torch.Tensor, depth: int, step: int) -> torch.Tensor:
     sequence, is a function of (seed, step) (design record item 3)."""
     tc, model = run.cfg.train, run.model
     assert run.teacher is not None
-    mask = torch.from_numpy(mask_stream(x.size(1), tc.mask_frac, tc.mask_span, seed=tc.seed, step=step,
-                                        rows=x.size(0)))
+    mask = torch.from_numpy(mask_stream(x.size(1), tc.mask_frac, tc.mask_span, seed=tc.seed, step=step, rows=x.size(0)))
     if not bool(mask.any()):
         return torch.zeros((), dtype=torch.float32)
     pred = model.predictor(model.hidden(x, depth=depth, mask=mask)[mask])
@@ -374,8 +400,7 @@ def train_step(run: Run, step: int) -> StepResult:
     run.optimizer.zero_grad(set_to_none=True)
     loss.backward()
     params = [p for p in run.model.parameters() if p.grad is not None]
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip if tc.grad_clip > 0 else math.inf,
-                                               foreach=False)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip if tc.grad_clip > 0 else math.inf, foreach=False)
     loss_value, grad_norm_value = loss.item(), grad_norm.item()
     # -- update: optimizer, then the EMA teacher and the n-gram table, outside autograd --
     lr = get_lr(step, tc) * run.lr_scale  # after the schedule and any optimizer load (spec/rollback.md R-R06)
@@ -391,10 +416,19 @@ def train_step(run: Run, step: int) -> StepResult:
     step_ms = (time.perf_counter() - t0) * 1e3
     perturb(run, step)  # TESTING AID (--perturb-at): 1 ulp on one parameter, so a replay can diverge
     return StepResult(
-        step=step, loss=loss_value, lm_loss=lm_loss.item(),
-        aux_loss=None if aux_loss is None else aux_loss.item(), grad_norm=grad_norm_value, lr=lr,
-        depth=depth, compute=compute, latch=latch, verdict=None, offset=run.stream.offset,
-        step_ms=step_ms, param_digests=param_digests(run.model),  # fingerprints: spec/replay.md R-P01
+        step=step,
+        loss=loss_value,
+        lm_loss=lm_loss.item(),
+        aux_loss=None if aux_loss is None else aux_loss.item(),
+        grad_norm=grad_norm_value,
+        lr=lr,
+        depth=depth,
+        compute=compute,
+        latch=latch,
+        verdict=None,
+        offset=run.stream.offset,
+        step_ms=step_ms,
+        param_digests=param_digests(run.model),  # fingerprints: spec/replay.md R-P01
     )
 
 
@@ -410,8 +444,10 @@ def observed_step(run: Run, step: int) -> StepResult:
     assert run.guard is not None, "spike_guard(run, rs) first"
     outcome = run.guard.step(step, lambda s: train_step(run, s))
     if isinstance(outcome, RolledBack):
-        raise ReplayDivergence(f"step {step} rolled back to step {outcome.to} in the replay, but not in the "
-                               "recording; see ReplayDivergence's docstring for the usual causes")
+        raise ReplayDivergence(
+            f"step {step} rolled back to step {outcome.to} in the replay, but not in the "
+            "recording; see ReplayDivergence's docstring for the usual causes"
+        )
     return _judged(outcome.executed)
 
 
@@ -484,11 +520,16 @@ def run_state(
     if run.teacher is not None:
         rs.add_teacher(run.teacher)  # item 1: restored as saved, frozen; never rebuilt
     rs.add_monitor("spike", run.monitor)  # item 4: the stability report survives a resume
-    rs.add_data_position("train", get=lambda: run.stream.offset, set=run.stream.seek,  # item 6, spec/rollback.md R-R05:
-                         expected=lambda step, values: expected_offset(cfg, step, skipped_batches(values)))
+    rs.add_data_position(
+        "train",
+        get=lambda: run.stream.offset,
+        set=run.stream.seek,  # item 6, spec/rollback.md R-R05:
+        expected=lambda step, values: expected_offset(cfg, step, skipped_batches(values)),
+    )
     rs.add_value("data", get=lambda: fingerprint, set=lambda stored: _check_same_data(stored, fingerprint, cfg))
-    rs.add_flag("fp32_fallback", get=lambda: run.fp32_latched,
-                set=lambda latched: setattr(run, "fp32_latched", latched))  # item 2
+    rs.add_flag(
+        "fp32_fallback", get=lambda: run.fp32_latched, set=lambda latched: setattr(run, "fp32_latched", latched)
+    )  # item 2
     if run.ngram is not None:
         rs.add_sidecar("ngram", get=run.ngram.sidecar, set=run.ngram.load_sidecar)  # item 7
     rs.after_restore(run.apply_compute_settings)  # the forward follows the restored latch
@@ -516,10 +557,23 @@ def spike_guard(
     if tc.spike_at is not None:  # TESTING AID (spec/rollback.md R-R11): armed by the guard, not the step
         inject = GradSpike([run.model], at=tc.spike_at, repeat=1 if tc.spike_transient else tc.spike_repeat)
     run.guard = SpikeGuard(
-        rs, tc.auto_rollback.value, monitor=run.monitor, k=tc.rollback_k, lr_drop=tc.lr_drop,
-        skip_data=RollbackSkip(tc.rollback_skip) is RollbackSkip.WINDOW, data="train", bound=tc.rollback_bound,
-        cap=tc.rollback_cap, lr=lambda step: get_lr(step, tc), history=history, save=save, on_step=on_step,
-        prepare=lambda: run_probes(run, lambda _msg: None), inject=inject, log=log)
+        rs,
+        tc.auto_rollback.value,
+        monitor=run.monitor,
+        k=tc.rollback_k,
+        lr_drop=tc.lr_drop,
+        skip_data=RollbackSkip(tc.rollback_skip) is RollbackSkip.WINDOW,
+        data="train",
+        bound=tc.rollback_bound,
+        cap=tc.rollback_cap,
+        lr=lambda step: get_lr(step, tc),
+        history=history,
+        save=save,
+        on_step=on_step,
+        prepare=lambda: run_probes(run, lambda _msg: None),
+        inject=inject,
+        log=log,
+    )
     return run.guard
 
 
@@ -611,20 +665,33 @@ def train(
                 notes = list(info.notes) + _after_resume(run, info, log)
                 notes += history.resume_at(start, guard.record.count)
                 notes += guard.rebuild(start, step_fn)  # --auto-rollback on: the ring, by a checked replay (R-R12)
-                history.append({
-                    "kind": "resume", "step": start, "checkpoint": os.path.basename(info.path),
-                    "allow_legacy": allow_legacy, "legacy_missing": list(info.legacy_missing),
-                    "allow_env_change": allow_env_change,
-                    "env_overrides": [str(d) for d in info.env_overrides],
-                    "notes": notes, "time": time.time(),
-                })
+                history.append(
+                    {
+                        "kind": "resume",
+                        "step": start,
+                        "checkpoint": os.path.basename(info.path),
+                        "allow_legacy": allow_legacy,
+                        "legacy_missing": list(info.legacy_missing),
+                        "allow_env_change": allow_env_change,
+                        "env_overrides": [str(d) for d in info.env_overrides],
+                        "notes": notes,
+                        "time": time.time(),
+                    }
+                )
                 log(f"resumed {info.path} at step {start}; stream offset {run.stream.offset}")
                 last_saved: int | None = start
             else:
                 start = rs.start()
                 history.start_fresh()
-                history.append({"kind": "start", "step": 0, "torch": torch.__version__,
-                                "intra_op_threads": torch.get_num_threads(), "data": fingerprint})
+                history.append(
+                    {
+                        "kind": "start",
+                        "step": 0,
+                        "torch": torch.__version__,
+                        "intra_op_threads": torch.get_num_threads(),
+                        "data": fingerprint,
+                    }
+                )
                 for row in run_probes(run, log):
                     history.append(row)
                 last_saved = None
@@ -661,8 +728,15 @@ def train(
                 rs.close()  # the last background save is committed (or its error raised) before we return
             finally:
                 history.close()
-    return TrainResult(final, path, history.path, run.fp32_latched, run.monitor.report(), tuple(notes),
-                       rollback=guard.record.state() if guard.on else None)
+    return TrainResult(
+        final,
+        path,
+        history.path,
+        run.fp32_latched,
+        run.monitor.report(),
+        tuple(notes),
+        rollback=guard.record.state() if guard.on else None,
+    )
 
 
 def _judged(e: Executed) -> StepResult:
@@ -685,17 +759,21 @@ def _after_resume(run: Run, info: Any, log: Log) -> list[str]:
     if run.ngram is not None and run.ngram.table_step != info.step:
         raise SidecarMismatch(
             "ngram table step differs from the training step (the table is updated once per step)",
-            path=info.path + ".ngram", field="table_step", expected=info.step, actual=run.ngram.table_step,
+            path=info.path + ".ngram",
+            field="table_step",
+            expected=info.step,
+            actual=run.ngram.table_step,
         )
     if run.teacher is not None and "teacher" in info.legacy_missing:
         # A v1 checkpoint has no teacher. The least-wrong teacher is a copy of the
         # restored student -- exactly the pre-ADR-0021 behaviour -- so say so loudly.
         run.teacher.load_state_dict(run.model.state_dict())
-        notes.append("teacher: the legacy checkpoint carries none; rebuilt as a copy of the restored student, "
-                     "so the auxiliary target differs from the original run's")
+        notes.append(
+            "teacher: the legacy checkpoint carries none; rebuilt as a copy of the restored student, "
+            "so the auxiliary target differs from the original run's"
+        )
     if run.fp32_latched:
         notes.append("fp32 fallback is latched (restored from the checkpoint): the forward runs fp32 factors")
     for n in notes:
         log(n)
     return notes
-

@@ -64,7 +64,9 @@ class BigramTable:
         if train_step is not None and table_step != train_step:
             raise SidecarMismatch(
                 "ngram table step differs from the training step (the table is updated once per step)",
-                field="table_step", expected=train_step, actual=table_step,
+                field="table_step",
+                expected=train_step,
+                actual=table_step,
             )
         self.counts = counts.clone()
         self.table_step = table_step

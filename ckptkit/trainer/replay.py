@@ -79,9 +79,26 @@ from .loop import (
     train,
 )
 
-__all__ = ["FieldDiff", "Recording", "ReplayError", "ReplayReport", "Rerun", "StepDivergence", "TensorReport",
-           "config_of", "divergence_fields", "divergence_json", "first_differing_checkpoint", "load_recording",
-           "named_reports", "replay", "rerun_step", "row_fields", "step_fields", "tensor_reports"]
+__all__ = [
+    "FieldDiff",
+    "Recording",
+    "ReplayError",
+    "ReplayReport",
+    "Rerun",
+    "StepDivergence",
+    "TensorReport",
+    "config_of",
+    "divergence_fields",
+    "divergence_json",
+    "first_differing_checkpoint",
+    "load_recording",
+    "named_reports",
+    "replay",
+    "rerun_step",
+    "row_fields",
+    "step_fields",
+    "tensor_reports",
+]
 
 Log = Callable[[str], None]
 
@@ -206,8 +223,9 @@ class ReplayReport:
             "steps_replayed": self.replayed,
             "guarded": self.guarded,
             "overrides": [_field_json(f, "snapshot", "replay") for f in self.overrides],
-            "environment": [{"key": e.key, "recorded": e.recorded, "current": e.current, "fatal": e.fatal}
-                            for e in self.environment],
+            "environment": [
+                {"key": e.key, "recorded": e.recorded, "current": e.current, "fatal": e.fatal} for e in self.environment
+            ],
             "notes": list(self.notes),
             "divergence": None if d is None else divergence_json(d),
         }
@@ -227,24 +245,34 @@ class ReplayReport:
         d = self.divergence
         if d is None:
             span = f"steps {self.start}..{self.to - 1}" if self.replayed else "no steps"
-            what = ("step execution(s) replayed through the recorded re-runs and rollbacks" if self.guarded
-                    else "step(s) replayed")
+            what = (
+                "step execution(s) replayed through the recorded re-runs and rollbacks"
+                if self.guarded
+                else "step(s) replayed"
+            )
             lines.append(f"IDENTICAL: {self.replayed} {what} ({span}), every fingerprint bit for bit")
             return "\n".join(lines)
         if d.kind == "checkpoint" and self.guarded:
             lines.append(f"DIVERGED at step {d.step}: {d.file} differs from the file the replay wrote at that step")
         elif d.kind == "checkpoint":
-            lines.append(f"DIVERGED at step {d.step}: {d.file} does not match the digests recorded when it was "
-                         "written (altered after the fact)")
+            lines.append(
+                f"DIVERGED at step {d.step}: {d.file} does not match the digests recorded when it was "
+                "written (altered after the fact)"
+            )
         elif self.guarded:
-            lines.append(f"DIVERGED at step {d.step}: the recording's history row differs from the replay's "
-                         f"({d.kind}; the rows before it matched)")
+            lines.append(
+                f"DIVERGED at step {d.step}: the recording's history row differs from the replay's "
+                f"({d.kind}; the rows before it matched)"
+            )
         elif d.kind == "state":
-            lines.append(f"DIVERGED at step {d.step}: the state after {d.step} steps differs from the recorded "
-                         "checkpoint digests")
+            lines.append(
+                f"DIVERGED at step {d.step}: the state after {d.step} steps differs from the recorded "
+                "checkpoint digests"
+            )
         else:
-            lines.append(f"DIVERGED at step {d.step} (history row step={d.step}; {self.replayed - 1} step(s) "
-                         "before it matched)")
+            lines.append(
+                f"DIVERGED at step {d.step} (history row step={d.step}; {self.replayed - 1} step(s) before it matched)"
+            )
         for f in d.fields:
             lines.append(f"  {f.field}: recorded {_show(f.recorded)}, replayed {_show(f.replayed)}")
         if d.tensors:
@@ -254,11 +282,15 @@ class ReplayReport:
             lines.append(f"  values: {d.values}")
         if d.rerun is not None:
             if d.rerun.identical:
-                lines.append(f"  re-run of step {d.step if d.kind == 'step' else d.step - 1} twice here: identical "
-                             "(deterministic in this process)")
+                lines.append(
+                    f"  re-run of step {d.step if d.kind == 'step' else d.step - 1} twice here: identical "
+                    "(deterministic in this process)"
+                )
             else:
-                lines.append(f"  re-run of step {d.step if d.kind == 'step' else d.step - 1} twice here: DIFFERS "
-                             "(nondeterministic in this process):")
+                lines.append(
+                    f"  re-run of step {d.step if d.kind == 'step' else d.step - 1} twice here: DIFFERS "
+                    "(nondeterministic in this process):"
+                )
                 for f in d.rerun.fields:
                     lines.append(f"    {f.field}: first {_show(f.recorded)}, second {_show(f.replayed)}")
                 lines += ["  " + s for s in _tensor_lines(d.rerun.tensors, limit)]
@@ -275,7 +307,9 @@ def divergence_json(d: StepDivergence, a: str = "recorded", b: str = "replayed")
         "fields": [_field_json(f, a, b) for f in d.fields],
         "tensors": [_tensor_json(t) for t in d.tensors],
         "values": d.values,
-        "rerun": None if d.rerun is None else {
+        "rerun": None
+        if d.rerun is None
+        else {
             "identical": d.rerun.identical,
             "fields": [_field_json(f, "first", "second") for f in d.rerun.fields],
             "tensors": [_tensor_json(t) for t in d.rerun.tensors],
@@ -293,9 +327,15 @@ def _field_json(f: FieldDiff, a: str, b: str) -> dict[str, Any]:
 
 
 def _tensor_json(t: TensorReport) -> dict[str, Any]:
-    return {"name": t.name, "detail": t.detail, "recorded_digest": t.recorded_digest,
-            "actual_digest": t.actual_digest, "n_diff": t.n_diff, "numel": t.numel,
-            "max_abs_diff": t.max_abs_diff}
+    return {
+        "name": t.name,
+        "detail": t.detail,
+        "recorded_digest": t.recorded_digest,
+        "actual_digest": t.actual_digest,
+        "n_diff": t.n_diff,
+        "numel": t.numel,
+        "max_abs_diff": t.max_abs_diff,
+    }
 
 
 def _tensor_lines(tensors: Sequence[TensorReport], limit: int) -> list[str]:
@@ -380,8 +420,9 @@ def _copy_checkpoint(ckpt_path: str, run_dir: str, dest: str) -> None:
         shutil.copyfile(env, os.path.join(dest, ENVIRONMENT_FILE))
 
 
-def _restore(cfg: TrainerConfig, ckpt_path: str, run_dir: str, work: str, exempt: frozenset[str],
-             log: Log) -> tuple[Run, RunState]:
+def _restore(
+    cfg: TrainerConfig, ckpt_path: str, run_dir: str, work: str, exempt: frozenset[str], log: Log
+) -> tuple[Run, RunState]:
     """A :class:`Run` at the checkpoint's step, restored as ``ckptkit train --resume`` would,
     in ``work`` (a private copy: RUN is only read)."""
     os.makedirs(work, exist_ok=True)
@@ -402,8 +443,10 @@ def _restore(cfg: TrainerConfig, ckpt_path: str, run_dir: str, work: str, exempt
 
 def _capture(run: Run, rs: RunState, steps_done: int) -> dict[str, Any]:
     """Everything after a step, cloned: the checkpoint's leaves and the gradients."""
-    state = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
-             for k, v in checkpoint_state(rs.checkpoint(steps_done)).items()}
+    state = {
+        k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
+        for k, v in checkpoint_state(rs.checkpoint(steps_done)).items()
+    }
     for name, p in run.model.named_parameters():
         if p.grad is not None:
             state["grad:" + MODEL_PREFIX.partition(":")[2] + name] = p.grad.detach().clone()
@@ -425,24 +468,34 @@ def divergence_fields(d: Divergence) -> tuple[FieldDiff, ...]:
     return tuple(FieldDiff(f, d.expected.get(f), d.actual.get(f)) for f in d.fields)
 
 
-def tensor_reports(diffs: Sequence[TensorDiff],
-                   digests: Mapping[str, tuple[int | None, int | None]]) -> list[TensorReport]:
+def tensor_reports(
+    diffs: Sequence[TensorDiff], digests: Mapping[str, tuple[int | None, int | None]]
+) -> list[TensorReport]:
     """:func:`ckptkit.compare.compare_states` differences as reports, in compute order."""
     out = []
     for t in diffs:
         rec, rep = digests.get(t.name, (None, None))
-        out.append(TensorReport(t.name, t.detail, rec, rep, t.n_diff if t.kind == "changed" else None,
-                                t.numel or None, t.max_abs_diff))
+        out.append(
+            TensorReport(
+                t.name, t.detail, rec, rep, t.n_diff if t.kind == "changed" else None, t.numel or None, t.max_abs_diff
+            )
+        )
     return sorted(out, key=lambda t: _rank(t.name))
 
 
-def named_reports(names: Sequence[str], recorded: Mapping[str, int], replayed: Mapping[str, int],
-                why: str) -> list[TensorReport]:
+def named_reports(
+    names: Sequence[str], recorded: Mapping[str, int], replayed: Mapping[str, int], why: str
+) -> list[TensorReport]:
     out = []
     for n in names:
         rec, rep = recorded.get(n), replayed.get(n)
-        detail = ("only in the recording" if rep is None else "not in the recording" if rec is None
-                  else f"digest differs; {why}")
+        detail = (
+            "only in the recording"
+            if rep is None
+            else "not in the recording"
+            if rec is None
+            else f"digest differs; {why}"
+        )
         out.append(TensorReport(n, detail, rec, rep))
     return sorted(out, key=lambda t: _rank(t.name))
 
@@ -462,8 +515,9 @@ def _verified_file_state(run_dir: str, steps_done: int, rec: Recording) -> tuple
     return state, f"recorded values from {path} (its digests match the recording)"
 
 
-def rerun_step(cfg: TrainerConfig, ckpt_path: str, start: int, run_dir: str, step: int, work: str,
-               exempt: frozenset[str], log: Log) -> Rerun:
+def rerun_step(
+    cfg: TrainerConfig, ckpt_path: str, start: int, run_dir: str, step: int, work: str, exempt: frozenset[str], log: Log
+) -> Rerun:
     """Run ``step`` twice from the same state: each time restored from ``ckpt_path`` (at
     ``start``) and re-run up to it, then ``step`` with everything captured after it.
 
@@ -598,8 +652,12 @@ def replay(
     # A re-run or rollback at or after the start supersedes rows of the range (R-P15), even when
     # the spike itself lies past --to: the plain loop would be compared with the wrong timeline.
     inside = sorted({s for s in rec.rollbacks if s >= start})
-    notes = [f"the recording resumed at step {s} with an environment override ({'; '.join(envs)}); "
-             "environment.json describes the steps before it" for s, envs in rec.env_overrides if s < to]
+    notes = [
+        f"the recording resumed at step {s} with an environment override ({'; '.join(envs)}); "
+        "environment.json describes the steps before it"
+        for s, envs in rec.env_overrides
+        if s < to
+    ]
 
     with deterministic_torch(), intra_op_threads(threads):
         env = _env_check(run_dir, allow_env_change)
@@ -613,28 +671,35 @@ def replay(
         with contextlib.ExitStack() as stack:
             work = out_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="ckptkit-replay-"))
             if inside:
-                notes.append(f"the recording re-ran or rolled back at step(s) {', '.join(map(str, inside))} "
-                             "(--auto-rollback on): replayed by the trainer's own guarded loop, every history "
-                             "row compared in order (R-P15)")
+                notes.append(
+                    f"the recording re-ran or rolled back at step(s) {', '.join(map(str, inside))} "
+                    "(--auto-rollback on): replayed by the trainer's own guarded loop, every history "
+                    "row compared in order (R-P15)"
+                )
                 return _replay_guarded(cfg, rec, run_dir, ckpt_path, start, to, work, log, report, step_done)
             return _replay_plain(cfg, rec, (start, ckpt_path), to, work, exempt, log, report, out_dir, step_done)
 
 
 #: The hint for a file that verifies but is not what the run wrote (R-P06, R-P07).
-_ALTERED = ("the file verifies (its container checksums were re-sealed) but is not what the run wrote: it was "
-            "altered after the fact; do not resume from it")
+_ALTERED = (
+    "the file verifies (its container checksums were re-sealed) but is not what the run wrote: it was "
+    "altered after the fact; do not resume from it"
+)
 
 
-def _check_request(run_dir: str, rec: Recording, start: int, to: int,
-                   out_dir: str | os.PathLike[str] | None) -> str | None:
+def _check_request(
+    run_dir: str, rec: Recording, start: int, to: int, out_dir: str | os.PathLike[str] | None
+) -> str | None:
     """``--to`` inside the recording, ``--out`` empty and outside RUN; returns ``--out`` made absolute.
 
     Raises:
         ReplayError: naming the option.
     """
     if to < start or to > max(rec.last, start):
-        raise ReplayError(f"--to {to} is outside the replayable range: the checkpoint is at step {start} and the "
-                          f"recording ends at step {rec.last}")
+        raise ReplayError(
+            f"--to {to} is outside the replayable range: the checkpoint is at step {start} and the "
+            f"recording ends at step {rec.last}"
+        )
     if out_dir is None:
         return None
     out = os.path.abspath(os.fspath(out_dir))
@@ -649,23 +714,38 @@ def _check_start(rec: Recording, ckpt_path: str, start: int, notes: list[str]) -
     """R-P06: the starting checkpoint against the digests recorded when it was written."""
     recorded = rec.checkpoints.get(start)
     if recorded is None:
-        notes.append(f"the recording holds no digests for {os.path.basename(ckpt_path)} (an older ckptkit wrote "
-                     "it): the starting checkpoint is trusted as it is")
+        notes.append(
+            f"the recording holds no digests for {os.path.basename(ckpt_path)} (an older ckptkit wrote "
+            "it): the starting checkpoint is trusted as it is"
+        )
         return None
     file_digests = leaf_digests(checkpoint_state(load(ckpt_path)))
     bad = differing_names(recorded, file_digests)
     if not bad:
         return None
-    return StepDivergence("checkpoint", start, file=ckpt_path,
-                          tensors=tuple(named_reports(bad, recorded, file_digests, "values unavailable")),
-                          values="the recording keeps digests, not values; replay from an earlier checkpoint "
-                                 "(--from a smaller step) re-derives the recorded values and measures the difference",
-                          hints=(_ALTERED,))
+    return StepDivergence(
+        "checkpoint",
+        start,
+        file=ckpt_path,
+        tensors=tuple(named_reports(bad, recorded, file_digests, "values unavailable")),
+        values="the recording keeps digests, not values; replay from an earlier checkpoint "
+        "(--from a smaller step) re-derives the recorded values and measures the difference",
+        hints=(_ALTERED,),
+    )
 
 
-def _replay_plain(cfg: TrainerConfig, rec: Recording, origin: tuple[int, str], to: int, work: str,
-                  exempt: frozenset[str], log: Log, report: _Builder, out_dir: str | None,
-                  step_done: Callable[[int, int], None]) -> ReplayReport:
+def _replay_plain(
+    cfg: TrainerConfig,
+    rec: Recording,
+    origin: tuple[int, str],
+    to: int,
+    work: str,
+    exempt: frozenset[str],
+    log: Log,
+    report: _Builder,
+    out_dir: str | None,
+    step_done: Callable[[int, int], None],
+) -> ReplayReport:
     """R-P07: re-run steps ``start..to-1`` from the checkpoint, each compared with its row,
     its ``digests`` row and, at a recorded checkpoint, the state and RUN's file."""
     start, ckpt_path = origin
@@ -683,42 +763,63 @@ def _replay_plain(cfg: TrainerConfig, rec: Recording, origin: tuple[int, str], t
             continue
         d = first_divergence([recorded_row], [result.row()], step_fields(recorded_row))
         rec_params = rec.digests.get(done)
-        bad_params = ([] if rec_params is None or result.param_digests is None
-                      else differing_names(rec_params, result.param_digests))
+        bad_params = (
+            []
+            if rec_params is None or result.param_digests is None
+            else differing_names(rec_params, result.param_digests)
+        )
         if d is not None or bad_params:
-            return report.done(replayed, _explain_step(cfg, rec, run_dir, origin, exempt, log, run, rs, step, d,
-                                                       out_dir))
+            return report.done(
+                replayed, _explain_step(cfg, rec, run_dir, origin, exempt, log, run, rs, step, d, out_dir)
+            )
         rec_state = rec.checkpoints.get(done)
         if rec_state is None:
             continue
         state = {k: v for k, v in _capture(run, rs, done).items() if not k.startswith("grad:")}
         if out_dir is not None:
             rs.save(done)
-        divergence = (_state_divergence(run_dir, rec, done, rec_state, state)
-                      or _file_divergence(run_dir, done, rec_state, state, report.notes))
+        divergence = _state_divergence(run_dir, rec, done, rec_state, state) or _file_divergence(
+            run_dir, done, rec_state, state, report.notes
+        )
         if divergence is not None:
             return report.done(replayed, divergence)
     return report.done(replayed, None)
 
 
-def _state_divergence(run_dir: str, rec: Recording, done: int, rec_state: Mapping[str, int],
-                      state: dict[str, Any]) -> StepDivergence | None:
+def _state_divergence(
+    run_dir: str, rec: Recording, done: int, rec_state: Mapping[str, int], state: dict[str, Any]
+) -> StepDivergence | None:
     """The replayed state after ``done`` steps against the recorded checkpoint digests."""
     digests = leaf_digests(state)
     bad = differing_names(rec_state, digests)
     if not bad:
         return None
     values, why = _verified_file_state(run_dir, done, rec)
-    tensors = (tensor_reports([t for t in compare_states(values, state) if t.name in bad],
-                              {n: (rec_state.get(n), digests.get(n)) for n in bad})
-               if values is not None else named_reports(bad, rec_state, digests, "values unavailable"))
-    return StepDivergence("state", done, tensors=tuple(tensors), values=why,
-                          hints=(("every step row matched, yet the state differs: state outside the step "
-                                  "fingerprints (optimizer moments, teacher, monitor) was not reproduced"),))
+    tensors = (
+        tensor_reports(
+            [t for t in compare_states(values, state) if t.name in bad],
+            {n: (rec_state.get(n), digests.get(n)) for n in bad},
+        )
+        if values is not None
+        else named_reports(bad, rec_state, digests, "values unavailable")
+    )
+    return StepDivergence(
+        "state",
+        done,
+        tensors=tuple(tensors),
+        values=why,
+        hints=(
+            (
+                "every step row matched, yet the state differs: state outside the step "
+                "fingerprints (optimizer moments, teacher, monitor) was not reproduced"
+            ),
+        ),
+    )
 
 
-def _file_divergence(run_dir: str, done: int, rec_state: Mapping[str, int], state: dict[str, Any],
-                     notes: list[str]) -> StepDivergence | None:
+def _file_divergence(
+    run_dir: str, done: int, rec_state: Mapping[str, int], state: dict[str, Any], notes: list[str]
+) -> StepDivergence | None:
     """R-P07: the file RUN still holds at this step, against the same recording."""
     file = os.path.join(run_dir, checkpoint_name(done))
     if not os.path.isfile(file):
@@ -732,15 +833,31 @@ def _file_divergence(run_dir: str, done: int, rec_state: Mapping[str, int], stat
     fbad = differing_names(rec_state, fdig)
     if not fbad:
         return None
-    tensors = tensor_reports([t for t in compare_states(state, fstate) if t.name in fbad],
-                             {n: (rec_state.get(n), fdig.get(n)) for n in fbad})
-    return StepDivergence("checkpoint", done, file=file, tensors=tuple(tensors),
-                          values=f"the replayed state after {done} steps, whose digests match the recording",
-                          hints=(_ALTERED,))
+    tensors = tensor_reports(
+        [t for t in compare_states(state, fstate) if t.name in fbad], {n: (rec_state.get(n), fdig.get(n)) for n in fbad}
+    )
+    return StepDivergence(
+        "checkpoint",
+        done,
+        file=file,
+        tensors=tuple(tensors),
+        values=f"the replayed state after {done} steps, whose digests match the recording",
+        hints=(_ALTERED,),
+    )
 
 
-def _replay_guarded(cfg: TrainerConfig, rec: Recording, run_dir: str, ckpt_path: str, start: int, to: int,
-                    work: str, log: Log, report: _Builder, step_done: Callable[[int, int], None]) -> ReplayReport:
+def _replay_guarded(
+    cfg: TrainerConfig,
+    rec: Recording,
+    run_dir: str,
+    ckpt_path: str,
+    start: int,
+    to: int,
+    work: str,
+    log: Log,
+    report: _Builder,
+    step_done: Callable[[int, int], None],
+) -> ReplayReport:
     """R-P15: a range holding spike re-runs or rollbacks, replayed by :func:`train` itself.
 
     Re-running plain steps cannot reproduce a rollback (its state comes from the
@@ -780,25 +897,52 @@ def _replay_guarded(cfg: TrainerConfig, rec: Recording, run_dir: str, ckpt_path:
             return report.done(executed, guarded=True, divergence=_row_divergence(recorded, replayed, i))
     if len(replayed) > len(recorded):
         extra = replayed[len(recorded)]
-        return report.done(executed, guarded=True, divergence=StepDivergence(
-            "rows", extra["step"], fields=(FieldDiff("row", None, extra),),
-            hints=("the replay went on where the recording stopped",)))
+        return report.done(
+            executed,
+            guarded=True,
+            divergence=StepDivergence(
+                "rows",
+                extra["step"],
+                fields=(FieldDiff("row", None, extra),),
+                hints=("the replay went on where the recording stopped",),
+            ),
+        )
     if to == rec.last and len(replayed) < len(recorded):
         missing = recorded[len(replayed)]
-        return report.done(executed, guarded=True, divergence=StepDivergence(
-            "rows", missing["step"], fields=(FieldDiff("row", missing, None),),
-            hints=("the replay stopped where the recording went on (a rollback bound it did not reach?)",)))
+        return report.done(
+            executed,
+            guarded=True,
+            divergence=StepDivergence(
+                "rows",
+                missing["step"],
+                fields=(FieldDiff("row", missing, None),),
+                hints=("the replay stopped where the recording went on (a rollback bound it did not reach?)",),
+            ),
+        )
     if len(replayed) == len(recorded):  # the same timeline to the end: RUN's files must be the replay's bytes
         mine = {s for s, _ in list_checkpoints(work)}
-        differ = first_differing_checkpoint(work, run_dir, [s for s, _ in list_checkpoints(run_dir)
-                                                           if s > start and s in mine])
+        differ = first_differing_checkpoint(
+            work, run_dir, [s for s, _ in list_checkpoints(run_dir) if s > start and s in mine]
+        )
         if differ is not None:
             s, diffs = differ
-            return report.done(executed, guarded=True, divergence=StepDivergence(
-                "checkpoint", s, file=os.path.join(run_dir, checkpoint_name(s)), tensors=tuple(tensor_reports(diffs, {})),
-                values=f"the replayed {checkpoint_name(s)}, compared as ckptkit diff --tensors does",
-                hints=(("every history row matched, yet the file differs from the replay's: it was altered "
-                        "after the fact, or state outside the fingerprints was not reproduced"),)))
+            return report.done(
+                executed,
+                guarded=True,
+                divergence=StepDivergence(
+                    "checkpoint",
+                    s,
+                    file=os.path.join(run_dir, checkpoint_name(s)),
+                    tensors=tuple(tensor_reports(diffs, {})),
+                    values=f"the replayed {checkpoint_name(s)}, compared as ckptkit diff --tensors does",
+                    hints=(
+                        (
+                            "every history row matched, yet the file differs from the replay's: it was altered "
+                            "after the fact, or state outside the fingerprints was not reproduced"
+                        ),
+                    ),
+                ),
+            )
     return report.done(executed, None, guarded=True)
 
 
@@ -835,9 +979,19 @@ def _row_divergence(recorded: list[dict[str, Any]], replayed: list[dict[str, Any
     return StepDivergence(a["kind"] if a["kind"] == b["kind"] else "rows", a["step"], fields, tuple(tensors), values)
 
 
-def _explain_step(cfg: TrainerConfig, rec: Recording, run_dir: str, origin: tuple[int, str],
-                  exempt: frozenset[str], log: Log, run: Run, rs: RunState, step: int, d: Divergence | None,
-                  out_dir: str | None) -> StepDivergence:
+def _explain_step(
+    cfg: TrainerConfig,
+    rec: Recording,
+    run_dir: str,
+    origin: tuple[int, str],
+    exempt: frozenset[str],
+    log: Log,
+    run: Run,
+    rs: RunState,
+    step: int,
+    d: Divergence | None,
+    out_dir: str | None,
+) -> StepDivergence:
     """Explain a step divergence: tensors vs the recording, then the step re-run twice here."""
     done = step + 1
     state = _capture(run, rs, done)
@@ -849,37 +1003,61 @@ def _explain_step(cfg: TrainerConfig, rec: Recording, run_dir: str, origin: tupl
     recorded.update(rec.checkpoints.get(done) or {})
     tensors: list[TensorReport] = []
     if not recorded:
-        values = (f"the recording holds no digests after step {step}, so the tensors cannot be named "
-                  "against it (the history predates per-step digests)")
+        values = (
+            f"the recording holds no digests after step {step}, so the tensors cannot be named "
+            "against it (the history predates per-step digests)"
+        )
     else:
         bad = differing_names(recorded, {k: v for k, v in digests.items() if k in recorded})
         file_state, why = _verified_file_state(run_dir, done, rec)
         if file_state is not None:  # every difference, exactly as ckptkit diff --tensors lists it
-            tensors = tensor_reports(compare_states(file_state, model_state),
-                                  {n: (recorded.get(n), digests.get(n)) for n in bad})
+            tensors = tensor_reports(
+                compare_states(file_state, model_state), {n: (recorded.get(n), digests.get(n)) for n in bad}
+            )
             values = why
         else:
             tensors = named_reports(bad, recorded, digests, "values unavailable")
-            values = (f"unavailable: {why}; record with a checkpoint after step {step} (--ckpt-every) to get "
-                      "max |diff|, or compare replay against replay below")
+            values = (
+                f"unavailable: {why}; record with a checkpoint after step {step} (--ckpt-every) to get "
+                "max |diff|, or compare replay against replay below"
+            )
     # Re-run the step twice here (replay against replay): is it deterministic in this process?
     with tempfile.TemporaryDirectory(prefix="ckptkit-rerun-") as tmp:
         rerun = rerun_step(cfg, origin[1], origin[0], run_dir, step, tmp, exempt, lambda _m: None)
     hints = []
     if not rerun.identical:
-        hints.append("the step is not deterministic in this process: see ReplayDivergence's docstring for the "
-                     "usual causes (unseeded RNG, nondeterministic kernels, threads)")
+        hints.append(
+            "the step is not deterministic in this process: see ReplayDivergence's docstring for the "
+            "usual causes (unseeded RNG, nondeterministic kernels, threads)"
+        )
     else:
-        hints.append("the step is deterministic here, so the recording ran something else: another config, "
-                     "environment, code version, or a run that was itself nondeterministic")
-    return StepDivergence("step", step, fields=divergence_fields(d) if d is not None else (), tensors=tuple(tensors),
-                          values=values, rerun=rerun, hints=tuple(hints))
+        hints.append(
+            "the step is deterministic here, so the recording ran something else: another config, "
+            "environment, code version, or a run that was itself nondeterministic"
+        )
+    return StepDivergence(
+        "step",
+        step,
+        fields=divergence_fields(d) if d is not None else (),
+        tensors=tuple(tensors),
+        values=values,
+        rerun=rerun,
+        hints=tuple(hints),
+    )
 
 
 class _Builder:
-    def __init__(self, run_dir: str, ckpt: str, start: int, to: int, overrides: tuple[FieldDiff, ...],
-                 env: tuple[EnvDiff, ...], notes: list[str],
-                 recorded_env_overrides: tuple[tuple[int, tuple[str, ...]], ...]) -> None:
+    def __init__(
+        self,
+        run_dir: str,
+        ckpt: str,
+        start: int,
+        to: int,
+        overrides: tuple[FieldDiff, ...],
+        env: tuple[EnvDiff, ...],
+        notes: list[str],
+        recorded_env_overrides: tuple[tuple[int, tuple[str, ...]], ...],
+    ) -> None:
         self.args = (run_dir, ckpt, start, to)
         self.run_dir = run_dir
         self.overrides, self.env, self.notes = overrides, env, notes
@@ -892,15 +1070,16 @@ class _Builder:
         if d is not None and (self.overrides or any(e.fatal for e in self.env) or recorded_env):
             extra = []
             for s, envs in recorded_env:
-                extra.append(f"the recording itself continued from step {s} under another environment "
-                             f"({'; '.join(envs)}): the likely cause; replay under it (--threads, "
-                             "--allow-env-change) to confirm")
+                extra.append(
+                    f"the recording itself continued from step {s} under another environment "
+                    f"({'; '.join(envs)}): the likely cause; replay under it (--threads, "
+                    "--allow-env-change) to confirm"
+                )
             if self.overrides:
-                extra.append("this replay overrides " + ", ".join(o.field for o in self.overrides)
-                             + ": the likely cause")
+                extra.append(
+                    "this replay overrides " + ", ".join(o.field for o in self.overrides) + ": the likely cause"
+                )
             if any(e.fatal for e in self.env):
                 extra.append("the environment differs from the recording (listed above): a likely cause")
             d = StepDivergence(d.kind, d.step, d.fields, d.tensors, d.values, d.rerun, d.file, tuple(extra) + d.hints)
-        return ReplayReport(run_dir, ckpt, start, to, replayed, self.overrides, self.env, tuple(self.notes), d,
-                            guarded)
-
+        return ReplayReport(run_dir, ckpt, start, to, replayed, self.overrides, self.env, tuple(self.notes), d, guarded)
