@@ -55,6 +55,11 @@ TINY = {
     "train.keep": 100,
     "train.warmup_iters": 2,
 }
+# The tiny model as ``ckptkit train`` flags (the CLI's view of :data:`TINY`'s model and data).
+TINY_FLAGS = [
+    "--n-layer", "2", "--n-head", "2", "--d-model", "32", "--block-size", "16",
+    "--seq-len", "16", "--batch", "4", "--warmup-iters", "2",
+]  # fmt: skip
 
 
 def tiny(**changes: Any) -> TrainerConfig:

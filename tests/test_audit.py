@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import run, tiny
+from helpers import TINY_FLAGS, run, tiny
 
 from ckptkit.checkpoint import load, save
 from ckptkit.cli import main
@@ -17,23 +17,6 @@ from ckptkit.runstate import checkpoint_name
 from ckptkit.trainer.audit import compare_runs, knob_flags
 
 pytestmark = pytest.mark.slow
-
-TINY_FLAGS = [
-    "--n-layer",
-    "2",
-    "--n-head",
-    "2",
-    "--d-model",
-    "32",
-    "--block-size",
-    "16",
-    "--seq-len",
-    "16",
-    "--batch",
-    "4",
-    "--warmup-iters",
-    "2",
-]
 
 
 def _train_args(flags: list[str]) -> argparse.Namespace:

@@ -12,34 +12,14 @@ import shutil
 from pathlib import Path
 
 import pytest
+from helpers import TINY_FLAGS as HELPER_TINY_FLAGS
 from helpers import Cfg, Loop, trained
 
 from ckptkit import CheckpointNotFound, ChecksumMismatch
 from ckptkit.cli import main
 from ckptkit.runstate import checkpoint_name
 
-TINY_FLAGS = [
-    "--n-layer",
-    "2",
-    "--n-head",
-    "2",
-    "--d-model",
-    "32",
-    "--block-size",
-    "16",
-    "--seq-len",
-    "16",
-    "--batch",
-    "4",
-    "--warmup-iters",
-    "2",
-    "--ckpt-every",
-    "2",
-    "--keep",
-    "10",
-    "--log-every",
-    "1000",
-]
+TINY_FLAGS = [*HELPER_TINY_FLAGS, "--ckpt-every", "2", "--keep", "10", "--log-every", "1000"]
 
 
 def snapshot_of(run_dir: Path, step: int) -> Path:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import TINY_FLAGS
 
 from ckptkit.cli import main
 from ckptkit.history import History, read_rows
@@ -25,27 +26,7 @@ from ckptkit.plot import COLORS, plot_run, read_series, render, spike_config_of
 
 pytestmark = pytest.mark.slow
 
-TINY = [
-    "--n-layer",
-    "2",
-    "--n-head",
-    "2",
-    "--d-model",
-    "32",
-    "--block-size",
-    "16",
-    "--seq-len",
-    "16",
-    "--batch",
-    "4",
-    "--log-every",
-    "1000",
-    "--keep",
-    "100",
-    "--warmup-iters",
-    "2",
-    "--quiet",
-]
+TINY = [*TINY_FLAGS, "--log-every", "1000", "--keep", "100", "--quiet"]
 ROLLBACK = [
     "--spike-window",
     "8",

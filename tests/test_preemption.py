@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import TINY_FLAGS
 
 import ckptkit
 from ckptkit.cli import main
@@ -29,26 +30,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "resumable_loop.py"
-TINY = [
-    "--n-layer",
-    "2",
-    "--n-head",
-    "2",
-    "--d-model",
-    "32",
-    "--block-size",
-    "16",
-    "--seq-len",
-    "16",
-    "--batch",
-    "4",
-    "--warmup-iters",
-    "2",
-    "--ckpt-every",
-    "1000",
-    "--log-every",
-    "1",
-]
+TINY = [*TINY_FLAGS, "--ckpt-every", "1000", "--log-every", "1"]
 
 
 def _start(argv: list[str], **env: str) -> subprocess.Popen[str]:

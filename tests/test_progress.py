@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import TINY_FLAGS
 
 from ckptkit.cli import main
 from ckptkit.cli._progress import Progress
@@ -31,22 +32,7 @@ from ckptkit.runstate import read_environment
 pytestmark = pytest.mark.slow
 
 # The tiny model of tests/test_trainer_resume.py, as flags.
-KNOBS = [
-    "--n-layer",
-    "2",
-    "--n-head",
-    "2",
-    "--d-model",
-    "32",
-    "--block-size",
-    "16",
-    "--seq-len",
-    "16",
-    "--batch",
-    "4",
-    "--warmup-iters",
-    "2",
-]
+KNOBS = [*TINY_FLAGS]
 # A bar line: "train:  50%|█████     | 20/40 [00:01<00:01, 19.73step/s, loss=2.9411]" (or "s/step" when slow).
 BAR = re.compile(
     r"train: +(\d+)%\|[^|]*\| (\d+)/(\d+) \[(\d\d:)?\d\d:\d\d<(\d\d:)?\d\d:\d\d, +[\d.]+(step/s|s/step), "
