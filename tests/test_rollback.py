@@ -13,6 +13,7 @@ import importlib
 import json
 import re
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +104,20 @@ def sections(path: Path) -> dict[str, Any]:
     }
 
 
+def committed(path: Path, within: float = 120.0) -> Path:
+    """``path`` once the background save has renamed it into place.
+
+    The trainer saves asynchronously, so two steps after a checkpoint step its file
+    may still be in flight; a save commits by rename, so existence means complete.
+    """
+    deadline = time.monotonic() + within
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{path} was not committed within {within} s")
+        time.sleep(0.01)
+    return path
+
+
 # ----------------------------------------------------------------------------- one rollback, read every way
 
 
@@ -116,7 +131,7 @@ def rolled(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         if r.step == 8 and not (keep / "old").exists():  # checkpoint 6 of the first timeline
             (keep / "old").mkdir()
             for name in ("step-00000006.ckpt", "step-00000006.ckpt.ngram"):
-                shutil.copyfile(d / name, keep / "old" / name)
+                shutil.copyfile(committed(d / name), keep / "old" / name)
 
     cfg = rb(**{"train.spike_at": 9, "train.steps": 14})
     result = train(cfg, d, log=None, on_step=on_step)
