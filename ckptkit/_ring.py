@@ -22,7 +22,7 @@ import xxhash
 from .checkpoint import Checkpoint
 from .section import sort_key
 
-__all__ = ["Kept", "Ring", "clone", "digests", "tensors"]
+__all__ = ["Kept", "Ring", "clone", "digests", "local", "tensors", "tree_digest"]
 
 Sidecars = Mapping[str, tuple[int, Any]]
 
@@ -38,6 +38,15 @@ def tensors(tree: Any) -> list[Any]:
     if isinstance(tree, (list, tuple)):
         return [t for v in tree for t in tensors(v)]
     return []
+
+
+def local(t: Any) -> Any:
+    """This rank's part of a tensor: an FSDP2 shard (DTensor) is its local shard, anything
+    else itself. A distributed run's in-memory copies and digests are per rank."""
+    import sys
+
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return t.to_local() if dtensor is not None and isinstance(t, dtensor.DTensor) else t
 
 
 def clone(tree: Any) -> Any:
@@ -70,6 +79,7 @@ def _feed(h: Any, value: Any, path: str) -> None:
     from .codec import dtype_name, tensor_bytes
 
     if isinstance(value, torch.Tensor):
+        value = local(value)
         _held, raw = tensor_bytes(value)
         h.update(b"T" + dtype_name(value.dtype).encode() + struct.pack(f"<I{value.dim()}Q", value.dim(), *value.shape))
         h.update(raw)
@@ -99,7 +109,9 @@ def _feed(h: Any, value: Any, path: str) -> None:
         raise TypeError(f"{path}: cannot digest a {type(value).__name__}")
 
 
-def _digest(tree: Any, where: str) -> int:
+def tree_digest(tree: Any, where: str) -> int:
+    """xxh3-64 of a state tree's canonical bytes (tensors by exact bytes, floats by bits);
+    ``where`` names it in the error for a value no state tree holds."""
     h = xxhash.xxh3_64()
     _feed(h, tree, where)
     return h.intdigest()
@@ -120,7 +132,7 @@ def digests(ckpt: Checkpoint, sidecars: Sidecars, *, leave_out: frozenset[str] =
             parts[f"{group}.{name}"] = value
     for kind, contents in sidecars.items():
         parts[f"sidecars.{kind}"] = list(contents)
-    return {name: _digest(tree, name) for name, tree in parts.items() if name not in leave_out}
+    return {name: tree_digest(tree, name) for name, tree in parts.items() if name not in leave_out}
 
 
 @dataclass
@@ -153,7 +165,7 @@ class Kept:
     def nbytes(self) -> int:
         """Tensor bytes held (what the ring costs in memory)."""
         trees = (self.ckpt.model, self.ckpt.optim, self.ckpt.teacher, list(self.sidecars.values()))
-        return sum(t.numel() * t.element_size() for t in tensors(trees))
+        return sum(local(t).numel() * t.element_size() for t in tensors(trees))
 
 
 class Ring:

@@ -1,0 +1,122 @@
+"""Rank-side code for the distributed RunState tests (run through ``_dist_workers.RankPool``).
+
+A tiny loop trained on :class:`ckptkit.RunState` in a process group: a DDP- or
+FSDP2-wrapped model, AdamW, a plain EMA teacher, a per-rank data position (rank
+``r`` of ``W`` reads batches ``r, r + W, r + 2W, ...``), a per-rank and a
+replicated value. Every batch is a function of the position, so a run is a function
+of its checkpoints: interrupted and resumed equals uninterrupted, bit for bit.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from _dist_workers import _full, tiny_model
+
+import ckptkit
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopConfig:
+    steps: int = 6  # steps to train (exempt: a resume may extend it)
+    ckpt_every: int = 2  # steps between saves
+    lr: float = 1e-2  # AdamW learning rate
+
+
+def build(layout: str, seed: int = 0) -> tuple[torch.nn.Module, torch.nn.Module, torch.optim.Optimizer]:
+    """``(the module the loop trains, the module to register, its optimizer)`` for a layout."""
+    net = tiny_model(seed)
+    if layout == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        model: torch.nn.Module = DistributedDataParallel(net)
+    elif layout == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for layer in (net[0], net[2]):
+            fully_shard(layer, mesh=mesh)
+        model = fully_shard(net, mesh=mesh)
+    else:
+        model = net
+    return model, model, torch.optim.AdamW(model.parameters(), lr=LoopConfig.lr)
+
+
+class Loop:
+    """One rank's training loop and everything it registers."""
+
+    def __init__(self, run_dir: str, layout: str, **rs_kw: Any) -> None:
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.model, registered, self.opt = build(layout)
+        self.teacher = copy.deepcopy(tiny_model(0)).requires_grad_(False)
+        self.pos = self.rank
+        self.seen = 0  # per rank: batches this rank trained on
+        self.updates = 0  # replicated: optimizer steps taken
+        self.rs = ckptkit.RunState(run_dir, config=LoopConfig(), keep=2, **rs_kw)
+        self.rs.add_model("model", registered)
+        self.rs.add_optimizer("adamw", self.opt)
+        self.rs.add_teacher(self.teacher)
+        self.rs.add_data_position(
+            "train", get=lambda: self.pos, set=self._seek, expected=lambda step, _v: self.rank + step * self.world
+        )
+        self.rs.add_value("seen", get=lambda: self.seen, set=self._set_seen, per_rank=True)
+        self.rs.add_value("updates", get=lambda: self.updates, set=self._set_updates)
+
+    def _seek(self, pos: int) -> None:
+        self.pos = pos
+
+    def _set_seen(self, n: int) -> None:
+        self.seen = n
+
+    def _set_updates(self, n: int) -> None:
+        self.updates = n
+
+    def step(self) -> None:
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(self.pos))
+        self.model(x).pow(2).mean().backward()
+        self.opt.step()
+        self.opt.zero_grad()
+        with torch.no_grad():
+            live = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in self._params().items()}
+            for k, t in self.teacher.state_dict().items():
+                t.mul_(0.9).add_(live[k], alpha=0.1)
+        self.pos += self.world
+        self.seen += 1
+        self.updates += 1
+
+    def _params(self) -> dict[str, torch.Tensor]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(self.model)
+
+    def train(self, until: int, ckpt_every: int = 2) -> None:
+        for step in range(self.rs.resume_or_start(), until):
+            self.step()
+            if (step + 1) % ckpt_every == 0:
+                self.rs.save(step + 1)
+        self.rs.wait()
+
+    def state(self) -> dict[str, Any]:
+        """Everything the run holds, whole (an FSDP2 model gathered), for bitwise comparison."""
+        return {
+            **_full(self.model, self.opt),
+            "teacher": self.teacher.state_dict(),
+            "pos": self.pos,
+            "seen": self.seen,
+            "updates": self.updates,
+        }
+
+
+def train(run_dir: str, layout: str, until: int) -> dict[str, Any]:
+    """Train from the run directory's newest checkpoint (or from scratch) to step ``until``."""
+    loop = Loop(run_dir, layout)
+    try:
+        loop.train(until)
+        return loop.state()
+    finally:
+        loop.rs.close()

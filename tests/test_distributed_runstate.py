@@ -1,0 +1,91 @@
+"""RunState in a process group: real gloo ranks (tests/_dist_workers.py, tests/_runstate_workers.py).
+
+Every test here drives whole ranks; models are tiny, every wait bounded, every rank reaped.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+from _dist_workers import RankPool
+from _runstate_workers import LoopConfig
+
+import ckptkit
+from ckptkit.compare import compare_states, flatten
+
+pytestmark = pytest.mark.slow
+
+W = "_runstate_workers:"
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = RankPool(2)
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def assert_same(a: Any, b: Any) -> None:
+    assert compare_states(flatten(a, "s"), flatten(b, "s")) == []
+
+
+def tree_bytes(root: str) -> dict[str, bytes]:
+    """Every file under ``root`` by relative path (the run directory, byte for byte)."""
+    out = {}
+    for d, _dirs, files in os.walk(root):
+        for f in files:
+            p = os.path.join(d, f)
+            with open(p, "rb") as fh:
+                out[os.path.relpath(p, root)] = fh.read()
+    return out
+
+
+@pytest.fixture(scope="module")
+def ddp_run(pool, tmp_path_factory):
+    """A 2-rank DDP run trained straight to step 6 (saves at 2, 4, 6; keeps 2), and each rank's final state."""
+    run = str(tmp_path_factory.mktemp("ddp") / "run")
+    return run, pool.run(W + "train", run, "ddp", 6)
+
+
+def test_ddp_interrupted_and_resumed_in_fresh_processes_equals_uninterrupted(pool, ddp_run, tmp_path):
+    straight, want = ddp_run
+    split = str(tmp_path / "split")
+    pool.run(W + "train", split, "ddp", 4)
+    fresh = RankPool(2)
+    try:
+        got = fresh.run(W + "train", split, "ddp", 6)
+    finally:
+        fresh.close()
+    for a, b in zip(want, got, strict=True):
+        assert_same(a, b)
+    assert want[0]["pos"] == 12 and want[1]["pos"] == 13  # each rank kept its own position
+    files = tree_bytes(straight)
+    assert sorted(files) == sorted(tree_bytes(split))
+    assert files == tree_bytes(split)
+    assert sorted(n for n in os.listdir(straight) if n.startswith("step-")) == [
+        "step-00000004.dcp",
+        "step-00000004.dcp.config.json",
+        "step-00000006.dcp",
+        "step-00000006.dcp.config.json",
+    ]
+
+
+def test_one_process_refuses_a_distributed_run_directory_naming_both_sides(ddp_run):
+    run, _ = ddp_run
+    rs = ckptkit.RunState(run, config=LoopConfig())
+    want = (
+        f"{run}: saved at world size 2 (model: ddp, teacher: plain), resumed at one process (no process group); "
+        "a checkpoint continues the same run bit for bit only at the world size and layout it was saved at: run it "
+        "with torchrun --nproc_per_node 2 and the same parallelism, or resume with reshard=True (--reshard, under "
+        "torchrun): DCP reshards the model and optimizer, the data positions are re-derived from their offset rule, "
+        "and the run is no longer bit-comparable to its past"
+    )
+    for call in (rs.resume, rs.start, rs.resume_or_start):
+        with pytest.raises(ckptkit.WorldSizeChanged) as e:
+            call()
+        assert str(e.value) == want
+    assert isinstance(e.value, ckptkit.ResumeRefused)
