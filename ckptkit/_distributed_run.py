@@ -53,7 +53,7 @@ from ._run_files import (
     retain,
     write_companions,
 )
-from .atomic import clean_stale_temps, write_bytes_atomic
+from .atomic import clean_stale_temps, fsync_dir, write_bytes_atomic
 from .checkpoint import Checkpoint
 from .companions import ENVIRONMENT_FILE, UNBOUND_NOTE, check_companions, record_of
 from .drift import check_resume
@@ -192,6 +192,22 @@ def refuse_in_one_process(run_dir: str) -> None:
         raise world_size_changed(run_dir, saved, {})
 
 
+def _aside(path: str, what: str) -> str:
+    """A hidden directory beside a checkpoint (never listed as one), for replacing it."""
+    head, name = os.path.split(path)
+    return os.path.join(head, f".{name}.{what}")
+
+
+def _sweep_aside(run_dir: str) -> list[str]:
+    """Remove what an interrupted replacement left beside its checkpoint (``_aside``)."""
+    gone = []
+    for name in sorted(os.listdir(run_dir)):
+        if name.startswith(".step-") and name.endswith((f"{DCP_SUFFIX}.old", f"{DCP_SUFFIX}.new")):
+            shutil.rmtree(os.path.join(run_dir, name), ignore_errors=True)
+            gone.append(name)
+    return gone
+
+
 def _world(facts: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in facts.items() if k == WORLD_SIZE or k.startswith(LAYOUT)}
 
@@ -282,7 +298,7 @@ class DistributedRun:
         self.g = Group(process_group)
         rs._reg.access = dcp_access()
         self._saver: Any = None
-        self._pending = False  # a background save not yet waited for
+        self._pending: tuple[str, str] | None = None  # (checkpoint, where DCP writes it) until committed
         if async_save:
             import ckptkit.distributed as ckd
 
@@ -319,19 +335,49 @@ class DistributedRun:
         config = encode_snapshot(rs.config)
         sidecars = rs.sidecar_contents()
         self._check_replicas(step, ckpt, config, sidecars)
-        record = self.g.from_rank0(lambda: self._companions(path, step, config, sidecars), "writing the companions")
+        record, into = self.g.from_rank0(
+            lambda: self._companions(path, step, config, sidecars), "writing the companions"
+        )
         state = self._state(ckpt, record)
+        self._pending = (path, into)
         if self._saver is not None:
-            self._saver.save(state, path)
-            self._pending = True
+            self._saver.save(state, into)
             return path
-        ckd.save(state, path, process_group=self.g.group)
-        self._retain()
+        ckd.save(state, into, process_group=self.g.group)
+        self._commit()
         return path
 
-    def _companions(self, path: str, step: int, config: bytes, sidecars: Mapping[str, Any]) -> dict[str, Any]:
+    def _companions(
+        self, path: str, step: int, config: bytes, sidecars: Mapping[str, Any]
+    ) -> tuple[dict[str, Any], str]:
+        """Rank 0: the companions written; where DCP writes (beside ``path`` when a committed
+        checkpoint is there: a rollback saves its step again, replacing it only once committed)."""
+        from .distributed.format import METADATA_NAME
+
         os.makedirs(self.rs.run_dir, exist_ok=True)
-        return write_companions(path, step, config, sidecars)
+        into = path
+        if os.path.exists(os.path.join(path, METADATA_NAME)):
+            into = _aside(path, "new")
+            shutil.rmtree(into, ignore_errors=True)  # what a crash of an earlier replacement left
+        return write_companions(path, step, config, sidecars), into
+
+    def _commit(self) -> None:
+        """After DCP committed: a replacement takes the old directory's place, then retention."""
+        path, into = self._pending or ("", "")
+        self._pending = None
+        if into != path:
+
+            def swap() -> None:
+                if self.rank == 0:
+                    old = _aside(path, "old")
+                    shutil.rmtree(old, ignore_errors=True)
+                    os.rename(path, old)
+                    os.rename(into, path)
+                    fsync_dir(self.rs.run_dir)
+                    shutil.rmtree(old)
+
+            self.g.agree(swap, "replacing the checkpoint")
+        self._retain()
 
     def _check_replicas(self, step: int, ckpt: Checkpoint, config: bytes, sidecars: Mapping[str, Any]) -> None:
         """Refuse, on every rank, replicated state whose copies differ (RS-D4)."""
@@ -401,10 +447,9 @@ class DistributedRun:
         Raises:
             CheckpointError: the background save failed (on every rank).
         """
-        if self._pending:
-            self._pending = False
+        if self._pending is not None and self._saver is not None:
             self._saver.wait()
-            self._retain()
+            self._commit()
 
     def close(self) -> None:
         if self._saver is not None:
@@ -486,7 +531,7 @@ class DistributedRun:
         self.wait()
         path, notes, skipped = self.g.from_rank0(self._choose, "choosing the checkpoint")
         c = self.g.agree(lambda: self._check(path, reshard, allow_env_change), "checking the checkpoint")
-        self.rs.restore(self._load(path, c.ckpt), sidecars=c.sidecars, skip=c.skip)
+        self.rs.restore(self._load(path, c.ckpt), sidecars=c.sidecars)
         notes = [*notes, *c.notes]
         for n in notes:
             self.rs._log(n)
@@ -499,7 +544,7 @@ class DistributedRun:
         run_dir = self.rs.run_dir
         if list_checkpoints(run_dir):
             raise world_size_changed(run_dir, {}, self.facts())
-        removed = clean_stale_temps(run_dir)
+        removed = clean_stale_temps(run_dir) + _sweep_aside(run_dir)
         notes = [f"removed {len(removed)} temporary file(s) left by an interrupted save"] if removed else []
         run, path, skipped = newest_consistent(run_dir, list_checkpoints(run_dir, DCP_SUFFIX), self._consistent)
         notes += fallback_notes(skipped, path, run["step"])
@@ -549,7 +594,7 @@ class DistributedRun:
             {k: v for k, v in recorded.items() if k not in _world(recorded)}, capture(), allow=allow_env_change
         )
         sidecars = {kind: read_sidecar(sidecar_path(path, kind), expect_step=run["step"]) for kind in rs._reg.sidecars}
-        ckpt, skip, notes = self._plain_state(path, md, run, resharded)
+        ckpt, notes = self._plain_state(path, md, run, resharded)
         rs._reg.check_contents(ckpt, path)
         notes = [d.describe() for d in exempt] + [f"environment override: {d}" for d in env] + notes
         if resharded:
@@ -558,28 +603,25 @@ class DistributedRun:
                 "(the steps before it ran at another world size or layout)"
             )
         sc = {k: (v.table_step, v.tree) for k, v in sidecars.items()}
-        return _Checked(ckpt, sc, exempt, env, notes, skip, resharded)
+        return _Checked(ckpt, sc, exempt, env, notes, resharded)
 
-    def _plain_state(
-        self, path: str, md: Any, run: dict[str, Any], resharded: bool
-    ) -> tuple[Checkpoint, list[str], list[str]]:
+    def _plain_state(self, path: str, md: Any, run: dict[str, Any], resharded: bool) -> tuple[Checkpoint, list[str]]:
         """The checkpoint as far as it is plain values, for the registration checks: the
         stored modules stand in as their live selves (DCP checks keys, shapes and dtypes
-        when it loads). With a reshard, the data positions come from their offset rules
-        and per-rank values stay as they are: ``(checkpoint, restore skips, notes)``."""
+        when it loads). With a reshard, the data positions come from their offset rules,
+        and a rank the saved world lacked takes saved rank 0's per-rank values:
+        ``(checkpoint, notes)``."""
         reg, step = self.rs._reg, run["step"]
-        mine = {"data": {}, "values": {}} if resharded else rank_tree(md, path, self.rank)
+        saved_world = run["world"].get(WORLD_SIZE, 1)
+        source = self.rank if not resharded or self.rank < saved_world else 0
+        mine = rank_tree(md, path, source)
         values = {**run["values"], **mine["values"]}
-        data, skip, notes = mine["data"], [], []
+        data, notes = mine["data"], []
         if resharded:
             per = sorted(n for n, e in reg.values.items() if e.per_rank)
-            values.update({n: reg.values[n].get() for n in per})
-            skip = [f"value:{n}" for n in per]
-            if per:
-                notes.append(
-                    f"per-rank value(s) {', '.join(per)} keep this rank's current value (a reshard cannot map them)"
-                )
-            data = {name: self._rederived(path, name, entry, step, run["values"]) for name, entry in reg.data.items()}
+            if per and source != self.rank:
+                notes.append(f"rank {self.rank} takes its per-rank value(s) {', '.join(per)} from saved rank 0")
+            data = {name: self._rederived(path, name, entry, step, values) for name, entry in reg.data.items()}
         registered = run["registered"]
         optim = {"optimizers": dict.fromkeys(registered["optimizers"]), **run["optim"]}
         monitor = {"data": data, "monitors": run["monitors"], "values": values}
@@ -595,7 +637,7 @@ class DistributedRun:
             monitor={k: v for k, v in monitor.items() if v} or None,
             flags=run["flags"],
         )
-        return ckpt, skip, notes
+        return ckpt, notes
 
     def _rederived(self, path: str, name: str, entry: Any, step: int, values: Mapping[str, Any]) -> int:
         want = entry.expected_at(step, values)
@@ -645,7 +687,6 @@ class _Checked:
     exempt: list[Any]
     env: list[Any]
     notes: list[str]
-    skip: list[str]
     resharded: bool
 
 

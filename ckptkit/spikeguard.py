@@ -249,7 +249,8 @@ class SpikeGuard:
         self.record = RollbackRecord()
         self._keeps = {f"monitor:{self._monitor_name}"}  # what a rollback never rewinds (R-R03)
         if self.on:
-            state.add_value(VALUE_NAME, get=lambda: self.record.state(), set=self._load_record)
+            # Per rank: a rollback's skipped data positions are each rank's own (the rest is the same on every rank).
+            state.add_value(VALUE_NAME, get=lambda: self.record.state(), set=self._load_record, per_rank=True)
             self._keeps.add(f"value:{VALUE_NAME}")
         if inject is not None:
             state.add_value(INJECTION_VALUE, get=inject.state, set=inject.load)

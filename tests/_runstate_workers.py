@@ -50,7 +50,7 @@ def build(layout: str, seed: int = 0) -> tuple[torch.nn.Module, torch.nn.Module,
 class Loop:
     """One rank's training loop and everything it registers."""
 
-    def __init__(self, run_dir: str, layout: str, **rs_kw: Any) -> None:
+    def __init__(self, run_dir: str, layout: str, rule: Any = None, **rs_kw: Any) -> None:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.model, registered, self.opt = build(layout)
         self.teacher = copy.deepcopy(tiny_model(0)).requires_grad_(False)
@@ -61,8 +61,9 @@ class Loop:
         self.rs.add_model("model", registered)
         self.rs.add_optimizer("adamw", self.opt)
         self.rs.add_teacher(self.teacher)
+        rule = rule or (lambda rank, world, step, _values: rank + step * world)
         self.rs.add_data_position(
-            "train", get=lambda: self.pos, set=self._seek, expected=lambda step, _v: self.rank + step * self.world
+            "train", get=lambda: self.pos, set=self._seek, expected=lambda step, v: rule(self.rank, self.world, step, v)
         )
         self.rs.add_value("seen", get=lambda: self.seen, set=self._set_seen, per_rank=True)
         self.rs.add_value("updates", get=lambda: self.updates, set=self._set_updates)
@@ -76,9 +77,13 @@ class Loop:
     def _set_updates(self, n: int) -> None:
         self.updates = n
 
-    def step(self) -> None:
+    def step(self, _step: int = 0) -> float:
+        """One step; returns the grad norm, the same on every rank (DDP averaged the
+        gradients; FSDP2's norm is reduced over the shards)."""
         x = torch.randn(4, 6, generator=torch.Generator().manual_seed(self.pos))
         self.model(x).pow(2).mean().backward()
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), float("inf"))
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         self.opt.step()
         self.opt.zero_grad()
         with torch.no_grad():
@@ -88,6 +93,7 @@ class Loop:
         self.pos += self.world
         self.seen += 1
         self.updates += 1
+        return float(norm)
 
     def _params(self) -> dict[str, torch.Tensor]:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -120,3 +126,66 @@ def train(run_dir: str, layout: str, until: int) -> dict[str, Any]:
         return loop.state()
     finally:
         loop.rs.close()
+
+
+def restore_in_memory(layout: str) -> list[str]:
+    """Keep a copy at step 2 (as the spike guard's ring does), train on, restore it: the
+    run is back at step 2 bit for bit, and the kept copy's digests match the live state."""
+    from ckptkit._ring import clone, digests
+
+    loop = Loop("/nonexistent-never-saved", layout)
+    for _ in range(2):
+        loop.step()
+    kept = clone(loop.rs.checkpoint(2))
+    at_two = clone(loop.state())
+    for _ in range(2):
+        loop.step()
+    moved = clone(loop.state())
+    loop.rs.restore(clone(kept))
+    back = loop.state()
+    out = []
+    if _differs(moved, at_two) == []:
+        out.append("training did not move the state")
+    out += _differs(back, at_two)
+    if digests(kept, {}) != digests(loop.rs.checkpoint(2), {}):
+        out.append("digests of the restored state differ from the kept copy's")
+    return out
+
+
+def _differs(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    from ckptkit.compare import compare_states, flatten
+
+    return [str(d) for d in compare_states(flatten(a, "s"), flatten(b, "s"))]
+
+
+def guarded(run_dir: str, layout: str, until: int, spike_at: int) -> dict[str, Any]:
+    """The loop under ``SpikeGuard(mode="on")``, a spike injected at ``spike_at``: what each rank saw."""
+    from ckptkit.rollback_record import skipped_batches
+    from ckptkit.testing import GradSpike
+
+    loop = Loop(run_dir, layout, rule=lambda rank, world, step, values: rank + (step + skipped_batches(values)) * world)
+    history = ckptkit.History(run_dir) if loop.rank == 0 else None
+    monitor = ckptkit.SpikeMonitor(ckptkit.SpikeConfig(window=4, min_history=2))
+    inject = GradSpike([loop.model], at=spike_at)
+    guard = ckptkit.SpikeGuard(loop.rs, "on", monitor=monitor, k=2, history=history, inject=inject)
+    try:
+        start = loop.rs.resume_or_start()
+        if history is not None and start == 0:
+            history.start_fresh()
+        guard.run(loop.step, start, until, save_every=2)
+        from ckptkit._ring import clone
+
+        here = clone(loop.rs.checkpoint(until))  # this rank's own copy (DDP: the whole replicated model)
+        return {
+            "pos": loop.pos,
+            "updates": loop.updates,
+            "model": here.model,
+            "optim": here.optim,
+            "teacher": here.teacher,
+            "record": guard.record.state(),
+            "ckpts": [s for s, _ in loop.rs.checkpoints()],
+        }
+    finally:
+        loop.rs.close()
+        if history is not None:
+            history.close()

@@ -5,6 +5,7 @@ Every test here drives whole ranks; models are tiny, every wait bounded, every r
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -14,6 +15,7 @@ from _runstate_workers import LoopConfig
 
 import ckptkit
 from ckptkit.compare import compare_states, flatten
+from ckptkit.distributed.format import read_metadata
 
 pytestmark = pytest.mark.slow
 
@@ -89,3 +91,40 @@ def test_one_process_refuses_a_distributed_run_directory_naming_both_sides(ddp_r
             call()
         assert str(e.value) == want
     assert isinstance(e.value, ckptkit.ResumeRefused)
+
+
+def test_fsdp2_saves_shards_and_interrupted_and_resumed_equals_uninterrupted(pool, tmp_path):
+    straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
+    want = pool.run(W + "train", straight, "fsdp2", 6)
+    pool.run(W + "train", split, "fsdp2", 4)
+    got = pool.run(W + "train", split, "fsdp2", 6)
+    for a, b in zip(want, got, strict=True):
+        assert_same(a, b)
+    assert tree_bytes(straight) == tree_bytes(split)
+    md = read_metadata(os.path.join(straight, "step-00000006.dcp"))
+    weight = md.tensors["model.model.0.weight"]
+    assert weight.size == (10, 6) and [c.rank for c in weight.chunks] == [0, 1]  # each rank wrote its own shard
+    assert [c.rank for c in md.tensors["optim.adamw.state.0.weight.exp_avg"].chunks] == [0, 1]
+
+
+@pytest.mark.parametrize("layout", ["ddp", "fsdp2"])
+def test_an_in_memory_copy_restores_every_rank_exactly(pool, layout):
+    assert pool.run(W + "restore_in_memory", layout) == [[], []]
+
+
+def test_a_spike_rollback_happens_on_both_ranks_identically(pool, tmp_path):
+    run = str(tmp_path / "run")
+    r0, r1 = pool.run(W + "guarded", run, "ddp", 10, 6)
+    (e0,), (e1,) = r0["record"].pop("rollbacks"), r1["record"].pop("rollbacks")
+    assert r0["record"] == r1["record"] and r0["record"]["count"] == 1
+    # One decision (from the all-reduced grad norm), the same on both ranks; each skipped its own positions.
+    assert e0.pop("skipped") == {"start": 8, "end": 14, "batches": 3}
+    assert e1.pop("skipped") == {"start": 9, "end": 15, "batches": 3}
+    assert e0 == e1 and (e0["step"], e0["to"]) == (6, 4)
+    for key in ("model", "optim", "teacher", "updates"):
+        assert_same(r0[key], r1[key])
+    assert r0["ckpts"] == r1["ckpts"] == [8, 10]
+    assert (r0["pos"], r1["pos"]) == (0 + (10 + 3) * 2, 1 + (10 + 3) * 2)  # each rank skipped the window's 3 batches
+    with open(os.path.join(run, "history.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    assert [r["step"] for r in rows if r["kind"] == "rollback"] == [6]
