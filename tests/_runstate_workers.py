@@ -189,3 +189,15 @@ def guarded(run_dir: str, layout: str, until: int, spike_at: int) -> dict[str, A
         loop.rs.close()
         if history is not None:
             history.close()
+
+
+def resume_at_this_world_size(run_dir: str, layout: str, reshard: bool) -> dict[str, Any]:
+    """Resume ``run_dir`` here without training: the state and what the resume said, or its refusal."""
+    loop = Loop(run_dir, layout)
+    try:
+        info = loop.rs.resume(reshard=reshard)
+    except ckptkit.CheckpointError as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+    finally:
+        loop.rs.close()
+    return {"state": loop.state(), "step": info.step, "resharded": info.resharded, "notes": list(info.notes)}

@@ -93,9 +93,25 @@ def test_one_process_refuses_a_distributed_run_directory_naming_both_sides(ddp_r
     assert isinstance(e.value, ckptkit.ResumeRefused)
 
 
-def test_fsdp2_saves_shards_and_interrupted_and_resumed_equals_uninterrupted(pool, tmp_path):
-    straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
-    want = pool.run(W + "train", straight, "fsdp2", 6)
+@pytest.fixture(scope="module")
+def fsdp2_run(pool, tmp_path_factory):
+    """A 2-rank FSDP2 run trained straight to step 6, and each rank's final state."""
+    run = str(tmp_path_factory.mktemp("fsdp2") / "run")
+    return run, pool.run(W + "train", run, "fsdp2", 6)
+
+
+@pytest.fixture(scope="module")
+def pool1():
+    p = RankPool(1)
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def test_fsdp2_saves_shards_and_interrupted_and_resumed_equals_uninterrupted(pool, fsdp2_run, tmp_path):
+    straight, want = fsdp2_run
+    split = str(tmp_path / "split")
     pool.run(W + "train", split, "fsdp2", 4)
     got = pool.run(W + "train", split, "fsdp2", 6)
     for a, b in zip(want, got, strict=True):
@@ -128,3 +144,37 @@ def test_a_spike_rollback_happens_on_both_ranks_identically(pool, tmp_path):
     with open(os.path.join(run, "history.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     assert [r["step"] for r in rows if r["kind"] == "rollback"] == [6]
+
+
+def test_a_resume_at_world_size_1_is_refused_naming_both_sizes(pool1, ddp_run):
+    run, _ = ddp_run
+    (got,) = pool1.run(W + "resume_at_this_world_size", run, "ddp", False)
+    said = (
+        f"{run}: saved at world size 2 (model: ddp, teacher: plain), resumed at world size 1 (model: ddp, teacher: "
+        "plain); a checkpoint continues the same run bit for bit only at the world size and layout it was saved at: "
+        "run it with torchrun --nproc_per_node 2 and the same parallelism, or resume with reshard=True (--reshard, "
+        "under torchrun): DCP reshards the model and optimizer, the data positions are re-derived from their offset "
+        "rule, and the run is no longer bit-comparable to its past"
+    )
+    assert got == {"error": f"WorldSizeChanged: {said}"}
+
+
+@pytest.mark.parametrize("layout", ["ddp", "fsdp2"])
+def test_a_reshard_to_world_size_1_loads_the_saved_state_bitwise_and_says_so(pool1, ddp_run, fsdp2_run, layout):
+    run, saved = ddp_run if layout == "ddp" else fsdp2_run
+    (got,) = pool1.run(W + "resume_at_this_world_size", run, layout, True)
+    assert got["step"] == 6 and got["resharded"] is True
+    for key in ("model", "optim", "teacher", "updates"):
+        assert_same(got["state"][key], saved[0][key])
+    assert got["state"]["pos"] == 0 + 6 * 1  # re-derived from the offset rule for rank 0 of 1
+    assert got["state"]["seen"] == saved[0]["seen"]  # a per-rank value: rank 0 keeps saved rank 0's
+    note = (
+        f"resharded at step 6 from world size 2 (model: {saved_layout(layout)}, teacher: plain) to world size 1 "
+        f"(model: {saved_layout(layout, 1)}, teacher: plain): the run is no longer bit-comparable to its past "
+        "(the steps before it ran at another world size or layout)"
+    )
+    assert got["notes"] == [note]
+
+
+def saved_layout(layout: str, world: int = 2) -> str:
+    return "ddp" if layout == "ddp" else f"fsdp2 mesh {world}"
