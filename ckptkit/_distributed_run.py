@@ -358,7 +358,8 @@ class DistributedRun:
         into = path
         if os.path.exists(os.path.join(path, METADATA_NAME)):
             into = _aside(path, "new")
-            shutil.rmtree(into, ignore_errors=True)  # what a crash of an earlier replacement left
+        # What an earlier save of this step left uncommitted (a dead rank's temp file included) goes first.
+        shutil.rmtree(into, ignore_errors=True)
         return write_companions(path, step, config, sidecars), into
 
     def _commit(self) -> None:

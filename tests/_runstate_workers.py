@@ -9,8 +9,10 @@ of its checkpoints: interrupted and resumed equals uninterrupted, bit for bit.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -118,9 +120,9 @@ class Loop:
         }
 
 
-def train(run_dir: str, layout: str, until: int) -> dict[str, Any]:
+def train(run_dir: str, layout: str, until: int, async_save: bool = False) -> dict[str, Any]:
     """Train from the run directory's newest checkpoint (or from scratch) to step ``until``."""
-    loop = Loop(run_dir, layout)
+    loop = Loop(run_dir, layout, async_save=async_save)
     try:
         loop.train(until)
         return loop.state()
@@ -201,3 +203,58 @@ def resume_at_this_world_size(run_dir: str, layout: str, reshard: bool) -> dict[
     finally:
         loop.rs.close()
     return {"state": loop.state(), "step": info.step, "resharded": info.resharded, "notes": list(info.notes)}
+
+
+def save_diverged_replica(run_dir: str) -> str:
+    """A value registered as replicated that each rank holds differently: the save is refused."""
+    loop = Loop(run_dir, "ddp")
+    rank = loop.rank
+    loop.rs.add_value("local_loss", get=lambda: [0.5, float(rank)], set=lambda _v: None)
+    loop.rs.start()
+    try:
+        loop.rs.save(0)
+    except ckptkit.CheckpointError as e:
+        return f"{type(e).__name__}: {e}"
+    return "saved"
+
+
+@contextlib.contextmanager
+def _writes_failing_on(rank: int, how: str) -> Iterator[None]:
+    """While open, rank ``rank`` cannot write its data file: ``how`` is ``"enospc"`` (the
+    write raises, as on a full disk) or ``"kill"`` (the process is SIGKILLed half way)."""
+    import errno
+    import os
+    import signal
+
+    from ckptkit.distributed import format as fmt
+
+    real = fmt.write_framed
+
+    def broken(f: Any, *a: Any, **kw: Any) -> None:
+        if how == "enospc":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(f, *a, **kw)
+        f.flush()
+        os.ftruncate(f.fileno(), f.tell() // 2)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if dist.get_rank() == rank:
+        fmt.write_framed = broken
+    try:
+        yield
+    finally:
+        fmt.write_framed = real
+
+
+def train_then_fail_a_save(run_dir: str, failing_rank: int, how: str) -> str:
+    """Train to step 4 with saves at 2 and 4, rank ``failing_rank`` unable to write the save of 4."""
+    loop = Loop(run_dir, "ddp")
+    loop.train(2)
+    loop.step()
+    loop.step()
+    try:
+        with _writes_failing_on(failing_rank, how):
+            loop.rs.save(4)
+    except ckptkit.CheckpointError as e:
+        return f"{type(e).__name__}: {e}"
+    return "saved"

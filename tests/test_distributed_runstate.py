@@ -178,3 +178,66 @@ def test_a_reshard_to_world_size_1_loads_the_saved_state_bitwise_and_says_so(poo
 
 def saved_layout(layout: str, world: int = 2) -> str:
     return "ddp" if layout == "ddp" else f"fsdp2 mesh {world}"
+
+
+def test_async_save_writes_the_same_run_directory_as_a_synchronous_one(pool, ddp_run, tmp_path):
+    straight, want = ddp_run
+    run = str(tmp_path / "async")
+    got = pool.run(W + "train", run, "ddp", 6, True)
+    for a, b in zip(want, got, strict=True):
+        assert_same(a, b)
+    assert tree_bytes(run) == tree_bytes(straight)
+
+
+def test_replicated_state_that_differs_between_ranks_is_refused_naming_it_and_the_ranks(pool, tmp_path):
+    run = str(tmp_path / "run")
+    said = pool.run(W + "save_diverged_replica", run)
+    assert (
+        said[0]
+        == said[1]
+        == (
+            f"ReplicaDivergence: {run}/step-00000000.dcp: not saved: replicated state differs between ranks: "
+            "values.local_loss (ranks 0 | ranks 1); every rank must hold the same copy of replicated state "
+            "(rank 0's is saved); state that is per-rank by nature must be registered per rank "
+            "(add_value(..., per_rank=True); data positions always are)"
+        )
+    )
+    assert sorted(os.listdir(run)) == ["environment.json"]
+
+
+def test_a_rank_that_cannot_write_fails_the_save_on_every_rank_and_the_run_resumes_exactly(pool, ddp_run, tmp_path):
+    straight, want = ddp_run
+    run = str(tmp_path / "run")
+    said = pool.run(W + "train_then_fail_a_save", run, 1, "enospc")
+    assert said[0] == said[1]
+    assert said[0].startswith("SaveFailed: ") and "No space left on device" in said[0]
+    assert not os.path.exists(os.path.join(run, "step-00000004.dcp", "metadata.ckdcp"))
+    got = pool.run(W + "train", run, "ddp", 6)  # resumes from step 2, the last committed
+    for a, b in zip(want, got, strict=True):
+        assert_same(a, b)
+    assert tree_bytes(run) == tree_bytes(straight)
+
+
+def test_a_rank_killed_mid_save_ends_the_job_and_the_run_resumes_exactly(ddp_run, tmp_path):
+    straight, want = ddp_run
+    run = str(tmp_path / "run")
+    doomed = RankPool(2, timeout_s=10)
+    try:
+        for box in doomed.inboxes:
+            box.put((W + "train_then_fail_a_save", (run, 1, "kill")))
+        status, survivor = doomed.outboxes[0].get(timeout=90)  # the survivor fails within its group timeout
+        doomed.procs[1].join(timeout=30)
+        assert doomed.procs[1].exitcode == -9
+        assert status == "ok" and survivor.startswith("DistributedFailure: ")
+    finally:
+        doomed.close()
+    assert not any(p.is_alive() for p in doomed.procs)
+    assert not os.path.exists(os.path.join(run, "step-00000004.dcp", "metadata.ckdcp"))
+    fresh = RankPool(2)
+    try:
+        got = fresh.run(W + "train", run, "ddp", 6)
+    finally:
+        fresh.close()
+    for a, b in zip(want, got, strict=True):
+        assert_same(a, b)
+    assert tree_bytes(run) == tree_bytes(straight)
