@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from typing import Any
 
 import pytest
@@ -14,6 +15,7 @@ from _dist_workers import RankPool
 from _runstate_workers import LoopConfig
 
 import ckptkit
+from ckptkit.cli import main
 from ckptkit.compare import compare_states, flatten
 from ckptkit.distributed.format import read_metadata
 
@@ -241,3 +243,21 @@ def test_a_rank_killed_mid_save_ends_the_job_and_the_run_resumes_exactly(ddp_run
     for a, b in zip(want, got, strict=True):
         assert_same(a, b)
     assert tree_bytes(run) == tree_bytes(straight)
+
+
+def test_verify_checks_a_distributed_run_directory_with_its_companions(ddp_run, tmp_path, capsys):
+    run = str(tmp_path / "run")
+    shutil.copytree(ddp_run[0], run)
+    assert main(["verify", run]) == 0
+    out = capsys.readouterr().out.splitlines()
+    for step in ("00000004", "00000006"):
+        assert any(line.startswith(f"OK    {run}/step-{step}.dcp  distributed world size 2") for line in out)
+        assert f"OK    {run}/step-{step}.dcp.config.json  snapshot, bound to step-{step}.dcp" in out
+    assert f"OK    {run}/environment.json  environment, bound to 2 checkpoints" in out
+    snapshot = os.path.join(run, "step-00000006.dcp.config.json")
+    with open(snapshot, "r+b") as f:
+        f.seek(5)
+        f.write(b"#")
+    assert main(["verify", run]) == 1
+    out = capsys.readouterr().out
+    assert f"FAIL  {snapshot}: damaged: its xxh3-64 does not match the digest step-00000006.dcp records" in out
