@@ -2,7 +2,7 @@
 
 Private: a RunState given ``process_group=``, or built inside an initialised
 ``torch.distributed`` job, hands its saves, resumes and run-directory work to a
-:class:`DistributedRun` (spec/runstate.md "Distributed run state", rules RS-D1..RS-D8).
+:class:`DistributedRun` (spec/runstate.md "Distributed run state", rules RS-D1..RS-D9).
 
 Every operation here is collective: each rank of the group calls it, in the same
 order. What one rank decides (rank 0 chooses the checkpoint, writes the companions
