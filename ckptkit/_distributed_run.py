@@ -84,9 +84,11 @@ LAYOUT = "layout."
 RESHARD_NOTE = "the run is no longer bit-comparable to its past"
 
 
-def is_distributed(process_group: Any) -> bool:
-    """A run state is distributed when given a group, or built in an initialised job."""
-    if process_group is not None:
+def is_distributed(process_group: Any, run_dir: str) -> bool:
+    """A run state is distributed when given a group, or built in an initialised job, or
+    built in one process on a run directory a distributed run saved into (which it may
+    only resume with a reshard, RS-D7)."""
+    if process_group is not None or list_checkpoints(run_dir, DCP_SUFFIX):
         return True
     dist = sys.modules.get("torch.distributed")
     return dist is not None and dist.is_available() and dist.is_initialized()
@@ -228,15 +230,18 @@ def _portable(e: BaseException, rank: int) -> CheckpointError:
 
 class Group:
     """A process group's collectives, each bounded by the group's timeout; a peer that
-    died makes them fail with :class:`DistributedFailure` instead of hanging."""
+    died makes them fail with :class:`DistributedFailure` instead of hanging. Without an
+    initialised ``torch.distributed`` it is one process alone (world size 1), whose
+    collectives are the identity: a distributed run resumed in one process (RS-D7)."""
 
     def __init__(self, process_group: Any) -> None:
         import torch.distributed as dist
 
         self.dist = dist
         self.group = process_group
-        self.rank = dist.get_rank(process_group)
-        self.world = dist.get_world_size(process_group)
+        self.alone = process_group is None and not (dist.is_available() and dist.is_initialized())
+        self.rank = 0 if self.alone else dist.get_rank(process_group)
+        self.world = 1 if self.alone else dist.get_world_size(process_group)
 
     def _collective(self, what: str, call: Callable[[], T]) -> T:
         try:
@@ -249,6 +254,8 @@ class Group:
             ) from e
 
     def gather(self, value: Any, what: str) -> list[Any]:
+        if self.alone:
+            return [value]
         out: list[Any] = [None] * self.world
         self._collective(what, lambda: self.dist.all_gather_object(out, value, group=self.group))
         return out
@@ -278,7 +285,8 @@ class Group:
             except Exception as e:  # noqa: BLE001 - raised on every rank below
                 err = e
                 box[0] = ("err", _portable(e, 0))
-        self._collective(what, lambda: self.dist.broadcast_object_list(box, group=self.group, group_src=0))
+        if not self.alone:
+            self._collective(what, lambda: self.dist.broadcast_object_list(box, group=self.group, group_src=0))
         if err is not None:
             raise err
         status, value = box[0]
@@ -299,7 +307,7 @@ class DistributedRun:
         rs._reg.access = dcp_access()
         self._saver: Any = None
         self._pending: tuple[str, str] | None = None  # (checkpoint, where DCP writes it) until committed
-        if async_save:
+        if async_save and not self.g.alone:  # one process alone saves synchronously (no group to save on)
             import ckptkit.distributed as ckd
 
             self._saver = ckd.AsyncSaver(process_group)

@@ -22,7 +22,7 @@ import xxhash
 from .checkpoint import Checkpoint
 from .section import sort_key
 
-__all__ = ["Kept", "Ring", "clone", "digests", "local", "tensors", "tree_digest"]
+__all__ = ["Kept", "Ring", "clone", "digests", "local", "localized", "tensors", "tree_digest"]
 
 Sidecars = Mapping[str, tuple[int, Any]]
 
@@ -49,27 +49,34 @@ def local(t: Any) -> Any:
     return t.to_local() if dtensor is not None and isinstance(t, dtensor.DTensor) else t
 
 
-def clone(tree: Any) -> Any:
-    """A deep copy sharing no tensor memory (a :class:`Checkpoint` section by section)."""
+def _map(tree: Any, leaf: Any) -> Any:
+    """``tree`` rebuilt with ``leaf(t)`` for every tensor (a :class:`Checkpoint` section by
+    section); other leaves are shallow copies."""
     import torch
 
     if isinstance(tree, torch.Tensor):
-        return tree.detach().clone()
+        return leaf(tree)
     if isinstance(tree, Mapping):
-        return {k: clone(v) for k, v in tree.items()}
+        return {k: _map(v, leaf) for k, v in tree.items()}
     if isinstance(tree, list):
-        return [clone(v) for v in tree]
+        return [_map(v, leaf) for v in tree]
     if isinstance(tree, tuple):
-        return tuple(clone(v) for v in tree)
+        return tuple(_map(v, leaf) for v in tree)
     if isinstance(tree, Checkpoint):
-        return dataclasses.replace(
-            tree,
-            model=clone(tree.model),
-            optim=clone(tree.optim),
-            teacher=clone(tree.teacher),
-            monitor=clone(tree.monitor),
-        )
+        sections = {name: _map(getattr(tree, name), leaf) for name in ("model", "optim", "teacher", "monitor")}
+        return dataclasses.replace(tree, **sections)
     return copy.copy(tree)
+
+
+def clone(tree: Any) -> Any:
+    """A deep copy sharing no tensor memory (a :class:`Checkpoint` section by section)."""
+    return _map(tree, lambda t: t.detach().clone())
+
+
+def localized(tree: Any) -> Any:
+    """``tree`` with every FSDP2 DTensor replaced by this rank's shard (no copy): what
+    tools that read plain tensors (digests, comparisons) see of a rank's state."""
+    return _map(tree, local)
 
 
 def _feed(h: Any, value: Any, path: str) -> None:

@@ -147,7 +147,9 @@ class RunState:
             (the default group when ``torch.distributed`` is initialised): every rank
             constructs it, registers the same things and calls ``save``/``resume``
             together; checkpoints are ``ckptkit.distributed`` directories
-            (spec/runstate.md "Distributed run state").
+            (spec/runstate.md "Distributed run state"). In one process, a run
+            directory a distributed run saved into makes it distributed at world
+            size 1: ``resume(reshard=True)`` continues the run there.
     """
 
     def __init__(
@@ -180,7 +182,7 @@ class RunState:
         self._resume_hint: str | None = None
         self._recording = False  # record() has opened history.jsonl in this process
         self._dist: DistributedRun | None = None
-        if is_distributed(process_group):
+        if is_distributed(process_group, self.run_dir):
             if compression != "raw":
                 raise ValueError(f"compression must be 'raw' in a distributed run (got {compression!r})")
             self._saver = None
@@ -607,6 +609,7 @@ class RunState:
         Raises:
             TypeError: a scalar that is not a number, string or one-element tensor.
         """
+        from ._ring import localized
         from .compare import checkpoint_state
         from .history import HISTORY_FILE, History, append_rows
         from .recording import digests_row, step_row
@@ -626,7 +629,7 @@ class RunState:
             self._recording = True
         append_rows(
             os.path.join(self.run_dir, HISTORY_FILE),
-            [row, digests_row(step + 1, checkpoint_state(self.checkpoint(step + 1)))],
+            [row, digests_row(step + 1, checkpoint_state(localized(self.checkpoint(step + 1))))],
         )
 
     # ------------------------------------------------------------------ stopping (spec/runstate.md "Stopping")

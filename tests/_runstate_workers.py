@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _dist_workers import _full, tiny_model
+from _dist_workers import _full, _state, tiny_model
 
 import ckptkit
 
@@ -53,7 +53,8 @@ class Loop:
     """One rank's training loop and everything it registers."""
 
     def __init__(self, run_dir: str, layout: str, rule: Any = None, **rs_kw: Any) -> None:
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        # One process without torch.distributed (a run resumed there with a reshard) is rank 0 of 1.
+        self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         self.model, registered, self.opt = build(layout)
         self.teacher = copy.deepcopy(tiny_model(0)).requires_grad_(False)
         self.pos = self.rank
@@ -112,7 +113,7 @@ class Loop:
     def state(self) -> dict[str, Any]:
         """Everything the run holds, whole (an FSDP2 model gathered), for bitwise comparison."""
         return {
-            **_full(self.model, self.opt),
+            **(_full(self.model, self.opt) if dist.is_initialized() else _state(self.model, self.opt)),
             "teacher": self.teacher.state_dict(),
             "pos": self.pos,
             "seen": self.seen,

@@ -11,8 +11,9 @@ import shutil
 from typing import Any
 
 import pytest
+import torch
 from _dist_workers import RankPool
-from _runstate_workers import LoopConfig
+from _runstate_workers import LoopConfig, resume_at_this_world_size
 
 import ckptkit
 from ckptkit.cli import main
@@ -78,21 +79,29 @@ def test_ddp_interrupted_and_resumed_in_fresh_processes_equals_uninterrupted(poo
     ]
 
 
-def test_one_process_refuses_a_distributed_run_directory_naming_both_sides(ddp_run):
-    run, _ = ddp_run
-    rs = ckptkit.RunState(run, config=LoopConfig())
-    want = (
-        f"{run}: saved at world size 2 (model: ddp, teacher: plain), resumed at one process (no process group); "
-        "a checkpoint continues the same run bit for bit only at the world size and layout it was saved at: run it "
-        "with torchrun --nproc_per_node 2 and the same parallelism, or resume with reshard=True (--reshard, under "
-        "torchrun): DCP reshards the model and optimizer, the data positions are re-derived from their offset rule, "
-        "and the run is no longer bit-comparable to its past"
+def test_one_process_resumes_a_distributed_run_only_with_a_reshard(ddp_run, tmp_path):
+    run = str(tmp_path / "run")
+    shutil.copytree(ddp_run[0], run)
+    said = (
+        f"{run}: saved at world size 2 (model: ddp, teacher: plain), resumed at world size 1 (model: plain, teacher: "
+        "plain); a checkpoint continues the same run bit for bit only at the world size and layout it was saved at: "
+        "run it with torchrun --nproc_per_node 2 and the same parallelism, or resume with reshard=True (--reshard, "
+        "under torchrun): DCP reshards the model and optimizer, the data positions are re-derived from their offset "
+        "rule, and the run is no longer bit-comparable to its past"
     )
-    for call in (rs.resume, rs.start, rs.resume_or_start):
-        with pytest.raises(ckptkit.WorldSizeChanged) as e:
-            call()
-        assert str(e.value) == want
-    assert isinstance(e.value, ckptkit.ResumeRefused)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the environment the ranks recorded
+    try:
+        assert resume_at_this_world_size(run, "plain", False) == {"error": f"WorldSizeChanged: {said}"}
+        got = resume_at_this_world_size(run, "plain", True)  # this process: no torch.distributed at all
+    finally:
+        torch.set_num_threads(threads)
+    assert got["step"] == 6 and got["resharded"] is True
+    for key in ("model", "optim", "teacher", "updates"):
+        assert_same(got["state"][key], ddp_run[1][0][key])
+    assert got["state"]["pos"] == 6
+    with pytest.raises(ckptkit.ResumeRefused, match="already holds 2 checkpoint"):
+        ckptkit.RunState(run, config=LoopConfig()).start()
 
 
 @pytest.fixture(scope="module")
