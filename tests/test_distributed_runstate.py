@@ -270,3 +270,16 @@ def test_verify_checks_a_distributed_run_directory_with_its_companions(ddp_run, 
     assert main(["verify", run]) == 1
     out = capsys.readouterr().out
     assert f"FAIL  {snapshot}: damaged: its xxh3-64 does not match the digest step-00000006.dcp records" in out
+
+
+def test_a_guarded_run_interrupted_after_its_rollback_resumes_to_the_same_state(pool, tmp_path):
+    straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
+    want = pool.run(W + "guarded", straight, "ddp", 10, 6)
+    pool.run(W + "guarded", split, "ddp", 8, 6)
+    got = pool.run(W + "guarded", split, "ddp", 10, 6)  # rebuilds the ring by replaying on both ranks
+    for a, b in zip(want, got, strict=True):
+        assert a["record"] == b["record"]
+        for key in ("model", "optim", "teacher", "pos", "updates"):
+            assert_same(a[key], b[key])
+    checkpoints = [{k: v for k, v in tree_bytes(run).items() if k != "history.jsonl"} for run in (straight, split)]
+    assert checkpoints[0] == checkpoints[1]
