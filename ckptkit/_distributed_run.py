@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from ._registry import Access
-from ._ring import tree_digest
+from ._ring import clone, tree_digest
 from ._run_files import (
     DCP_SUFFIX,
     checkpoint_name,
@@ -614,6 +614,17 @@ class DistributedRun:
         sc = {k: (v.table_step, v.tree) for k, v in sidecars.items()}
         return _Checked(ckpt, sc, exempt, env, notes, resharded)
 
+    def load_checkpoint(self, step: int) -> tuple[Checkpoint, dict[str, tuple[int, Any]]]:
+        """This rank's contents of the committed step ``step``, loaded into copies, and its sidecars."""
+        from .distributed.format import read_metadata
+
+        path = self.path(step)
+        md = read_metadata(path)
+        run = run_tree(md, path)
+        ckpt, _notes = self._plain_state(path, md, run, resharded=False)
+        sidecars = {k: read_sidecar(sidecar_path(path, k), expect_step=step) for k in self.rs._reg.sidecars}
+        return self._load(path, ckpt, copy=True), {k: (sc.table_step, sc.tree) for k, sc in sidecars.items()}
+
     def _plain_state(self, path: str, md: Any, run: dict[str, Any], resharded: bool) -> tuple[Checkpoint, list[str]]:
         """The checkpoint as far as it is plain values, for the registration checks: the
         stored modules stand in as their live selves (DCP checks keys, shapes and dtypes
@@ -657,9 +668,10 @@ class DistributedRun:
             )
         return int(want)
 
-    def _load(self, path: str, ckpt: Checkpoint) -> Checkpoint:
+    def _load(self, path: str, ckpt: Checkpoint, *, copy: bool = False) -> Checkpoint:
         """Every rank: DCP loads the modules and optimizers (resharding as needed) into
-        destinations shaped like the live ones; ``ckpt`` with them."""
+        destinations shaped like the live ones (``copy``: into copies of them, the live
+        objects untouched); ``ckpt`` with them."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         import ckptkit.distributed as ckd
@@ -671,12 +683,20 @@ class DistributedRun:
         optim = {}
         for n, o in reg.optimizers.items():
             model = reg.optimizer_models[n]
-            has_state = any(k.startswith(f"optim.{n}.state.") for k in stored)
-            # an optimizer that had stepped: a destination for its state (DCP fills only what it is given)
-            optim[n] = get_optimizer_state_dict(model, o) if has_state else reg.access.optim_state(o, model)
+            if any(k.startswith(f"optim.{n}.state.") for k in stored):
+                # an optimizer that had stepped: a destination for its state (DCP fills only what it is given)
+                fresh = not o.state
+                optim[n] = get_optimizer_state_dict(model, o)
+                if fresh and copy:
+                    o.state.clear()  # the zero-gradient initialisation, undone (see dcp_access)
+            else:
+                optim[n] = reg.access.optim_state(o, model)
         dest: dict[str, Any] = {"model": {n: reg.access.model_state(m) for n, m in reg.models.items()}, "optim": optim}
         if reg.teacher is not None:
             dest["teacher"] = reg.access.model_state(reg.teacher)
+        if copy:
+            dest = clone(dest)
+            optim = dest["optim"]
         ckd.load(dest, path, process_group=self.g.group)
         return dataclasses.replace(
             ckpt,

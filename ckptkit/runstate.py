@@ -388,6 +388,24 @@ class RunState:
         directory ``<run_dir>/step-00000120.dcp`` in a distributed run (to name it before it exists)."""
         return os.path.join(self.run_dir, checkpoint_name(step, DCP_SUFFIX if self._dist is not None else CKPT_SUFFIX))
 
+    def load_checkpoint(self, step: int) -> tuple[Checkpoint, dict[str, tuple[int, Any]]]:
+        """The saved checkpoint at ``step`` as :meth:`checkpoint` builds contents (in a
+        distributed run: this rank's, loaded collectively), in copies: the registered
+        objects are untouched. With its sidecars, ``kind -> (table_step, tree)``, the form
+        :meth:`restore` takes. The spike guard rebuilds its ring from it.
+
+        Raises:
+            CheckpointNotFound: no committed checkpoint at ``step``.
+            FormatError: it (or a sidecar) is damaged.
+            StateMismatch: it does not fit the registered modules and optimizers.
+        """
+        if self._dist is not None:
+            return self._dist.load_checkpoint(step)
+        path = self.checkpoint_path(step)
+        ckpt = load(path)
+        sidecars = {kind: read_sidecar(sidecar_path(path, kind), expect_step=step) for kind in self._reg.sidecars}
+        return ckpt, {kind: (sc.table_step, sc.tree) for kind, sc in sidecars.items()}
+
     def save(self, step: int) -> str:
         """Save everything at ``step``: snapshot, sidecars, then the container.
 

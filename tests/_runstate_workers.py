@@ -170,7 +170,8 @@ def guarded(run_dir: str, layout: str, until: int, spike_at: int) -> dict[str, A
     history = ckptkit.History(run_dir) if loop.rank == 0 else None
     monitor = ckptkit.SpikeMonitor(ckptkit.SpikeConfig(window=4, min_history=2))
     inject = GradSpike([loop.model], at=spike_at)
-    guard = ckptkit.SpikeGuard(loop.rs, "on", monitor=monitor, k=2, history=history, inject=inject)
+    said: list[str] = []
+    guard = ckptkit.SpikeGuard(loop.rs, "on", monitor=monitor, k=2, history=history, inject=inject, log=said.append)
     try:
         start = loop.rs.resume_or_start()
         if history is not None and start == 0:
@@ -187,6 +188,7 @@ def guarded(run_dir: str, layout: str, until: int, spike_at: int) -> dict[str, A
             "teacher": here.teacher,
             "record": guard.record.state(),
             "ckpts": [s for s, _ in loop.rs.checkpoints()],
+            "log": said,
         }
     finally:
         loop.rs.close()

@@ -277,6 +277,8 @@ def test_a_guarded_run_interrupted_after_its_rollback_resumes_to_the_same_state(
     want = pool.run(W + "guarded", straight, "ddp", 10, 6)
     pool.run(W + "guarded", split, "ddp", 8, 6)
     got = pool.run(W + "guarded", split, "ddp", 10, 6)  # rebuilds the ring by replaying on both ranks
+    rebuilt = "rollback ring rebuilt: replayed steps 6..8 from step-00000006.dcp; it reproduced step-00000008.dcp"
+    assert all(rebuilt in r["log"] for r in got)  # loaded into copies from the newest checkpoint at or before 8-K
     for a, b in zip(want, got, strict=True):
         assert a["record"] == b["record"]
         for key in ("model", "optim", "teacher", "pos", "updates"):
