@@ -40,19 +40,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
+from . import _run_files as files
 from ._registry import Access
 from ._ring import clone, tree_digest
-from ._run_files import (
-    DCP_SUFFIX,
-    checkpoint_name,
-    fallback_notes,
-    list_checkpoints,
-    newest_consistent,
-    read_environment,
-    refuse_existing,
-    retain,
-    write_companions,
-)
 from .atomic import clean_stale_temps, fsync_dir, write_bytes_atomic
 from .checkpoint import Checkpoint
 from .companions import ENVIRONMENT_FILE, UNBOUND_NOTE, check_companions, record_of
@@ -88,7 +78,7 @@ def is_distributed(process_group: Any, run_dir: str) -> bool:
     """A run state is distributed when given a group, or built in an initialised job, or
     built in one process on a run directory a distributed run saved into (which it may
     only resume with a reshard, RS-D7)."""
-    if process_group is not None or list_checkpoints(run_dir, DCP_SUFFIX):
+    if process_group is not None or files.list_checkpoints(run_dir, files.DCP_SUFFIX):
         return True
     dist = sys.modules.get("torch.distributed")
     return dist is not None and dist.is_available() and dist.is_initialized()
@@ -186,9 +176,9 @@ def refuse_in_one_process(run_dir: str) -> None:
     Raises:
         WorldSizeChanged: the directory holds ``step-*.dcp`` checkpoints.
     """
-    if list_checkpoints(run_dir, DCP_SUFFIX):
+    if files.list_checkpoints(run_dir, files.DCP_SUFFIX):
         try:
-            saved = _world(read_environment(run_dir))
+            saved = _world(files.read_environment(run_dir))
         except CheckpointError:
             saved = {WORLD_SIZE: "N (environment.json is unreadable)"}
         raise world_size_changed(run_dir, saved, {})
@@ -204,7 +194,7 @@ def _sweep_aside(run_dir: str) -> list[str]:
     """Remove what an interrupted replacement left beside its checkpoint (``_aside``)."""
     gone = []
     for name in sorted(os.listdir(run_dir)):
-        if name.startswith(".step-") and name.endswith((f"{DCP_SUFFIX}.old", f"{DCP_SUFFIX}.new")):
+        if name.startswith(".step-") and name.endswith((f"{files.DCP_SUFFIX}.old", f"{files.DCP_SUFFIX}.new")):
             shutil.rmtree(os.path.join(run_dir, name), ignore_errors=True)
             gone.append(name)
     return gone
@@ -321,7 +311,7 @@ class DistributedRun:
         return self.g.world
 
     def path(self, step: int) -> str:
-        return os.path.join(self.rs.run_dir, checkpoint_name(step, DCP_SUFFIX))
+        return os.path.join(self.rs.run_dir, files.checkpoint_name(step, files.DCP_SUFFIX))
 
     def facts(self) -> dict[str, Any]:
         reg = self.rs._reg
@@ -368,7 +358,7 @@ class DistributedRun:
             into = _aside(path, "new")
         # What an earlier save of this step left uncommitted (a dead rank's temp file included) goes first.
         shutil.rmtree(into, ignore_errors=True)
-        return write_companions(path, step, config, sidecars), into
+        return files.write_companions(path, step, config, sidecars), into
 
     def _commit(self) -> None:
         """After DCP committed: a replacement takes the old directory's place, then retention."""
@@ -475,7 +465,7 @@ class DistributedRun:
 
         def rank0() -> None:
             if self.rank == 0:
-                retain(rs.run_dir, rs.keep, self._delete, rs._log, DCP_SUFFIX)
+                files.retain(rs.run_dir, rs.keep, self._delete, rs._log, files.DCP_SUFFIX)
 
         self.g.agree(rank0, "retention")  # the agreement is the barrier: no rank lists a step being deleted
 
@@ -493,7 +483,7 @@ class DistributedRun:
 
     def checkpoints(self) -> list[tuple[int, str]]:
         self.wait()
-        return list_checkpoints(self.rs.run_dir, DCP_SUFFIX)
+        return files.list_checkpoints(self.rs.run_dir, files.DCP_SUFFIX)
 
     def discard_after(self, step: int) -> list[str]:
         gone = [p for s, p in self.checkpoints() if s > step]
@@ -512,9 +502,9 @@ class DistributedRun:
         facts = self.facts()
 
         def rank0() -> None:
-            if list_checkpoints(run_dir):
+            if files.list_checkpoints(run_dir):
                 raise world_size_changed(run_dir, {}, facts)
-            refuse_existing(run_dir, list_checkpoints(run_dir, DCP_SUFFIX))
+            files.refuse_existing(run_dir, files.list_checkpoints(run_dir, files.DCP_SUFFIX))
             os.makedirs(run_dir, exist_ok=True)
             clean_stale_temps(run_dir)
             record = {**capture(), **facts}
@@ -527,9 +517,11 @@ class DistributedRun:
 
     def has_checkpoints(self) -> bool:
         run_dir = self.rs.run_dir
-        return self.g.from_rank0(
-            lambda: bool(list_checkpoints(run_dir, DCP_SUFFIX) or list_checkpoints(run_dir)), "listing checkpoints"
-        )
+
+        def rank0() -> bool:
+            return bool(files.list_checkpoints(run_dir, files.DCP_SUFFIX) or files.list_checkpoints(run_dir))
+
+        return self.g.from_rank0(rank0, "listing checkpoints")
 
     # ------------------------------------------------------------------ resume
 
@@ -551,12 +543,13 @@ class DistributedRun:
     def _choose(self) -> tuple[str, list[str], list[tuple[str, str]]]:
         """Rank 0: the newest checkpoint that verifies with its companions; every fallback said."""
         run_dir = self.rs.run_dir
-        if list_checkpoints(run_dir):
+        if files.list_checkpoints(run_dir):
             raise world_size_changed(run_dir, {}, self.facts())
         removed = clean_stale_temps(run_dir) + _sweep_aside(run_dir)
         notes = [f"removed {len(removed)} temporary file(s) left by an interrupted save"] if removed else []
-        run, path, skipped = newest_consistent(run_dir, list_checkpoints(run_dir, DCP_SUFFIX), self._consistent)
-        notes += fallback_notes(skipped, path, run["step"])
+        candidates = files.list_checkpoints(run_dir, files.DCP_SUFFIX)
+        run, path, skipped = files.newest_consistent(run_dir, candidates, self._consistent)
+        notes += files.fallback_notes(skipped, path, run["step"])
         if record_of(run) is None:
             notes.append(f"{os.path.basename(path)} {UNBOUND_NOTE}")
         return path, notes, skipped
@@ -598,7 +591,7 @@ class DistributedRun:
         if resharded and not reshard:
             raise world_size_changed(rs.run_dir, saved, now)
         exempt = check_resume(read_snapshot(snapshot_path(path)), rs.config, exempt=rs.exempt)
-        recorded = read_environment(rs.run_dir)
+        recorded = files.read_environment(rs.run_dir)
         env = check_environment(
             {k: v for k, v in recorded.items() if k not in _world(recorded)}, capture(), allow=allow_env_change
         )

@@ -96,6 +96,13 @@ class RankPool:
             os.unlink(self._init)
 
 
+def assert_same(a: Any, b: Any) -> None:
+    """Two state trees are bitwise equal (every tensor, every value)."""
+    from ckptkit.compare import compare_states, flatten
+
+    assert compare_states(flatten(a, "s"), flatten(b, "s")) == []
+
+
 # ---------------------------------------------------------------------------- rank-side work
 
 

@@ -12,12 +12,11 @@ from typing import Any
 
 import pytest
 import torch
-from _dist_workers import RankPool
+from _dist_workers import RankPool, assert_same
 from _runstate_workers import LoopConfig, resume_at_this_world_size
 
 import ckptkit
 from ckptkit.cli import main
-from ckptkit.compare import compare_states, flatten
 from ckptkit.distributed.format import read_metadata
 
 pytestmark = pytest.mark.slow
@@ -25,17 +24,15 @@ pytestmark = pytest.mark.slow
 W = "_runstate_workers:"
 
 
-@pytest.fixture(scope="module")
-def pool():
-    p = RankPool(2)
+def resume_in_fresh_ranks(run: str, want: list[dict[str, Any]]) -> None:
+    """Resume the DDP loop of ``run`` in 2 new processes to step 6: each rank ends where ``want`` did."""
+    fresh = RankPool(2)
     try:
-        yield p
+        got = fresh.run(W + "train", run, "ddp", 6)
     finally:
-        p.close()
-
-
-def assert_same(a: Any, b: Any) -> None:
-    assert compare_states(flatten(a, "s"), flatten(b, "s")) == []
+        fresh.close()
+    for a, b in zip(want, got, strict=True):
+        assert_same(a, b)
 
 
 def tree_bytes(root: str) -> dict[str, bytes]:
@@ -60,13 +57,7 @@ def test_ddp_interrupted_and_resumed_in_fresh_processes_equals_uninterrupted(poo
     straight, want = ddp_run
     split = str(tmp_path / "split")
     pool.run(W + "train", split, "ddp", 4)
-    fresh = RankPool(2)
-    try:
-        got = fresh.run(W + "train", split, "ddp", 6)
-    finally:
-        fresh.close()
-    for a, b in zip(want, got, strict=True):
-        assert_same(a, b)
+    resume_in_fresh_ranks(split, want)
     assert want[0]["pos"] == 12 and want[1]["pos"] == 13  # each rank kept its own position
     files = tree_bytes(straight)
     assert sorted(files) == sorted(tree_bytes(split))
@@ -244,13 +235,7 @@ def test_a_rank_killed_mid_save_ends_the_job_and_the_run_resumes_exactly(ddp_run
         doomed.close()
     assert not any(p.is_alive() for p in doomed.procs)
     assert not os.path.exists(os.path.join(run, "step-00000004.dcp", "metadata.ckdcp"))
-    fresh = RankPool(2)
-    try:
-        got = fresh.run(W + "train", run, "ddp", 6)
-    finally:
-        fresh.close()
-    for a, b in zip(want, got, strict=True):
-        assert_same(a, b)
+    resume_in_fresh_ranks(run, want)
     assert tree_bytes(run) == tree_bytes(straight)
 
 
