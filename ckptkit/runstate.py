@@ -219,7 +219,10 @@ class RunState:
         if self._dist is None:
             self._probe(f"{kind} {name!r}", obj.state_dict())
         elif kind in ("scheduler", "scaler"):  # replicated plain state; modules and optimizers go through DCP
-            check_plain(obj.state_dict(), f"{kind} {name!r}")
+            try:
+                check_plain(obj.state_dict(), f"{kind} {name!r}")
+            except UnsupportedValue as e:
+                raise UnsupportedValue(f"{e}; a distributed run saves schedulers and scalers as plain values") from None
         taken[name] = obj
 
     def add_model(self, name: str, module: Any) -> None:

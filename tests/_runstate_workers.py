@@ -261,3 +261,35 @@ def train_then_fail_a_save(run_dir: str, failing_rank: int, how: str) -> str:
     except ckptkit.CheckpointError as e:
         return f"{type(e).__name__}: {e}"
     return "saved"
+
+
+def refusals(run_dir: str) -> list[str]:
+    """What a distributed run state refuses at construction and registration, and on a one-process run directory."""
+    out = []
+    for attempt in (
+        lambda: ckptkit.RunState(run_dir, config=LoopConfig(), compression="zstd"),
+        lambda: _two_models().add_optimizer("adamw", torch.optim.AdamW(tiny_model(0).parameters())),
+        lambda: _two_models().add_scheduler("tensorful", _TensorState()),
+        lambda: ckptkit.RunState(run_dir, config=LoopConfig()).resume(),
+    ):
+        try:
+            attempt()
+            out.append("accepted")
+        except (ValueError, ckptkit.CheckpointError) as e:
+            out.append(f"{type(e).__name__}: {e}")
+    return out
+
+
+def _two_models() -> ckptkit.RunState:
+    rs = ckptkit.RunState("/nonexistent-never-saved", config=LoopConfig())
+    rs.add_model("student", tiny_model(0))
+    rs.add_model("critic", tiny_model(1))
+    return rs
+
+
+class _TensorState:
+    def state_dict(self) -> dict[str, Any]:
+        return {"scale": torch.ones(1)}
+
+    def load_state_dict(self, _sd: dict[str, Any]) -> None:
+        pass

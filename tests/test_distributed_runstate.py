@@ -270,3 +270,27 @@ def test_a_guarded_run_interrupted_after_its_rollback_resumes_to_the_same_state(
             assert_same(a[key], b[key])
     checkpoints = [{k: v for k, v in tree_bytes(run).items() if k != "history.jsonl"} for run in (straight, split)]
     assert checkpoints[0] == checkpoints[1]
+
+
+def test_a_distributed_run_state_refuses_what_it_cannot_save_and_a_one_process_run(pool, tmp_path):
+    run = str(tmp_path / "run")
+    one = ckptkit.RunState(run, config=LoopConfig())
+    one.start()
+    one.save(2)  # a one-process run: step-00000002.ckpt
+    scheduler = (
+        "UnsupportedValue: scheduler 'tensorful'['scale']: a torch.Tensor cannot be stored (only tensors, None, "
+        "bool, int, float, str, bytes, lists, tuples and dicts); convert it to one of those; a distributed run "
+        "saves schedulers and scalers as plain values"
+    )
+    one_process = (
+        f"WorldSizeChanged: {run}: saved at one process (no process group), resumed at world size 2; a "
+        "checkpoint continues the same run bit for bit only at the world size and layout it was saved at: "
+        "resume it in one process (python, not torchrun), the way it was saved"
+    )
+    for said in pool.run(W + "refusals", run):
+        assert said == [
+            "ValueError: compression must be 'raw' in a distributed run (got 'zstd')",
+            "ValueError: optimizer 'adamw': name its model (model=...): 2 are registered",
+            scheduler,
+            one_process,
+        ]
