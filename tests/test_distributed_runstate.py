@@ -5,9 +5,11 @@ Every test here drives whole ranks; models are tiny, every wait bounded, every r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -33,6 +35,17 @@ def resume_in_fresh_ranks(run: str, want: list[dict[str, Any]]) -> None:
         fresh.close()
     for a, b in zip(want, got, strict=True):
         assert_same(a, b)
+
+
+@contextlib.contextmanager
+def as_the_ranks_ran() -> Iterator[None]:
+    """This process with the environment the ranks recorded (one intra-op thread)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def tree_bytes(root: str) -> dict[str, bytes]:
@@ -80,13 +93,9 @@ def test_one_process_resumes_a_distributed_run_only_with_a_reshard(ddp_run, tmp_
         "under torchrun): DCP reshards the model and optimizer, the data positions are re-derived from their offset "
         "rule, and the run is no longer bit-comparable to its past"
     )
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the environment the ranks recorded
-    try:
+    with as_the_ranks_ran():
         assert resume_at_this_world_size(run, "plain", False) == {"error": f"WorldSizeChanged: {said}"}
         got = resume_at_this_world_size(run, "plain", True)  # this process: no torch.distributed at all
-    finally:
-        torch.set_num_threads(threads)
     assert got["step"] == 6 and got["resharded"] is True
     for key in ("model", "optim", "teacher", "updates"):
         assert_same(got["state"][key], ddp_run[1][0][key])
@@ -294,3 +303,15 @@ def test_a_distributed_run_state_refuses_what_it_cannot_save_and_a_one_process_r
             scheduler,
             one_process,
         ]
+
+
+def test_a_reshard_refuses_a_data_position_without_an_offset_rule(ddp_run):
+    run = ddp_run[0]
+    rs = ckptkit.RunState(run, config=LoopConfig())  # one process: world size 1
+    rs.add_data_position("train", get=lambda: 0, set=lambda _p: None)
+    with as_the_ranks_ran(), pytest.raises(ckptkit.ResumeRefused) as e:
+        rs.resume(reshard=True)
+    assert str(e.value) == (
+        f"{run}/step-00000006.dcp: data position 'train' has no offset rule, so a reshard cannot re-derive it for "
+        "rank 0 of 1; register it with add_data_position(..., expected=...)"
+    )
