@@ -482,11 +482,17 @@ class DistributedRun:
                 os.unlink(p)
 
     def checkpoints(self) -> list[tuple[int, str]]:
+        """The committed steps (``metadata.ckdcp`` present), as a one-process run lists its files."""
+        from .distributed.format import METADATA_NAME
+
         self.wait()
-        return files.list_checkpoints(self.rs.run_dir, files.DCP_SUFFIX)
+        steps = files.list_checkpoints(self.rs.run_dir, files.DCP_SUFFIX)
+        return [(s, p) for s, p in steps if os.path.exists(os.path.join(p, METADATA_NAME))]
 
     def discard_after(self, step: int) -> list[str]:
-        gone = [p for s, p in self.checkpoints() if s > step]
+        """Every step directory after ``step``, committed or not (an abandoned timeline's)."""
+        self.wait()
+        gone = [p for s, p in files.list_checkpoints(self.rs.run_dir, files.DCP_SUFFIX) if s > step]
 
         def rank0() -> None:
             if self.rank == 0:

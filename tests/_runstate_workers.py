@@ -293,3 +293,12 @@ class _TensorState:
 
     def load_state_dict(self, _sd: dict[str, Any]) -> None:
         pass
+
+
+def committed_steps(run_dir: str) -> list[int]:
+    """The steps ``RunState.checkpoints()`` lists in a distributed run directory."""
+    loop = Loop(run_dir, "ddp")
+    try:
+        return [s for s, _ in loop.rs.checkpoints()]
+    finally:
+        loop.rs.close()

@@ -223,6 +223,7 @@ def test_a_rank_that_cannot_write_fails_the_save_on_every_rank_and_the_run_resum
     assert said[0] == said[1]
     assert said[0].startswith("SaveFailed: ") and "No space left on device" in said[0]
     assert not os.path.exists(os.path.join(run, "step-00000004.dcp", "metadata.ckdcp"))
+    assert pool.run(W + "committed_steps", run) == [[2], [2]]  # the torn step 4 is no checkpoint
     got = pool.run(W + "train", run, "ddp", 6)  # resumes from step 2, the last committed
     for a, b in zip(want, got, strict=True):
         assert_same(a, b)
