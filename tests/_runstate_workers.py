@@ -177,9 +177,10 @@ def guarded(run_dir: str, layout: str, until: int, spike_at: int) -> dict[str, A
         if history is not None and start == 0:
             history.start_fresh()
         guard.run(loop.step, start, until, save_every=2)
-        from ckptkit._ring import clone
+        from ckptkit._ring import clone, localized
 
-        here = clone(loop.rs.checkpoint(until))  # this rank's own copy (DDP: the whole replicated model)
+        # this rank's own copy (DDP: the whole replicated model; FSDP2: its shards)
+        here = localized(clone(loop.rs.checkpoint(until)))
         return {
             "pos": loop.pos,
             "updates": loop.updates,
