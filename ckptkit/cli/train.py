@@ -3,6 +3,8 @@
     ckptkit train --run-dir runs/a --steps 200
     ckptkit train --run-dir runs/a --steps 400 --resume
     ckptkit train --run-dir runs/q --steps 100 --quant int8 --quant-check --rand-depth --seed 7
+    torchrun --nproc_per_node 2 -m ckptkit train --run-dir runs/d --steps 40 --ckpt-every 10
+    torchrun --nproc_per_node 2 -m ckptkit train --run-dir runs/d --steps 80 --ckpt-every 10 --resume
 
 One flag per config key (``ckptkit.trainer.config``); a resume must pass the same
 knobs as the run it continues, except ``--steps``, ``--log-every`` and
@@ -12,7 +14,9 @@ knobs as the run it continues, except ``--steps``, ``--log-every`` and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import enum
+import io
 import json
 import os
 import sys
@@ -46,6 +50,11 @@ spike rollback (spec/rollback.md):
   $ ckptkit train --run-dir runs/b --steps 300 --auto-rollback on --spike-at 200
   ckptkit train: spike at step 200 (...): update discarded; re-running step 200 from the state before it
   ckptkit train: ROLLED BACK to step 190 (rollback 1, 1 in a row): lr 0.00295 -> 0.00147 (x0.5 from now on); ...
+
+data parallel under torchrun (spec/trainer.md R-T14): DDP by default, --parallel fsdp for FSDP2;
+--batch is the global batch (a multiple of the world size); rank 0 writes history.jsonl and the log:
+  $ torchrun --nproc_per_node 2 -m ckptkit train --run-dir runs/d --steps 40 --ckpt-every 10
+  $ torchrun --nproc_per_node 2 -m ckptkit train --run-dir runs/d --steps 80 --ckpt-every 10 --resume
 
 Ctrl-C (SIGINT) or SIGTERM: the step in progress finishes and is saved, and the command to
 resume is printed (exit 75); a second Ctrl-C aborts at once, leaving every checkpoint intact:
@@ -116,6 +125,14 @@ def add_parser(sub: Any) -> None:
         "refused unless --allow-env-change; the summary's extend command repeats it",
     )
     run_group.add_argument(
+        "--dist-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="under torchrun: how long a collective waits for a peer before the job fails, so a dead "
+        "rank ends the job instead of hanging it (default: 60)",
+    )
+    run_group.add_argument(
         "--quiet", action="store_true", help="no progress bar and no log lines on stderr (the summary still prints)"
     )
     run_group.add_argument("--json", action="store_true", help="print the result as one JSON object")
@@ -147,7 +164,22 @@ def run(args: argparse.Namespace) -> int:
     if args.threads is not None and args.threads < 1:
         print(f"ckptkit train: --threads must be >= 1 (got {args.threads})", file=sys.stderr)
         return 2
+    if args.dist_timeout is not None and not args.dist_timeout > 0:
+        print(f"ckptkit train: --dist-timeout must be > 0 seconds (got {args.dist_timeout})", file=sys.stderr)
+        return 2
 
+    from ..trainer.parallel import DEFAULT_TIMEOUT_S, process_group
+
+    # Under torchrun: join the job (a bounded timeout: a dead rank ends it); rank 0 prints.
+    with process_group(args.dist_timeout or DEFAULT_TIMEOUT_S) as where:
+        if where.rank:
+            args.quiet = True
+            with contextlib.redirect_stdout(io.StringIO()):
+                return _train(args, cfg)
+        return _train(args, cfg)
+
+
+def _train(args: argparse.Namespace, cfg: Any) -> int:
     from torch import get_num_threads as torch_threads
 
     from ..preemption import RunStopped

@@ -26,6 +26,7 @@ import torch
 
 from ..compare import checkpoint_state
 from ..fingerprint import combine, leaf_digests, tensor_digest
+from .parallel import full_tensor
 
 __all__ = [
     "MODEL_PREFIX",
@@ -43,8 +44,13 @@ MODEL_PREFIX = "model:model."
 
 
 def param_digests(model: torch.nn.Module) -> dict[str, int]:
-    """Per-parameter digests, named as the checkpoint names them (``model:model.wte``)."""
-    return {MODEL_PREFIX + name: tensor_digest(MODEL_PREFIX + name, p) for name, p in model.named_parameters()}
+    """Per-parameter digests, named as the checkpoint names them (``model:model.wte``).
+
+    Of the whole parameters: an FSDP2 shard is gathered first (a collective: every rank calls this).
+    """
+    return {
+        MODEL_PREFIX + name: tensor_digest(MODEL_PREFIX + name, full_tensor(p)) for name, p in model.named_parameters()
+    }
 
 
 def params_digest(digests: Mapping[str, int]) -> int:
@@ -93,5 +99,7 @@ def perturb(run: Any, step: int) -> None:
         return
     name = perturb_target(cfg, run.model)
     p = dict(run.model.named_parameters())[name]
-    flat = p.view(-1)
-    flat[0] = torch.nextafter(flat[0], torch.tensor(float("inf"), dtype=p.dtype))
+    local = getattr(p, "to_local", lambda: p)()  # an FSDP2 shard: element 0 is in rank 0's (dim-0 sharding)
+    if local is p or run.ranks.rank == 0:
+        flat = local.view(-1)
+        flat[0] = torch.nextafter(flat[0], torch.tensor(float("inf"), dtype=p.dtype))

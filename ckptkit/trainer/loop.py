@@ -63,6 +63,7 @@ from .data import ByteStream, data_fingerprint, load_bytes
 from .digests import checkpoint_row, digests_row, param_digests, params_digest, perturb, perturb_target
 from .model import GPT, apply_compute_settings, make_teacher
 from .ngram import BigramTable
+from .parallel import Ranks, full_tensor, rank_history, ranks, wrap
 
 __all__ = [
     "Run",
@@ -100,6 +101,8 @@ class Run:
     ngram: BigramTable | None  # None when --no-ngram
     optimizer: torch.optim.AdamW
     monitor: SpikeMonitor
+    net: torch.nn.Module  # the student as the loop trains it: itself, or its DDP wrapper (R-T14)
+    ranks: Ranks  # this process's rank and the world size (0 of 1 without torchrun)
     fp32_latched: bool = False  # the one-way fallback; never goes back to False in a run
     guard: SpikeGuard | None = None  # spike rollback (spec/rollback.md): set by spike_guard()
 
@@ -241,14 +244,21 @@ def expected_offset(cfg: TrainerConfig, step: int, skipped: int = 0) -> int:
     return (step + pre_batches(cfg) + skipped) * cfg.data.batch * cfg.data.seq_len
 
 
-def _lm_loss(run: Run, x: torch.Tensor, y: torch.Tensor, depth: int) -> torch.Tensor:
+def _forward(
+    run: Run, x: torch.Tensor, y: torch.Tensor, depth: int, mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The student's forward (through DDP / FSDP2): the next-byte loss, and the predictions at ``mask``."""
     bias = run.ngram.logit_bias(run.cfg.model.ngram_weight) if run.ngram is not None else None
-    logits = run.model.logits(run.model.hidden(x, depth=depth), x, bias)
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+    logits, pred = run.net(x, depth=depth, bias=bias, mask=mask)
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1)), pred
+
+
+def _lm_loss(run: Run, x: torch.Tensor, y: torch.Tensor, depth: int) -> torch.Tensor:
+    return _forward(run, x, y, depth)[0]
 
 
 def _quant_error(run: Run) -> float:
-    return max(layer.quant_error(8) for layer in run.model.factor_layers())
+    return max(layer.quant_error(8, full_tensor(layer.weight)) for layer in run.model.factor_layers())
 
 
 @torch.no_grad()
@@ -272,8 +282,9 @@ def run_probes(run: Run, log: Log) -> list[dict[str, Any]]:
     depth = cfg.model.n_layer
     if _warmup_probe_on(cfg):
         x, y = run.stream.next_batch(cfg.data.batch, cfg.data.seq_len)
-        first, second = _lm_loss(run, x, y, depth).item(), _lm_loss(run, x, y, depth).item()
-        if f32_bits(first) != f32_bits(second):
+        first_t, second_t = _lm_loss(run, x, y, depth), _lm_loss(run, x, y, depth)
+        first, second = run.ranks.mean(first_t).item(), run.ranks.mean(second_t).item()
+        if run.ranks.any(f32_bits(first_t.item()) != f32_bits(second_t.item())):  # every rank's own forward
             raise ReplayDivergence(
                 f"warm-up probe: the same forward on the same batch gave {first!r} then {second!r}; this "
                 "environment is not deterministic (thread count, kernels), so no resume of this run could be "
@@ -285,9 +296,9 @@ def run_probes(run: Run, log: Log) -> list[dict[str, Any]]:
         log(f"warm-up probe: start loss {first:.4f} (ln 256 = {math.log(256):.4f}), forward deterministic")
     if _quant_check_on(cfg):
         x, y = run.stream.next_batch(cfg.data.batch, cfg.data.seq_len)
-        quant_loss = _lm_loss(run, x, y, depth).item()
+        quant_loss = run.ranks.mean(_lm_loss(run, x, y, depth)).item()
         error = _quant_error(run)
-        bad = not math.isfinite(quant_loss) or error > cfg.train.quant_threshold
+        bad = not math.isfinite(quant_loss) or error > cfg.train.quant_threshold  # the same on every rank
         if bad:
             run.latch_fp32()
             log(
@@ -316,19 +327,29 @@ def build(cfg: TrainerConfig, data: bytes | None = None) -> Run:
     """Data, model, teacher, n-gram table, optimizer and monitor for ``cfg``, at step 0.
 
     Draws no global randomness: parameters come from
-    ``rng.torch_generator(seed, 0, Stream.INIT)``.
+    ``rng.torch_generator(seed, 0, Stream.INIT)``, the same on every rank. Under
+    torchrun the student is wrapped as ``--parallel`` says (R-T14).
 
     Args:
         cfg: the config.
         data: the training bytes, if already loaded (else read from ``cfg.data.path``).
+
+    Raises:
+        ValueError: the global batch does not split evenly over the ranks.
     """
-    tc = cfg.train
-    # -- data --
-    stream = ByteStream(load_bytes(cfg.data.path) if data is None else data)
-    # -- model --
+    tc, where = cfg.train, ranks()
+    if cfg.data.batch % where.world:
+        raise ValueError(
+            f"--batch {cfg.data.batch} must be a multiple of the world size {where.world}: each rank "
+            "trains its batch / world-size rows of every global batch"
+        )
+    # -- data: this rank's rows of each global batch --
+    stream = ByteStream(load_bytes(cfg.data.path) if data is None else data, rank=where.rank, world=where.world)
+    # -- model (a DDP wrapper or FSDP2 shards under torchrun) --
     model = GPT(cfg.model, predictor=tc.aux)
     model.init_weights(torch_generator(tc.seed, 0, Stream.INIT))
     teacher = make_teacher(model) if tc.aux else None
+    net = wrap(model, teacher, tc.parallel, where)
     ngram = BigramTable() if cfg.model.ngram else None
     # -- optimizer: decay matrices and embeddings, not norms or vectors (nanoGPT) --
     params = [p for p in model.parameters() if p.requires_grad]
@@ -338,7 +359,7 @@ def build(cfg: TrainerConfig, data: bytes | None = None) -> Run:
     ]
     optimizer = torch.optim.AdamW(groups, lr=get_lr(0, tc), betas=(tc.beta1, tc.beta2), foreach=False)
     monitor = SpikeMonitor(cfg.monitor)
-    run = Run(cfg, stream, model, teacher, ngram, optimizer, monitor)
+    run = Run(cfg, stream, model, teacher, ngram, optimizer, monitor, net, where)
     run.apply_compute_settings()
     perturb_target(cfg, model)  # refuse a --perturb-param that names no parameter now, not at that step
     return run
@@ -347,16 +368,24 @@ def build(cfg: TrainerConfig, data: bytes | None = None) -> Run:
 # ----------------------------------------------------------------------------- one step
 
 
-def _aux_loss(run: Run, x: torch.Tensor, depth: int, step: int) -> torch.Tensor:
+def _mask(run: Run, step: int) -> torch.Tensor | None:
+    """This rank's rows of the step's JEPA mask (one per sequence of the global batch, a
+    function of (seed, step): design record item 3); None when no aux loss or nothing is masked."""
+    cfg, tc = run.cfg, run.cfg.train
+    if run.teacher is None:
+        return None
+    rows = mask_stream(cfg.data.seq_len, tc.mask_frac, tc.mask_span, seed=tc.seed, step=step, rows=cfg.data.batch)
+    mask = torch.from_numpy(rows[run.ranks.rows(cfg.data.batch)])
+    return mask if bool(mask.any()) else None
+
+
+def _aux_loss(run: Run, x: torch.Tensor, pred: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor | None:
     """JEPA-style: the student, seeing the mask embedding at masked positions,
-    predicts the teacher's (layer-normed) hidden states there. The mask, one per
-    sequence, is a function of (seed, step) (design record item 3)."""
-    tc, model = run.cfg.train, run.model
-    assert run.teacher is not None
-    mask = torch.from_numpy(mask_stream(x.size(1), tc.mask_frac, tc.mask_span, seed=tc.seed, step=step, rows=x.size(0)))
-    if not bool(mask.any()):
+    predicted the teacher's (layer-normed) hidden states there (``pred``)."""
+    if run.teacher is None:
+        return None
+    if pred is None or mask is None:  # an empty mask
         return torch.zeros((), dtype=torch.float32)
-    pred = model.predictor(model.hidden(x, depth=depth, mask=mask)[mask])
     with torch.no_grad():
         target = run.teacher.hidden(x, depth=run.cfg.model.n_layer)[mask]
         target = F.layer_norm(target, target.shape[-1:])
@@ -387,21 +416,22 @@ def train_step(run: Run, step: int) -> StepResult:
                 latch = f"quant error {error:.4g} > --quant-threshold {tc.quant_threshold}"
         if latch:
             run.latch_fp32()
-    # -- forward --
-    lm_loss = _lm_loss(run, x, y, depth)
-    if run.quant_active and not bool(torch.isfinite(lm_loss)):
+    # -- forward (every rank latches if one rank's int8 loss is not finite) --
+    mask = _mask(run, step)
+    lm_loss, pred = _forward(run, x, y, depth, mask)
+    if run.quant_active and run.ranks.any(not bool(torch.isfinite(lm_loss))):
         latch = "non-finite int8 loss"
         run.latch_fp32()
-        lm_loss = _lm_loss(run, x, y, depth)  # this step trains the fp32 forward
+        lm_loss, pred = _forward(run, x, y, depth, mask)  # this step trains the fp32 forward
     compute = "int8" if run.quant_active else "fp32"
-    aux_loss = _aux_loss(run, x, depth, step) if run.teacher is not None else None
+    aux_loss = _aux_loss(run, x, pred, mask)
     loss = lm_loss if aux_loss is None else lm_loss + tc.aux_weight * aux_loss
-    # -- backward; the guard's monitor sees the grad norm before clipping --
+    # -- backward; the guard's monitor sees the grad norm before clipping (reduced: the same on every rank) --
     run.optimizer.zero_grad(set_to_none=True)
     loss.backward()
     params = [p for p in run.model.parameters() if p.grad is not None]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip if tc.grad_clip > 0 else math.inf, foreach=False)
-    loss_value, grad_norm_value = loss.item(), grad_norm.item()
+    grad_norm_value = full_tensor(grad_norm).item()
     # -- update: optimizer, then the EMA teacher and the n-gram table, outside autograd --
     lr = get_lr(step, tc) * run.lr_scale  # after the schedule and any optimizer load (spec/rollback.md R-R06)
     for group in run.optimizer.param_groups:
@@ -412,14 +442,16 @@ def train_step(run: Run, step: int) -> StepResult:
             for t, s in zip(run.teacher.parameters(), run.model.parameters(), strict=True):
                 t.lerp_(s, 1.0 - tc.ema_decay)
         if run.ngram is not None:
-            run.ngram.update(x, y)
+            run.ngram.update(x, y, run.ranks.sum_)  # the whole global batch's pairs, on every rank
     step_ms = (time.perf_counter() - t0) * 1e3
     perturb(run, step)  # TESTING AID (--perturb-at): 1 ulp on one parameter, so a replay can diverge
+    # -- what the row says: the mean over the ranks --
+    losses = run.ranks.mean(torch.stack([loss, lm_loss, torch.zeros(()) if aux_loss is None else aux_loss]))
     return StepResult(
         step=step,
-        loss=loss_value,
-        lm_loss=lm_loss.item(),
-        aux_loss=None if aux_loss is None else aux_loss.item(),
+        loss=losses[0].item(),
+        lm_loss=losses[1].item(),
+        aux_loss=None if aux_loss is None else losses[2].item(),
         grad_norm=grad_norm_value,
         lr=lr,
         depth=depth,
@@ -630,10 +662,11 @@ def train(
         data = load_bytes(cfg.data.path)
         fingerprint = data_fingerprint(data)
         run = build(cfg, data)
+        log = log if run.ranks.rank == 0 else (lambda _msg: None)  # under torchrun rank 0 speaks and records
 
         # -- run state: everything a checkpoint carries, registered once --
         rs = run_state(run, run_dir, fingerprint, log=log, async_save=True)
-        history = History(run_dir)
+        history = rank_history(run_dir, run.ranks)
 
         def emit(e: Executed) -> None:  # a step's rows, re-runs included (the guard calls it)
             result = _judged(e)
