@@ -128,9 +128,12 @@ def summarize(run_dir: str, *, seconds: float, keep: int, extend: str) -> TrainS
     )
 
 
-def extend_command(run_dir: str, steps: int, flags: Sequence[str]) -> str:
-    """``ckptkit train --run-dir RUN --steps N --resume FLAGS``: the run's own flags, so no drift."""
-    return shlex.join(["ckptkit", "train", "--run-dir", run_dir, "--steps", str(steps), "--resume", *flags])
+def extend_command(run_dir: str, steps: int, flags: Sequence[str], launcher: Sequence[str] = ("ckptkit",)) -> str:
+    """``ckptkit train --run-dir RUN --steps N --resume FLAGS``: the run's own flags, so no drift.
+
+    ``launcher`` replaces ``ckptkit`` (``torchrun --nproc_per_node 2 -m ckptkit`` for a distributed run).
+    """
+    return shlex.join([*launcher, "train", "--run-dir", run_dir, "--steps", str(steps), "--resume", *flags])
 
 
 def _spiked(row: dict[str, Any]) -> bool:

@@ -168,18 +168,21 @@ def run(args: argparse.Namespace) -> int:
         print(f"ckptkit train: --dist-timeout must be > 0 seconds (got {args.dist_timeout})", file=sys.stderr)
         return 2
 
-    from ..trainer.parallel import DEFAULT_TIMEOUT_S, process_group
+    from ..trainer.parallel import DEFAULT_TIMEOUT_S, check_fits, process_group
 
     # Under torchrun: join the job (a bounded timeout: a dead rank ends it); rank 0 prints.
     with process_group(args.dist_timeout or DEFAULT_TIMEOUT_S) as where:
-        if where.rank:
-            args.quiet = True
-            with contextlib.redirect_stdout(io.StringIO()):
-                return _train(args, cfg)
-        return _train(args, cfg)
+        try:
+            check_fits(cfg, where)
+        except ValueError as e:
+            print(f"ckptkit train: {e}", file=sys.stderr)
+            return 2
+        speak = where.rank == 0  # rank 0 speaks for the job; the others train silently
+        with contextlib.nullcontext() if speak else contextlib.redirect_stdout(io.StringIO()):
+            return _train(args, cfg, speak)
 
 
-def _train(args: argparse.Namespace, cfg: Any) -> int:
+def _train(args: argparse.Namespace, cfg: Any, speak: bool) -> int:
     from torch import get_num_threads as torch_threads
 
     from ..preemption import RunStopped
@@ -188,7 +191,7 @@ def _train(args: argparse.Namespace, cfg: Any) -> int:
 
     began = time.monotonic()
     try:
-        with Progress("train", quiet=args.quiet) as progress:
+        with Progress("train", quiet=args.quiet or not speak) as progress:
 
             def on_step(result: Any) -> None:
                 progress.at(result.step + 1, cfg.train.steps, loss=f"{result.loss:.4f}")
@@ -208,6 +211,8 @@ def _train(args: argparse.Namespace, cfg: Any) -> int:
                     preemptible=True,
                 )
     except RunStopped as stop:  # Ctrl-C / SIGTERM: the step in progress was saved (after the bar closed)
+        if not speak:
+            return stop.code  # type: ignore[return-value]
         print(
             f"ckptkit train: stopped at step {stop.step} ({stop.reason}): saved {stop.path}\n"
             f"resume with: {_resume_command(args, cfg)}",
@@ -251,7 +256,7 @@ def _summary(args: argparse.Namespace, cfg: Any, step: int, threads: int, second
     flags = [*knob_flags(cfg.replace(**{"train.steps": default_steps})), "--threads", str(threads)]
     if args.allow_env_change:  # environment.json keeps the facts the run started with
         flags.append("--allow-env-change")
-    extend = extend_command(args.run_dir, max(2 * step, step + 1), flags)
+    extend = extend_command(args.run_dir, max(2 * step, step + 1), flags, _launcher())
     return summarize(args.run_dir, seconds=seconds, keep=cfg.train.keep, extend=extend)
 
 
@@ -264,4 +269,12 @@ def _resume_command(args: argparse.Namespace, cfg: Any) -> str:
     flags = [f for f in ("--allow-legacy", "--allow-env-change") if getattr(args, f[2:].replace("-", "_"))]
     if args.threads is not None:  # the thread count is an environment fact of the run
         flags += ["--threads", str(args.threads)]
-    return shlex.join(["ckptkit", "train", "--run-dir", str(args.run_dir), *knob_flags(cfg), *flags, "--resume"])
+    return shlex.join([*_launcher(), "train", "--run-dir", str(args.run_dir), *knob_flags(cfg), *flags, "--resume"])
+
+
+def _launcher() -> list[str]:
+    """How this run was started: ``ckptkit``, or ``torchrun --nproc_per_node W -m ckptkit``."""
+    from ..trainer.parallel import ranks
+
+    world = ranks().world
+    return ["ckptkit"] if world == 1 else ["torchrun", "--nproc_per_node", str(world), "-m", "ckptkit"]

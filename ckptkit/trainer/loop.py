@@ -63,7 +63,7 @@ from .data import ByteStream, data_fingerprint, load_bytes
 from .digests import checkpoint_row, digests_row, param_digests, params_digest, perturb, perturb_target
 from .model import GPT, apply_compute_settings, make_teacher
 from .ngram import BigramTable
-from .parallel import Ranks, full_tensor, rank_history, ranks, wrap
+from .parallel import Ranks, check_fits, full_tensor, rank_history, ranks, wrap
 
 __all__ = [
     "Run",
@@ -338,11 +338,7 @@ def build(cfg: TrainerConfig, data: bytes | None = None) -> Run:
         ValueError: the global batch does not split evenly over the ranks.
     """
     tc, where = cfg.train, ranks()
-    if cfg.data.batch % where.world:
-        raise ValueError(
-            f"--batch {cfg.data.batch} must be a multiple of the world size {where.world}: each rank "
-            "trains its batch / world-size rows of every global batch"
-        )
+    check_fits(cfg, where)
     # -- data: this rank's rows of each global batch --
     stream = ByteStream(load_bytes(cfg.data.path) if data is None else data, rank=where.rank, world=where.world)
     # -- model (a DDP wrapper or FSDP2 shards under torchrun) --

@@ -31,9 +31,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ..history import History
-from .config import Parallel
+from .config import Parallel, TrainerConfig
 
-__all__ = ["DEFAULT_TIMEOUT_S", "Ranks", "full_tensor", "process_group", "rank_history", "ranks", "wrap"]
+__all__ = ["DEFAULT_TIMEOUT_S", "Ranks", "check_fits", "full_tensor", "process_group", "rank_history", "ranks", "wrap"]
 
 #: Seconds a collective may wait for a peer before the job fails (``--dist-timeout``).
 DEFAULT_TIMEOUT_S = 60.0
@@ -104,6 +104,24 @@ def process_group(timeout_s: float = DEFAULT_TIMEOUT_S) -> Iterator[Ranks]:
         yield ranks()
     finally:
         dist.destroy_process_group()
+
+
+def check_fits(cfg: TrainerConfig, where: Ranks) -> None:
+    """Refuse a config this job cannot train as written.
+
+    Raises:
+        ValueError: the global batch does not split evenly over the ranks, or a testing
+            aid cannot work under the parallelism (the message names the flags).
+    """
+    if cfg.data.batch % where.world:
+        raise ValueError(
+            f"--batch {cfg.data.batch} must be a multiple of the world size {where.world}: each rank "
+            "trains its batch / world-size rows of every global batch"
+        )
+    if where.distributed and cfg.train.parallel is Parallel.FSDP and cfg.train.spike_at is not None:
+        raise ValueError(
+            "--spike-at hooks the gradients of whole parameters, which FSDP2 shards: use it with --parallel ddp"
+        )
 
 
 def wrap(model: nn.Module, teacher: nn.Module | None, kind: Parallel, where: Ranks) -> nn.Module:
