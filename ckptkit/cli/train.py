@@ -108,6 +108,12 @@ def add_parser(sub: Any) -> None:
         "--resume", action="store_true", help="continue from the newest consistent checkpoint in --run-dir"
     )
     run_group.add_argument(
+        "--reshard",
+        action="store_true",
+        help="with --resume: continue a run saved at another world size or layout (DCP reshards the model "
+        "and optimizer; the history records that the run is no longer bit-comparable to its past)",
+    )
+    run_group.add_argument(
         "--allow-legacy",
         action="store_true",
         help="accept a v1 checkpoint that lacks state (recorded in history.jsonl)",
@@ -164,6 +170,9 @@ def run(args: argparse.Namespace) -> int:
     if args.threads is not None and args.threads < 1:
         print(f"ckptkit train: --threads must be >= 1 (got {args.threads})", file=sys.stderr)
         return 2
+    if args.reshard and not args.resume:
+        print("ckptkit train: --reshard needs --resume (it changes how a saved run is continued)", file=sys.stderr)
+        return 2
     if args.dist_timeout is not None and not args.dist_timeout > 0:
         print(f"ckptkit train: --dist-timeout must be > 0 seconds (got {args.dist_timeout})", file=sys.stderr)
         return 2
@@ -204,6 +213,7 @@ def _train(args: argparse.Namespace, cfg: Any, speak: bool) -> int:
                     cfg,
                     args.run_dir,
                     resume=args.resume,
+                    reshard=args.reshard,
                     allow_legacy=args.allow_legacy,
                     allow_env_change=args.allow_env_change,
                     log=progress.log,

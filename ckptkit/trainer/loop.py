@@ -610,6 +610,7 @@ def train(
     run_dir: str | os.PathLike[str],
     *,
     resume: bool = False,
+    reshard: bool = False,
     allow_legacy: bool = False,
     allow_env_change: bool = False,
     log: Log | None = _stderr,
@@ -618,12 +619,17 @@ def train(
 ) -> TrainResult:
     """Train ``cfg`` in ``run_dir`` until ``cfg.train.steps`` steps are done.
 
+    Under torchrun every rank calls it (spec/trainer.md R-T14); rank 0 logs and
+    writes the history.
+
     Args:
         cfg: the resolved config (the plan; snapshotted and diffed on resume).
         run_dir: the run directory: checkpoints, snapshots, sidecars,
             ``environment.json`` and ``history.jsonl``.
         resume: continue from the newest consistent checkpoint; otherwise start
             fresh (refused if the directory already holds checkpoints).
+        reshard: with ``resume``, accept another world size or layout than the
+            checkpoint's (recorded: the run is no longer bit-comparable to its past).
         allow_legacy: accept a v1 checkpoint that lacks state (recorded in history).
         allow_env_change: accept a different environment (recorded in history).
         log: progress and notes (default: stderr); None for silence.
@@ -689,41 +695,10 @@ def train(
             if preemptible:  # SIGTERM / SIGINT: finish the step, save it, stop (spec/runstate.md)
                 stops.enter_context(rs.preemptible())
             if resume:
-                info = rs.resume(allow_legacy=allow_legacy, allow_env_change=allow_env_change)
-                start = info.step
-                notes = list(info.notes) + _after_resume(run, info, log)
-                notes += history.resume_at(start, guard.record.count)
-                notes += guard.rebuild(start, step_fn)  # --auto-rollback on: the ring, by a checked replay (R-R12)
-                history.append(
-                    {
-                        "kind": "resume",
-                        "step": start,
-                        "checkpoint": os.path.basename(info.path),
-                        "allow_legacy": allow_legacy,
-                        "legacy_missing": list(info.legacy_missing),
-                        "allow_env_change": allow_env_change,
-                        "env_overrides": [str(d) for d in info.env_overrides],
-                        "notes": notes,
-                        "time": time.time(),
-                    }
-                )
-                log(f"resumed {info.path} at step {start}; stream offset {run.stream.offset}")
-                last_saved: int | None = start
+                start, notes = _resume(run, rs, history, step_fn, reshard, allow_legacy, allow_env_change, log)
             else:
-                start = rs.start()
-                history.start_fresh()
-                history.append(
-                    {
-                        "kind": "start",
-                        "step": 0,
-                        "torch": torch.__version__,
-                        "intra_op_threads": torch.get_num_threads(),
-                        "data": fingerprint,
-                    }
-                )
-                for row in run_probes(run, log):
-                    history.append(row)
-                last_saved = None
+                start = _start(run, rs, history, fingerprint, log)
+            last_saved = start if resume else None
 
             # -- the loop (a spike rollback sends `step` back: spec/rollback.md) --
             path = None
@@ -742,7 +717,7 @@ def train(
                 if done % tc.ckpt_every == 0 or done == tc.steps:
                     path = save(done)
                     last_saved = done
-                why = rs.stop_requested(done)  # preemption or CKPTKIT_STOP_AT: save this step, stop
+                why = run.ranks.agree(rs.stop_requested(done))  # preemption, CKPTKIT_STOP_AT: save, stop
                 if why is not None:
                     path = path if last_saved == done and path is not None else save(done)
                     rs.wait()
@@ -766,6 +741,59 @@ def train(
         tuple(notes),
         rollback=guard.record.state() if guard.on else None,
     )
+
+
+def _start(run: Run, rs: RunState, history: History, fingerprint: dict[str, Any], log: Log) -> int:
+    """A fresh run: the run directory, the ``start`` and probe rows; returns step 0."""
+    start = rs.start()
+    history.start_fresh()
+    history.append(
+        {
+            "kind": "start",
+            "step": 0,
+            "torch": torch.__version__,
+            "intra_op_threads": torch.get_num_threads(),
+            "data": fingerprint,
+        }
+    )
+    for row in run_probes(run, log):
+        history.append(row)
+    return start
+
+
+def _resume(
+    run: Run,
+    rs: RunState,
+    history: History,
+    step_fn: Callable[[int], StepResult],
+    reshard: bool,
+    allow_legacy: bool,
+    allow_env_change: bool,
+    log: Log,
+) -> tuple[int, list[str]]:
+    """Restore the newest consistent checkpoint and write the ``resume`` row; returns (step, notes)."""
+    assert run.guard is not None
+    info = rs.resume(reshard=reshard, allow_legacy=allow_legacy, allow_env_change=allow_env_change)
+    start = info.step
+    notes = list(info.notes) + _after_resume(run, info, log)
+    notes += history.resume_at(start, run.guard.record.count)
+    notes += run.guard.rebuild(start, step_fn)  # --auto-rollback on: the ring, by a checked replay (R-R12)
+    history.append(
+        {
+            "kind": "resume",
+            "step": start,
+            "checkpoint": os.path.basename(info.path),
+            "allow_legacy": allow_legacy,
+            "legacy_missing": list(info.legacy_missing),
+            "allow_env_change": allow_env_change,
+            "env_overrides": [str(d) for d in info.env_overrides],
+            "resharded": info.resharded,
+            "notes": notes,
+            "time": time.time(),
+        }
+    )
+    log(f"resumed {info.path} at step {start}; stream offset {run.stream.offset}")
+    return start, notes
 
 
 def _judged(e: Executed) -> StepResult:

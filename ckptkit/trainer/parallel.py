@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +34,17 @@ from torch import nn
 from ..history import History
 from .config import Parallel, TrainerConfig
 
-__all__ = ["DEFAULT_TIMEOUT_S", "Ranks", "check_fits", "full_tensor", "process_group", "rank_history", "ranks", "wrap"]
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "Ranks",
+    "check_fits",
+    "full_tensor",
+    "launcher",
+    "process_group",
+    "rank_history",
+    "ranks",
+    "wrap",
+]
 
 #: Seconds a collective may wait for a peer before the job fails (``--dist-timeout``).
 DEFAULT_TIMEOUT_S = 60.0
@@ -76,6 +87,18 @@ class Ranks:
         t = torch.tensor([int(flag)])
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item())
+
+    def agree(self, why: str | None) -> str | None:
+        """A stop request seen by some rank, on every rank (so all stop at the same step), else None."""
+        if not self.any(why is not None):
+            return None
+        return why or "a stop requested on another rank"
+
+
+def launcher(nproc: int) -> list[str]:
+    """The command that starts ``ckptkit`` as one process (``nproc`` 1) or as a torchrun job of ``nproc`` ranks."""
+    job = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] if nproc > 1 else []
+    return [sys.executable, *job, "-m", "ckptkit"]
 
 
 def ranks() -> Ranks:
