@@ -1,5 +1,6 @@
 """The reference trainer under torchrun: 2 gloo ranks, real processes, real SIGKILL (spec/trainer.md R-T14).
 
+First the parts that need no second process (the data rule, the refusals); then the jobs.
 Every job is ``python -m torch.distributed.run --standalone --nproc_per_node 2 -m ckptkit
 train ...`` in its own session, bounded by a timeout and killed as a whole (the agent
 and both ranks) when a test ends, however it ends. One uninterrupted run per
@@ -8,6 +9,7 @@ parallelism is shared by the tests (module-scoped), so the file starts few jobs.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
@@ -15,16 +17,22 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from helpers import TINY_FLAGS, history, run, tiny
+from hypothesis import given
+from hypothesis import strategies as st
 
+from ckptkit.cli import main
+from ckptkit.errors import ConfigDrift
 from ckptkit.history import compared_rows
-from helpers import TINY_FLAGS, history
-
-pytestmark = pytest.mark.slow
+from ckptkit.trainer.data import ByteStream, data_fingerprint, load_bytes
+from ckptkit.trainer.digests import param_digests
+from ckptkit.trainer.loop import build, expected_offset, run_state
+from ckptkit.trainer.parallel import Ranks, check_fits
 
 STEPS, EVERY = 12, 4
 FLAGS = [*TINY_FLAGS, "--ckpt-every", str(EVERY), "--keep", "100", "--quiet"]
@@ -47,10 +55,8 @@ def _launch(run_dir: Path, *flags: str, nproc: int = 2, env: dict[str, str] | No
 
 def _kill(proc: subprocess.Popen[str]) -> None:
     """SIGKILL the job's whole session (agent and ranks) and reap it."""
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     proc.communicate(timeout=30)
 
 
@@ -67,7 +73,9 @@ def _stray(run_dir: Path) -> list[str]:
     return out
 
 
-def job(run_dir: Path, *flags: str, nproc: int = 2, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def job(
+    run_dir: Path, *flags: str, nproc: int = 2, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """Run a job to its end (bounded); its exit code, stdout and stderr."""
     proc = _launch(run_dir, *flags, nproc=nproc, env=env)
     try:
@@ -108,12 +116,80 @@ def assert_same_run(a: Path, b: Path, step: int) -> None:
         assert x == y, f"compared history row {i} differs"
 
 
+# ----------------------------------------------------------------------------- the data rule, refusals
+
+
+@given(
+    world=st.integers(1, 4),
+    rows=st.integers(1, 3),
+    seq_len=st.integers(1, 8),
+    offset=st.integers(0, 10_000),
+)
+def test_the_ranks_rows_of_a_global_batch_are_the_single_process_batch(
+    world: int, rows: int, seq_len: int, offset: int
+) -> None:
+    data = bytes(range(251)) * 3
+    batch = world * rows
+    one = ByteStream(data)
+    one.seek(offset)
+    x, y = one.next_batch(batch, seq_len)
+    parts = []
+    for rank in range(world):
+        part = ByteStream(data, rank=rank, world=world)
+        part.seek(offset)
+        parts.append(part.next_batch(batch, seq_len))
+        assert part.offset == one.offset == offset + batch * seq_len  # the offset is global: R-T03 unchanged
+        assert Ranks(rank, world).rows(batch) == slice(rank * rows, (rank + 1) * rows)
+    assert torch.equal(torch.cat([p[0] for p in parts]), x) and torch.equal(torch.cat([p[1] for p in parts]), y)
+
+
+def test_a_batch_that_does_not_split_over_the_ranks_is_refused_naming_both() -> None:
+    with pytest.raises(ValueError, match=r"^--batch 4 must be a multiple of the world size 3: each rank"):
+        check_fits(tiny(), Ranks(0, 3))
+    check_fits(tiny(), Ranks(1, 2))
+    with pytest.raises(ValueError, match=r"^--spike-at hooks the gradients .* use it with --parallel ddp$"):
+        check_fits(tiny(**{"train.parallel": "fsdp", "train.spike_at": 3}), Ranks(0, 2))
+    check_fits(tiny(**{"train.parallel": "fsdp", "train.spike_at": 3}), Ranks(0, 1))  # one process: nothing sharded
+
+
+def test_parallel_is_a_config_key_so_a_resume_under_the_other_is_drift(tmp_path: Path) -> None:
+    run(tiny(), tmp_path, 2)
+    with pytest.raises(ConfigDrift, match=r"train\.parallel"):
+        run(tiny(**{"train.parallel": "fsdp"}), tmp_path, 4, resume=True)
+    with pytest.raises(ValueError, match=r"^--parallel must be one of ddp, fsdp \(got 'zero'\)$"):
+        tiny(**{"train.parallel": "zero"})
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--resume", "--reshard", "--dist-timeout", "0"], "--dist-timeout must be > 0 seconds (got 0.0)"),
+        (["--reshard"], "--reshard needs --resume (it changes how a saved run is continued)"),
+    ],
+)
+def test_train_cli_refuses_bad_distributed_flags_in_one_line(
+    argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["train", "--run-dir", str(tmp_path), *argv]) == 2
+    assert capsys.readouterr().err == f"ckptkit train: {message}\n"
+
+
+def test_audit_cli_refuses_nproc_with_a_command_and_below_one(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["audit", "--nproc-per-node", "2", "--", "python", "t.py", "--run-dir", "{run_dir}"]) == 2
+    assert "--nproc-per-node starts `ckptkit train` under torchrun" in capsys.readouterr().err
+    assert main(["audit", "--nproc-per-node", "0"]) == 2
+    assert capsys.readouterr().err == "ckptkit audit: --nproc-per-node must be >= 1 (got 0)\n"
+
+
+# ----------------------------------------------------------------------------- 2-rank jobs
+
+
 @pytest.fixture(scope="module", params=["ddp", "fsdp"])
-def straight(request: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+def straight(request: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
     """An uninterrupted 2-rank run of STEPS steps, one per parallelism."""
     run_dir = tmp_path_factory.mktemp(f"straight-{request.param}") / "run"
     ok(run_dir, "--steps", str(STEPS), "--parallel", request.param)
-    yield request.param, run_dir
+    return request.param, run_dir
 
 
 def _kill_after_first_checkpoint(run_dir: Path, *flags: str, seed: int) -> None:
@@ -134,6 +210,7 @@ def _kill_after_first_checkpoint(run_dir: Path, *flags: str, seed: int) -> None:
     assert not (run_dir / _name(STEPS) / "metadata.ckdcp").exists(), "the job finished before the kill"
 
 
+@pytest.mark.slow
 def test_a_whole_job_sigkilled_after_its_first_checkpoint_resumes_to_the_same_bytes(
     straight: tuple[str, Path], tmp_path: Path
 ) -> None:
@@ -147,6 +224,7 @@ def test_a_whole_job_sigkilled_after_its_first_checkpoint_resumes_to_the_same_by
     assert len(resumes) == 1, f"seed {seed}"
 
 
+@pytest.mark.slow
 def test_a_resume_at_world_size_1_is_refused_and_continues_with_reshard(
     straight: tuple[str, Path], tmp_path: Path
 ) -> None:
@@ -160,8 +238,58 @@ def test_a_resume_at_world_size_1_is_refused_and_continues_with_reshard(
     line = refused.stderr.strip().splitlines()[-1]
     assert line.startswith("ckptkit train: ") and "world size" in line, refused.stderr
     assert "torchrun --nproc_per_node 2" in line and "--reshard" in line
+    # What --reshard loads at world size 1 is what the 2 ranks saved, bit for bit.
+    run = build(tiny(**{"train.ckpt_every": EVERY}))
+    info = run_state(run, run_dir, data_fingerprint(load_bytes(""))).resume(reshard=True)
+    assert info.step == STEPS and info.resharded
+    (saved,) = [r["tensors"] for r in history(reference) if r["kind"] == "digests" and r["step"] == STEPS]
+    assert param_digests(run.model) == saved
+    assert run.stream.offset == expected_offset(run.cfg, STEPS)
+    assert run.ngram is not None and run.ngram.table_step == STEPS
     ok(run_dir, "--steps", str(STEPS + 2), "--resume", "--reshard", nproc=0)
     rows = history(run_dir)
     (resume,) = [r for r in rows if r["kind"] == "resume"]
     assert resume["resharded"] is True and any("bit-comparable" in n for n in resume["notes"])
     assert [r["step"] for r in rows if r["kind"] == "step"][-3:] == [STEPS - 1, STEPS, STEPS + 1]
+
+
+@pytest.mark.slow
+def test_auto_rollback_on_two_ranks_rolls_back_on_both_and_records_one_decision(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    spike = ["--spike-at", "7", "--auto-rollback", "on", "--rollback-k", "2", "--ckpt-every", "2", "--keep", "3"]
+    spike += ["--spike-window", "8", "--spike-min-history", "4"]  # a detector that judges from step 4
+    ok(run_dir, "--steps", "10", *spike)
+    rows = history(run_dir)
+    rollbacks = [r for r in rows if r["kind"] == "rollback"]
+    assert [(r["step"], r["to"]) for r in rollbacks] == [(7, 5)]
+    assert [r["action"] for r in rows if r["kind"] == "spike"] == ["rerun", "rollback"]
+    # Both ranks rolled back, dropped the LR and skipped the window: the replicated rollback
+    # record and every rank's data position agreed when the final checkpoint was saved
+    # (RunState refuses a save whose replicated state differs between ranks).
+    final = run_dir / _name(10)
+    assert (final / "metadata.ckdcp").exists()
+    resumed = tmp_path / "resumed"
+    shutil.copytree(run_dir, resumed)
+    ok(resumed, "--steps", "12", *spike, "--resume")
+
+
+@pytest.mark.slow
+def test_a_rank_killed_mid_save_keeps_the_previous_step_and_the_resume_is_exact(
+    straight: tuple[str, Path], tmp_path: Path
+) -> None:
+    parallel, reference = straight
+    if parallel != "ddp":
+        pytest.skip("one parallelism is enough for a death mid-save")
+    run_dir = tmp_path / "run"
+    env = {
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent / "die_in_save"), os.environ.get("PYTHONPATH", "")]),
+        "CKPTKIT_TEST_DIE_IN_SAVE": f"1:{2 * EVERY}",
+    }
+    died = job(run_dir, "--steps", str(STEPS), "--dist-timeout", "20", env=env)
+    assert died.returncode != 0
+    assert (run_dir / _name(EVERY) / "metadata.ckdcp").exists()
+    assert not (run_dir / _name(2 * EVERY) / "metadata.ckdcp").exists()
+    ok(run_dir, "--steps", str(STEPS), "--resume")
+    assert_same_run(reference, run_dir, STEPS)
+    (resume,) = [r for r in history(run_dir) if r["kind"] == "resume"]
+    assert resume["step"] == EVERY
