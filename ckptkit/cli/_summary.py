@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..history import HISTORY_FILE, read_rows
-from ..runstate import list_checkpoints
+from ..runstate import DCP_SUFFIX, list_checkpoints
 
 __all__ = ["TrainSummary", "extend_command", "summarize"]
 
@@ -120,7 +120,7 @@ def summarize(run_dir: str, *, seconds: float, keep: int, extend: str) -> TrainS
         spikes_in_run=sum(1 for r in steps if _spiked(r)),
         rollbacks=tuple(r for r in mine if r["kind"] == "rollback"),
         rollbacks_in_run=sum(1 for r in rows if r["kind"] == "rollback"),
-        checkpoints=tuple(step for step, _ in list_checkpoints(run_dir)),
+        checkpoints=tuple(s for s, _ in sorted(list_checkpoints(run_dir) + list_checkpoints(run_dir, DCP_SUFFIX))),
         keep=keep,
         history=history,
         step_rows=len(steps),

@@ -26,6 +26,7 @@ import torch
 
 from ..compare import checkpoint_state
 from ..fingerprint import combine, leaf_digests, tensor_digest
+from ..runstate import DCP_SUFFIX, checkpoint_name
 from .parallel import full_tensor
 
 __all__ = [
@@ -63,9 +64,17 @@ def digests_row(steps_done: int, digests: Mapping[str, int]) -> dict[str, Any]:
     return {"kind": "digests", "step": steps_done, "tensors": dict(sorted(digests.items()))}
 
 
-def checkpoint_row(ckpt: Any, file: str) -> dict[str, Any]:
-    """The ``checkpoint`` row written before ``ckpt`` is saved as ``file``: every leaf's digest."""
-    return {"kind": "checkpoint", "step": ckpt.step, "file": file, "tensors": leaf_digests(checkpoint_state(ckpt))}
+def checkpoint_row(rs: Any, step: int) -> dict[str, Any]:
+    """The ``checkpoint`` row written before ``rs`` saves ``step``: every leaf's digest.
+
+    Under torchrun (a distributed run state) it names the checkpoint directory only: each
+    rank holds a part of the state, and the directory's own digests cover every chunk
+    (spec/trainer.md R-T14).
+    """
+    if rs.world_size > 1:
+        return {"kind": "checkpoint", "step": step, "file": checkpoint_name(step, DCP_SUFFIX), "tensors": {}}
+    tensors = leaf_digests(checkpoint_state(rs.checkpoint(step)))
+    return {"kind": "checkpoint", "step": step, "file": checkpoint_name(step), "tensors": tensors}
 
 
 def perturb_target(cfg: Any, model: torch.nn.Module) -> str | None:

@@ -55,7 +55,7 @@ from ..monitor import SpikeMonitor, Verdict
 from ..preemption import RunStopped
 from ..rng import Stream, mask_stream, sample_depth, torch_generator
 from ..rollback_record import skipped_batches
-from ..runstate import RunState, checkpoint_name
+from ..runstate import RunState
 from ..spikeguard import Executed, RolledBack, SpikeGuard
 from ..testing import GradSpike
 from .config import RollbackSkip, TrainConfig, TrainerConfig
@@ -366,13 +366,13 @@ def build(cfg: TrainerConfig, data: bytes | None = None) -> Run:
 
 def _mask(run: Run, step: int) -> torch.Tensor | None:
     """This rank's rows of the step's JEPA mask (one per sequence of the global batch, a
-    function of (seed, step): design record item 3); None when no aux loss or nothing is masked."""
+    function of (seed, step): design record item 3); None when there is no aux loss or
+    nothing in the global batch is masked (the same answer on every rank)."""
     cfg, tc = run.cfg, run.cfg.train
     if run.teacher is None:
         return None
     rows = mask_stream(cfg.data.seq_len, tc.mask_frac, tc.mask_span, seed=tc.seed, step=step, rows=cfg.data.batch)
-    mask = torch.from_numpy(rows[run.ranks.rows(cfg.data.batch)])
-    return mask if bool(mask.any()) else None
+    return torch.from_numpy(rows[run.ranks.rows(cfg.data.batch)]) if rows.any() else None
 
 
 def _aux_loss(run: Run, x: torch.Tensor, pred: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -385,6 +385,8 @@ def _aux_loss(run: Run, x: torch.Tensor, pred: torch.Tensor | None, mask: torch.
     with torch.no_grad():
         target = run.teacher.hidden(x, depth=run.cfg.model.n_layer)[mask]
         target = F.layer_norm(target, target.shape[-1:])
+    if not bool(mask.any()):  # only other ranks' rows are masked: no loss here, but the same graph (FSDP2)
+        return pred.sum() * 0.0
     return F.mse_loss(pred, target)
 
 
@@ -543,7 +545,7 @@ def run_state(
     """
     cfg = run.cfg
     rs = RunState(run_dir, config=cfg, keep=cfg.train.keep, log=log, exempt=exempt, async_save=async_save)
-    rs.add_model("model", run.model)
+    rs.add_model("model", run.net)  # the DDP wrapper or the FSDP2 module: its layout is part of the run
     rs.add_optimizer("adamw", run.optimizer)
     if run.teacher is not None:
         rs.add_teacher(run.teacher)  # item 1: restored as saved, frozen; never rebuilt
@@ -678,7 +680,7 @@ def train(
                 on_step(result)
 
         def save(step: int) -> str:  # every checkpoint, the guard's rolled-back state included
-            history.append(checkpoint_row(rs.checkpoint(step), checkpoint_name(step)))  # R-P03
+            history.append(checkpoint_row(rs, step))  # spec/replay.md R-P03
             history.sync()  # every row before the checkpoint is on disk before it
             return rs.save(step)
 
