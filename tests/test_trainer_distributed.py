@@ -10,10 +10,10 @@ parallelism is shared by the tests (module-scoped), so the file starts few jobs.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -32,7 +32,7 @@ from ckptkit.history import compared_rows
 from ckptkit.trainer.data import ByteStream, data_fingerprint, load_bytes
 from ckptkit.trainer.digests import param_digests
 from ckptkit.trainer.loop import build, expected_offset, run_state
-from ckptkit.trainer.parallel import Ranks, check_fits
+from ckptkit.trainer.parallel import Ranks, check_fits, stop_job
 
 STEPS, EVERY = 40, 10  # the issue's "done when" run: --steps 40 --ckpt-every 10
 FLAGS = [*TINY_FLAGS, "--ckpt-every", str(EVERY), "--keep", "100", "--quiet"]
@@ -53,27 +53,8 @@ def _launch(run_dir: Path, *flags: str, nproc: int = 2, env: dict[str, str] | No
     )
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every live process below ``pid`` (torchrun starts each rank in a session of its own)."""
-    children: dict[int, list[int]] = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            children.setdefault(int(stat.rpartition(")")[2].split()[1]), []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        out += kids
-        todo += kids
-    return out
-
-
 def _kill(proc: subprocess.Popen[str]) -> None:
-    """SIGKILL the whole job -- the ranks and the torchrun agent -- and reap it."""
-    for pid in [*_descendants(proc.pid), proc.pid]:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    proc.communicate(timeout=30)
+    stop_job(proc)
 
 
 def _stray(run_dir: Path) -> list[str]:
@@ -316,3 +297,46 @@ def test_a_rank_killed_mid_save_keeps_the_previous_step_and_the_resume_is_exact(
     assert_same_run(reference, run_dir, STEPS)
     (resume,) = [r for r in history(run_dir) if r["kind"] == "resume"]
     assert resume["step"] == EVERY
+
+
+@pytest.mark.slow
+def test_replay_of_a_two_rank_run_launches_two_ranks_and_names_a_recorded_step_that_differs(
+    straight: Callable[[str], Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    reference = straight("ddp")
+    assert main(["replay", str(reference), "--from", str(STEPS - 5), "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert f"replay: from the checkpoint at step {STEPS - EVERY} to step {STEPS}" in out
+    assert "IDENTICAL:" in out and "and 1 checkpoint(s) bit for bit" in out
+    # A recorded loss edited after the fact: the replay names that step and field.
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    lines = (run_dir / "history.jsonl").read_text().splitlines(keepends=True)
+    rows = [json.loads(line) for line in lines]
+    i = next(i for i, r in enumerate(rows) if r["kind"] == "step" and r["step"] == STEPS - 3)
+    row = rows[i]
+    row["loss_bits"] = f"0x{int(row['loss_bits'], 16) ^ 1:08x}"
+    lines[i] = json.dumps(row, sort_keys=True, separators=(",", ":")) + "\n"
+    (run_dir / "history.jsonl").write_text("".join(lines))
+    assert main(["replay", str(run_dir), "--from", str(STEPS - 5), "--quiet", "--json"]) == 1
+    difference = json.loads(capsys.readouterr().out)["difference"]
+    assert (difference["step"], difference["kind"], difference["fields"]) == (STEPS - 3, "step", ["loss_bits"])
+
+
+def test_replay_of_a_two_rank_run_refuses_flags_it_cannot_honour(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "environment.json").write_text(json.dumps({"world_size": 2}))
+    assert main(["replay", str(tmp_path), "--from", "3", "--lr", "0.1"]) == 2
+    assert capsys.readouterr().err == (
+        f"ckptkit replay: {tmp_path} was trained by 2 ranks: it is replayed by as many ranks with its own config "
+        "and environment, so trainer flags, --threads, --allow-env-change and --no-perturb do not apply\n"
+    )
+
+
+@pytest.mark.slow
+def test_audit_with_two_ranks_per_run_finds_the_runs_identical(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["audit", "--nproc-per-node", "2", "--steps", "3", "--quiet", *TINY_FLAGS]) == 0
+    out = capsys.readouterr().out
+    assert "world_size 2" in out
+    assert "IDENTICAL: 3 steps, every history fingerprint and 3 checkpoint(s) bit for bit" in out

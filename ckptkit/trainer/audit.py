@@ -48,6 +48,7 @@ from .replay import (
     named_reports,
     rerun_step,
     row_fields,
+    run_checkpoints,
     step_fields,
     tensor_reports,
 )
@@ -71,6 +72,7 @@ _SHOWN = (
     "platform_system",
     "platform_machine",
     "cuda_device",
+    "world_size",
 )
 
 
@@ -380,17 +382,19 @@ def compare_runs(
             )
         return report(div)
     # Every history row matched: the checkpoints both runs wrote must be the same bytes.
-    common = sorted({s for s, _ in list_checkpoints(a)} & {s for s, _ in list_checkpoints(b)})
+    ckpts = run_checkpoints(a)
+    common = sorted(set(ckpts) & set(run_checkpoints(b)))
     differ = first_differing_checkpoint(a, b, common)
     if differ is not None:
         s, diffs = differ
+        name = os.path.basename(ckpts[s])
         return report(
             StepDivergence(
                 "checkpoint",
                 s,
-                file=checkpoint_name(s),
+                file=name,
                 tensors=tuple(tensor_reports(diffs, {})),
-                values=f"both runs' {checkpoint_name(s)}, compared as ckptkit diff --tensors does",
+                values=f"both runs' {name}, compared as ckptkit diff --tensors does",
                 hints=(
                     (
                         "the container bytes differ while every fingerprint matched: state outside the "
