@@ -34,6 +34,7 @@ from .errors import (
     MalformedIndex,
     ReplayDivergence,
     ReplayError,
+    ReplicaDivergence,
     ReservedBitSet,
     ResumeRefused,
     RunStopped,
@@ -46,6 +47,7 @@ from .errors import (
     UnreadableFile,
     UnsupportedValue,
     UnsupportedVersion,
+    WorldSizeChanged,
 )
 from .field_coverage import assert_field_coverage, check_field_coverage
 from .history import History
@@ -86,6 +88,7 @@ __all__ = [
     "MalformedIndex",
     "ReplayDivergence",
     "ReplayError",
+    "ReplicaDivergence",
     "Report",
     "ReservedBitSet",
     "ResumeInfo",
@@ -112,6 +115,7 @@ __all__ = [
     "UnsupportedVersion",
     "VERSION",
     "Verdict",
+    "WorldSizeChanged",
     "__version__",
     "assert_field_coverage",
     "check_field_coverage",

@@ -17,7 +17,31 @@ from .checkpoint import Checkpoint
 from .container import FLAG_NAMES
 from .errors import StateMismatch, StreamOffsetMismatch
 
-__all__ = ["Entry", "Registry", "has_state_dict"]
+__all__ = ["LOCAL", "Access", "Entry", "Registry", "has_state_dict"]
+
+
+@dataclass(frozen=True)
+class Access:
+    """How a registered module's or optimizer's state is read and put back.
+
+    One process uses the objects' own ``state_dict``/``load_state_dict``
+    (:data:`LOCAL`); a process group uses ``torch.distributed.checkpoint.state_dict``'s
+    functions (names without DDP's ``module.``, FSDP2 shards as DTensors), which need
+    an optimizer's module too.
+    """
+
+    model_state: Callable[[Any], Any]
+    load_model: Callable[[Any, Any], None]
+    optim_state: Callable[[Any, Any], Any]  # (optimizer, its module or None)
+    load_optim: Callable[[Any, Any, Any], None]  # (optimizer, its module or None, state)
+
+
+LOCAL = Access(
+    model_state=lambda m: m.state_dict(),
+    load_model=lambda m, sd: m.load_state_dict(sd),
+    optim_state=lambda o, _m: o.state_dict(),
+    load_optim=lambda o, _m, sd: o.load_state_dict(sd),
+)
 
 
 @dataclass
@@ -26,6 +50,8 @@ class Entry:
     set: Callable[[Any], None]
     # add_data_position's rule: (step, the checkpoint's stored values by name) -> position.
     expected: Callable[[int, Mapping[str, Any]], Any] | None = None
+    # add_value(per_rank=True): each rank's own value (a distributed run keys it by rank).
+    per_rank: bool = False
 
     def expected_at(self, step: int, values: Mapping[str, Any]) -> Any:
         """The position the rule wants at ``step`` (None when there is no rule)."""
@@ -44,6 +70,8 @@ class Registry:
     values: dict[str, Entry] = field(default_factory=dict)
     flags: dict[str, Entry] = field(default_factory=dict)
     sidecars: dict[str, Entry] = field(default_factory=dict)
+    optimizer_models: dict[str, Any] = field(default_factory=dict)  # optimizer name -> its module
+    access: Access = LOCAL
 
     def monitor_registered(self) -> bool:
         r = self
@@ -53,9 +81,16 @@ class Registry:
         """The container contents for ``step`` (live tensors: see :meth:`RunState.checkpoint`)."""
         r = self
         optim = {
-            k: {n: o.state_dict() for n, o in group.items()}
-            for k, group in (("optimizers", r.optimizers), ("schedulers", r.schedulers), ("scalers", r.scalers))
-            if group
+            k: v
+            for k, v in (
+                (
+                    "optimizers",
+                    {n: r.access.optim_state(o, r.optimizer_models.get(n)) for n, o in r.optimizers.items()},
+                ),
+                ("schedulers", {n: s.state_dict() for n, s in r.schedulers.items()}),
+                ("scalers", {n: s.state_dict() for n, s in r.scalers.items()}),
+            )
+            if v
         }
         monitor = {
             k: v
@@ -72,9 +107,9 @@ class Registry:
                 flags |= 1 << bit
         return Checkpoint(
             step=step,
-            model={n: m.state_dict() for n, m in r.models.items()} or None,
+            model={n: r.access.model_state(m) for n, m in r.models.items()} or None,
             optim=optim or None,
-            teacher=None if r.teacher is None else r.teacher.state_dict(),
+            teacher=None if r.teacher is None else r.access.model_state(r.teacher),
             monitor=monitor or None,
             flags=flags,
         )
@@ -113,9 +148,9 @@ class Registry:
                 )
         if not problems:
             for name, m in r.models.items():
-                _layout_problems(f"model[{name!r}]", ckpt.model[name], m.state_dict(), problems)
+                _layout_problems(f"model[{name!r}]", ckpt.model[name], r.access.model_state(m), problems)
             if r.teacher is not None and ckpt.teacher is not None:
-                _layout_problems("teacher", ckpt.teacher, r.teacher.state_dict(), problems)
+                _layout_problems("teacher", ckpt.teacher, r.access.model_state(r.teacher), problems)
         if problems:
             more = f"; and {len(problems) - 10} more" if len(problems) > 10 else ""
             raise StateMismatch(
@@ -160,17 +195,15 @@ class Registry:
             return [(name, obj) for name, obj in regs.items() if f"{kind}:{name}" not in skip]
 
         for name, m in todo("model", r.models):
-            m.load_state_dict(ckpt.model[name])
+            r.access.load_model(m, ckpt.model[name])
         optim = ckpt.optim or {}
-        for group, kind, regs in (
-            ("optimizers", "optimizer", r.optimizers),
-            ("schedulers", "scheduler", r.schedulers),
-            ("scalers", "scaler", r.scalers),
-        ):
+        for name, obj in todo("optimizer", r.optimizers):
+            r.access.load_optim(obj, r.optimizer_models.get(name), optim["optimizers"][name])
+        for group, kind, regs in (("schedulers", "scheduler", r.schedulers), ("scalers", "scaler", r.scalers)):
             for name, obj in todo(kind, regs):
                 obj.load_state_dict(optim[group][name])
         if r.teacher is not None and ckpt.teacher is not None and "teacher:teacher" not in skip:
-            r.teacher.load_state_dict(ckpt.teacher)
+            r.access.load_model(r.teacher, ckpt.teacher)
             for p in r.teacher.parameters():
                 p.requires_grad_(False)
         mon = ckpt.monitor or {}

@@ -22,7 +22,7 @@ import xxhash
 from .checkpoint import Checkpoint
 from .section import sort_key
 
-__all__ = ["Kept", "Ring", "clone", "digests", "tensors"]
+__all__ = ["Kept", "Ring", "clone", "digests", "local", "localized", "tensors", "tree_digest"]
 
 Sidecars = Mapping[str, tuple[int, Any]]
 
@@ -40,27 +40,43 @@ def tensors(tree: Any) -> list[Any]:
     return []
 
 
-def clone(tree: Any) -> Any:
-    """A deep copy sharing no tensor memory (a :class:`Checkpoint` section by section)."""
+def local(t: Any) -> Any:
+    """This rank's part of a tensor: an FSDP2 shard (DTensor) is its local shard, anything
+    else itself. A distributed run's in-memory copies and digests are per rank."""
+    import sys
+
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return t.to_local() if dtensor is not None and isinstance(t, dtensor.DTensor) else t
+
+
+def _map(tree: Any, leaf: Any) -> Any:
+    """``tree`` rebuilt with ``leaf(t)`` for every tensor (a :class:`Checkpoint` section by
+    section); other leaves are shallow copies."""
     import torch
 
     if isinstance(tree, torch.Tensor):
-        return tree.detach().clone()
+        return leaf(tree)
     if isinstance(tree, Mapping):
-        return {k: clone(v) for k, v in tree.items()}
+        return {k: _map(v, leaf) for k, v in tree.items()}
     if isinstance(tree, list):
-        return [clone(v) for v in tree]
+        return [_map(v, leaf) for v in tree]
     if isinstance(tree, tuple):
-        return tuple(clone(v) for v in tree)
+        return tuple(_map(v, leaf) for v in tree)
     if isinstance(tree, Checkpoint):
-        return dataclasses.replace(
-            tree,
-            model=clone(tree.model),
-            optim=clone(tree.optim),
-            teacher=clone(tree.teacher),
-            monitor=clone(tree.monitor),
-        )
+        sections = {name: _map(getattr(tree, name), leaf) for name in ("model", "optim", "teacher", "monitor")}
+        return dataclasses.replace(tree, **sections)
     return copy.copy(tree)
+
+
+def clone(tree: Any) -> Any:
+    """A deep copy sharing no tensor memory (a :class:`Checkpoint` section by section)."""
+    return _map(tree, lambda t: t.detach().clone())
+
+
+def localized(tree: Any) -> Any:
+    """``tree`` with every FSDP2 DTensor replaced by this rank's shard (no copy): what
+    tools that read plain tensors (digests, comparisons) see of a rank's state."""
+    return _map(tree, local)
 
 
 def _feed(h: Any, value: Any, path: str) -> None:
@@ -70,6 +86,7 @@ def _feed(h: Any, value: Any, path: str) -> None:
     from .codec import dtype_name, tensor_bytes
 
     if isinstance(value, torch.Tensor):
+        value = local(value)
         _held, raw = tensor_bytes(value)
         h.update(b"T" + dtype_name(value.dtype).encode() + struct.pack(f"<I{value.dim()}Q", value.dim(), *value.shape))
         h.update(raw)
@@ -99,7 +116,9 @@ def _feed(h: Any, value: Any, path: str) -> None:
         raise TypeError(f"{path}: cannot digest a {type(value).__name__}")
 
 
-def _digest(tree: Any, where: str) -> int:
+def tree_digest(tree: Any, where: str) -> int:
+    """xxh3-64 of a state tree's canonical bytes (tensors by exact bytes, floats by bits);
+    ``where`` names it in the error for a value no state tree holds."""
     h = xxhash.xxh3_64()
     _feed(h, tree, where)
     return h.intdigest()
@@ -120,7 +139,7 @@ def digests(ckpt: Checkpoint, sidecars: Sidecars, *, leave_out: frozenset[str] =
             parts[f"{group}.{name}"] = value
     for kind, contents in sidecars.items():
         parts[f"sidecars.{kind}"] = list(contents)
-    return {name: _digest(tree, name) for name, tree in parts.items() if name not in leave_out}
+    return {name: tree_digest(tree, name) for name, tree in parts.items() if name not in leave_out}
 
 
 @dataclass
@@ -153,7 +172,7 @@ class Kept:
     def nbytes(self) -> int:
         """Tensor bytes held (what the ring costs in memory)."""
         trees = (self.ckpt.model, self.ckpt.optim, self.ckpt.teacher, list(self.sidecars.values()))
-        return sum(t.numel() * t.element_size() for t in tensors(trees))
+        return sum(local(t).numel() * t.element_size() for t in tensors(trees))
 
 
 class Ring:

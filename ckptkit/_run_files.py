@@ -10,20 +10,41 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
-from .companions import ENVIRONMENT_FILE
-from .errors import CheckpointNotFound, FormatError
+import xxhash
 
-__all__ = ["checkpoint_name", "list_checkpoints", "read_environment", "retain"]
+from .atomic import write_bytes_atomic
+from .companions import ENVIRONMENT_FILE, file_digest, make_record
+from .errors import CheckpointNotFound, FormatError, ResumeRefused
+from .sidecar import sidecar_path, write_sidecar
+from .snapshot import snapshot_path
 
-_PREFIX, _SUFFIX = "step-", ".ckpt"
+__all__ = [
+    "CKPT_SUFFIX",
+    "DCP_SUFFIX",
+    "checkpoint_name",
+    "fallback_notes",
+    "list_checkpoints",
+    "newest_consistent",
+    "read_environment",
+    "refuse_existing",
+    "retain",
+    "write_companions",
+]
+
+T = TypeVar("T")
+
+_PREFIX, CKPT_SUFFIX = "step-", ".ckpt"
+#: A distributed run's checkpoints are ``ckptkit.distributed`` directories, ``step-00000120.dcp/``.
+DCP_SUFFIX = ".dcp"
 
 
-def checkpoint_name(step: int) -> str:
-    """File name of the checkpoint at ``step``: ``step-00000120.ckpt`` (8+ digits, sortable)."""
-    return f"{_PREFIX}{step:08d}{_SUFFIX}"
+def checkpoint_name(step: int, suffix: str = CKPT_SUFFIX) -> str:
+    """File name of the checkpoint at ``step``: ``step-00000120.ckpt`` (8+ digits, sortable);
+    ``suffix=DCP_SUFFIX`` names a distributed run's checkpoint directory."""
+    return f"{_PREFIX}{step:08d}{suffix}"
 
 
 def read_environment(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
@@ -44,34 +65,37 @@ def read_environment(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
         raise FormatError(f"not valid JSON: {e}", path=env_path, field="environment") from None
 
 
-def list_checkpoints(run_dir: str | os.PathLike[str]) -> list[tuple[int, str]]:
-    """``(step, path)`` of every checkpoint file in ``run_dir``, oldest first."""
+def list_checkpoints(run_dir: str | os.PathLike[str], suffix: str = CKPT_SUFFIX) -> list[tuple[int, str]]:
+    """``(step, path)`` of every checkpoint file in ``run_dir``, oldest first
+    (``suffix=DCP_SUFFIX``: every distributed checkpoint directory, committed or not)."""
     run_dir = os.fspath(run_dir)
     out = []
     with contextlib.suppress(FileNotFoundError):
         for name in os.listdir(run_dir):
-            digits = name[len(_PREFIX) : -len(_SUFFIX)]
-            if name.startswith(_PREFIX) and name.endswith(_SUFFIX) and digits.isdigit() and len(digits) >= 8:
+            digits = name[len(_PREFIX) : -len(suffix)]
+            if name.startswith(_PREFIX) and name.endswith(suffix) and digits.isdigit() and len(digits) >= 8:
                 out.append((int(digits), os.path.join(run_dir, name)))
     return sorted(out)
 
 
-def retain(run_dir: str, keep: int, delete: Callable[[str], None], log: Callable[[str], None]) -> None:
+def retain(
+    run_dir: str, keep: int, delete: Callable[[str], None], log: Callable[[str], None], suffix: str = CKPT_SUFFIX
+) -> None:
     """Delete all but the newest ``keep`` checkpoints, and companions orphaned by a
     crash mid-delete (``delete`` removes a container and its companions). The new
     checkpoint is already committed, so a failure here is reported and retried by the
     next save, never raised."""
-    ckpts = list_checkpoints(run_dir)
+    ckpts = list_checkpoints(run_dir, suffix)
     for _step, path in ckpts[:-keep]:
         try:
             delete(path)
         except OSError as e:
             log(f"retention: cannot delete {path} ({e.strerror}); will retry at the next save")
-    kept = {p for _s, p in list_checkpoints(run_dir)}
+    kept = {p for _s, p in list_checkpoints(run_dir, suffix)}
     oldest = ckpts[-keep:][0][0] if ckpts else None
     for name in sorted(os.listdir(run_dir)):
-        head, sep, _kind = name.partition(_SUFFIX + ".")
-        container = os.path.join(run_dir, head + _SUFFIX)
+        head, sep, _kind = name.partition(suffix + ".")
+        container = os.path.join(run_dir, head + suffix)
         digits = head[len(_PREFIX) :]
         if (
             sep
@@ -87,3 +111,65 @@ def retain(run_dir: str, keep: int, delete: Callable[[str], None], log: Callable
                 pass
             except OSError as e:
                 log(f"retention: cannot delete orphan {name} ({e.strerror})")
+
+
+def write_companions(path: str, step: int, config: bytes, sidecars: Mapping[str, tuple[int, Any]]) -> dict[str, Any]:
+    """Write the snapshot, then each sidecar (stamped ``step``), of the checkpoint at ``path``,
+    and return its companion record (spec/companions.md): their digests and that of the
+    run's ``environment.json``, for the checkpoint, written after them, to carry.
+
+    Raises:
+        SaveFailed: a write failed; earlier checkpoints are intact.
+        UnsupportedValue: a sidecar value the codec cannot carry.
+    """
+    write_bytes_atomic(snapshot_path(path), config)
+    bound = {
+        kind: write_sidecar(sidecar_path(path, kind), train_step=step, table_step=table_step, tree=tree)
+        for kind, (table_step, tree) in sidecars.items()
+    }
+    env_path = os.path.join(os.path.dirname(path), ENVIRONMENT_FILE)
+    env = file_digest(env_path, "environment record") if os.path.exists(env_path) else None
+    return make_record(snapshot=xxhash.xxh3_64_intdigest(config), environment=env, sidecars=bound)
+
+
+def refuse_existing(run_dir: str, existing: list[tuple[int, str]]) -> None:
+    """``start()`` never overwrites: refuse a run directory that already holds checkpoints.
+
+    Raises:
+        ResumeRefused: ``existing`` is not empty.
+    """
+    if existing:
+        raise ResumeRefused(
+            f"{run_dir}: already holds {len(existing)} checkpoint(s), newest "
+            f"{os.path.basename(existing[-1][1])}; resume it (--resume) or use a new run directory"
+        )
+
+
+def newest_consistent(
+    run_dir: str, candidates: list[tuple[int, str]], check: Callable[[int, str], T]
+) -> tuple[T, str, list[tuple[str, str]]]:
+    """The newest of ``candidates`` that ``check(step, path)`` accepts: ``(what check returned,
+    its path, (path, why) for each newer one it refused)``. A refusal is a
+    :class:`FormatError` or :class:`CheckpointNotFound` (damage, never drift).
+
+    Raises:
+        CheckpointNotFound: no candidates, or none accepted (each refusal listed).
+    """
+    if not candidates:
+        raise CheckpointNotFound(f"{run_dir}: no checkpoints to resume from")
+    skipped: list[tuple[str, str]] = []
+    for named_step, path in reversed(candidates):
+        try:
+            return check(named_step, path), path, skipped
+        except (FormatError, CheckpointNotFound) as e:
+            skipped.append((path, str(e)))
+    detail = "; ".join(f"{os.path.basename(p)}: {why}" for p, why in skipped)
+    raise CheckpointNotFound(f"{run_dir}: no consistent checkpoint to resume from ({detail})")
+
+
+def fallback_notes(skipped: list[tuple[str, str]], path: str, step: int) -> list[str]:
+    """The lines a resume says for the checkpoints it passed over."""
+    notes = [f"skipped {os.path.basename(p)}: {why}" for p, why in skipped]
+    if skipped:
+        notes.append(f"falling back to {os.path.basename(path)} (step {step})")
+    return notes

@@ -25,9 +25,11 @@ around a load keeps working::
     │   ├── EnvironmentDrift                  torch version, threads, ... differ
     │   ├── StreamOffsetMismatch              the data position disagrees with the step
     │   ├── StateMismatch                     stored state does not fit the live objects
-    │   └── LegacyCheckpoint                  a v1 file lacks state the run needs
+    │   ├── LegacyCheckpoint                  a v1 file lacks state the run needs
+    │   └── WorldSizeChanged                  a distributed run resumed at another world size or layout
     ├── TrainingUnstable (RuntimeError)       spike rollbacks hit their bound
     ├── DistributedFailure (RuntimeError)     a rank failed inside torch.distributed.checkpoint
+    ├── ReplicaDivergence (RuntimeError)      ranks hold different copies of replicated run state
     ├── ReplayDivergence (RuntimeError)       a re-run parts from its recording
     ├── ReplayError (ValueError)              a replay that cannot be asked for
     └── AuditError (RuntimeError)             an audited command failed, timed out or ignored the stop
@@ -66,6 +68,7 @@ __all__ = [
     "MalformedIndex",
     "ReplayDivergence",
     "ReplayError",
+    "ReplicaDivergence",
     "ReservedBitSet",
     "ResumeRefused",
     "RunStopped",
@@ -78,6 +81,7 @@ __all__ = [
     "UnreadableFile",
     "UnsupportedValue",
     "UnsupportedVersion",
+    "WorldSizeChanged",
 ]
 
 
@@ -303,6 +307,26 @@ class LegacyCheckpoint(ResumeRefused):
         self.missing = tuple(missing)
 
 
+class WorldSizeChanged(ResumeRefused):
+    """A distributed run resumed at another world size or parallel layout (DDP, FSDP2
+    mesh) than it was saved at: the same checkpoint would continue a different
+    computation. The message names both sides and what to do (the saved world size,
+    or an explicit reshard, after which the run is no longer bit-comparable).
+
+    Attributes:
+        saved: the recorded facts (``world_size``, ``layout.<model>``).
+        current: this job's facts, the same keys.
+    """
+
+    def __init__(self, message: str, saved: dict[str, Any] | None = None, current: dict[str, Any] | None = None):
+        super().__init__(message)
+        self.saved = dict(saved or {})
+        self.current = dict(current or {})
+
+    def __reduce__(self) -> Any:  # crosses processes when one rank tells the others
+        return (type(self), (str(self), self.saved, self.current))
+
+
 class TrainingUnstable(CheckpointError, RuntimeError):
     """Spike rollbacks reached their bound; the last good checkpoint is intact.
 
@@ -327,6 +351,23 @@ class DistributedFailure(CheckpointError, RuntimeError):
 
     def __reduce__(self) -> Any:
         return (type(self), (str(self), self.failures))
+
+
+class ReplicaDivergence(CheckpointError, RuntimeError):
+    """Ranks of a distributed run hold different copies of state that is registered
+    as replicated (a monitor, a value, a flag, a sidecar, the config), so "rank 0's
+    copy" would silently drop the others'. Nothing was saved.
+
+    Attributes:
+        pieces: ``{piece: [[ranks with one copy], [ranks with another], ...]}``.
+    """
+
+    def __init__(self, message: str, pieces: dict[str, list[list[int]]] | None = None) -> None:
+        super().__init__(message)
+        self.pieces = dict(pieces or {})
+
+    def __reduce__(self) -> Any:
+        return (type(self), (str(self), self.pieces))
 
 
 class ReplayDivergence(CheckpointError, RuntimeError):

@@ -45,10 +45,20 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import xxhash
-
+from ._distributed_run import DistributedRun, is_distributed, refuse_in_one_process
 from ._registry import Entry, Registry, has_state_dict
-from ._run_files import checkpoint_name, list_checkpoints, read_environment, retain
+from ._run_files import (
+    CKPT_SUFFIX,
+    DCP_SUFFIX,
+    checkpoint_name,
+    fallback_notes,
+    list_checkpoints,
+    newest_consistent,
+    read_environment,
+    refuse_existing,
+    retain,
+    write_companions,
+)
 from .asyncsave import AsyncSaver
 from .atomic import clean_stale_temps, write_bytes_atomic
 from .checkpoint import Checkpoint, load, save
@@ -57,8 +67,6 @@ from .companions import (
     ENVIRONMENT_FILE,
     UNBOUND_NOTE,
     check_companions,
-    file_digest,
-    make_record,
     record_of,
 )
 from .container import FLAG_NAMES, SECTIONS
@@ -68,15 +76,23 @@ from .errors import (
     CheckpointNotFound,
     FormatError,
     LegacyCheckpoint,
-    ResumeRefused,
     UnsupportedValue,
 )
 from .preemption import DEFAULT_SIGNALS, RunStopped, StopRequests
 from .section import check_plain
-from .sidecar import read_sidecar, sidecar_path, write_sidecar
+from .sidecar import read_sidecar, sidecar_path
 from .snapshot import encode_snapshot, read_snapshot, snapshot_path
 
-__all__ = ["ENVIRONMENT_FILE", "ResumeInfo", "RunState", "checkpoint_name", "list_checkpoints", "read_environment"]
+__all__ = [
+    "CKPT_SUFFIX",
+    "DCP_SUFFIX",
+    "ENVIRONMENT_FILE",
+    "ResumeInfo",
+    "RunState",
+    "checkpoint_name",
+    "list_checkpoints",
+    "read_environment",
+]
 
 
 @dataclass(frozen=True)
@@ -91,6 +107,9 @@ class ResumeInfo:
         exempt_changes: config differences that were allowed (``steps`` extended...).
         env_overrides: environment differences accepted with ``allow_env_change``.
         legacy_missing: for a v1 checkpoint loaded with ``allow_legacy``, what it lacked.
+        resharded: a distributed run resumed with ``reshard=True`` at another world size
+            or layout than it was saved at; ``notes`` say the run is no longer bit-comparable
+            to its past (record that in the run's history).
     """
 
     step: int
@@ -100,6 +119,7 @@ class ResumeInfo:
     exempt_changes: tuple[KeyDiff, ...] = ()
     env_overrides: tuple[EnvDiff, ...] = ()
     legacy_missing: tuple[str, ...] = ()
+    resharded: bool = False
 
 
 class RunState:
@@ -123,6 +143,13 @@ class RunState:
             save). A failed background write is raised by the next ``save()``,
             ``wait()``, ``resume()`` or ``close()``. Costs one copy of the
             checkpoint's tensors in host memory.
+        process_group: a ``torch.distributed`` group makes the run state distributed
+            (the default group when ``torch.distributed`` is initialised): every rank
+            constructs it, registers the same things and calls ``save``/``resume``
+            together; checkpoints are ``ckptkit.distributed`` directories
+            (spec/runstate.md "Distributed run state"). In one process, a run
+            directory a distributed run saved into makes it distributed at world
+            size 1: ``resume(reshard=True)`` continues the run there.
     """
 
     def __init__(
@@ -135,6 +162,7 @@ class RunState:
         compression: str = "raw",
         log: Callable[[str], None] | None = None,
         async_save: bool = False,
+        process_group: Any = None,
     ) -> None:
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep must be >= 1 (got {keep!r})")
@@ -153,6 +181,22 @@ class RunState:
         self._stops = StopRequests()
         self._resume_hint: str | None = None
         self._recording = False  # record() has opened history.jsonl in this process
+        self._dist: DistributedRun | None = None
+        if is_distributed(process_group, self.run_dir):
+            if compression != "raw":
+                raise ValueError(f"compression must be 'raw' in a distributed run (got {compression!r})")
+            self._saver = None
+            self._dist = DistributedRun(self, process_group, async_save)
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the run's process group (0 in one process)."""
+        return 0 if self._dist is None else self._dist.rank
+
+    @property
+    def world_size(self) -> int:
+        """How many processes the run has (1 in one process)."""
+        return 1 if self._dist is None else self._dist.world
 
     # ------------------------------------------------------------------ registration
 
@@ -172,16 +216,36 @@ class RunState:
         self._name(kind, name, taken)
         if not has_state_dict(obj):
             raise UnsupportedValue(f"{kind} {name!r}: a {type(obj).__name__} has no state_dict()/load_state_dict()")
-        self._probe(f"{kind} {name!r}", obj.state_dict())
+        if self._dist is None:
+            self._probe(f"{kind} {name!r}", obj.state_dict())
+        elif kind in ("scheduler", "scaler"):  # replicated plain state; modules and optimizers go through DCP
+            try:
+                check_plain(obj.state_dict(), f"{kind} {name!r}")
+            except UnsupportedValue as e:
+                raise UnsupportedValue(f"{e}; a distributed run saves schedulers and scalers as plain values") from None
         taken[name] = obj
 
     def add_model(self, name: str, module: Any) -> None:
         """Register a module; its ``state_dict()`` goes in the model section."""
         self._stateful("model", name, module, self._reg.models)
 
-    def add_optimizer(self, name: str, optimizer: Any) -> None:
-        """Register an optimizer (moments, step counters, param groups)."""
+    def add_optimizer(self, name: str, optimizer: Any, *, model: str | None = None) -> None:
+        """Register an optimizer (moments, step counters, param groups).
+
+        Args:
+            model: the registered model it optimizes; a distributed run saves the
+                optimizer's state by that model's parameter names. May be omitted
+                when exactly one model is registered.
+        """
+        if model is None and len(self._reg.models) == 1:
+            model = next(iter(self._reg.models))
+        if model is not None and model not in self._reg.models:
+            raise ValueError(f"optimizer {name!r}: model {model!r} is not registered (add_model it first)")
+        if model is None and self._dist is not None:
+            raise ValueError(f"optimizer {name!r}: name its model (model=...): {len(self._reg.models)} are registered")
         self._stateful("optimizer", name, optimizer, self._reg.optimizers)
+        if model is not None:
+            self._reg.optimizer_models[name] = self._reg.models[model]
 
     def add_scheduler(self, name: str, scheduler: Any) -> None:
         """Register an LR scheduler (or anything with ``state_dict``) in the optim section."""
@@ -239,11 +303,24 @@ class RunState:
             raise UnsupportedValue(f"data position {name!r} must be a non-negative int (got {pos!r})")
         self._reg.data[name] = Entry(get, set, expected)
 
-    def add_value(self, name: str, *, get: Callable[[], Any], set: Callable[[Any], None]) -> None:  # noqa: A002
-        """Register small run state (msgpack-able plain values: numbers, str, lists, dicts)."""
+    def add_value(
+        self,
+        name: str,
+        *,
+        get: Callable[[], Any],
+        set: Callable[[Any], None],  # noqa: A002
+        per_rank: bool = False,
+    ) -> None:
+        """Register small run state (msgpack-able plain values: numbers, str, lists, dicts).
+
+        Args:
+            per_rank: each rank of a distributed run holds its own value (saved under
+                its rank); otherwise the value is replicated, and a save refuses ranks
+                whose copies differ. No effect in one process.
+        """
         self._name("value", name, self._reg.values)
         check_plain(get(), f"value {name!r}")
-        self._reg.values[name] = Entry(get, set)
+        self._reg.values[name] = Entry(get, set, per_rank=per_rank)
 
     def add_stateful(self, name: str, obj: Any) -> None:
         """Register any object with ``state_dict()`` / ``load_state_dict()`` whose state is
@@ -309,6 +386,29 @@ class RunState:
         """
         return self._reg.contents(step)
 
+    def checkpoint_path(self, step: int) -> str:
+        """The path :meth:`save` of ``step`` writes: ``<run_dir>/step-00000120.ckpt``, or the
+        directory ``<run_dir>/step-00000120.dcp`` in a distributed run (to name it before it exists)."""
+        return os.path.join(self.run_dir, checkpoint_name(step, DCP_SUFFIX if self._dist is not None else CKPT_SUFFIX))
+
+    def load_checkpoint(self, step: int) -> tuple[Checkpoint, dict[str, tuple[int, Any]]]:
+        """The saved checkpoint at ``step`` as :meth:`checkpoint` builds contents (in a
+        distributed run: this rank's, loaded collectively), in copies: the registered
+        objects are untouched. With its sidecars, ``kind -> (table_step, tree)``, the form
+        :meth:`restore` takes. The spike guard rebuilds its ring from it.
+
+        Raises:
+            CheckpointNotFound: no committed checkpoint at ``step``.
+            FormatError: it (or a sidecar) is damaged.
+            StateMismatch: it does not fit the registered modules and optimizers.
+        """
+        if self._dist is not None:
+            return self._dist.load_checkpoint(step)
+        path = self.checkpoint_path(step)
+        ckpt = load(path)
+        sidecars = {kind: read_sidecar(sidecar_path(path, kind), expect_step=step) for kind in self._reg.sidecars}
+        return ckpt, {kind: (sc.table_step, sc.tree) for kind, sc in sidecars.items()}
+
     def save(self, step: int) -> str:
         """Save everything at ``step``: snapshot, sidecars, then the container.
 
@@ -327,30 +427,18 @@ class RunState:
                 write); earlier checkpoints are intact.
             UnsupportedValue: state that cannot be stored (named by path).
         """
+        if self._dist is not None:
+            return self._dist.save(step)
         os.makedirs(self.run_dir, exist_ok=True)
         path = os.path.join(self.run_dir, checkpoint_name(step))
         ckpt = self.checkpoint(step)
         if self._saver is not None:
             self._save_async(path, ckpt)
             return path
-        config = encode_snapshot(self.config)
-        write_bytes_atomic(snapshot_path(path), config)
-        bound = {}
-        for kind, entry in self._reg.sidecars.items():
-            table_step, tree = entry.get()
-            bound[kind] = write_sidecar(sidecar_path(path, kind), train_step=step, table_step=table_step, tree=tree)
-        save(path, self._bind(ckpt, config, bound), compression=self.compression)
+        record = write_companions(path, step, encode_snapshot(self.config), self.sidecar_contents())
+        save(path, _bind(ckpt, record), compression=self.compression)
         self._retain()
         return path
-
-    def _bind(self, ckpt: Checkpoint, config: bytes, sidecars: dict[str, int]) -> Checkpoint:
-        """``ckpt`` with the companion record (spec/companions.md): the digests of the
-        snapshot, sidecars and environment record just written, so that none of them
-        can be edited or swapped without the checkpoint noticing."""
-        env_path = os.path.join(self.run_dir, ENVIRONMENT_FILE)
-        env = file_digest(env_path, "environment record") if os.path.exists(env_path) else None
-        record = make_record(snapshot=xxhash.xxh3_64_intdigest(config), environment=env, sidecars=sidecars)
-        return dataclasses.replace(ckpt, monitor={**(ckpt.monitor or {}), COMPANIONS_KEY: record})
 
     def _save_async(self, path: str, ckpt: Checkpoint) -> None:
         assert self._saver is not None
@@ -360,15 +448,10 @@ class RunState:
             stamps[kind], trees[f"sidecar:{kind}"] = entry.get()
 
         def write(snap: dict[str, Any]) -> None:
-            write_bytes_atomic(snapshot_path(path), config)
-            bound = {
-                kind: write_sidecar(
-                    sidecar_path(path, kind), train_step=ckpt.step, table_step=table_step, tree=snap[f"sidecar:{kind}"]
-                )
-                for kind, table_step in stamps.items()
-            }
+            sidecars = {kind: (table_step, snap[f"sidecar:{kind}"]) for kind, table_step in stamps.items()}
+            record = write_companions(path, ckpt.step, config, sidecars)
             taken = dataclasses.replace(ckpt, **{name: snap[name] for name in SECTIONS})
-            save(path, self._bind(taken, config, bound), compression=self.compression)
+            save(path, _bind(taken, record), compression=self.compression)
             self._retain()
 
         self._saver.submit(trees, write)
@@ -379,6 +462,8 @@ class RunState:
         Raises:
             SaveFailed: the background write failed; earlier checkpoints are intact.
         """
+        if self._dist is not None:
+            self._dist.wait()
         if self._saver is not None:
             self._saver.wait()
 
@@ -388,6 +473,8 @@ class RunState:
         Raises:
             SaveFailed: the background write failed.
         """
+        if self._dist is not None:
+            self._dist.close()
         if self._saver is not None:
             self._saver.close()
 
@@ -411,12 +498,16 @@ class RunState:
         Raises:
             SaveFailed: the background write failed; earlier checkpoints are intact.
         """
+        if self._dist is not None:
+            return self._dist.checkpoints()
         self.wait()
         return list_checkpoints(self.run_dir)
 
     def discard_after(self, step: int) -> list[str]:
         """Delete checkpoints newer than ``step`` (after a rollback they belong to an
         abandoned timeline and must never be resumed). Returns the paths deleted."""
+        if self._dist is not None:
+            return self._dist.discard_after(step)
         gone = [p for s, p in self.checkpoints() if s > step]
         for p in gone:
             self._delete(p)
@@ -433,12 +524,10 @@ class RunState:
             ResumeRefused: the run directory already holds checkpoints (nothing is
                 overwritten; resume it, or use another directory).
         """
-        existing = list_checkpoints(self.run_dir)
-        if existing:
-            raise ResumeRefused(
-                f"{self.run_dir}: already holds {len(existing)} checkpoint(s), newest "
-                f"{os.path.basename(existing[-1][1])}; resume it (--resume) or use a new run directory"
-            )
+        if self._dist is not None:
+            return self._dist.start()
+        refuse_in_one_process(self.run_dir)
+        refuse_existing(self.run_dir, list_checkpoints(self.run_dir))
         os.makedirs(self.run_dir, exist_ok=True)
         clean_stale_temps(self.run_dir)
         facts = capture()
@@ -447,7 +536,9 @@ class RunState:
         )
         return 0
 
-    def resume(self, *, allow_legacy: bool = False, allow_env_change: bool = False) -> ResumeInfo:
+    def resume(
+        self, *, allow_legacy: bool = False, allow_env_change: bool = False, reshard: bool = False
+    ) -> ResumeInfo:
         """Restore the newest consistent checkpoint, after every check passes.
 
         Candidates are tried newest first; one that fails to verify, lacks its
@@ -459,6 +550,9 @@ class RunState:
                 monitor and digests); the run continues loudly.
             allow_env_change: accept a different environment; the differences are
                 returned for the caller to record.
+            reshard: a distributed run may resume at another world size or layout:
+                DCP reshards, data positions come from their offset rules, and
+                ``ResumeInfo.resharded`` says the run is no longer bit-comparable.
 
         Returns:
             A :class:`ResumeInfo`.
@@ -471,15 +565,19 @@ class RunState:
             StreamOffsetMismatch: a stored data position disagrees with the step.
             StateMismatch: the checkpoint's contents do not fit what is registered
                 (a registration either side lacks, a module's keys, shapes or dtypes).
+            WorldSizeChanged: the run was saved at another world size or layout
+                (one process vs a process group included) and ``reshard`` is False.
         """
+        if self._dist is not None:
+            return self._dist.resume(reshard=reshard, allow_env_change=allow_env_change)
+        refuse_in_one_process(self.run_dir)
         self.wait()
         removed = clean_stale_temps(self.run_dir)
         notes = [f"removed {len(removed)} temporary file(s) left by an interrupted save"] if removed else []
-        ckpt, path, snapshot, sidecars, skipped = self._newest_consistent()
-        for p, why in skipped:
-            notes.append(f"skipped {os.path.basename(p)}: {why}")
-        if skipped:
-            notes.append(f"falling back to {os.path.basename(path)} (step {ckpt.step})")
+        (ckpt, snapshot, sidecars), path, skipped = newest_consistent(
+            self.run_dir, list_checkpoints(self.run_dir), self._consistent
+        )
+        notes += fallback_notes(skipped, path, ckpt.step)
         if record_of(ckpt.monitor) is None:
             notes.append(f"{os.path.basename(path)} {UNBOUND_NOTE}")
         exempt = check_resume(snapshot, self.config, exempt=self.exempt)
@@ -495,7 +593,9 @@ class RunState:
             self._log(n)
         return ResumeInfo(ckpt.step, path, tuple(notes), tuple(skipped), tuple(exempt), tuple(env), legacy_missing)
 
-    def resume_or_start(self, *, allow_legacy: bool = False, allow_env_change: bool = False) -> int:
+    def resume_or_start(
+        self, *, allow_legacy: bool = False, allow_env_change: bool = False, reshard: bool = False
+    ) -> int:
         """Resume the newest consistent checkpoint if the run directory holds one, else start
         fresh; returns the step to continue from. The same command line then starts the run
         and continues it after a preemption (``ckptkit audit`` relies on that).
@@ -503,8 +603,12 @@ class RunState:
         Raises:
             As :meth:`resume` (never :class:`CheckpointNotFound` for an empty directory).
         """
-        if list_checkpoints(self.run_dir):
-            return self.resume(allow_legacy=allow_legacy, allow_env_change=allow_env_change).step
+        if self._dist is not None:
+            has = self._dist.has_checkpoints()
+        else:
+            has = bool(list_checkpoints(self.run_dir) or list_checkpoints(self.run_dir, DCP_SUFFIX))
+        if has:
+            return self.resume(allow_legacy=allow_legacy, allow_env_change=allow_env_change, reshard=reshard).step
         return self.start()
 
     def record(self, step: int, **scalars: Any) -> None:
@@ -526,10 +630,13 @@ class RunState:
         Raises:
             TypeError: a scalar that is not a number, string or one-element tensor.
         """
+        from ._ring import localized
         from .compare import checkpoint_state
         from .history import HISTORY_FILE, History, append_rows
         from .recording import digests_row, step_row
 
+        if self.rank != 0:
+            return  # a distributed run's history is rank 0's
         row = step_row(step, scalars)
         if not self._recording:
             os.makedirs(self.run_dir, exist_ok=True)
@@ -543,7 +650,7 @@ class RunState:
             self._recording = True
         append_rows(
             os.path.join(self.run_dir, HISTORY_FILE),
-            [row, digests_row(step + 1, checkpoint_state(self.checkpoint(step + 1)))],
+            [row, digests_row(step + 1, checkpoint_state(localized(self.checkpoint(step + 1))))],
         )
 
     # ------------------------------------------------------------------ stopping (spec/runstate.md "Stopping")
@@ -605,39 +712,27 @@ class RunState:
         )
         raise RunStopped(steps_done, path, why)
 
-    def _newest_consistent(self) -> tuple[Checkpoint, str, Any, dict[str, Any], list[tuple[str, str]]]:
-        skipped: list[tuple[str, str]] = []
-        candidates = list_checkpoints(self.run_dir)
-        if not candidates:
-            raise CheckpointNotFound(f"{self.run_dir}: no checkpoints to resume from")
-        for named_step, path in reversed(candidates):
-            try:
-                ckpt = load(path)
-                if ckpt.step != named_step:
-                    raise FormatError(
-                        "header step does not match the file name",
-                        path=path,
-                        offset=8,
-                        field="step",
-                        expected=named_step,
-                        actual=ckpt.step,
-                        hint="a checkpoint renamed or copied over another; resume from another",
-                    )
-                if not os.path.exists(snapshot_path(path)):
-                    raise CheckpointNotFound(f"{snapshot_path(path)}: config snapshot is missing")
-                sidecars = {
-                    kind: read_sidecar(sidecar_path(path, kind), expect_step=ckpt.step) for kind in self._reg.sidecars
-                }
-                # A damaged or swapped companion is damage, like a damaged container
-                # (spec/companions.md): it is skipped here, never reported as drift.
-                check_companions(path, record_of(ckpt.monitor, path), sidecars=self._reg.sidecars)
-                snapshot = read_snapshot(snapshot_path(path))
-            except (FormatError, CheckpointNotFound) as e:
-                skipped.append((path, str(e)))
-                continue
-            return ckpt, path, snapshot, sidecars, skipped
-        detail = "; ".join(f"{os.path.basename(p)}: {why}" for p, why in skipped)
-        raise CheckpointNotFound(f"{self.run_dir}: no consistent checkpoint to resume from ({detail})")
+    def _consistent(self, named_step: int, path: str) -> tuple[Checkpoint, Any, dict[str, Any]]:
+        """The checkpoint at ``path`` with its snapshot and sidecars, if it is consistent
+        (RS-2 step 2); a FormatError or CheckpointNotFound says why not."""
+        ckpt = load(path)
+        if ckpt.step != named_step:
+            raise FormatError(
+                "header step does not match the file name",
+                path=path,
+                offset=8,
+                field="step",
+                expected=named_step,
+                actual=ckpt.step,
+                hint="a checkpoint renamed or copied over another; resume from another",
+            )
+        if not os.path.exists(snapshot_path(path)):
+            raise CheckpointNotFound(f"{snapshot_path(path)}: config snapshot is missing")
+        sidecars = {kind: read_sidecar(sidecar_path(path, kind), expect_step=ckpt.step) for kind in self._reg.sidecars}
+        # A damaged or swapped companion is damage, like a damaged container
+        # (spec/companions.md): it is skipped, never reported as drift.
+        check_companions(path, record_of(ckpt.monitor, path), sidecars=self._reg.sidecars)
+        return ckpt, read_snapshot(snapshot_path(path)), sidecars
 
     def _check_environment(self, allow: bool) -> list[EnvDiff]:
         return check_environment(read_environment(self.run_dir), capture(), allow=allow)
@@ -692,3 +787,10 @@ class RunState:
         self._reg.restore(ckpt, sidecars=sidecars, skip=skip)
         for fn in self._after_restore:
             fn()
+
+
+def _bind(ckpt: Checkpoint, record: dict[str, Any]) -> Checkpoint:
+    """``ckpt`` with the companion record (spec/companions.md): the digests of the
+    snapshot, sidecars and environment record just written, so that none of them
+    can be edited or swapped without the checkpoint noticing."""
+    return dataclasses.replace(ckpt, monitor={**(ckpt.monitor or {}), COMPANIONS_KEY: record})

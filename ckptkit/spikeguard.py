@@ -49,13 +49,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ._ring import Kept, Ring, clone, digests
-from .checkpoint import load
 from .errors import CheckpointNotFound, FormatError, ReplayDivergence, StreamOffsetMismatch, TrainingUnstable
 from .history import History, f32_bits, json_float
 from .monitor import SpikeMonitor, Verdict
 from .rollback_record import VALUE_NAME, RollbackEvent, RollbackRecord
-from .runstate import RunState, checkpoint_name, list_checkpoints
-from .sidecar import read_sidecar, sidecar_path
+from .runstate import RunState
 
 if TYPE_CHECKING:
     from .testing import GradSpike
@@ -249,7 +247,8 @@ class SpikeGuard:
         self.record = RollbackRecord()
         self._keeps = {f"monitor:{self._monitor_name}"}  # what a rollback never rewinds (R-R03)
         if self.on:
-            state.add_value(VALUE_NAME, get=lambda: self.record.state(), set=self._load_record)
+            # Per rank: a rollback's skipped data positions are each rank's own (the rest is the same on every rank).
+            state.add_value(VALUE_NAME, get=lambda: self.record.state(), set=self._load_record, per_rank=True)
             self._keeps.add(f"value:{VALUE_NAME}")
         if inject is not None:
             state.add_value(INJECTION_VALUE, get=inject.state, set=inject.load)
@@ -580,30 +579,25 @@ class SpikeGuard:
             frm = base.step
         self._replay(frm, start, timeline, step_fn)
         now = self._capture(start)
+        name = os.path.basename(self.state.checkpoint_path(start))
         differ = sorted(n for n in here.digests if here.digests[n] != now.digests.get(n))
         if differ:
             raise ReplayDivergence(
                 f"rebuilding the rollback ring: replaying steps {frm}..{start} from {note} did not reproduce "
-                f"{checkpoint_name(start)} (differs in: {', '.join(differ)}); this run is not deterministic here, "
+                f"{name} (differs in: {', '.join(differ)}); this run is not deterministic here, "
                 "so a rollback could not be exact; see ReplayDivergence's docstring for the usual causes"
             )
-        msg = (
-            f"rollback ring rebuilt: replayed steps {frm}..{start} from {note}; it reproduced {checkpoint_name(start)}"
-        )
+        msg = f"rollback ring rebuilt: replayed steps {frm}..{start} from {note}; it reproduced {name}"
         self.log(msg)
         return [msg]
 
     def _replay_base(self, need: int) -> tuple[Kept | None, str]:
         """The newest loadable checkpoint at or before ``need``; None means the construction state."""
-        for step, path in reversed(list_checkpoints(self.state.run_dir)):
+        for step, path in reversed(self.state.checkpoints()):
             if step > need:
                 continue
             try:
-                ckpt = load(path)
-                sidecars = {}
-                for kind in self.state._reg.sidecars:
-                    sc = read_sidecar(sidecar_path(path, kind), expect_step=step)
-                    sidecars[kind] = (sc.table_step, sc.tree)
+                ckpt, sidecars = self.state.load_checkpoint(step)
             except (FormatError, CheckpointNotFound):
                 continue  # as resume does: a damaged older checkpoint is passed over
             return Kept(step, ckpt, sidecars), os.path.basename(path)

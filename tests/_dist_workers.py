@@ -1,14 +1,15 @@
 """Rank-side code for the distributed tests: a pool of real gloo ranks, started once.
 
 ``RankPool(world)`` spawns ``world`` processes joined by a file:// rendezvous;
-``pool.run("fn", *args)`` runs ``fn`` (a function of this module) on every rank and
-returns each rank's result. Every wait is bounded and ``close()`` kills what is
+``pool.run("fn", *args)`` runs ``fn`` (a function of this module, or ``"module:fn"``
+of another) on every rank and returns each rank's result. Every wait is bounded and ``close()`` kills what is
 left, so no rank outlives its test, even on failure.
 """
 
 from __future__ import annotations
 
 import datetime
+import importlib
 import os
 import queue
 import signal
@@ -42,8 +43,10 @@ def _serve(rank: int, world: int, init_file: str, timeout_s: float, inbox: Any, 
         if msg is None:
             break
         name, args = msg
+        module, _, fn = name.rpartition(":")
         try:
-            outbox.put(("ok", globals()[name](*args)))
+            target = getattr(importlib.import_module(module), fn) if module else globals()[name]
+            outbox.put(("ok", target(*args)))
         except BaseException as e:  # noqa: BLE001 - reported to the test, which fails with it
             outbox.put(("err", f"{type(e).__name__}: {e}"))
     dist.destroy_process_group()
@@ -91,6 +94,13 @@ class RankPool:
                 p.join(timeout=10)
         if os.path.exists(self._init):
             os.unlink(self._init)
+
+
+def assert_same(a: Any, b: Any) -> None:
+    """Two state trees are bitwise equal (every tensor, every value)."""
+    from ckptkit.compare import compare_states, flatten
+
+    assert compare_states(flatten(a, "s"), flatten(b, "s")) == []
 
 
 # ---------------------------------------------------------------------------- rank-side work

@@ -15,24 +15,14 @@ from typing import Any
 
 import pytest
 import torch
-from _dist_workers import RankPool, _full, tiny_model
+from _dist_workers import RankPool, _full, assert_same, tiny_model
 
 import ckptkit
 import ckptkit.distributed as ckd
 from ckptkit.cli import main
-from ckptkit.compare import compare_states, flatten
 from ckptkit.distributed.format import METADATA_NAME, data_name, read_metadata
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def pool():
-    p = RankPool(2)
-    try:
-        yield p
-    finally:
-        p.close()
 
 
 @pytest.fixture(scope="module")
@@ -48,10 +38,6 @@ def copy(saved, tmp_path):
     dst = str(tmp_path / "ckpt")
     shutil.copytree(saved[0], dst)
     return dst
-
-
-def assert_same(a: Any, b: Any) -> None:
-    assert compare_states(flatten(a, "s"), flatten(b, "s")) == []
 
 
 def load_single(path: str, seed: int = 7) -> dict[str, Any]:

@@ -22,7 +22,17 @@ from ..distributed.format import (
 )
 from ..errors import CheckpointError, CheckpointNotFound
 
-__all__ = ["diff_directories", "inspect_directory", "is_distributed_dir", "print_reports", "report_json"]
+__all__ = [
+    "diff_directories",
+    "inspect_directory",
+    "is_distributed_dir",
+    "print_reports",
+    "read_run_record",
+    "report_json",
+    "run_contents",
+]
+
+_DCP = ".dcp"  # a distributed run's checkpoint directories: step-00000120.dcp (spec/runstate.md)
 
 
 def is_distributed_dir(path: str) -> bool:
@@ -35,6 +45,35 @@ def is_distributed_dir(path: str) -> bool:
         or DCP_DEFAULT_METADATA in names
         or any(n.startswith("rank-") and n.endswith(".ckdcp") for n in names)
     )
+
+
+def run_contents(run_dir: str) -> tuple[list[str], list[str]]:
+    """A run directory's distributed checkpoints (``step-N.dcp/``) and their sidecars
+    (``step-N.dcp.<kind>``), each sorted; ``([], [])`` for a one-process run."""
+    steps, sidecars = [], []
+    for name in sorted(os.listdir(run_dir)):
+        path = os.path.join(run_dir, name)
+        stem, sep, kind = name.rpartition(_DCP + ".")
+        if name.startswith("step-") and name.endswith(_DCP) and os.path.isdir(path):
+            steps.append(path)
+        elif sep and stem.startswith("step-") and kind.isidentifier():  # step-N.dcp.ngram, not .config.json
+            sidecars.append(path)
+    return steps, sidecars
+
+
+def read_run_record(path: str) -> dict[str, Any] | None:
+    """The companion record a distributed RunState checkpoint carries (its ``run`` value);
+    None for a directory ``ckptkit.distributed.save`` wrote without RunState.
+
+    Raises:
+        CheckpointError: the metadata cannot be read, or the record is malformed (R-C01).
+    """
+    from ..companions import record_of
+
+    run = read_metadata(path, check_files=False).values.get("run")
+    if isinstance(run, tuple) and len(run) == 1:
+        return record_of(run[0], path)
+    return None
 
 
 def report_json(r: DirReport) -> dict[str, Any]:

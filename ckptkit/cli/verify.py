@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from ..container import Report, verify
@@ -113,9 +114,13 @@ def run(args: argparse.Namespace) -> int:
     from . import _distributed
 
     dirs = [p for p in args.paths if _distributed.is_distributed_dir(p)]
-    dir_reports = _distributed.verify_all(dirs)
+    # A distributed run directory: its step-N.dcp/ directories, and its sidecars as files.
+    runs = {p: _distributed.run_contents(p) for p in args.paths if os.path.isdir(p) and p not in dirs}
+    only_dcp = {p for p, (steps, _) in runs.items() if steps and not expand_checkpoints_or_none(p)}
+    dir_reports = _distributed.verify_all(dirs + [d for steps, _ in runs.values() for d in steps])
     try:
-        files = expand_checkpoints([p for p in args.paths if p not in dirs])
+        files = expand_checkpoints([p for p in args.paths if p not in dirs and p not in only_dcp])
+        files += [s for p in only_dcp for s in runs[p][1]]
     except CheckpointNotFound as e:
         print(f"ckptkit verify: {e}", file=sys.stderr)
         return 2
@@ -136,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
                 progress.log(f"{path}: deleted while verifying (retention?); skipped", always=True)
             done += size
             progress.at(done, total)
-    companions = _companion_checks(reports, args.paths)
+    companions = _companion_checks(reports, args.paths, dir_reports)
     histories = _history_checks(args.paths)
     ok = all(r.ok for r in reports + dir_reports) and all(c["ok"] for c in companions) and all(h.ok for h in histories)
     if args.json:
@@ -200,63 +205,74 @@ def _print_history(h: Any) -> None:
         print(f"OK    {h.path}  history, {h.rows} rows, {steps} (no checksum: rows, order and _bits checked)")
 
 
-def _companion_checks(reports: list[Report], paths: list[str]) -> list[dict[str, Any]]:
-    """The companions of every checkpoint that verified, one entry per file (spec/companions.md).
+def expand_checkpoints_or_none(run_dir: str) -> list[str]:
+    """The one-process checkpoints and sidecars of ``run_dir``; empty when it holds none."""
+    try:
+        return expand_checkpoints([run_dir])
+    except CheckpointNotFound:
+        return []
+
+
+def _companion_checks(reports: list[Report], paths: list[str], dir_reports: list[Any]) -> list[dict[str, Any]]:
+    """The companions of every checkpoint that verified (a container, or a distributed
+    RunState directory), one entry per file (spec/companions.md).
 
     In a run directory a recorded companion that is missing fails (the checkpoint
     cannot be resumed); beside a checkpoint named on its own, only those present
     are checked, and its sidecars are verified byte for byte too.
     """
     from ..companions import companion_checks, read_record
-    from ..sidecar import sidecar_report
+    from . import _distributed
 
     run_dirs = {os.path.normpath(p) for p in paths if os.path.isdir(p)}
     merged: dict[str, dict[str, Any]] = {}
-    for r in reports:
-        if not r.ok or r.kind != "container":
-            continue
-        in_run = os.path.normpath(os.path.dirname(r.path) or ".") in run_dirs
+    targets: list[tuple[str, Callable[[str], dict[str, Any] | None]]]
+    targets = [(r.path, read_record) for r in reports if r.ok and r.kind == "container"]
+    targets += [(d.path, _distributed.read_run_record) for d in dir_reports if d.ok]
+    for path, read in targets:
+        in_run = os.path.normpath(os.path.dirname(path) or ".") in run_dirs
         try:
-            record = read_record(r.path)
+            record = read(path)
         except CheckpointNotFound:  # deleted since it verified (retention in a live run)
             continue
         except CheckpointError as e:  # a record this reader cannot trust checks nothing (R-C01)
-            merged[r.path] = {
-                "path": r.path,
+            merged[path] = {
+                "path": path,
                 "kind": "record",
-                "checkpoints": [r.path],
+                "checkpoints": [path],
                 "ok": False,
                 "protected": True,
                 "error": {"type": type(e).__name__, "message": str(e)},
             }
             continue
-        checks = companion_checks(r.path, record, missing_ok=not in_run)
-        if any(isinstance(c.error, CheckpointNotFound) for c in checks) and not os.path.exists(r.path):
+        checks = companion_checks(path, record, missing_ok=not in_run)
+        if any(isinstance(c.error, CheckpointNotFound) for c in checks) and not os.path.exists(path):
             continue  # retention deleted the checkpoint, then its companions, while we read (G-31)
-        for c in checks:
-            error = c.error
-            if error is None and c.kind == "sidecar" and not in_run:
-                error = sidecar_report(c.path).error
-            entry = merged.setdefault(
-                c.path,
-                {
-                    "path": c.path,
-                    "kind": c.kind,
-                    "checkpoints": [],
-                    "ok": True,
-                    "protected": c.protected,
-                    "error": None,
-                },
-            )
-            entry["checkpoints"].append(r.path)
-            if error is not None and entry["ok"]:
-                entry.update(ok=False, error={"type": type(error).__name__, "message": str(error)})
+        _merge(merged, path, checks, in_run)
     # A sidecar of a run directory has its own line already; its binding is news only when it fails.
     return [
         e
         for _, e in sorted(merged.items())
         if not (e["kind"] == "sidecar" and e["ok"] and os.path.normpath(os.path.dirname(e["path"])) in run_dirs)
     ]
+
+
+def _merge(merged: dict[str, dict[str, Any]], ckpt_path: str, checks: list[Any], in_run: bool) -> None:
+    """Fold one checkpoint's companion verdicts into ``merged`` (a file shared by several
+    checkpoints, like environment.json, is one entry naming them all)."""
+    from ..sidecar import sidecar_report
+
+    for c in checks:
+        error = c.error
+        if error is None and c.kind == "sidecar" and not in_run:
+            error = sidecar_report(c.path).error
+        entry = merged.setdefault(
+            c.path,
+            {"path": c.path, "kind": c.kind, "checkpoints": [], "ok": True, "protected": c.protected, "error": None},
+        )
+        entry["checkpoints"].append(ckpt_path)
+        if error is not None and entry["ok"]:
+            entry.update(ok=False, error={"type": type(error).__name__, "message": str(error)})
 
 
 def _print_companion(c: dict[str, Any]) -> None:
