@@ -31,7 +31,7 @@ from ckptkit.errors import ConfigDrift
 from ckptkit.history import compared_rows
 from ckptkit.trainer.data import ByteStream, data_fingerprint, load_bytes
 from ckptkit.trainer.digests import param_digests
-from ckptkit.trainer.loop import build, expected_offset, run_state
+from ckptkit.trainer.loop import build, deterministic_torch, expected_offset, intra_op_threads, run_state
 from ckptkit.trainer.parallel import Ranks, check_fits, stop_job
 
 STEPS, EVERY = 40, 10  # the "done when" run: --steps 40 --ckpt-every 10
@@ -250,7 +250,8 @@ def test_a_resume_at_world_size_1_is_refused_and_continues_with_reshard(
     assert "torchrun --nproc_per_node 2" in line and "--reshard" in line
     # What --reshard loads at world size 1 is what the 2 ranks saved, bit for bit.
     run = build(tiny(**{"train.ckpt_every": EVERY}))
-    info = run_state(run, run_dir, data_fingerprint(load_bytes(""))).resume(reshard=True)
+    with deterministic_torch(), intra_op_threads(1):  # the environment the job recorded (torchrun: 1 thread)
+        info = run_state(run, run_dir, data_fingerprint(load_bytes(""))).resume(reshard=True)
     assert info.step == STEPS and info.resharded
     (saved,) = [r["tensors"] for r in history(reference) if r["kind"] == "digests" and r["step"] == STEPS]
     assert param_digests(run.model) == saved

@@ -19,6 +19,7 @@ Names are those of :func:`ckptkit.compare.checkpoint_state` (``model:model.wte``
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,7 +27,6 @@ import torch
 
 from ..compare import checkpoint_state
 from ..fingerprint import combine, leaf_digests, tensor_digest
-from ..runstate import DCP_SUFFIX, checkpoint_name
 from .parallel import full_tensor
 
 __all__ = [
@@ -67,14 +67,13 @@ def digests_row(steps_done: int, digests: Mapping[str, int]) -> dict[str, Any]:
 def checkpoint_row(rs: Any, step: int) -> dict[str, Any]:
     """The ``checkpoint`` row written before ``rs`` saves ``step``: every leaf's digest.
 
-    Under torchrun (a distributed run state) it names the checkpoint directory only: each
-    rank holds a part of the state, and the directory's own digests cover every chunk
+    Under torchrun (a run state of several ranks) it names the checkpoint directory only:
+    each rank holds a part of the state, and the directory's own digests cover every chunk
     (spec/trainer.md R-T14).
     """
-    if rs.world_size > 1:
-        return {"kind": "checkpoint", "step": step, "file": checkpoint_name(step, DCP_SUFFIX), "tensors": {}}
-    tensors = leaf_digests(checkpoint_state(rs.checkpoint(step)))
-    return {"kind": "checkpoint", "step": step, "file": checkpoint_name(step), "tensors": tensors}
+    file = os.path.basename(rs.checkpoint_path(step))
+    tensors = {} if rs.world_size > 1 else leaf_digests(checkpoint_state(rs.checkpoint(step)))
+    return {"kind": "checkpoint", "step": step, "file": file, "tensors": tensors}
 
 
 def perturb_target(cfg: Any, model: torch.nn.Module) -> str | None:
