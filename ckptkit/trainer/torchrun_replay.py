@@ -17,14 +17,13 @@ RUN is only read.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
-from ..command_runs import CommandReport
+from ..command_runs import CommandReport, _workdir  # the same work directory rule as `replay -- CMD`
 from ..errors import AuditError, CheckpointError, CheckpointNotFound, ReplayError
 from ..history import HISTORY_FILE
 from ..recording import Difference, RunRecording, first_difference
@@ -45,18 +44,6 @@ def recorded_world(run_dir: str | os.PathLike[str]) -> int:
     except CheckpointError:
         return 1
     return world if isinstance(world, int) and world >= 1 else 1
-
-
-@contextlib.contextmanager
-def _workdir(keep_dir: str | None) -> Iterator[str]:
-    if keep_dir is None:
-        with tempfile.TemporaryDirectory(prefix="ckptkit-replay-") as d:
-            yield d
-        return
-    if os.path.isdir(keep_dir) and os.listdir(keep_dir):
-        raise ReplayError(f"--out {keep_dir} is not empty")
-    os.makedirs(keep_dir, exist_ok=True)
-    yield keep_dir
 
 
 def _copy_start(run_dir: str, ckpt: str, work: str) -> None:
@@ -102,8 +89,8 @@ def replay_ranks(
 
     Raises:
         CheckpointNotFound: no checkpoint at or before ``from_step``.
-        ReplayError: ``to_step`` before that checkpoint, or ``keep_dir`` not empty.
-        AuditError: the torchrun job failed or ran out of time.
+        ReplayError: ``to_step`` before that checkpoint.
+        AuditError: ``keep_dir`` not empty, or the torchrun job failed or ran out of time.
     """
     log = log or (lambda _m: None)
     run_dir = os.fspath(run_dir)
@@ -120,7 +107,7 @@ def replay_ranks(
         raise ReplayError(f"--to {end} is before the checkpoint the replay starts from (step {start})")
     rec.rows = [r for r in rec.rows if r["step"] < end or (r["kind"] == "digests" and r["step"] == end)]
     cfg = config_of(ckpts[start]).replace(**{"train.steps": end})
-    with _workdir(keep_dir) as base:
+    with _workdir(keep_dir, "ckptkit-replay-") as base:
         work = os.path.join(base, "replay")
         os.makedirs(work)
         _copy_start(run_dir, ckpts[start], work)
