@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..history import HISTORY_FILE, read_rows
-from ..runstate import list_checkpoints
+from ..runstate import DCP_SUFFIX, list_checkpoints
 
 __all__ = ["TrainSummary", "extend_command", "summarize"]
 
@@ -120,7 +120,7 @@ def summarize(run_dir: str, *, seconds: float, keep: int, extend: str) -> TrainS
         spikes_in_run=sum(1 for r in steps if _spiked(r)),
         rollbacks=tuple(r for r in mine if r["kind"] == "rollback"),
         rollbacks_in_run=sum(1 for r in rows if r["kind"] == "rollback"),
-        checkpoints=tuple(step for step, _ in list_checkpoints(run_dir)),
+        checkpoints=tuple(s for s, _ in sorted(list_checkpoints(run_dir) + list_checkpoints(run_dir, DCP_SUFFIX))),
         keep=keep,
         history=history,
         step_rows=len(steps),
@@ -128,9 +128,12 @@ def summarize(run_dir: str, *, seconds: float, keep: int, extend: str) -> TrainS
     )
 
 
-def extend_command(run_dir: str, steps: int, flags: Sequence[str]) -> str:
-    """``ckptkit train --run-dir RUN --steps N --resume FLAGS``: the run's own flags, so no drift."""
-    return shlex.join(["ckptkit", "train", "--run-dir", run_dir, "--steps", str(steps), "--resume", *flags])
+def extend_command(run_dir: str, steps: int, flags: Sequence[str], launcher: Sequence[str] = ("ckptkit",)) -> str:
+    """``ckptkit train --run-dir RUN --steps N --resume FLAGS``: the run's own flags, so no drift.
+
+    ``launcher`` replaces ``ckptkit`` (``torchrun --nproc_per_node 2 -m ckptkit`` for a distributed run).
+    """
+    return shlex.join([*launcher, "train", "--run-dir", run_dir, "--steps", str(steps), "--resume", *flags])
 
 
 def _spiked(row: dict[str, Any]) -> bool:

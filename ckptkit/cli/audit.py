@@ -3,6 +3,7 @@
     ckptkit audit                           # two 10-step runs, each in a fresh process
     ckptkit audit --resume-at 4             # uninterrupted vs stopped at 4 + resumed in a fresh process
     ckptkit audit --steps 20 --quant int8 --rand-depth --keep-dir /tmp/audit --json
+    ckptkit audit --nproc-per-node 2 --resume-at 4   # each run a 2-rank torchrun job
     ckptkit audit -- python examples/resumable_loop.py --run-dir {run_dir} --steps 40   # any loop
     ckptkit audit --stop-at 17 --timeout 120 -- python train.py --run-dir {run_dir}
 
@@ -76,6 +77,13 @@ def add_parser(sub: Any) -> None:
         default=None,
         help="keep the two runs in DIR/a and DIR/b (an empty or new directory); default: a temporary one",
     )
+    g.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=1,
+        metavar="N",
+        help="ranks per run: each training process is a torchrun job of N ranks (spec/trainer.md R-T14; default 1)",
+    )
     g.add_argument("--json", action="store_true", help="print one JSON object (schema_version 1)")
     g.add_argument("--quiet", action="store_true", help="no progress bar and no progress lines on stderr")
     g.add_argument(
@@ -125,8 +133,17 @@ def run(args: argparse.Namespace) -> int:
         cfg = config_for_audit(args)
         if args.keep_dir is not None and os.path.isdir(args.keep_dir) and os.listdir(args.keep_dir):
             raise ValueError(f"--keep-dir {args.keep_dir} is not empty")
+        if args.nproc_per_node < 1:
+            raise ValueError(f"--nproc-per-node must be >= 1 (got {args.nproc_per_node})")
         with Progress("audit", quiet=args.quiet) as progress:
-            report = audit(cfg, args.keep_dir, resume_at=args.resume_at, log=progress.log, on_step=progress.at)
+            report = audit(
+                cfg,
+                args.keep_dir,
+                resume_at=args.resume_at,
+                nproc=args.nproc_per_node,
+                log=progress.log,
+                on_step=progress.at,
+            )
     except CheckpointError:
         raise  # the dispatcher prints it (AuditError: exit 2)
     except ValueError as e:  # a config the trainer refuses, a non-empty --keep-dir
@@ -147,6 +164,13 @@ def _run_command(args: argparse.Namespace, command: list[str]) -> int:
         print(
             "ckptkit audit: the trainer's flags (and --resume-at) audit `ckptkit train`; with -- CMD the "
             "command has its own arguments (use --stop-at K)",
+            file=sys.stderr,
+        )
+        return 2
+    if args.nproc_per_node != 1:
+        print(
+            "ckptkit audit: --nproc-per-node starts `ckptkit train` under torchrun; with -- CMD put torchrun "
+            "in the command itself (-- torchrun --nproc_per_node 2 train.py --run-dir {run_dir})",
             file=sys.stderr,
         )
         return 2

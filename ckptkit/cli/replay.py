@@ -121,6 +121,11 @@ def run(args: argparse.Namespace) -> int:
     from ..trainer.replay import replay
 
     command = args.cmd
+    if not command:
+        from ..trainer.torchrun_replay import recorded_world
+
+        if recorded_world(args.run_dir) > 1:
+            return _replay_ranks(args)
     if command:
         from ..command_runs import replay_command
 
@@ -156,4 +161,25 @@ def run(args: argparse.Namespace) -> int:
             raise
         print(f"ckptkit replay: {e}", file=sys.stderr)
         return 2
+    return print_verdict(report, args.json)
+
+
+def _replay_ranks(args: argparse.Namespace) -> int:
+    """A run trained under torchrun: replayed by as many ranks, with its own config (spec/trainer.md R-T14)."""
+    from ..trainer.config import knobs
+    from ..trainer.torchrun_replay import recorded_world, replay_ranks
+
+    given = [key for key, _ in knobs() if getattr(args, key, None) is not None]
+    if given or args.threads is not None or args.allow_env_change or args.no_perturb:
+        print(
+            f"ckptkit replay: {args.run_dir} was trained by {recorded_world(args.run_dir)} ranks: it is replayed "
+            "by as many ranks with its own config and environment, so trainer flags, --threads, "
+            "--allow-env-change and --no-perturb do not apply",
+            file=sys.stderr,
+        )
+        return 2
+    with Progress("replay", quiet=args.quiet) as progress:
+        report = replay_ranks(
+            args.run_dir, args.from_step, args.to_step, timeout=args.timeout, keep_dir=args.out, log=progress.log
+        )
     return print_verdict(report, args.json)

@@ -3,6 +3,8 @@
     ckptkit train --run-dir runs/a --steps 200
     ckptkit train --run-dir runs/a --steps 400 --resume
     ckptkit train --run-dir runs/q --steps 100 --quant int8 --quant-check --rand-depth --seed 7
+    torchrun --nproc_per_node 2 -m ckptkit train --run-dir runs/d --steps 40 --ckpt-every 10
+    torchrun --nproc_per_node 2 -m ckptkit train --run-dir runs/d --steps 80 --ckpt-every 10 --resume
 
 One flag per config key (``ckptkit.trainer.config``); a resume must pass the same
 knobs as the run it continues, except ``--steps``, ``--log-every`` and
@@ -12,7 +14,9 @@ knobs as the run it continues, except ``--steps``, ``--log-every`` and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import enum
+import io
 import json
 import os
 import sys
@@ -46,6 +50,11 @@ spike rollback (spec/rollback.md):
   $ ckptkit train --run-dir runs/b --steps 300 --auto-rollback on --spike-at 200
   ckptkit train: spike at step 200 (...): update discarded; re-running step 200 from the state before it
   ckptkit train: ROLLED BACK to step 190 (rollback 1, 1 in a row): lr 0.00295 -> 0.00147 (x0.5 from now on); ...
+
+data parallel under torchrun (spec/trainer.md R-T14): DDP by default, --parallel fsdp for FSDP2;
+--batch is the global batch (a multiple of the world size); rank 0 writes history.jsonl and the log:
+  $ torchrun --nproc_per_node 2 -m ckptkit train --run-dir runs/d --steps 40 --ckpt-every 10
+  $ torchrun --nproc_per_node 2 -m ckptkit train --run-dir runs/d --steps 80 --ckpt-every 10 --resume
 
 Ctrl-C (SIGINT) or SIGTERM: the step in progress finishes and is saved, and the command to
 resume is printed (exit 75); a second Ctrl-C aborts at once, leaving every checkpoint intact:
@@ -99,6 +108,12 @@ def add_parser(sub: Any) -> None:
         "--resume", action="store_true", help="continue from the newest consistent checkpoint in --run-dir"
     )
     run_group.add_argument(
+        "--reshard",
+        action="store_true",
+        help="with --resume: continue a run saved at another world size or layout (DCP reshards the model "
+        "and optimizer; the history records that the run is no longer bit-comparable to its past)",
+    )
+    run_group.add_argument(
         "--allow-legacy",
         action="store_true",
         help="accept a v1 checkpoint that lacks state (recorded in history.jsonl)",
@@ -114,6 +129,14 @@ def add_parser(sub: Any) -> None:
         help="torch intra-op threads (default: torch's own, e.g. from OMP_NUM_THREADS). "
         "Recorded with the run (environment.json): a resume under another count is "
         "refused unless --allow-env-change; the summary's extend command repeats it",
+    )
+    run_group.add_argument(
+        "--dist-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="under torchrun: how long a collective waits for a peer before the job fails, so a dead "
+        "rank ends the job instead of hanging it (default: 60)",
     )
     run_group.add_argument(
         "--quiet", action="store_true", help="no progress bar and no log lines on stderr (the summary still prints)"
@@ -147,7 +170,28 @@ def run(args: argparse.Namespace) -> int:
     if args.threads is not None and args.threads < 1:
         print(f"ckptkit train: --threads must be >= 1 (got {args.threads})", file=sys.stderr)
         return 2
+    if args.reshard and not args.resume:
+        print("ckptkit train: --reshard needs --resume (it changes how a saved run is continued)", file=sys.stderr)
+        return 2
+    if args.dist_timeout is not None and not args.dist_timeout > 0:
+        print(f"ckptkit train: --dist-timeout must be > 0 seconds (got {args.dist_timeout})", file=sys.stderr)
+        return 2
 
+    from ..trainer.parallel import DEFAULT_TIMEOUT_S, check_fits, process_group
+
+    # Under torchrun: join the job (a bounded timeout: a dead rank ends it); rank 0 prints.
+    with process_group(args.dist_timeout or DEFAULT_TIMEOUT_S) as where:
+        try:
+            check_fits(cfg, where)
+        except ValueError as e:
+            print(f"ckptkit train: {e}", file=sys.stderr)
+            return 2
+        speak = where.rank == 0  # rank 0 speaks for the job; the others train silently
+        with contextlib.nullcontext() if speak else contextlib.redirect_stdout(io.StringIO()):
+            return _train(args, cfg, speak)
+
+
+def _train(args: argparse.Namespace, cfg: Any, speak: bool) -> int:
     from torch import get_num_threads as torch_threads
 
     from ..preemption import RunStopped
@@ -156,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
 
     began = time.monotonic()
     try:
-        with Progress("train", quiet=args.quiet) as progress:
+        with Progress("train", quiet=args.quiet or not speak) as progress:
 
             def on_step(result: Any) -> None:
                 progress.at(result.step + 1, cfg.train.steps, loss=f"{result.loss:.4f}")
@@ -169,6 +213,7 @@ def run(args: argparse.Namespace) -> int:
                     cfg,
                     args.run_dir,
                     resume=args.resume,
+                    reshard=args.reshard,
                     allow_legacy=args.allow_legacy,
                     allow_env_change=args.allow_env_change,
                     log=progress.log,
@@ -176,6 +221,8 @@ def run(args: argparse.Namespace) -> int:
                     preemptible=True,
                 )
     except RunStopped as stop:  # Ctrl-C / SIGTERM: the step in progress was saved (after the bar closed)
+        if not speak:
+            return stop.code  # type: ignore[return-value]
         print(
             f"ckptkit train: stopped at step {stop.step} ({stop.reason}): saved {stop.path}\n"
             f"resume with: {_resume_command(args, cfg)}",
@@ -219,7 +266,7 @@ def _summary(args: argparse.Namespace, cfg: Any, step: int, threads: int, second
     flags = [*knob_flags(cfg.replace(**{"train.steps": default_steps})), "--threads", str(threads)]
     if args.allow_env_change:  # environment.json keeps the facts the run started with
         flags.append("--allow-env-change")
-    extend = extend_command(args.run_dir, max(2 * step, step + 1), flags)
+    extend = extend_command(args.run_dir, max(2 * step, step + 1), flags, _launcher())
     return summarize(args.run_dir, seconds=seconds, keep=cfg.train.keep, extend=extend)
 
 
@@ -232,4 +279,12 @@ def _resume_command(args: argparse.Namespace, cfg: Any) -> str:
     flags = [f for f in ("--allow-legacy", "--allow-env-change") if getattr(args, f[2:].replace("-", "_"))]
     if args.threads is not None:  # the thread count is an environment fact of the run
         flags += ["--threads", str(args.threads)]
-    return shlex.join(["ckptkit", "train", "--run-dir", str(args.run_dir), *knob_flags(cfg), *flags, "--resume"])
+    return shlex.join([*_launcher(), "train", "--run-dir", str(args.run_dir), *knob_flags(cfg), *flags, "--resume"])
+
+
+def _launcher() -> list[str]:
+    """How this run was started: ``ckptkit``, or ``torchrun --nproc_per_node W -m ckptkit``."""
+    from ..trainer.parallel import ranks
+
+    world = ranks().world
+    return ["ckptkit"] if world == 1 else ["torchrun", "--nproc_per_node", str(world), "-m", "ckptkit"]

@@ -2,11 +2,14 @@
 
     ckptkit train --run-dir runs/a --steps 200
     ckptkit train --run-dir runs/a --steps 400 --resume
+    torchrun --nproc_per_node 2 -m ckptkit train --run-dir runs/d --steps 40 --ckpt-every 10
 
 Modules: ``config`` (the plan: every knob a config key), ``data`` (the byte
 stream and its offset rule), ``model`` (GPT, int8 fake quant, EMA teacher),
 ``ngram`` (the bigram table kept in the ``.ngram`` sidecar), ``history``
-(``history.jsonl``), ``loop`` (the training loop: ``train``, ``train_step``). The format library never imports
+(``history.jsonl``), ``loop`` (the training loop: ``train``, ``train_step``), ``parallel``
+(the loop under torchrun: DDP / FSDP2, each rank's rows, the reductions), ``torchrun_replay``
+(replaying a torchrun run with as many ranks). The format library never imports
 this package. ``spec/trainer.md`` is the contract for its files.
 """
 

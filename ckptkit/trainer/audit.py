@@ -3,6 +3,7 @@
     ckptkit audit                         # two runs of 10 steps, each in a fresh process
     ckptkit audit --resume-at 4           # uninterrupted vs stopped at 4 and resumed in a fresh process
     ckptkit audit --steps 20 --quant int8 --rand-depth --json
+    ckptkit audit --nproc-per-node 2 --resume-at 4   # each run a 2-rank torchrun job (spec/trainer.md R-T14)
 
 Implements ``spec/replay.md`` R-P11..R-P13. Each run is ``python -m ckptkit train`` in
 a fresh process, so whatever a process carries (thread pools, allocator, lazily
@@ -22,7 +23,6 @@ import enum
 import json
 import os
 import subprocess
-import sys
 import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -37,6 +37,7 @@ from ..history import HISTORY_FILE, compared_rows, read_rows
 from ..runstate import checkpoint_name, list_checkpoints, read_environment
 from ..snapshot import read_snapshot, snapshot_path
 from .config import TrainerConfig, flag_name, knobs
+from .parallel import launcher
 from .replay import (
     FieldDiff,
     StepDivergence,
@@ -47,6 +48,7 @@ from .replay import (
     named_reports,
     rerun_step,
     row_fields,
+    run_checkpoints,
     step_fields,
     tensor_reports,
 )
@@ -70,6 +72,7 @@ _SHOWN = (
     "platform_system",
     "platform_machine",
     "cuda_device",
+    "world_size",
 )
 
 
@@ -196,12 +199,17 @@ _POLL_S = 0.25  # how often a waiting audit reads the child's history for the pr
 
 
 def _train_process(
-    run_dir: str, cfg: TrainerConfig, *, steps: int, resume: bool, log: Log, on_step: Callable[[int], None]
+    run_dir: str,
+    cfg: TrainerConfig,
+    *,
+    steps: int,
+    resume: bool,
+    nproc: int,
+    log: Log,
+    on_step: Callable[[int], None],
 ) -> None:
     argv = [
-        sys.executable,
-        "-m",
-        "ckptkit",
+        *launcher(nproc),
         "train",
         "--run-dir",
         run_dir,
@@ -210,7 +218,8 @@ def _train_process(
     ]
     if resume:
         argv.append("--resume")
-    log(f"{'resume' if resume else 'train'} {os.path.basename(run_dir)} to step {steps} (fresh process)")
+    what = "fresh process" if nproc == 1 else f"a fresh torchrun job of {nproc} ranks"
+    log(f"{'resume' if resume else 'train'} {os.path.basename(run_dir)} to step {steps} ({what})")
     with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
         while True:
             try:
@@ -229,6 +238,7 @@ def audit(
     work_dir: str | os.PathLike[str] | None = None,
     *,
     resume_at: int | None = None,
+    nproc: int = 1,
     log: Log | None = None,
     on_step: Callable[[int, int], None] | None = None,
 ) -> AuditReport:
@@ -238,6 +248,8 @@ def audit(
         cfg: the config (its ``train.steps`` is the length of each run).
         work_dir: where runs ``a`` and ``b`` go (kept); a temporary directory if None.
         resume_at: run ``b`` stops at this step and is resumed in another fresh process.
+        nproc: ranks per run: above 1 each training process is a torchrun job of that many
+            ranks (spec/trainer.md R-T14); the step is then not re-run in this process.
         log: progress notes.
         on_step: called with (steps trained by both runs so far, their total) while a
             training process runs, and once each ends (a progress bar).
@@ -265,15 +277,15 @@ def audit(
         def trained(before: int) -> Callable[[int], None]:  # run b's steps count after run a's
             return lambda done: None if on_step is None else on_step(before + done, 2 * steps)
 
-        _train_process(a, cfg, steps=steps, resume=False, log=log, on_step=trained(0))
+        _train_process(a, cfg, steps=steps, resume=False, nproc=nproc, log=log, on_step=trained(0))
         trained(0)(steps)
         if resume_at is None:
-            _train_process(b, cfg, steps=steps, resume=False, log=log, on_step=trained(steps))
+            _train_process(b, cfg, steps=steps, resume=False, nproc=nproc, log=log, on_step=trained(steps))
         else:
-            _train_process(b, cfg, steps=resume_at, resume=False, log=log, on_step=trained(steps))
-            _train_process(b, cfg, steps=steps, resume=True, log=log, on_step=trained(steps))
+            _train_process(b, cfg, steps=resume_at, resume=False, nproc=nproc, log=log, on_step=trained(steps))
+            _train_process(b, cfg, steps=steps, resume=True, nproc=nproc, log=log, on_step=trained(steps))
         trained(steps)(steps)
-        report = compare_runs(a, b, log=log)
+        report = compare_runs(a, b, rerun=nproc == 1, log=log)
     kept = work_dir is not None
     return AuditReport(
         report.a if kept else None,
@@ -370,17 +382,19 @@ def compare_runs(
             )
         return report(div)
     # Every history row matched: the checkpoints both runs wrote must be the same bytes.
-    common = sorted({s for s, _ in list_checkpoints(a)} & {s for s, _ in list_checkpoints(b)})
+    ckpts = run_checkpoints(a)
+    common = sorted(set(ckpts) & set(run_checkpoints(b)))
     differ = first_differing_checkpoint(a, b, common)
     if differ is not None:
         s, diffs = differ
+        name = os.path.basename(ckpts[s])
         return report(
             StepDivergence(
                 "checkpoint",
                 s,
-                file=checkpoint_name(s),
+                file=name,
                 tensors=tuple(tensor_reports(diffs, {})),
-                values=f"both runs' {checkpoint_name(s)}, compared as ckptkit diff --tensors does",
+                values=f"both runs' {name}, compared as ckptkit diff --tensors does",
                 hints=(
                     (
                         "the container bytes differ while every fingerprint matched: state outside the "

@@ -26,6 +26,7 @@ __all__ = [
     "QUANT_FORMATS",
     "DataConfig",
     "ModelConfig",
+    "Parallel",
     "RollbackMode",
     "RollbackSkip",
     "TrainConfig",
@@ -94,6 +95,13 @@ class RollbackMode(str, enum.Enum):
     OFF = "off"  # the monitor keeps its statistics; nothing else
     WARN = "warn"  # a spike row in history.jsonl; the update is kept
     ON = "on"  # re-run the step; a confirmed spike rolls back, drops the LR, skips the window
+
+
+class Parallel(str, enum.Enum):
+    """``--parallel``: how the student is spread over the ranks under torchrun (spec/trainer.md R-T14)."""
+
+    DDP = "ddp"  # replicated; gradients all-reduced (DistributedDataParallel)
+    FSDP = "fsdp"  # sharded per block and at the root (FSDP2 ``fully_shard``)
 
 
 class RollbackSkip(str, enum.Enum):
@@ -168,6 +176,13 @@ class TrainConfig:
         False, "use a random number of blocks each step, uniform in [--min-depth, --n-layer], drawn from (seed, step)"
     )
     min_depth: int = _knob(1, "smallest depth --rand-depth samples, 1 ..= --n-layer")
+    # -- data parallelism under torchrun (one process: nothing is wrapped) --
+    parallel: Parallel = _knob(
+        Parallel.DDP,
+        "under torchrun: ddp (replicated student, gradients all-reduced) or fsdp (FSDP2: "
+        "parameters, gradients and AdamW moments sharded); part of the run, so a resume "
+        "under the other is drift",
+    )
     # -- what a spike verdict does (spec/rollback.md R-R01..R-R12; monitor knobs are --spike-*) --
     auto_rollback: RollbackMode = _knob(
         RollbackMode.WARN,
@@ -232,6 +247,7 @@ class TrainConfig:
             _non_negative(self, "perturb_at")
         if not isinstance(self.perturb_param, str):
             raise ValueError(f"--perturb-param must be a parameter name (got {self.perturb_param!r})")
+        _enum_value(self, "parallel", Parallel)
         _check_rollback(self)
 
 

@@ -10,6 +10,11 @@ target peeked from the next byte without consuming it.
 Stream offset rule (spec/trainer.md, design record item 6): after ``step`` steps
 the offset is ``(step + pre_batches) * batch * seq_len``, where ``pre_batches`` is
 the number of probe batches the run consumed before step 0.
+
+Under torchrun (spec/trainer.md R-T14) ``batch`` is the *global* batch: rank ``r`` of
+``W`` reads rows ``r * batch/W ..< (r+1) * batch/W`` of it, and the offset -- the same
+on every rank -- still advances by the whole ``batch * seq_len``. A rank's batch is
+then a function of (offset, rank, world size), and the offset a function of the step.
 """
 
 from __future__ import annotations
@@ -50,9 +55,10 @@ def data_fingerprint(data: bytes) -> dict[str, object]:
 class ByteStream:
     """An endless, deterministic stream over ``data``; its whole state is :attr:`offset`."""
 
-    def __init__(self, data: bytes) -> None:
+    def __init__(self, data: bytes, *, rank: int = 0, world: int = 1) -> None:
         self._data = torch.from_numpy(np.frombuffer(data, dtype=np.uint8).astype(np.int64))
-        self.offset = 0  # bytes consumed since the run started (absolute, not wrapped)
+        self.offset = 0  # bytes of the global batches consumed since the run started (absolute, not wrapped)
+        self.rank, self.world = rank, world  # which rows of each global batch this process reads
 
     def seek(self, offset: int) -> None:
         """Put the stream at an absolute offset (restoring a checkpoint)."""
@@ -61,9 +67,11 @@ class ByteStream:
         self.offset = offset
 
     def next_batch(self, batch: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next ``(inputs, targets)``, each ``(batch, seq_len)`` int64; consumes ``batch * seq_len`` bytes."""
-        n = batch * seq_len
-        where = (self.offset + torch.arange(n + 1)) % self._data.numel()
+        """This rank's rows of the next global batch as ``(inputs, targets)``, each
+        ``(batch / world, seq_len)`` int64; consumes the whole batch's ``batch * seq_len`` bytes."""
+        rows = batch // self.world
+        n = rows * seq_len
+        where = (self.offset + self.rank * n + torch.arange(n + 1)) % self._data.numel()
         chunk = self._data[where]
-        self.offset += n
-        return chunk[:-1].view(batch, seq_len), chunk[1:].view(batch, seq_len)
+        self.offset += batch * seq_len
+        return chunk[:-1].view(rows, seq_len), chunk[1:].view(rows, seq_len)

@@ -19,6 +19,7 @@ Names are those of :func:`ckptkit.compare.checkpoint_state` (``model:model.wte``
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,6 +27,7 @@ import torch
 
 from ..compare import checkpoint_state
 from ..fingerprint import combine, leaf_digests, tensor_digest
+from .parallel import full_tensor
 
 __all__ = [
     "MODEL_PREFIX",
@@ -43,8 +45,13 @@ MODEL_PREFIX = "model:model."
 
 
 def param_digests(model: torch.nn.Module) -> dict[str, int]:
-    """Per-parameter digests, named as the checkpoint names them (``model:model.wte``)."""
-    return {MODEL_PREFIX + name: tensor_digest(MODEL_PREFIX + name, p) for name, p in model.named_parameters()}
+    """Per-parameter digests, named as the checkpoint names them (``model:model.wte``).
+
+    Of the whole parameters: an FSDP2 shard is gathered first (a collective: every rank calls this).
+    """
+    return {
+        MODEL_PREFIX + name: tensor_digest(MODEL_PREFIX + name, full_tensor(p)) for name, p in model.named_parameters()
+    }
 
 
 def params_digest(digests: Mapping[str, int]) -> int:
@@ -57,9 +64,16 @@ def digests_row(steps_done: int, digests: Mapping[str, int]) -> dict[str, Any]:
     return {"kind": "digests", "step": steps_done, "tensors": dict(sorted(digests.items()))}
 
 
-def checkpoint_row(ckpt: Any, file: str) -> dict[str, Any]:
-    """The ``checkpoint`` row written before ``ckpt`` is saved as ``file``: every leaf's digest."""
-    return {"kind": "checkpoint", "step": ckpt.step, "file": file, "tensors": leaf_digests(checkpoint_state(ckpt))}
+def checkpoint_row(rs: Any, step: int) -> dict[str, Any]:
+    """The ``checkpoint`` row written before ``rs`` saves ``step``: every leaf's digest.
+
+    Under torchrun (a run state of several ranks) it names the checkpoint directory only:
+    each rank holds a part of the state, and the directory's own digests cover every chunk
+    (spec/trainer.md R-T14).
+    """
+    file = os.path.basename(rs.checkpoint_path(step))
+    tensors = {} if rs.world_size > 1 else leaf_digests(checkpoint_state(rs.checkpoint(step)))
+    return {"kind": "checkpoint", "step": step, "file": file, "tensors": tensors}
 
 
 def perturb_target(cfg: Any, model: torch.nn.Module) -> str | None:
@@ -93,5 +107,7 @@ def perturb(run: Any, step: int) -> None:
         return
     name = perturb_target(cfg, run.model)
     p = dict(run.model.named_parameters())[name]
-    flat = p.view(-1)
-    flat[0] = torch.nextafter(flat[0], torch.tensor(float("inf"), dtype=p.dtype))
+    local = getattr(p, "to_local", lambda: p)()  # an FSDP2 shard: element 0 is in rank 0's (dim-0 sharding)
+    if local is p or run.ranks.rank == 0:
+        flat = local.view(-1)
+        flat[0] = torch.nextafter(flat[0], torch.tensor(float("inf"), dtype=p.dtype))

@@ -55,7 +55,7 @@ from ..monitor import SpikeMonitor, Verdict
 from ..preemption import RunStopped
 from ..rng import Stream, mask_stream, sample_depth, torch_generator
 from ..rollback_record import skipped_batches
-from ..runstate import RunState, checkpoint_name
+from ..runstate import RunState
 from ..spikeguard import Executed, RolledBack, SpikeGuard
 from ..testing import GradSpike
 from .config import RollbackSkip, TrainConfig, TrainerConfig
@@ -63,6 +63,7 @@ from .data import ByteStream, data_fingerprint, load_bytes
 from .digests import checkpoint_row, digests_row, param_digests, params_digest, perturb, perturb_target
 from .model import GPT, apply_compute_settings, make_teacher
 from .ngram import BigramTable
+from .parallel import Ranks, check_fits, full_tensor, rank_history, ranks, wrap
 
 __all__ = [
     "Run",
@@ -100,6 +101,8 @@ class Run:
     ngram: BigramTable | None  # None when --no-ngram
     optimizer: torch.optim.AdamW
     monitor: SpikeMonitor
+    net: torch.nn.Module  # the student as the loop trains it: itself, or its DDP wrapper (R-T14)
+    ranks: Ranks  # this process's rank and the world size (0 of 1 without torchrun)
     fp32_latched: bool = False  # the one-way fallback; never goes back to False in a run
     guard: SpikeGuard | None = None  # spike rollback (spec/rollback.md): set by spike_guard()
 
@@ -241,14 +244,21 @@ def expected_offset(cfg: TrainerConfig, step: int, skipped: int = 0) -> int:
     return (step + pre_batches(cfg) + skipped) * cfg.data.batch * cfg.data.seq_len
 
 
-def _lm_loss(run: Run, x: torch.Tensor, y: torch.Tensor, depth: int) -> torch.Tensor:
+def _forward(
+    run: Run, x: torch.Tensor, y: torch.Tensor, depth: int, mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The student's forward (through DDP / FSDP2): the next-byte loss, and the predictions at ``mask``."""
     bias = run.ngram.logit_bias(run.cfg.model.ngram_weight) if run.ngram is not None else None
-    logits = run.model.logits(run.model.hidden(x, depth=depth), x, bias)
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+    logits, pred = run.net(x, depth=depth, bias=bias, mask=mask)
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1)), pred
+
+
+def _lm_loss(run: Run, x: torch.Tensor, y: torch.Tensor, depth: int) -> torch.Tensor:
+    return _forward(run, x, y, depth)[0]
 
 
 def _quant_error(run: Run) -> float:
-    return max(layer.quant_error(8) for layer in run.model.factor_layers())
+    return max(layer.quant_error(8, full_tensor(layer.weight)) for layer in run.model.factor_layers())
 
 
 @torch.no_grad()
@@ -272,8 +282,9 @@ def run_probes(run: Run, log: Log) -> list[dict[str, Any]]:
     depth = cfg.model.n_layer
     if _warmup_probe_on(cfg):
         x, y = run.stream.next_batch(cfg.data.batch, cfg.data.seq_len)
-        first, second = _lm_loss(run, x, y, depth).item(), _lm_loss(run, x, y, depth).item()
-        if f32_bits(first) != f32_bits(second):
+        first_t, second_t = _lm_loss(run, x, y, depth), _lm_loss(run, x, y, depth)
+        first, second = run.ranks.mean(first_t).item(), run.ranks.mean(second_t).item()
+        if run.ranks.any(f32_bits(first_t.item()) != f32_bits(second_t.item())):  # every rank's own forward
             raise ReplayDivergence(
                 f"warm-up probe: the same forward on the same batch gave {first!r} then {second!r}; this "
                 "environment is not deterministic (thread count, kernels), so no resume of this run could be "
@@ -285,9 +296,9 @@ def run_probes(run: Run, log: Log) -> list[dict[str, Any]]:
         log(f"warm-up probe: start loss {first:.4f} (ln 256 = {math.log(256):.4f}), forward deterministic")
     if _quant_check_on(cfg):
         x, y = run.stream.next_batch(cfg.data.batch, cfg.data.seq_len)
-        quant_loss = _lm_loss(run, x, y, depth).item()
+        quant_loss = run.ranks.mean(_lm_loss(run, x, y, depth)).item()
         error = _quant_error(run)
-        bad = not math.isfinite(quant_loss) or error > cfg.train.quant_threshold
+        bad = not math.isfinite(quant_loss) or error > cfg.train.quant_threshold  # the same on every rank
         if bad:
             run.latch_fp32()
             log(
@@ -316,19 +327,25 @@ def build(cfg: TrainerConfig, data: bytes | None = None) -> Run:
     """Data, model, teacher, n-gram table, optimizer and monitor for ``cfg``, at step 0.
 
     Draws no global randomness: parameters come from
-    ``rng.torch_generator(seed, 0, Stream.INIT)``.
+    ``rng.torch_generator(seed, 0, Stream.INIT)``, the same on every rank. Under
+    torchrun the student is wrapped as ``--parallel`` says (R-T14).
 
     Args:
         cfg: the config.
         data: the training bytes, if already loaded (else read from ``cfg.data.path``).
+
+    Raises:
+        ValueError: the global batch does not split evenly over the ranks.
     """
-    tc = cfg.train
-    # -- data --
-    stream = ByteStream(load_bytes(cfg.data.path) if data is None else data)
-    # -- model --
+    tc, where = cfg.train, ranks()
+    check_fits(cfg, where)
+    # -- data: this rank's rows of each global batch --
+    stream = ByteStream(load_bytes(cfg.data.path) if data is None else data, rank=where.rank, world=where.world)
+    # -- model (a DDP wrapper or FSDP2 shards under torchrun) --
     model = GPT(cfg.model, predictor=tc.aux)
     model.init_weights(torch_generator(tc.seed, 0, Stream.INIT))
     teacher = make_teacher(model) if tc.aux else None
+    net = wrap(model, teacher, tc.parallel, where)
     ngram = BigramTable() if cfg.model.ngram else None
     # -- optimizer: decay matrices and embeddings, not norms or vectors (nanoGPT) --
     params = [p for p in model.parameters() if p.requires_grad]
@@ -338,7 +355,7 @@ def build(cfg: TrainerConfig, data: bytes | None = None) -> Run:
     ]
     optimizer = torch.optim.AdamW(groups, lr=get_lr(0, tc), betas=(tc.beta1, tc.beta2), foreach=False)
     monitor = SpikeMonitor(cfg.monitor)
-    run = Run(cfg, stream, model, teacher, ngram, optimizer, monitor)
+    run = Run(cfg, stream, model, teacher, ngram, optimizer, monitor, net, where)
     run.apply_compute_settings()
     perturb_target(cfg, model)  # refuse a --perturb-param that names no parameter now, not at that step
     return run
@@ -347,19 +364,29 @@ def build(cfg: TrainerConfig, data: bytes | None = None) -> Run:
 # ----------------------------------------------------------------------------- one step
 
 
-def _aux_loss(run: Run, x: torch.Tensor, depth: int, step: int) -> torch.Tensor:
+def _mask(run: Run, step: int) -> torch.Tensor | None:
+    """This rank's rows of the step's JEPA mask (one per sequence of the global batch, a
+    function of (seed, step): design record item 3); None when there is no aux loss or
+    nothing in the global batch is masked (the same answer on every rank)."""
+    cfg, tc = run.cfg, run.cfg.train
+    if run.teacher is None:
+        return None
+    rows = mask_stream(cfg.data.seq_len, tc.mask_frac, tc.mask_span, seed=tc.seed, step=step, rows=cfg.data.batch)
+    return torch.from_numpy(rows[run.ranks.rows(cfg.data.batch)]) if rows.any() else None
+
+
+def _aux_loss(run: Run, x: torch.Tensor, pred: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor | None:
     """JEPA-style: the student, seeing the mask embedding at masked positions,
-    predicts the teacher's (layer-normed) hidden states there. The mask, one per
-    sequence, is a function of (seed, step) (design record item 3)."""
-    tc, model = run.cfg.train, run.model
-    assert run.teacher is not None
-    mask = torch.from_numpy(mask_stream(x.size(1), tc.mask_frac, tc.mask_span, seed=tc.seed, step=step, rows=x.size(0)))
-    if not bool(mask.any()):
+    predicted the teacher's (layer-normed) hidden states there (``pred``)."""
+    if run.teacher is None:
+        return None
+    if pred is None or mask is None:  # an empty mask
         return torch.zeros((), dtype=torch.float32)
-    pred = model.predictor(model.hidden(x, depth=depth, mask=mask)[mask])
     with torch.no_grad():
         target = run.teacher.hidden(x, depth=run.cfg.model.n_layer)[mask]
         target = F.layer_norm(target, target.shape[-1:])
+    if not bool(mask.any()):  # only other ranks' rows are masked: no loss here, but the same graph (FSDP2)
+        return pred.sum() * 0.0
     return F.mse_loss(pred, target)
 
 
@@ -387,21 +414,22 @@ def train_step(run: Run, step: int) -> StepResult:
                 latch = f"quant error {error:.4g} > --quant-threshold {tc.quant_threshold}"
         if latch:
             run.latch_fp32()
-    # -- forward --
-    lm_loss = _lm_loss(run, x, y, depth)
-    if run.quant_active and not bool(torch.isfinite(lm_loss)):
+    # -- forward (every rank latches if one rank's int8 loss is not finite) --
+    mask = _mask(run, step)
+    lm_loss, pred = _forward(run, x, y, depth, mask)
+    if run.quant_active and run.ranks.any(not bool(torch.isfinite(lm_loss))):
         latch = "non-finite int8 loss"
         run.latch_fp32()
-        lm_loss = _lm_loss(run, x, y, depth)  # this step trains the fp32 forward
+        lm_loss, pred = _forward(run, x, y, depth, mask)  # this step trains the fp32 forward
     compute = "int8" if run.quant_active else "fp32"
-    aux_loss = _aux_loss(run, x, depth, step) if run.teacher is not None else None
+    aux_loss = _aux_loss(run, x, pred, mask)
     loss = lm_loss if aux_loss is None else lm_loss + tc.aux_weight * aux_loss
-    # -- backward; the guard's monitor sees the grad norm before clipping --
+    # -- backward; the guard's monitor sees the grad norm before clipping (reduced: the same on every rank) --
     run.optimizer.zero_grad(set_to_none=True)
     loss.backward()
     params = [p for p in run.model.parameters() if p.grad is not None]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip if tc.grad_clip > 0 else math.inf, foreach=False)
-    loss_value, grad_norm_value = loss.item(), grad_norm.item()
+    grad_norm_value = full_tensor(grad_norm).item()
     # -- update: optimizer, then the EMA teacher and the n-gram table, outside autograd --
     lr = get_lr(step, tc) * run.lr_scale  # after the schedule and any optimizer load (spec/rollback.md R-R06)
     for group in run.optimizer.param_groups:
@@ -412,14 +440,16 @@ def train_step(run: Run, step: int) -> StepResult:
             for t, s in zip(run.teacher.parameters(), run.model.parameters(), strict=True):
                 t.lerp_(s, 1.0 - tc.ema_decay)
         if run.ngram is not None:
-            run.ngram.update(x, y)
+            run.ngram.update(x, y, run.ranks.sum_)  # the whole global batch's pairs, on every rank
     step_ms = (time.perf_counter() - t0) * 1e3
     perturb(run, step)  # TESTING AID (--perturb-at): 1 ulp on one parameter, so a replay can diverge
+    # -- what the row says: the mean over the ranks --
+    losses = run.ranks.mean(torch.stack([loss, lm_loss, torch.zeros(()) if aux_loss is None else aux_loss]))
     return StepResult(
         step=step,
-        loss=loss_value,
-        lm_loss=lm_loss.item(),
-        aux_loss=None if aux_loss is None else aux_loss.item(),
+        loss=losses[0].item(),
+        lm_loss=losses[1].item(),
+        aux_loss=None if aux_loss is None else losses[2].item(),
         grad_norm=grad_norm_value,
         lr=lr,
         depth=depth,
@@ -515,7 +545,7 @@ def run_state(
     """
     cfg = run.cfg
     rs = RunState(run_dir, config=cfg, keep=cfg.train.keep, log=log, exempt=exempt, async_save=async_save)
-    rs.add_model("model", run.model)
+    rs.add_model("model", run.net)  # the DDP wrapper or the FSDP2 module: its layout is part of the run
     rs.add_optimizer("adamw", run.optimizer)
     if run.teacher is not None:
         rs.add_teacher(run.teacher)  # item 1: restored as saved, frozen; never rebuilt
@@ -582,6 +612,7 @@ def train(
     run_dir: str | os.PathLike[str],
     *,
     resume: bool = False,
+    reshard: bool = False,
     allow_legacy: bool = False,
     allow_env_change: bool = False,
     log: Log | None = _stderr,
@@ -590,12 +621,17 @@ def train(
 ) -> TrainResult:
     """Train ``cfg`` in ``run_dir`` until ``cfg.train.steps`` steps are done.
 
+    Under torchrun every rank calls it (spec/trainer.md R-T14); rank 0 logs and
+    writes the history.
+
     Args:
         cfg: the resolved config (the plan; snapshotted and diffed on resume).
         run_dir: the run directory: checkpoints, snapshots, sidecars,
             ``environment.json`` and ``history.jsonl``.
         resume: continue from the newest consistent checkpoint; otherwise start
             fresh (refused if the directory already holds checkpoints).
+        reshard: with ``resume``, accept another world size or layout than the
+            checkpoint's (recorded: the run is no longer bit-comparable to its past).
         allow_legacy: accept a v1 checkpoint that lacks state (recorded in history).
         allow_env_change: accept a different environment (recorded in history).
         log: progress and notes (default: stderr); None for silence.
@@ -630,10 +666,11 @@ def train(
         data = load_bytes(cfg.data.path)
         fingerprint = data_fingerprint(data)
         run = build(cfg, data)
+        log = log if run.ranks.rank == 0 else (lambda _msg: None)  # under torchrun rank 0 speaks and records
 
         # -- run state: everything a checkpoint carries, registered once --
         rs = run_state(run, run_dir, fingerprint, log=log, async_save=True)
-        history = History(run_dir)
+        history = rank_history(run_dir, run.ranks)
 
         def emit(e: Executed) -> None:  # a step's rows, re-runs included (the guard calls it)
             result = _judged(e)
@@ -643,7 +680,7 @@ def train(
                 on_step(result)
 
         def save(step: int) -> str:  # every checkpoint, the guard's rolled-back state included
-            history.append(checkpoint_row(rs.checkpoint(step), checkpoint_name(step)))  # R-P03
+            history.append(checkpoint_row(rs, step))  # spec/replay.md R-P03
             history.sync()  # every row before the checkpoint is on disk before it
             return rs.save(step)
 
@@ -660,41 +697,10 @@ def train(
             if preemptible:  # SIGTERM / SIGINT: finish the step, save it, stop (spec/runstate.md)
                 stops.enter_context(rs.preemptible())
             if resume:
-                info = rs.resume(allow_legacy=allow_legacy, allow_env_change=allow_env_change)
-                start = info.step
-                notes = list(info.notes) + _after_resume(run, info, log)
-                notes += history.resume_at(start, guard.record.count)
-                notes += guard.rebuild(start, step_fn)  # --auto-rollback on: the ring, by a checked replay (R-R12)
-                history.append(
-                    {
-                        "kind": "resume",
-                        "step": start,
-                        "checkpoint": os.path.basename(info.path),
-                        "allow_legacy": allow_legacy,
-                        "legacy_missing": list(info.legacy_missing),
-                        "allow_env_change": allow_env_change,
-                        "env_overrides": [str(d) for d in info.env_overrides],
-                        "notes": notes,
-                        "time": time.time(),
-                    }
-                )
-                log(f"resumed {info.path} at step {start}; stream offset {run.stream.offset}")
-                last_saved: int | None = start
+                start, notes = _resume(run, rs, history, step_fn, reshard, allow_legacy, allow_env_change, log)
             else:
-                start = rs.start()
-                history.start_fresh()
-                history.append(
-                    {
-                        "kind": "start",
-                        "step": 0,
-                        "torch": torch.__version__,
-                        "intra_op_threads": torch.get_num_threads(),
-                        "data": fingerprint,
-                    }
-                )
-                for row in run_probes(run, log):
-                    history.append(row)
-                last_saved = None
+                start = _start(run, rs, history, fingerprint, log)
+            last_saved = start if resume else None
 
             # -- the loop (a spike rollback sends `step` back: spec/rollback.md) --
             path = None
@@ -713,7 +719,7 @@ def train(
                 if done % tc.ckpt_every == 0 or done == tc.steps:
                     path = save(done)
                     last_saved = done
-                why = rs.stop_requested(done)  # preemption or CKPTKIT_STOP_AT: save this step, stop
+                why = run.ranks.agree(rs.stop_requested(done))  # preemption, CKPTKIT_STOP_AT: save, stop
                 if why is not None:
                     path = path if last_saved == done and path is not None else save(done)
                     rs.wait()
@@ -737,6 +743,59 @@ def train(
         tuple(notes),
         rollback=guard.record.state() if guard.on else None,
     )
+
+
+def _start(run: Run, rs: RunState, history: History, fingerprint: dict[str, Any], log: Log) -> int:
+    """A fresh run: the run directory, the ``start`` and probe rows; returns step 0."""
+    start = rs.start()
+    history.start_fresh()
+    history.append(
+        {
+            "kind": "start",
+            "step": 0,
+            "torch": torch.__version__,
+            "intra_op_threads": torch.get_num_threads(),
+            "data": fingerprint,
+        }
+    )
+    for row in run_probes(run, log):
+        history.append(row)
+    return start
+
+
+def _resume(
+    run: Run,
+    rs: RunState,
+    history: History,
+    step_fn: Callable[[int], StepResult],
+    reshard: bool,
+    allow_legacy: bool,
+    allow_env_change: bool,
+    log: Log,
+) -> tuple[int, list[str]]:
+    """Restore the newest consistent checkpoint and write the ``resume`` row; returns (step, notes)."""
+    assert run.guard is not None
+    info = rs.resume(reshard=reshard, allow_legacy=allow_legacy, allow_env_change=allow_env_change)
+    start = info.step
+    notes = list(info.notes) + _after_resume(run, info, log)
+    notes += history.resume_at(start, run.guard.record.count)
+    notes += run.guard.rebuild(start, step_fn)  # --auto-rollback on: the ring, by a checked replay (R-R12)
+    history.append(
+        {
+            "kind": "resume",
+            "step": start,
+            "checkpoint": os.path.basename(info.path),
+            "allow_legacy": allow_legacy,
+            "legacy_missing": list(info.legacy_missing),
+            "allow_env_change": allow_env_change,
+            "env_overrides": [str(d) for d in info.env_overrides],
+            "resharded": info.resharded,
+            "notes": notes,
+            "time": time.time(),
+        }
+    )
+    log(f"resumed {info.path} at step {start}; stream offset {run.stream.offset}")
+    return start, notes
 
 
 def _judged(e: Executed) -> StepResult:

@@ -60,9 +60,12 @@ class QLinear(nn.Module):
         return F.linear(x, w)
 
     @torch.no_grad()
-    def quant_error(self, bits: int) -> float:
-        """Relative error of the quantized weight, ``|q(W) - W| / |W|`` (Frobenius)."""
-        w = self.weight
+    def quant_error(self, bits: int, weight: torch.Tensor | None = None) -> float:
+        """Relative error of the quantized weight, ``|q(W) - W| / |W|`` (Frobenius).
+
+        ``weight``: the whole matrix, when this layer's own is a shard (FSDP2).
+        """
+        w = self.weight if weight is None else weight
         return float(torch.linalg.vector_norm(fake_quant(w, bits) - w) / torch.linalg.vector_norm(w).clamp_min(1e-12))
 
 
@@ -164,6 +167,21 @@ class GPT(nn.Module):
         for block in self.blocks[:depth]:
             x = block(x)
         return self.ln_f(x)
+
+    def forward(
+        self, idx: torch.Tensor, *, depth: int, bias: torch.Tensor | None = None, mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The student's whole step in one call, the entry point DDP and FSDP2 hook.
+
+        Returns:
+            The next-byte logits of ``idx`` (``bias`` added, see :meth:`logits`) and,
+            given a ``mask``, the predictor's outputs at the masked positions (the
+            student's view with the mask embedding there); else None.
+        """
+        logits = self.logits(self.hidden(idx, depth=depth), idx, bias)
+        if mask is None:
+            return logits, None
+        return logits, self.predictor(self.hidden(idx, depth=depth, mask=mask)[mask])
 
     def logits(self, h: torch.Tensor, idx: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """Next-byte logits from hidden states, tied to the embedding; ``bias[idx]``

@@ -15,6 +15,7 @@ restore checks.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,6 +27,10 @@ __all__ = ["BigramTable"]
 _V = 256
 
 
+def _local(counts: torch.Tensor) -> torch.Tensor:
+    return counts
+
+
 class BigramTable:
     """Counts of byte pairs ``(prev, next)``; state: ``counts`` and ``table_step``."""
 
@@ -34,10 +39,17 @@ class BigramTable:
         self.table_step = 0  # updates applied
 
     @torch.no_grad()
-    def update(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
-        """Add every ``(inputs[b, t], targets[b, t])`` pair; one update = one table step."""
+    def update(
+        self, inputs: torch.Tensor, targets: torch.Tensor, total: Callable[[torch.Tensor], torch.Tensor] = _local
+    ) -> None:
+        """Add every ``(inputs[b, t], targets[b, t])`` pair; one update = one table step.
+
+        ``total`` turns this process's counts into the whole batch's: under torchrun each
+        rank sees its rows only, and the counts are summed over the ranks, so every rank
+        holds the same table.
+        """
         pairs = inputs.reshape(-1) * _V + targets.reshape(-1)
-        self.counts += torch.bincount(pairs, minlength=_V * _V).view(_V, _V)
+        self.counts += total(torch.bincount(pairs, minlength=_V * _V)).view(_V, _V)
         self.table_step += 1
 
     @torch.no_grad()

@@ -62,7 +62,7 @@ from ..errors import (
 )
 from ..fingerprint import FINGERPRINT_FIELDS, Divergence, differing_names, first_divergence, leaf_digests
 from ..history import HISTORY_FILE, WALL_FIELDS, compared_rows, read_rows
-from ..runstate import ENVIRONMENT_FILE, RunState, checkpoint_name, list_checkpoints, read_environment
+from ..runstate import DCP_SUFFIX, ENVIRONMENT_FILE, RunState, checkpoint_name, list_checkpoints, read_environment
 from ..snapshot import read_snapshot, snapshot_path, write_snapshot
 from .config import TrainerConfig
 from .data import data_fingerprint, load_bytes
@@ -91,6 +91,7 @@ __all__ = [
     "divergence_fields",
     "divergence_json",
     "first_differing_checkpoint",
+    "run_checkpoints",
     "load_recording",
     "named_reports",
     "replay",
@@ -951,17 +952,43 @@ def row_fields(a: Mapping[str, Any], b: Mapping[str, Any]) -> tuple[FieldDiff, .
     return tuple(FieldDiff(k, a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k))
 
 
+def run_checkpoints(run_dir: str) -> dict[int, str]:
+    """Step -> path of every checkpoint in ``run_dir``: ``.ckpt`` files, or a torchrun run's ``.dcp`` directories."""
+    return dict(list_checkpoints(run_dir) + list_checkpoints(run_dir, DCP_SUFFIX))
+
+
 def first_differing_checkpoint(a: str, b: str, steps: Sequence[int]) -> tuple[int, list[TensorDiff]] | None:
     """The first of ``steps`` whose checkpoint files in run directories ``a`` and ``b``
     differ in bytes (their companion records set aside), with the differences as ``ckptkit diff --tensors`` lists them
-    (``a`` first); None when every one is byte-identical."""
+    (``a`` first); None when every one is byte-identical. A torchrun run's checkpoint directories
+    are compared file by file, and their logical tensors when a byte differs."""
+    ca, cb = run_checkpoints(a), run_checkpoints(b)
     for s in steps:
-        pa, pb = os.path.join(a, checkpoint_name(s)), os.path.join(b, checkpoint_name(s))
+        pa, pb = ca[s], cb[s]
+        if os.path.isdir(pa):
+            if _tree_bytes(pa) != _tree_bytes(pb):
+                return s, _logical_diffs(pa, pb)
+            continue
         with open(pa, "rb") as fa, open(pb, "rb") as fb:
             # A checkpoint binds its own snapshot (spec/companions.md), whose exempt keys may differ.
             if fa.read() != fb.read() and unbound_bytes(pa) != unbound_bytes(pb):
                 return s, compare_checkpoints(pa, pb)
     return None
+
+
+def _tree_bytes(directory: str) -> dict[str, bytes]:
+    out = {}
+    for name in sorted(os.listdir(directory)):
+        with open(os.path.join(directory, name), "rb") as f:
+            out[name] = f.read()
+    return out
+
+
+def _logical_diffs(a: str, b: str) -> list[TensorDiff]:
+    """What ``ckptkit diff --tensors`` lists for two distributed checkpoint directories."""
+    from ..distributed.storage import logical_state
+
+    return compare_states(dict(logical_state(a)), dict(logical_state(b)))
 
 
 def _row_divergence(recorded: list[dict[str, Any]], replayed: list[dict[str, Any]], i: int) -> StepDivergence:
