@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import TINY_FLAGS, Cfg, Loop, trained
+from helpers import TINY_FLAGS, Cfg, Loop, fixture_generator, trained
 
 from ckptkit import CheckpointNotFound, ChecksumMismatch
 from ckptkit.cli import main
@@ -386,12 +386,8 @@ def test_verify_reports_each_run_fixture_as_the_manifest_says(name: str, capsys:
 
 def test_the_generator_rebuilds_the_run_fixtures_byte_for_byte(tmp_path: Path) -> None:
     import hashlib
-    import importlib.util
 
-    spec = importlib.util.spec_from_file_location("fixtures_generate", ROOT / "fixtures" / "generate.py")
-    assert spec is not None and spec.loader is not None
-    generate = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(generate)
+    generate = fixture_generator()
     assert generate.build_runs(tmp_path) == RUNS
     for name, entry in RUNS.items():
         files = entry["files"]
