@@ -17,6 +17,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 from collections.abc import Mapping
@@ -294,20 +295,7 @@ def load_sections(
             Destinations filled before the failure keep what was read: treat
             them as garbage and restore again from a good checkpoint.
     """
-    dests: dict[str, dict[int, torch.Tensor]] = {}
-    if into is not None:
-        problems: list[str] = []
-        for name, tree in into.items():
-            if name not in sections:
-                raise ValueError(f"into names an unknown section {name!r} (sections: {', '.join(sections)})")
-            dests[name] = match_destinations(sections[name], tree, name, problems, strict=strict)
-        if problems:
-            more = f"; and {len(problems) - 10} more" if len(problems) > 10 else ""
-            raise StateMismatch(
-                f"{src.path or 'checkpoint'}: does not fit the destination tensors: {'; '.join(problems[:10])}{more}; "
-                "the checkpoint was written for another model or optimizer layout",
-                problems,
-            )
+    dests = {} if into is None else _match_into(src, sections, into, strict)
     homeless = [
         (name, sec, i)
         for name, sec in sections.items()
@@ -324,43 +312,93 @@ def load_sections(
         if not _writable_in_place(dests.get(name, {}).get(i)) and not (mapping and sec.codec == "raw")
     ]
     check_memory(src.path, fresh, max_memory)
-    jobs: list[tuple[SectionIndex, int, memoryview | None]] = []
-    staged: list[tuple[torch.Tensor, torch.Tensor]] = []  # (read into, copy to) for indirect destinations
-    out_tensors: dict[str, list[torch.Tensor]] = {}
-    moved: list[tuple[str, int]] = []
-    for name, sec in sections.items():
-        if sec is None:
-            continue
-        mine = dests.get(name, {})
-        tensors: list[torch.Tensor] = []
-        for i, rec in enumerate(sec.tensors):
-            d = mine.get(i)
-            view: memoryview | None
-            if _writable_in_place(d):
-                view = _byte_view(d)
-                tensors.append(d)
-            elif d is None and mapping is not None and sec.codec == "raw":
-                view = None  # checked where it lies: the tensor is a view of the private mapping
-                tensors.append(mapped_tensor(mapping, sec.data_start + rec.offset, rec.dtype, rec.shape))
-                moved.append((name, i))
+    reads = _ReadPlan.of(sections, dests, mapping)
+    read_tensors(src, reads.jobs, mapping=mapping)
+    reads.finish(map_location)
+    return {name: None if sec is None else decode_tree(sec.tree, reads.tensors[name]) for name, sec in sections.items()}
+
+
+def _match_into(
+    src: Source, sections: Mapping[str, SectionIndex | None], into: Mapping[str, Any], strict: bool
+) -> dict[str, dict[int, torch.Tensor]]:
+    """Section name -> {tensor id: destination} for ``load_sections(into=...)``.
+
+    Raises:
+        ValueError: ``into`` names a section the file does not have.
+        StateMismatch: some destinations do not fit (the first ten problems in the message, all in the error).
+    """
+    dests: dict[str, dict[int, torch.Tensor]] = {}
+    problems: list[str] = []
+    for name, tree in into.items():
+        if name not in sections:
+            raise ValueError(f"into names an unknown section {name!r} (sections: {', '.join(sections)})")
+        dests[name] = match_destinations(sections[name], tree, name, problems, strict=strict)
+    if problems:
+        more = f"; and {len(problems) - 10} more" if len(problems) > 10 else ""
+        raise StateMismatch(
+            f"{src.path or 'checkpoint'}: does not fit the destination tensors: {'; '.join(problems[:10])}{more}; "
+            "the checkpoint was written for another model or optimizer layout",
+            problems,
+        )
+    return dests
+
+
+@dataclasses.dataclass
+class _ReadPlan:
+    """Where each stored tensor of a load goes, decided before any byte is read.
+
+    A tensor is read straight into its destination when that is writable in place; a raw
+    tensor without a destination becomes a view of the private mapping (checked where it
+    lies); anything else is read into new memory, then copied to its destination if it has one.
+    """
+
+    jobs: list[tuple[SectionIndex, int, memoryview | None]]  # what read_tensors reads, and into which bytes
+    staged: list[tuple[torch.Tensor, torch.Tensor]]  # (read into, copy to) for indirect destinations
+    tensors: dict[str, list[torch.Tensor]]  # section name -> its tensors in table order, as returned
+    moved: list[tuple[str, int]]  # tensors without a destination: they go to map_location
+
+    @classmethod
+    def of(
+        cls, sections: Mapping[str, SectionIndex | None], dests: dict[str, dict[int, torch.Tensor]], mapping: Any
+    ) -> _ReadPlan:
+        plan = cls(jobs=[], staged=[], tensors={}, moved=[])
+        for name, sec in sections.items():
+            if sec is not None:
+                plan.tensors[name] = [
+                    plan._place(name, sec, i, dests.get(name, {}).get(i), mapping) for i in range(len(sec.tensors))
+                ]
+        return plan
+
+    def _place(self, name: str, sec: SectionIndex, i: int, d: torch.Tensor | None, mapping: Any) -> torch.Tensor:
+        """Plan the read of tensor ``i`` of ``sec``; return the tensor the loaded tree will hold."""
+        rec = sec.tensors[i]
+        view: memoryview | None
+        if _writable_in_place(d):
+            view = _byte_view(d)
+            out = d
+        elif d is None and mapping is not None and sec.codec == "raw":
+            view = None  # checked where it lies: the tensor is a view of the private mapping
+            out = mapped_tensor(mapping, sec.data_start + rec.offset, rec.dtype, rec.shape)
+            self.moved.append((name, i))
+        else:
+            t, view = empty_like_record(rec.dtype, rec.shape)
+            if d is not None:
+                self.staged.append((t, d))
+                out = d
             else:
-                t, view = empty_like_record(rec.dtype, rec.shape)
-                if d is not None:
-                    staged.append((t, d))
-                    tensors.append(d)
-                else:
-                    tensors.append(t)
-                    moved.append((name, i))
-            jobs.append((sec, i, view))
-        out_tensors[name] = tensors
-    read_tensors(src, jobs, mapping=mapping)
-    for t, d in staged:
-        with torch.no_grad():
-            d.copy_(t)
-    if str(map_location) != "cpu":
-        for name, i in moved:
-            out_tensors[name][i] = out_tensors[name][i].to(map_location)
-    return {name: None if sec is None else decode_tree(sec.tree, out_tensors[name]) for name, sec in sections.items()}
+                out = t
+                self.moved.append((name, i))
+        self.jobs.append((sec, i, view))
+        return out
+
+    def finish(self, map_location: Any) -> None:
+        """After the read: copy staged tensors to their destinations, move the rest to ``map_location``."""
+        for t, d in self.staged:
+            with torch.no_grad():
+                d.copy_(t)
+        if str(map_location) != "cpu":
+            for name, i in self.moved:
+                self.tensors[name][i] = self.tensors[name][i].to(map_location)
 
 
 def check_memory(path: str | None, fresh: list[tuple[SectionIndex, int]], limit: int | None) -> None:

@@ -191,8 +191,6 @@ def read_series(
     """
     config = spike_config or SpikeConfig()
     config_source = config_source or ("given" if spike_config else _DEFAULTS)
-    monitor = SpikeMonitor(dataclasses.replace(config, history=0))  # the detector only: no report to keep
-    before: collections.OrderedDict[int, dict[str, Any]] = collections.OrderedDict()  # step -> state before it
     step_rows = [r for r in rows if r["kind"] == "step"]
     names = sorted(
         {
@@ -202,11 +200,28 @@ def read_series(
             if (_LOSS_NAME.match(k) or k in ("grad_norm", "lr")) and _number(v) is not None
         }
     )
-    scalars: dict[str, list[float | None]] = {n: [] for n in names}
-    threshold: list[float | None] = []
-    spikes: list[tuple[int, float]] = []
+    threshold, spikes = _replay_detector(step_rows, config)
+    rollbacks = tuple(
+        (r["step"], r["to"], _number(r.get("lr_before")), _number(r.get("lr_after")))
+        for r in rows
+        if r["kind"] == "rollback" and isinstance(r.get("to"), int)
+    )
+    return RunSeries(
+        steps=tuple(r["step"] for r in step_rows),
+        kept=_kept(rows),
+        scalars={n: tuple(_number(r.get(n)) for r in step_rows) for n in names},
+        threshold=threshold,
+        spikes=spikes,
+        rollbacks=rollbacks,
+        resumes=tuple(r["step"] for r in rows if r["kind"] == "resume"),
+        spike_config=config,
+        config_source=config_source,
+    )
+
+
+def _kept(rows: Sequence[dict[str, Any]]) -> tuple[bool, ...]:
+    """Per step row, whether the final state descends from it (spec/rollback.md R-R10's ``kept_rows``)."""
     lineage: dict[int, int] = {}  # step -> index of the row the final state descends from
-    last: int | None = None
     i = -1
     for r in rows:
         if r["kind"] == "spike" and r.get("action") in _DISCARDED:
@@ -218,8 +233,26 @@ def read_series(
         for s in [s for s in lineage if s >= step]:  # executed again: what followed is abandoned
             del lineage[s]
         lineage[step] = i
-        for n in names:
-            scalars[n].append(_number(r.get(n)))
+    kept_rows = set(lineage.values())
+    return tuple(j in kept_rows for j in range(i + 1))
+
+
+def _replay_detector(
+    step_rows: Sequence[dict[str, Any]], config: SpikeConfig
+) -> tuple[tuple[float | None, ...], tuple[tuple[int, float], ...]]:
+    """The detector fed the recorded grad norms in file order, rewound where a step runs again.
+
+    Returns:
+        Per step row the threshold before its step was observed (None while warming up, without a
+        grad norm, or with nothing to rewind to), and ``(step, grad_norm)`` of every spike.
+    """
+    monitor = SpikeMonitor(dataclasses.replace(config, history=0))  # the detector only: no report to keep
+    before: collections.OrderedDict[int, dict[str, Any]] = collections.OrderedDict()  # step -> state before it
+    threshold: list[float | None] = []
+    spikes: list[tuple[int, float]] = []
+    last: int | None = None
+    for r in step_rows:
+        step = r["step"]
         g = _number(r.get("grad_norm"))
         if g is None:
             threshold.append(None)
@@ -242,23 +275,7 @@ def read_series(
         recorded = r.get("spike")
         if recorded if isinstance(recorded, bool) else verdict.is_spike:
             spikes.append((step, g))
-    kept_rows = set(lineage.values())
-    rollbacks = tuple(
-        (r["step"], r["to"], _number(r.get("lr_before")), _number(r.get("lr_after")))
-        for r in rows
-        if r["kind"] == "rollback" and isinstance(r.get("to"), int)
-    )
-    return RunSeries(
-        steps=tuple(r["step"] for r in step_rows),
-        kept=tuple(i in kept_rows for i in range(len(step_rows))),
-        scalars={n: tuple(v) for n, v in scalars.items()},
-        threshold=tuple(threshold),
-        spikes=tuple(spikes),
-        rollbacks=rollbacks,
-        resumes=tuple(r["step"] for r in rows if r["kind"] == "resume"),
-        spike_config=config,
-        config_source=config_source,
-    )
+    return tuple(threshold), tuple(spikes)
 
 
 def _runs(flags: Sequence[bool]) -> list[tuple[int, int]]:
@@ -294,45 +311,92 @@ def render(series: RunSeries, *, title: str = "", start: int | None = None, end:
     """
     try:
         from matplotlib.figure import Figure
-        from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator
     except ModuleNotFoundError as e:
         raise ModuleNotFoundError(f"plotting needs matplotlib: {PLOT_EXTRA}", name=e.name) from None
 
-    lo = -math.inf if start is None else start
-    hi = math.inf if end is None else end
-    shown = [lo <= s <= hi for s in series.steps]
-    if not any(shown):
-        raise ValueError(
-            f"no step rows in the range {start if start is not None else 'start'}.."
-            f"{end if end is not None else 'end'} (the recording has steps "
-            f"{min(series.steps, default=0)}..{max(series.steps, default=0)})"
-        )
-    xs = [s for s, v in zip(series.steps, shown, strict=True) if v]
-    x0, x1 = (min(xs) if start is None else start), (max(xs) if end is None else end)
-    gap = 0.07 * max(x1 - x0, 1)  # labels closer than this to the previous one are left out
-    losses = series.loss_names
-    panels = ["loss"] if losses else []
-    panels += [n for n in ("grad_norm", "lr") if n in series.scalars]
+    window = _Window.of(series, start, end)
     heights = {"loss": 2.8, "grad_norm": 2.2, "lr": 1.4}  # inches per panel, plus 0.6 for the title and axis
+    panels = ["loss"] if series.loss_names else []
+    panels += [n for n in ("grad_norm", "lr") if n in series.scalars]
     fig = Figure(figsize=(11, 0.6 + sum(heights[p] for p in panels)), dpi=100, layout="constrained")
-    axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False, height_ratios=[heights[p] for p in panels])[:, 0]
-    ax_of = dict(zip(panels, axes, strict=True))
-    palette = (COLORS["part0"], COLORS["part1"], *_EXTRA_COLORS)
-    colors = {n: palette[i % len(palette)] for i, n in enumerate(n for n in losses if n != "loss")}
-    colors |= {"loss": COLORS["loss"], "grad_norm": COLORS["grad_norm"], "lr": COLORS["lr"]}
+    grid = fig.subplots(len(panels), 1, sharex=True, squeeze=False, height_ratios=[heights[p] for p in panels])
+    axes = list(grid[:, 0])
+    painter = _Painter(series, window, _colors(series.loss_names))
+    draw_panel = {"loss": painter.loss_panel, "grad_norm": painter.grad_norm_panel, "lr": painter.lr_panel}
+    for panel, ax in zip(panels, axes, strict=True):
+        draw_panel[panel](ax)
+    painter.rollbacks(axes)
+    painter.resumes(axes)
+    _finish(axes, window)
+    if title:
+        fig.suptitle(title, fontsize=11, x=0.01, ha="left")
+    return fig
 
-    def line(ax: Any, name: str, label: str, width: float) -> None:
+
+@dataclasses.dataclass(frozen=True)
+class _Window:
+    """The steps a figure shows (``lo <= step <= hi``) and its x axis."""
+
+    lo: float
+    hi: float
+    shown: tuple[bool, ...]  # per step row: inside the window
+    x0: float
+    x1: float
+    gap: float  # a label closer than this to the previous one is left out
+
+    @classmethod
+    def of(cls, series: RunSeries, start: int | None, end: int | None) -> _Window:
+        """The window ``[start, end]`` (either end open when None) over ``series``' steps.
+
+        Raises:
+            ValueError: no step row lies in the window.
+        """
+        lo = -math.inf if start is None else start
+        hi = math.inf if end is None else end
+        shown = tuple(lo <= s <= hi for s in series.steps)
+        if not any(shown):
+            raise ValueError(
+                f"no step rows in the range {start if start is not None else 'start'}.."
+                f"{end if end is not None else 'end'} (the recording has steps "
+                f"{min(series.steps, default=0)}..{max(series.steps, default=0)})"
+            )
+        xs = [s for s, v in zip(series.steps, shown, strict=True) if v]
+        x0, x1 = (min(xs) if start is None else start), (max(xs) if end is None else end)
+        return cls(lo, hi, shown, x0, x1, gap=0.07 * max(x1 - x0, 1))
+
+    def __contains__(self, step: int) -> bool:
+        return self.lo <= step <= self.hi
+
+
+def _colors(loss_names: Sequence[str]) -> dict[str, str]:
+    """A colour per drawn scalar: the loss parts take the palette in name order."""
+    palette = (COLORS["part0"], COLORS["part1"], *_EXTRA_COLORS)
+    colors = {n: palette[i % len(palette)] for i, n in enumerate(n for n in loss_names if n != "loss")}
+    return colors | {"loss": COLORS["loss"], "grad_norm": COLORS["grad_norm"], "lr": COLORS["lr"]}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Painter:
+    """Draws one series' artists into the axes of a figure, restricted to a window."""
+
+    series: RunSeries
+    window: _Window
+    colors: dict[str, str]
+
+    def line(self, ax: Any, name: str, label: str, width: float) -> None:
+        """A scalar: kept rows solid, each run of abandoned rows faded and dashed."""
+        series = self.series
         values = [math.nan if v is None else v for v in series.scalars[name]]
-        kept = [k and s for k, s in zip(series.kept, shown, strict=True)]
-        abandoned = [not k and s for k, s in zip(series.kept, shown, strict=True)]
+        kept = [k and s for k, s in zip(series.kept, self.window.shown, strict=True)]
+        abandoned = [not k and s for k, s in zip(series.kept, self.window.shown, strict=True)]
         xs = [st for st, k in zip(series.steps, kept, strict=True) if k]
         ys = [v for v, k in zip(values, kept, strict=True) if k]
-        ax.plot(xs, ys, color=colors[name], lw=width, label=label, gid=name, zorder=3)
+        ax.plot(xs, ys, color=self.colors[name], lw=width, label=label, gid=name, zorder=3)
         for j, (a, b) in enumerate(_runs(abandoned)):
             ax.plot(
                 series.steps[a:b],
                 values[a:b],
-                color=colors[name],
+                color=self.colors[name],
                 lw=max(width - 0.6, 0.8),
                 alpha=_ABANDONED_ALPHA,
                 ls="--",
@@ -341,18 +405,21 @@ def render(series: RunSeries, *, title: str = "", start: int | None = None, end:
                 label="abandoned (rolled back)" if j == 0 and name in ("loss", "grad_norm") else "_nolegend_",
             )
 
-    if losses:
-        ax = ax_of["loss"]
-        for n in losses:
-            line(ax, n, n, 2.2 if n == "loss" else 1.4)
+    def loss_panel(self, ax: Any) -> None:
+        for n in self.series.loss_names:
+            self.line(ax, n, n, 2.2 if n == "loss" else 1.4)
         ax.set_ylabel("loss")
-    if "grad_norm" in ax_of:
-        ax = ax_of["grad_norm"]
-        line(ax, "grad_norm", "grad norm (pre-clip)", 1.5)
+
+    def grad_norm_panel(self, ax: Any) -> None:
+        """Grad norm on a log scale, the detector's threshold over the kept rows, the spikes."""
+        from matplotlib.ticker import FuncFormatter, LogLocator
+
+        series, window = self.series, self.window
+        self.line(ax, "grad_norm", "grad norm (pre-clip)", 1.5)
         cfg = series.spike_config
         drawn = [
             (s, t)
-            for s, t, v, k in zip(series.steps, series.threshold, shown, series.kept, strict=True)
+            for s, t, v, k in zip(series.steps, series.threshold, window.shown, series.kept, strict=True)
             if v and k and t is not None
         ]
         tx, ty = [d[0] for d in drawn], [d[1] for d in drawn]
@@ -368,7 +435,7 @@ def render(series: RunSeries, *, title: str = "", start: int | None = None, end:
                 zorder=4,
                 label=f"threshold: {cfg.multiplier:g}x rolling median ({cfg.window} steps{source})",
             )
-        pts = [(s, g) for s, g in series.spikes if lo <= s <= hi and math.isfinite(g)]
+        pts = [(s, g) for s, g in series.spikes if s in window and math.isfinite(g)]
         if pts:
             ax.plot(
                 [p[0] for p in pts],
@@ -389,10 +456,12 @@ def render(series: RunSeries, *, title: str = "", start: int | None = None, end:
         ax.yaxis.set_minor_locator(LogLocator(subs=(2.0, 5.0)))
         ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
         ax.set_ylabel("grad norm")
-    if "lr" in ax_of:
-        ax = ax_of["lr"]
-        line(ax, "lr", "learning rate", 1.6)
-        drops = [(t, after) for n, t, before, after in series.rollbacks if lo <= t <= hi and after is not None]
+
+    def lr_panel(self, ax: Any) -> None:
+        """The LR, with a marker and its factor (``x0.5``) where a rollback dropped it."""
+        window = self.window
+        self.line(ax, "lr", "learning rate", 1.6)
+        drops = [(t, after) for n, t, before, after in self.series.rollbacks if t in window and after is not None]
         if drops:
             ax.plot(
                 [d[0] for d in drops],
@@ -406,8 +475,8 @@ def render(series: RunSeries, *, title: str = "", start: int | None = None, end:
                 label="LR drop at rollback",
             )
             labelled = -math.inf
-            for _n, t, before, after in series.rollbacks:
-                if lo <= t <= hi and before and after and t - labelled >= gap:
+            for _n, t, before, after in self.series.rollbacks:
+                if t in window and before and after and t - labelled >= window.gap:
                     labelled = t
                     ax.annotate(
                         f"\u00d7{after / before:.3g}",
@@ -420,53 +489,64 @@ def render(series: RunSeries, *, title: str = "", start: int | None = None, end:
         ax.set_ylabel("LR")
         ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
 
-    labelled = -math.inf
-    for k, (spike, t, _b, _a) in enumerate(series.rollbacks):
-        if spike < lo or t > hi:
-            continue
-        for ax in axes:
-            ax.axvspan(
-                t,
-                spike + 1,
-                color=COLORS["rollback"],
-                alpha=0.45,
-                lw=0,
-                zorder=1,
-                gid="rollback",
-                label="rollback: step N back to N-K" if k == 0 and ax is axes[0] else "_nolegend_",
+    def rollbacks(self, axes: Sequence[Any]) -> None:
+        """Each rollback ``N -> T``: a band ``[T, N+1]`` in every panel, an arrow and a label on top."""
+        window = self.window
+        labelled = -math.inf
+        for k, (spike, t, _b, _a) in enumerate(self.series.rollbacks):
+            if spike < window.lo or t > window.hi:
+                continue
+            for ax in axes:
+                ax.axvspan(
+                    t,
+                    spike + 1,
+                    color=COLORS["rollback"],
+                    alpha=0.45,
+                    lw=0,
+                    zorder=1,
+                    gid="rollback",
+                    label="rollback: step N back to N-K" if k == 0 and ax is axes[0] else "_nolegend_",
+                )
+            top = axes[0]
+            y = top.get_ylim()[1]
+            top.annotate(
+                "",
+                xy=(t, y),
+                xytext=(spike + 1, y),
+                annotation_clip=False,
+                arrowprops={"arrowstyle": "-|>", "color": COLORS["spike"], "lw": 1.4},
             )
-        top = axes[0]
-        y = top.get_ylim()[1]
-        top.annotate(
-            "",
-            xy=(t, y),
-            xytext=(spike + 1, y),
-            annotation_clip=False,
-            arrowprops={"arrowstyle": "-|>", "color": COLORS["spike"], "lw": 1.4},
-        )
-        if t - labelled < gap:
-            continue
-        labelled = t
-        top.annotate(
-            f"{spike}\u2192{t}",
-            (t, y),
-            textcoords="offset points",
-            xytext=(0, 4),
-            fontsize=8,
-            color=COLORS["spike"],
-            annotation_clip=False,
-        )
-    for k, s in enumerate(x for x in series.resumes if lo <= x <= hi):
-        for ax in axes:
-            ax.axvline(
-                s,
-                color=COLORS["resume"],
-                lw=2.0,
-                ls=(0, (3, 2)),
-                gid="resume",
-                zorder=5,
-                label="resume" if k == 0 and ax is axes[0] else "_nolegend_",
+            if t - labelled < window.gap:
+                continue
+            labelled = t
+            top.annotate(
+                f"{spike}\u2192{t}",
+                (t, y),
+                textcoords="offset points",
+                xytext=(0, 4),
+                fontsize=8,
+                color=COLORS["spike"],
+                annotation_clip=False,
             )
+
+    def resumes(self, axes: Sequence[Any]) -> None:
+        """A dotted line across every panel at each resume."""
+        for k, s in enumerate(x for x in self.series.resumes if x in self.window):
+            for ax in axes:
+                ax.axvline(
+                    s,
+                    color=COLORS["resume"],
+                    lw=2.0,
+                    ls=(0, (3, 2)),
+                    gid="resume",
+                    zorder=5,
+                    label="resume" if k == 0 and ax is axes[0] else "_nolegend_",
+                )
+
+
+def _finish(axes: Sequence[Any], window: _Window) -> None:
+    """Grid, open top/right spines, each panel's legend beside it, the shared step axis."""
+    from matplotlib.ticker import MaxNLocator
 
     for ax in axes:
         ax.grid(True, color="#e6e6e6", lw=0.8)
@@ -478,10 +558,7 @@ def render(series: RunSeries, *, title: str = "", start: int | None = None, end:
             ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     axes[-1].set_xlabel("step")
     axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
-    axes[-1].set_xlim(x0, x1)
-    if title:
-        fig.suptitle(title, fontsize=11, x=0.01, ha="left")
-    return fig
+    axes[-1].set_xlim(window.x0, window.x1)
 
 
 def plot_run(

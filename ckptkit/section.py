@@ -362,6 +362,27 @@ def decode_index(
     def bad(problem: str, **kw: Any) -> FormatError:
         return MalformedIndex(problem, path=path, offset=at, field=f"{name} index", **kw)
 
+    index = _unpack_index(raw, bad)
+    codec = index["codec"]
+    if codec not in CODECS:
+        raise UnsupportedVersion(
+            "unknown data codec",
+            path=path,
+            offset=at,
+            field=f"{name} index",
+            expected=" or ".join(CODECS),
+            actual=_show(codec, 40),
+            hint="written by a newer ckptkit? (R-011)",
+        )
+    data_start = align_up(start + 8 + index_len)
+    data_len, raw_len = _check_data_lengths(index, data_start, start + length, name=name, path=path, bad=bad)
+    records = _decode_records(index["tensors"], raw_len, legacy=legacy, bad=bad)
+    tree = _decode_section_tree(index["tree"], records, bad)
+    return SectionIndex(name, start, length, index_len, data_start, codec, data_len, raw_len, records, tree)
+
+
+def _unpack_index(raw: bytes, bad: Callable[..., FormatError]) -> dict[str, Any]:
+    """The index bytes as a map with exactly the keys :data:`_INDEX_KEYS` (R-010)."""
     try:
         index = msgpack.unpackb(
             raw, raw=False, strict_map_key=False, use_list=True, object_pairs_hook=_map, ext_hook=_Exts().hook
@@ -374,50 +395,55 @@ def decode_index(
     if not isinstance(index, dict) or sorted(index, key=str) != sorted(_INDEX_KEYS):
         got = sorted(map(str, index)) if isinstance(index, dict) else type(index).__name__
         raise bad("index must be a map with exactly the keys " + ", ".join(_INDEX_KEYS), actual=got, hint="R-010")
-    codec = index["codec"]
-    if codec not in CODECS:
-        raise UnsupportedVersion(
-            "unknown data codec",
-            path=path,
-            offset=at,
-            field=f"{name} index",
-            expected=" or ".join(CODECS),
-            actual=_show(codec, 40),
-            hint="written by a newer ckptkit? (R-011)",
-        )
+    return index
+
+
+def _check_data_lengths(
+    index: dict[str, Any],
+    data_start: int,
+    section_end: int,
+    *,
+    name: str,
+    path: str | None,
+    bad: Callable[..., FormatError],
+) -> tuple[int, int]:
+    """``(data_len, raw_len)`` once they are checked against the section and the codec (R-008, R-010, R-012)."""
     data_len, raw_len = index["data_len"], index["raw_len"]
     for key, v in (("data_len", data_len), ("raw_len", raw_len)):
         if not _is_uint(v):
             raise bad(f"{key} must be a non-negative integer", actual=_show(v, 40), hint="R-010")
-    data_start = align_up(start + 8 + index_len)
-    if data_start + data_len != start + length:
+    if data_start + data_len != section_end:
         raise TruncatedFile(
             f"data region of {data_len} bytes at offset {data_start} does not end at the section end",
             path=path,
             offset=data_start,
             field=f"{name} data",
-            expected=start + length,
+            expected=section_end,
             actual=data_start + data_len,
             hint="R-012",
         )
-    if codec == "zstd" and raw_len > data_len * MAX_ZSTD_RATIO + (1 << 20):
+    if index["codec"] == "zstd" and raw_len > data_len * MAX_ZSTD_RATIO + (1 << 20):
         raise bad(
             "raw_len exceeds what any zstd frame of data_len bytes can decode to",
             expected=f"<= {data_len * MAX_ZSTD_RATIO + (1 << 20)}",
             actual=raw_len,
             hint="R-008",
         )
-    if codec == "raw" and raw_len != data_len:
+    if index["codec"] == "raw" and raw_len != data_len:
         raise bad("raw_len must equal data_len for codec 'raw'", expected=data_len, actual=raw_len, hint="R-012")
-    records = _decode_records(index["tensors"], raw_len, legacy=legacy, bad=bad)
-    if index["tree"] is None:
+    return data_len, raw_len
+
+
+def _decode_section_tree(raw_tree: Any, records: tuple[TensorRecord, ...], bad: Callable[..., FormatError]) -> Any:
+    """The section's tree, every tensor record referenced by it (R-015, R-016)."""
+    if raw_tree is None:
         raise bad("the tree of a present section is nil (a section without state is absent: length 0)", hint="R-016")
     referenced: set[int] = set()
-    tree = _unpack_tree(index["tree"], len(records), referenced, bad, 0)
+    tree = _unpack_tree(raw_tree, len(records), referenced, bad, 0)
     if len(referenced) != len(records):
         orphan = min(set(range(len(records))) - referenced)
         raise bad(f"tensor {orphan} is never referenced by the tree", hint="R-015")
-    return SectionIndex(name, start, length, index_len, data_start, codec, data_len, raw_len, records, tree)
+    return tree
 
 
 _SHOW = reprlib.Repr()

@@ -255,45 +255,9 @@ def _check_keys(table: dict[str, Any], prefix: str, path: str | None) -> None:
 
 
 def _decode(data: bytes, path: str | None) -> Snapshot:
-    try:
-        text = data.decode("utf-8")
-        doc = json.loads(
-            text,
-            object_pairs_hook=_no_duplicates,
-            parse_constant=_reject_constant,
-            parse_float=_parse_float,
-        )
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise FormatError(
-            f"not a config snapshot: invalid UTF-8 JSON ({e})",
-            path=path,
-            hint="a snapshot is the <ckpt>.config.json file written next to a checkpoint",
-        ) from None
-    if not isinstance(doc, dict):
-        raise FormatError(
-            "not a config snapshot: the document is not a JSON object",
-            path=path,
-            expected="object",
-            actual=type(doc).__name__,
-        )
-    version = doc.get("schema_version")
-    if type(version) is not int:
-        raise FormatError(
-            "missing or non-integer schema_version",
-            path=path,
-            field="schema_version",
-            expected="integer",
-            actual=json.dumps(version),
-        )
-    if version != SCHEMA_VERSION:
-        raise UnsupportedVersion(
-            "unsupported snapshot schema_version",
-            path=path,
-            field="schema_version",
-            expected=SCHEMA_VERSION,
-            actual=version,
-            hint="upgrade ckptkit to read it",
-        )
+    """A snapshot's bytes as a :class:`Snapshot`: strict JSON, a known schema version, the fixed layout."""
+    doc = _parse_json(data, path)
+    version = _schema_version(doc, path)
     keys = set(doc)
     if keys != _TOP_KEYS:
         missing, extra = sorted(_TOP_KEYS - keys), sorted(keys - _TOP_KEYS)
@@ -317,6 +281,55 @@ def _decode(data: bytes, path: str | None) -> Snapshot:
         )
     _check_keys(doc["config"], "", path)
     return Snapshot(config=doc["config"], config_type=doc["config_type"], schema_version=version, path=path)
+
+
+def _parse_json(data: bytes, path: str | None) -> dict[str, Any]:
+    """The document as a JSON object: UTF-8, no duplicate keys, no NaN/Infinity, floats that fit."""
+    try:
+        text = data.decode("utf-8")
+        doc = json.loads(
+            text,
+            object_pairs_hook=_no_duplicates,
+            parse_constant=_reject_constant,
+            parse_float=_parse_float,
+        )
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise FormatError(
+            f"not a config snapshot: invalid UTF-8 JSON ({e})",
+            path=path,
+            hint="a snapshot is the <ckpt>.config.json file written next to a checkpoint",
+        ) from None
+    if not isinstance(doc, dict):
+        raise FormatError(
+            "not a config snapshot: the document is not a JSON object",
+            path=path,
+            expected="object",
+            actual=type(doc).__name__,
+        )
+    return doc
+
+
+def _schema_version(doc: dict[str, Any], path: str | None) -> int:
+    """The document's ``schema_version``, which must be the one this ckptkit writes."""
+    version = doc.get("schema_version")
+    if type(version) is not int:
+        raise FormatError(
+            "missing or non-integer schema_version",
+            path=path,
+            field="schema_version",
+            expected="integer",
+            actual=json.dumps(version),
+        )
+    if version != SCHEMA_VERSION:
+        raise UnsupportedVersion(
+            "unsupported snapshot schema_version",
+            path=path,
+            field="schema_version",
+            expected=SCHEMA_VERSION,
+            actual=version,
+            hint="upgrade ckptkit to read it",
+        )
+    return version
 
 
 def read_snapshot(path: str | os.PathLike[str]) -> Snapshot:

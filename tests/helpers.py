@@ -5,14 +5,18 @@
 - Cfg / Loop / trained: a user's loop registered with every kind of RunState state.
 - record_environment: make a run look recorded under other environment facts.
 - Flat: a config without tables.
+- load_script / fixture_generator / hostile_generator: scripts outside the package (the
+  fixture writers, benches) imported by path, once per process.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import struct
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +26,8 @@ import ckptkit
 from ckptkit import RunState, SpikeConfig, SpikeMonitor
 from ckptkit.runstate import checkpoint_name
 from ckptkit.trainer import StepResult, TrainerConfig, compared_rows, read_rows, train
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def bits(t: torch.Tensor) -> bytes:
@@ -235,3 +241,26 @@ class Flat:
     lr: float = 1e-3
     steps: int = 10
     seed: int = 1
+
+
+def load_script(name: str, path: Path) -> Any:
+    """The script at ``path`` (not a package module: a fixture writer, a bench) imported as
+    module ``name``, once per process, so every test file shares one copy of it."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def fixture_generator() -> Any:
+    """``fixtures/generate.py``: it defines the manifest's facts and rebuilds every golden file."""
+    return load_script("fixtures_generate", ROOT / "fixtures" / "generate.py")
+
+
+def hostile_generator() -> Any:
+    """``fixtures/hostile/generate.py``: the independent writer of the hostile corpus (and its building blocks)."""
+    return load_script("ckptkit_hostile_generate", ROOT / "fixtures" / "hostile" / "generate.py")

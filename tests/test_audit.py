@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -70,11 +71,26 @@ def test_audit_refuses_a_resume_point_outside_the_run(capsys: pytest.CaptureFixt
     assert "--resume-at must be in 1 ..= 2 (--steps 3) (got 3)" in capsys.readouterr().err
 
 
-def test_compare_runs_names_the_first_divergence_the_tensor_and_the_config_difference(tmp_path: Path) -> None:
-    cfg = tiny(**{"train.ckpt_every": 1, "train.keep": 100})
-    run(cfg, tmp_path / "a", 4)
-    run(cfg.replace(**{"train.perturb_at": 1, "train.perturb_param": "blocks.0.attn.qkv.weight"}), tmp_path / "b", 4)
-    report = compare_runs(tmp_path / "a", tmp_path / "b")
+# Two independent runs of the same config (a checkpoint at every step), shared by the compare_runs tests;
+# a test that edits a run edits its own copy.
+_TWIN_CFG = tiny(**{"train.ckpt_every": 1, "train.keep": 100})
+
+
+@pytest.fixture(scope="module")
+def twins(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    a, c = tmp_path_factory.mktemp("twin_a"), tmp_path_factory.mktemp("twin_c")
+    run(_TWIN_CFG, a, 4)
+    run(_TWIN_CFG, c, 4)
+    return a, c
+
+
+def test_compare_runs_names_the_first_divergence_the_tensor_and_the_config_difference(
+    tmp_path: Path, twins: tuple[Path, Path]
+) -> None:
+    a, c = twins
+    perturbed = _TWIN_CFG.replace(**{"train.perturb_at": 1, "train.perturb_param": "blocks.0.attn.qkv.weight"})
+    run(perturbed, tmp_path / "b", 4)
+    report = compare_runs(a, tmp_path / "b")
     d = report.divergence
     assert not report.ok and d is not None and (d.kind, d.step) == ("step", 1)
     assert [f.field for f in d.fields] == ["params_digest"]
@@ -86,19 +102,19 @@ def test_compare_runs_names_the_first_divergence_the_tensor_and_the_config_diffe
     assert doc["divergence"]["fields"] == [
         {"field": "params_digest", "a": d.fields[0].recorded, "b": d.fields[0].replayed}
     ]
-    run(cfg, tmp_path / "c", 4)
-    assert compare_runs(tmp_path / "a", tmp_path / "c").ok
+    assert compare_runs(a, c).ok
 
 
-def test_compare_runs_names_a_checkpoint_whose_bytes_differ_while_every_row_matches(tmp_path: Path) -> None:
-    cfg = tiny(**{"train.ckpt_every": 1, "train.keep": 100})
-    run(cfg, tmp_path / "a", 3)
-    run(cfg, tmp_path / "b", 3)
+def test_compare_runs_names_a_checkpoint_whose_bytes_differ_while_every_row_matches(
+    tmp_path: Path, twins: tuple[Path, Path]
+) -> None:
+    a, c = twins
+    shutil.copytree(c, tmp_path / "b")
     path = tmp_path / "b" / checkpoint_name(2)
     ckpt = load(path)
     ckpt.teacher["wte"].view(-1)[0] += 1.0  # no fingerprint covers the teacher: only the file can tell
     save(path, ckpt)
-    d = compare_runs(tmp_path / "a", tmp_path / "b").divergence
+    d = compare_runs(a, tmp_path / "b").divergence
     assert d is not None and (d.kind, d.step, d.file) == ("checkpoint", 2, checkpoint_name(2))
     assert [t.name for t in d.tensors] == ["teacher:wte"] and d.tensors[0].n_diff == 1
     assert "state outside the fingerprints" in d.hints[0]

@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_the_trainer_bench_runs_and_reports_every_variant(capsys: pytest.CaptureFixture[str]) -> None:
-    spec = importlib.util.spec_from_file_location("bench_trainer", ROOT / "bench" / "bench_trainer.py")
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("bench_trainer", ROOT / "bench" / "bench_trainer.py")
     threads = torch.get_num_threads()
     assert bench.main(["--steps", "3", "--rounds", "1", "--json"]) == 0
     assert torch.get_num_threads() == threads

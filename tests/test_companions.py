@@ -12,14 +12,13 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import TINY_FLAGS as HELPER_TINY_FLAGS
-from helpers import Cfg, Loop, trained
+from helpers import TINY_FLAGS, Cfg, Loop, fixture_generator, trained
 
 from ckptkit import CheckpointNotFound, ChecksumMismatch
 from ckptkit.cli import main
 from ckptkit.runstate import checkpoint_name
 
-TINY_FLAGS = [*HELPER_TINY_FLAGS, "--ckpt-every", "2", "--keep", "10", "--log-every", "1000"]
+TRAIN_FLAGS = [*TINY_FLAGS, "--ckpt-every", "2", "--keep", "10", "--log-every", "1000"]
 
 
 def snapshot_of(run_dir: Path, step: int) -> Path:
@@ -196,7 +195,7 @@ def test_ckptkit_train_resume_falls_back_from_a_damaged_snapshot(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], damage: str
 ) -> None:
     run = str(tmp_path)
-    assert main(["train", "--run-dir", run, "--steps", "4", "--quiet", *TINY_FLAGS]) == 0
+    assert main(["train", "--run-dir", run, "--steps", "4", "--quiet", *TRAIN_FLAGS]) == 0
     snap = snapshot_of(tmp_path, 4)
     if damage == "edit":
         doc = json.loads(snap.read_text())
@@ -205,7 +204,7 @@ def test_ckptkit_train_resume_falls_back_from_a_damaged_snapshot(
     else:
         flip_byte(snap, snap.read_bytes().index(b'"lr"') + 1)
     capsys.readouterr()
-    assert main(["train", "--run-dir", run, "--steps", "6", "--resume", *TINY_FLAGS]) == 0
+    assert main(["train", "--run-dir", run, "--steps", "6", "--resume", *TRAIN_FLAGS]) == 0
     out, err = capsys.readouterr()
     assert f"skipped {checkpoint_name(4)}: {snap}: damaged: " in err
     assert f"falling back to {checkpoint_name(2)} (step 2)" in err
@@ -387,12 +386,8 @@ def test_verify_reports_each_run_fixture_as_the_manifest_says(name: str, capsys:
 
 def test_the_generator_rebuilds_the_run_fixtures_byte_for_byte(tmp_path: Path) -> None:
     import hashlib
-    import importlib.util
 
-    spec = importlib.util.spec_from_file_location("fixtures_generate", ROOT / "fixtures" / "generate.py")
-    assert spec is not None and spec.loader is not None
-    generate = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(generate)
+    generate = fixture_generator()
     assert generate.build_runs(tmp_path) == RUNS
     for name, entry in RUNS.items():
         files = entry["files"]
@@ -420,7 +415,7 @@ def test_resume_skips_a_checkpoint_whose_record_is_malformed(tmp_path: Path) -> 
 
 
 def _trained_history(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Path:
-    assert main(["train", "--run-dir", str(tmp_path), "--steps", "4", "--quiet", *TINY_FLAGS]) == 0
+    assert main(["train", "--run-dir", str(tmp_path), "--steps", "4", "--quiet", *TRAIN_FLAGS]) == 0
     capsys.readouterr()
     return tmp_path / "history.jsonl"
 

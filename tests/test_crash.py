@@ -554,24 +554,10 @@ def test_a_killed_save_leaves_no_orphan_files_once_the_run_moves_on(lab):
 
 # =================================================================== the reference trainer, SIGKILLed
 
-# Small enough that a step takes a few milliseconds on one core (as tests/test_trainer_resume.py).
+# Beside the tiny model's flags (helpers.TINY_FLAGS, imported where used: the lab child imports only what it needs).
 _TRAIN_FLAGS = [
-    "--n-layer",
-    "2",
-    "--n-head",
-    "2",
-    "--d-model",
-    "32",
-    "--block-size",
-    "16",
-    "--seq-len",
-    "16",
-    "--batch",
-    "4",
     "--keep",
     "3",
-    "--warmup-iters",
-    "2",
     "--ckpt-every",
     "4",
     "--log-every",
@@ -582,6 +568,8 @@ _TRAIN_STEPS = 16
 
 
 def _train_cmd(run_dir, *extra: str) -> list[str]:
+    from helpers import TINY_FLAGS
+
     return [
         sys.executable,
         "-m",
@@ -591,6 +579,7 @@ def _train_cmd(run_dir, *extra: str) -> list[str]:
         str(run_dir),
         "--steps",
         str(_TRAIN_STEPS),
+        *TINY_FLAGS,
         *_TRAIN_FLAGS,
         *extra,
     ]

@@ -7,7 +7,6 @@ damaged variant is refused by ``load`` and ``verify`` with exactly the manifest'
 
 from __future__ import annotations
 
-import importlib
 import json
 import re
 import sys
@@ -16,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import load_script
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -28,8 +28,7 @@ FIXTURES = ROOT / "distributed"
 MANIFEST: dict[str, Any] = json.loads((FIXTURES / "MANIFEST.json").read_text())
 
 
-sys.path.insert(0, str(ROOT))  # fixtures/ holds the generator, a script
-GENERATE = importlib.import_module("generate_distributed")
+GENERATE = load_script("generate_distributed", ROOT / "generate_distributed.py")  # a script, not a module
 
 
 def _files(root: Path) -> dict[str, bytes]:
@@ -145,7 +144,6 @@ def test_inspect_refuses_a_torn_directory_and_names_what_is_missing(capsys):
 
 def test_verifying_a_distributed_directory_never_imports_torch():
     import subprocess
-    import sys
 
     code = (
         "import sys; from ckptkit.cli import main; import ckptkit.distributed as d; d.verify_directory; "

@@ -8,7 +8,6 @@ file is refused with exactly the manifest's error class and message by ``load``,
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 import zstandard
+from helpers import fixture_generator
 
 from ckptkit import errors
 from ckptkit.checkpoint import Checkpoint, load, save
@@ -37,16 +37,8 @@ INVALID_CKPT = sorted(n for n, e in INVALID.items() if e["reader"] == "load")
 INVALID_SIDECAR = sorted(n for n, e in INVALID.items() if e["reader"] != "load")
 
 
-def _load_generator() -> Any:
-    spec = importlib.util.spec_from_file_location("fixtures_generate", FIXTURES / "generate.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 # The generator defines the manifest's facts (``tensor_table``) and rebuilds every file.
-GENERATE = _load_generator()
+GENERATE = fixture_generator()
 
 _ZSTD_NOW = ".".join(map(str, zstandard.ZSTD_VERSION))
 _ZSTD_THEN = MANIFEST["environment"]["zstd_version"]

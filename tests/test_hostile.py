@@ -11,7 +11,6 @@ bytes and structure-aware index mutations (spec/guarantees.md, "Hostile files").
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import json
 import os
@@ -21,10 +20,12 @@ import struct
 import subprocess
 import sys
 import zipfile
+from pathlib import Path
 
 import msgpack
 import pytest
 import torch
+from helpers import hostile_generator, load_script
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -38,18 +39,9 @@ HOSTILE = os.path.join(ROOT, "fixtures", "hostile")
 FUZZ = os.path.join(ROOT, "fuzz")
 
 
-def _module(name: str, path: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-gen = _module("ckptkit_hostile_generate", os.path.join(HOSTILE, "generate.py"))
+gen = hostile_generator()
 sys.path.insert(0, FUZZ)
-targets = _module("targets", os.path.join(FUZZ, "targets.py"))
+targets = load_script("targets", Path(FUZZ) / "targets.py")
 
 with open(os.path.join(HOSTILE, "MANIFEST.json"), encoding="utf-8") as _f:
     MANIFEST = json.load(_f)

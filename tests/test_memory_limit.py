@@ -18,13 +18,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_hostile import gen as hostile  # the independent writer of fixtures/hostile
+from helpers import hostile_generator
 
 from ckptkit import Checkpoint, InsufficientMemory, load, save, verify
 from ckptkit.container import Source, read_layout
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 1 << 30
+hostile = hostile_generator()  # the independent writer of fixtures/hostile
 
 
 def _bomb(path: Path, n: int) -> Path:

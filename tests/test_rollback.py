@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import Crash, assert_same_run, history, run, same, tiny
+from helpers import TINY_FLAGS, Crash, assert_same_run, history, run, same, tiny
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -271,22 +271,9 @@ def test_rollback_skip_none_replays_the_window_with_the_lower_lr(tmp_path: Path)
 
 def test_three_consecutive_spikes_stop_the_run_with_exit_3(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     knobs = [
-        "--n-layer",
-        "2",
-        "--n-head",
-        "2",
-        "--d-model",
-        "32",
-        "--block-size",
-        "16",
-        "--seq-len",
-        "16",
-        "--batch",
-        "4",
+        *TINY_FLAGS,
         "--keep",
         "100",
-        "--warmup-iters",
-        "2",
         "--ckpt-every",
         "3",
         "--log-every",

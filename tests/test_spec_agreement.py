@@ -12,12 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_fixtures import GENERATE
+from helpers import fixture_generator
 
 from ckptkit import BadTensorValue, MalformedIndex, open_checkpoint
 from ckptkit.checkpoint import Checkpoint, load, save
 from ckptkit.cli import main
 from ckptkit.container import Source, read_layout, verify
+
+GENERATE = fixture_generator()
 
 ROOT = Path(__file__).resolve().parents[1]
 INVALID = ROOT / "fixtures" / "invalid"

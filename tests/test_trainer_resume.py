@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import artifacts, assert_same_run, history, run, tiny
+from helpers import TINY_FLAGS, artifacts, assert_same_run, history, run, tiny
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -119,22 +119,9 @@ def test_resume_truncates_history_written_after_the_checkpoint(tmp_path: Path) -
 
 def test_resume_in_a_separate_process_through_the_cli(tmp_path: Path) -> None:
     knobs = [
-        "--n-layer",
-        "2",
-        "--n-head",
-        "2",
-        "--d-model",
-        "32",
-        "--block-size",
-        "16",
-        "--seq-len",
-        "16",
-        "--batch",
-        "4",
+        *TINY_FLAGS,
         "--keep",
         "100",
-        "--warmup-iters",
-        "2",
         "--ckpt-every",
         "2",
         "--log-every",

@@ -15,6 +15,7 @@ from typing import Any
 from ..distributed.format import (
     DCP_DEFAULT_METADATA,
     METADATA_NAME,
+    DirMetadata,
     DirReport,
     data_name,
     read_metadata,
@@ -108,35 +109,7 @@ def verify_all(paths: list[str]) -> list[DirReport]:
 def inspect_directory(path: str, as_json: bool, size: Any) -> int:
     """Ranks, tensors, chunks and world size at save; digests are not checked (verify does)."""
     md = read_metadata(path, check_files=False)
-    ranks = []
-    for rank, f in enumerate(md.files):
-        chunks = [(fqn, c) for fqn, t in md.tensors.items() for c in t.chunks if c.rank == rank]
-        ranks.append(
-            {
-                "rank": rank,
-                "file": data_name(rank),
-                "size": f.size,
-                "chunks": len(chunks),
-                "bytes": sum(c.nbytes for _, c in chunks),
-            }
-        )
-    tensors: dict[str, dict[str, Any]] = {
-        fqn: {
-            "dtype": t.dtype,
-            "size": list(t.size),
-            "chunks": [
-                {
-                    "offsets": list(c.offsets),
-                    "sizes": list(c.sizes),
-                    "rank": c.rank,
-                    "offset": c.offset,
-                    "nbytes": c.nbytes,
-                }
-                for c in t.chunks
-            ],
-        }
-        for fqn, t in sorted(md.tensors.items())
-    }
+    ranks, tensors = _rank_rows(md), _tensor_rows(md)
     if as_json:
         print(
             json.dumps(
@@ -154,6 +127,51 @@ def inspect_directory(path: str, as_json: bool, size: Any) -> int:
             )
         )
         return 0
+    _print_inspection(path, md, ranks, tensors, size)
+    return 0
+
+
+def _rank_rows(md: DirMetadata) -> list[dict[str, Any]]:
+    """Per rank: its data file, that file's size, and the chunks (and their bytes) it holds."""
+    ranks = []
+    for rank, f in enumerate(md.files):
+        chunks = [(fqn, c) for fqn, t in md.tensors.items() for c in t.chunks if c.rank == rank]
+        ranks.append(
+            {
+                "rank": rank,
+                "file": data_name(rank),
+                "size": f.size,
+                "chunks": len(chunks),
+                "bytes": sum(c.nbytes for _, c in chunks),
+            }
+        )
+    return ranks
+
+
+def _tensor_rows(md: DirMetadata) -> dict[str, dict[str, Any]]:
+    """Per tensor, by name: dtype, global size, and where each chunk lies."""
+    return {
+        fqn: {
+            "dtype": t.dtype,
+            "size": list(t.size),
+            "chunks": [
+                {
+                    "offsets": list(c.offsets),
+                    "sizes": list(c.sizes),
+                    "rank": c.rank,
+                    "offset": c.offset,
+                    "nbytes": c.nbytes,
+                }
+                for c in t.chunks
+            ],
+        }
+        for fqn, t in sorted(md.tensors.items())
+    }
+
+
+def _print_inspection(
+    path: str, md: DirMetadata, ranks: list[dict[str, Any]], tensors: dict[str, dict[str, Any]], size: Any
+) -> None:
     total = sum(f.size for f in md.files) + os.path.getsize(os.path.join(path, METADATA_NAME))
     n_chunks = sum(len(t.chunks) for t in md.tensors.values())
     print(
@@ -169,7 +187,6 @@ def inspect_directory(path: str, as_json: bool, size: Any) -> int:
         print(f"  {fqn:<40} {t['dtype']:<9} {t['size']}  {where}")
     print(f"{len(md.values)} non-tensor values: {', '.join(sorted(md.values))}")
     print("digests: not checked here (ckptkit verify checks every byte)")
-    return 0
 
 
 def diff_directories(args: Any, tensor_lines: Callable[[list[dict[str, Any]]], list[str]]) -> int:

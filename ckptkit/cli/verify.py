@@ -124,11 +124,36 @@ def run(args: argparse.Namespace) -> int:
     except CheckpointNotFound as e:
         print(f"ckptkit verify: {e}", file=sys.stderr)
         return 2
+    reports = _verify_files(files, quiet=args.quiet)
+    if reports is None:
+        return 2
+    companions = _companion_checks(reports, args.paths, dir_reports)
+    histories = _history_checks(args.paths)
+    ok = all(r.ok for r in reports + dir_reports) and all(c["ok"] for c in companions) and all(h.ok for h in histories)
+    if args.json:
+        files_json = [report_json(r) for r in reports] + [_distributed.report_json(r) for r in dir_reports]
+        history_json = [_history_json(h) for h in histories]
+        doc = {"schema_version": 1, "ok": ok, "files": files_json, "companions": companions, "history": history_json}
+        print(json.dumps(doc, sort_keys=True))
+    else:
+        _distributed.print_reports(dir_reports, _size)
+        for r in reports:
+            _print_report(r)
+        for c in companions:
+            _print_companion(c)
+        for h in histories:
+            _print_history(h)
+    return 0 if ok else 1
+
+
+def _verify_files(files: list[str], *, quiet: bool) -> list[Report] | None:
+    """Verify each file, with a progress bar over their bytes; None when a path is not a regular file
+    (said on stderr: exit 2). A file deleted since it was listed is skipped, said on stderr."""
     reports = []
     # The bar counts bytes, so its rate and ETA hold for a few large files as for many small ones.
     sizes = [_file_size(p) for p in files]
     done, total = 0, sum(sizes)
-    with Progress("verify", quiet=args.quiet or len(files) < 2, unit="B") as progress:
+    with Progress("verify", quiet=quiet or len(files) < 2, unit="B") as progress:
         progress.at(0, total)
         for path, size in zip(files, sizes, strict=True):
             try:
@@ -136,52 +161,33 @@ def run(args: argparse.Namespace) -> int:
             except CheckpointNotFound as e:
                 if os.path.lexists(path):  # there, but not a regular file
                     progress.log(str(e), always=True)
-                    return 2
+                    return None
                 # Deleted between listing and reading (retention in a live run): not a failure.
                 progress.log(f"{path}: deleted while verifying (retention?); skipped", always=True)
             done += size
             progress.at(done, total)
-    companions = _companion_checks(reports, args.paths, dir_reports)
-    histories = _history_checks(args.paths)
-    ok = all(r.ok for r in reports + dir_reports) and all(c["ok"] for c in companions) and all(h.ok for h in histories)
-    if args.json:
-        print(
-            json.dumps(
-                {
-                    "schema_version": 1,
-                    "ok": ok,
-                    "files": [report_json(r) for r in reports] + [_distributed.report_json(r) for r in dir_reports],
-                    "companions": companions,
-                    "history": [
-                        {
-                            "path": h.path,
-                            "ok": h.ok,
-                            "rows": h.rows,
-                            "torn": h.torn,
-                            "steps": None if h.steps is None else list(h.steps),
-                            "problems": list(h.problems),
-                        }
-                        for h in histories
-                    ],
-                },
-                sort_keys=True,
-            )
-        )
+    return reports
+
+
+def _print_report(r: Report) -> None:
+    if r.ok:
+        legacy = f"  legacy: lacks {', '.join(r.missing)}" if r.legacy else ""
+        flags = ", ".join(r.flags) or "-"
+        kind = f"sidecar v{r.version}" if r.kind == "sidecar" else f"v{r.version}"
+        print(f"OK    {r.path}  {kind} step {r.step}  {_size(r.size)}  flags: {flags}{legacy}")
     else:
-        _distributed.print_reports(dir_reports, _size)
-        for r in reports:
-            if r.ok:
-                legacy = f"  legacy: lacks {', '.join(r.missing)}" if r.legacy else ""
-                flags = ", ".join(r.flags) or "-"
-                kind = f"sidecar v{r.version}" if r.kind == "sidecar" else f"v{r.version}"
-                print(f"OK    {r.path}  {kind} step {r.step}  {_size(r.size)}  flags: {flags}{legacy}")
-            else:
-                print(f"FAIL  {r.error}" if str(r.error).startswith(r.path) else f"FAIL  {r.path}: {r.error}")
-        for c in companions:
-            _print_companion(c)
-        for h in histories:
-            _print_history(h)
-    return 0 if ok else 1
+        print(f"FAIL  {r.error}" if str(r.error).startswith(r.path) else f"FAIL  {r.path}: {r.error}")
+
+
+def _history_json(h: Any) -> dict[str, Any]:
+    return {
+        "path": h.path,
+        "ok": h.ok,
+        "rows": h.rows,
+        "torn": h.torn,
+        "steps": None if h.steps is None else list(h.steps),
+        "problems": list(h.problems),
+    }
 
 
 def _history_checks(paths: list[str]) -> list[Any]:

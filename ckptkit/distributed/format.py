@@ -41,7 +41,7 @@ from ..errors import (
     MalformedIndex,
     UnsupportedVersion,
 )
-from ..section import DTYPE_SIZES, MAX_NDIM, SectionIndex, TensorRef, check_plain, plan_section
+from ..section import DTYPE_SIZES, MAX_NDIM, SectionIndex, TensorRecord, TensorRef, check_plain, plan_section
 
 __all__ = [
     "DCP_DEFAULT_METADATA",
@@ -467,85 +467,106 @@ def verify_directory(directory: str | os.PathLike[str]) -> DirReport:
     return DirReport(directory, True, None, md.world_size, len(md.tensors), n_chunks, len(md.values), size, hashed)
 
 
-def _verify_data_file(
-    directory: str, rank: int, world: int, f: RankFile, expect: dict[tuple[str, tuple[int, ...]], tuple[str, Chunk]]
-) -> int:
+_Expected = dict[tuple[str, tuple[int, ...]], tuple[str, Chunk]]  # (fqn, chunk offsets) -> (dtype, chunk)
+
+
+def _verify_data_file(directory: str, rank: int, world: int, f: RankFile, expect: _Expected) -> int:
+    """Check rank ``rank``'s data file against the metadata; pop each chunk it holds from ``expect``.
+
+    Returns:
+        The bytes of chunk data hashed.
+    """
     path = os.path.join(directory, data_name(rank))
     with Source(path) as src:
-        layout, file_world = data_layout(src)
-        if layout.step != rank or file_world != world:
-            raise MalformedIndex(
-                "data file belongs to another rank or world size",
-                path=path,
-                offset=8,
-                field="data header",
-                expected=f"rank {rank} of {world}",
-                actual=f"rank {layout.step} of {file_world}",
-                hint="R-DC06",
-            )
-        if layout.skeleton_digest != f.digest:
-            raise ChecksumMismatch(
-                "data file is not the one this commit wrote (its digest differs from the metadata's)",
-                path=path,
-                offset=layout.trailer_offset,
-                field="trailer",
-                expected=f"0x{f.digest:016x}",
-                actual=f"0x{layout.skeleton_digest:016x}",
-                hint="a stray or damaged rank file; load an earlier checkpoint (R-DC06)",
-            )
-        check_skeleton(src, layout)
+        layout = _check_data_frame(src, rank, world, f)
         sec = layout.sections["data"]
         if sec is None:
             return 0
-        entries = sec.tree
-        if not isinstance(entries, list) or not all(
-            isinstance(e, list)
-            and len(e) == 3
-            and isinstance(e[0], str)
-            and _dims(e[1])
-            and isinstance(e[2], TensorRef)
-            for e in entries
-        ):
-            raise MalformedIndex(
-                "data tree must be a list of [fqn, offsets, tensor]",
-                path=path,
-                offset=sec.start + 8,
-                field="data index",
-                hint="R-DC02",
-            )
         hashed, scratch = 0, bytearray(1 << 20)
-        for fqn, offsets, ref in entries:
-            got = expect.pop((fqn, tuple(offsets)), None)
-            rec = sec.tensors[ref.id]
-            if got is None:
-                raise MalformedIndex(
-                    f"tensor {fqn!r} chunk at {offsets} is not in the metadata",
-                    path=path,
-                    offset=sec.start + 8,
-                    field="data index",
-                    hint="R-DC06",
-                )
-            dtype, c = got
-            if (rec.dtype, rec.shape, sec.data_start + rec.offset, rec.nbytes, rec.digest, c.rank) != (
-                dtype,
-                c.sizes,
-                c.offset,
-                c.nbytes,
-                c.digest,
-                rank,
-            ):
-                raise MalformedIndex(
-                    f"tensor {fqn!r} chunk at {offsets}: the data index and the metadata disagree",
-                    path=path,
-                    offset=sec.start + 8,
-                    field="data index",
-                    expected=f"{dtype}{list(c.sizes)} at {c.offset}",
-                    actual=f"{rec.dtype}{list(rec.shape)} at {sec.data_start + rec.offset}",
-                    hint="R-DC06",
-                )
+        for fqn, offsets, ref in _data_entries(sec, path):
+            c = _expected_chunk(expect, fqn, offsets, sec, sec.tensors[ref.id], rank, path)
             h = xxhash.xxh3_64()
             src.feed(c.offset, c.offset + c.nbytes, h.update, scratch)
             if h.intdigest() != c.digest:
                 raise chunk_mismatch(directory, fqn, c, h.intdigest())
             hashed += c.nbytes
         return hashed
+
+
+def _check_data_frame(src: Source, rank: int, world: int, f: RankFile) -> Layout:
+    """The data file's layout, once it is rank ``rank``'s of ``world``, the one this commit wrote, and whole."""
+    path = src.path
+    layout, file_world = data_layout(src)
+    if layout.step != rank or file_world != world:
+        raise MalformedIndex(
+            "data file belongs to another rank or world size",
+            path=path,
+            offset=8,
+            field="data header",
+            expected=f"rank {rank} of {world}",
+            actual=f"rank {layout.step} of {file_world}",
+            hint="R-DC06",
+        )
+    if layout.skeleton_digest != f.digest:
+        raise ChecksumMismatch(
+            "data file is not the one this commit wrote (its digest differs from the metadata's)",
+            path=path,
+            offset=layout.trailer_offset,
+            field="trailer",
+            expected=f"0x{f.digest:016x}",
+            actual=f"0x{layout.skeleton_digest:016x}",
+            hint="a stray or damaged rank file; load an earlier checkpoint (R-DC06)",
+        )
+    check_skeleton(src, layout)
+    return layout
+
+
+def _data_entries(sec: SectionIndex, path: str) -> list[tuple[str, list[int], TensorRef]]:
+    """The data section's tree, checked to be a list of ``[fqn, offsets, tensor]`` (R-DC02)."""
+    entries = sec.tree
+    if not isinstance(entries, list) or not all(
+        isinstance(e, list) and len(e) == 3 and isinstance(e[0], str) and _dims(e[1]) and isinstance(e[2], TensorRef)
+        for e in entries
+    ):
+        raise MalformedIndex(
+            "data tree must be a list of [fqn, offsets, tensor]",
+            path=path,
+            offset=sec.start + 8,
+            field="data index",
+            hint="R-DC02",
+        )
+    return [(fqn, offsets, ref) for fqn, offsets, ref in entries]
+
+
+def _expected_chunk(
+    expect: _Expected,
+    fqn: str,
+    offsets: list[int],
+    sec: SectionIndex,
+    rec: TensorRecord,
+    rank: int,
+    path: str,
+) -> Chunk:
+    """The metadata's chunk for a data file's entry, taken from ``expect``; the two must agree (R-DC06)."""
+    got = expect.pop((fqn, tuple(offsets)), None)
+    if got is None:
+        raise MalformedIndex(
+            f"tensor {fqn!r} chunk at {offsets} is not in the metadata",
+            path=path,
+            offset=sec.start + 8,
+            field="data index",
+            hint="R-DC06",
+        )
+    dtype, c = got
+    stored = (rec.dtype, rec.shape, sec.data_start + rec.offset, rec.nbytes, rec.digest, rank)
+    if stored != (dtype, c.sizes, c.offset, c.nbytes, c.digest, c.rank):
+        raise MalformedIndex(
+            f"tensor {fqn!r} chunk at {offsets}: the data index and the metadata disagree",
+            path=path,
+            offset=sec.start + 8,
+            field="data index",
+            expected=f"{dtype}{list(c.sizes)} at {c.offset}",
+            actual=f"{rec.dtype}{list(rec.shape)} at {sec.data_start + rec.offset}",
+            hint="R-DC06",
+        )
+    return c
