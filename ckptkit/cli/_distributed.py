@@ -6,6 +6,7 @@ default-backend ``.metadata`` (which is reported for what it is, never unpickled
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -231,17 +232,7 @@ def _tensor_diffs(a: str, b: str) -> list[dict[str, Any]]:
     while ka is not None or kb is not None:  # both in key order: one tensor of each side in memory at a time
         old = {ka: va} if ka is not None and (kb is None or ka <= kb) else {}
         new = {kb: vb} if kb is not None and (ka is None or kb <= ka) else {}
-        out += [
-            {
-                "name": d.name,
-                "kind": d.kind,
-                "detail": d.detail,
-                "n_diff": d.n_diff,
-                "numel": d.numel,
-                "max_abs_diff": d.max_abs_diff,
-            }
-            for d in compare_states(old, new)
-        ]
+        out += [dataclasses.asdict(d) for d in compare_states(old, new)]
         if old:
             ka, va = next(left, (None, None))
         if new:

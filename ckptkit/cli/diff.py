@@ -18,6 +18,7 @@ Imports no torch unless ``--tensors`` is given.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -173,17 +174,7 @@ def _tensor_diffs(ckpt_a: str | None, ckpt_b: str | None) -> list[dict[str, Any]
         raise _Unavailable("--tensors needs two checkpoints (or run directories that hold one), not bare snapshots")
     from ..compare import compare_checkpoints  # imports torch: only when asked
 
-    return [
-        {
-            "name": d.name,
-            "kind": d.kind,
-            "detail": d.detail,
-            "n_diff": d.n_diff,
-            "numel": d.numel,
-            "max_abs_diff": d.max_abs_diff,
-        }
-        for d in compare_checkpoints(ckpt_a, ckpt_b)
-    ]
+    return [dataclasses.asdict(d) for d in compare_checkpoints(ckpt_a, ckpt_b)]
 
 
 def _tensor_lines(tensors: list[dict[str, str]]) -> list[str]:
