@@ -95,6 +95,7 @@ def add_knobs(p: argparse.ArgumentParser) -> None:
 
 
 def add_parser(sub: Any) -> None:
+    """``ckptkit train``'s flags, kept as one function: a flag table reads best as one list, in ``--help`` order."""
     p = sub.add_parser(
         "train",
         help="train the reference byte-level GPT (resumable, bit-exact)",
