@@ -391,6 +391,23 @@ def _aux_loss(run: Run, x: torch.Tensor, pred: torch.Tensor | None, mask: torch.
     return F.mse_loss(pred, target)
 
 
+def _latch_before_forward(run: Run, step: int) -> str | None:
+    """Latch the fp32 fallback before this step's int8 forward if it is due; returns why, or None."""
+    tc = run.cfg.train
+    if not run.quant_active:
+        return None
+    latch = None
+    if step == tc.trip_latch_at:
+        latch = f"--trip-latch-at {tc.trip_latch_at} (testing aid)"
+    else:
+        error = _quant_error(run)
+        if error > tc.quant_threshold:
+            latch = f"quant error {error:.4g} > --quant-threshold {tc.quant_threshold}"
+    if latch:
+        run.latch_fp32()
+    return latch
+
+
 def train_step(run: Run, step: int) -> StepResult:
     """One optimisation step; reads only the run's state, the stream and (seed, step).
 
@@ -405,16 +422,7 @@ def train_step(run: Run, step: int) -> StepResult:
     n_layer = cfg.model.n_layer
     depth = sample_depth(n_layer, tc.min_depth, seed=tc.seed, step=step) if tc.rand_depth else n_layer
     # -- the one-way fp32 fallback, checked before the forward: a bad int8 step never trains --
-    latch = None
-    if run.quant_active:
-        if step == tc.trip_latch_at:
-            latch = f"--trip-latch-at {tc.trip_latch_at} (testing aid)"
-        else:
-            error = _quant_error(run)
-            if error > tc.quant_threshold:
-                latch = f"quant error {error:.4g} > --quant-threshold {tc.quant_threshold}"
-        if latch:
-            run.latch_fp32()
+    latch = _latch_before_forward(run, step)
     # -- forward (every rank latches if one rank's int8 loss is not finite) --
     mask = _mask(run, step)
     lm_loss, pred = _forward(run, x, y, depth, mask)

@@ -1029,31 +1029,9 @@ def _explain_step(
     done = step + 1
     state = _capture(run, rs, done)
     model_state = {k: v for k, v in state.items() if not k.startswith("grad:")}
-    digests = leaf_digests(model_state)
     if out_dir is not None:
         rs.save(done)  # the replayed state after the diverging step, for ckptkit diff --tensors
-    recorded = dict(rec.digests.get(done) or {})
-    recorded.update(rec.checkpoints.get(done) or {})
-    tensors: list[TensorReport] = []
-    if not recorded:
-        values = (
-            f"the recording holds no digests after step {step}, so the tensors cannot be named "
-            "against it (the history predates per-step digests)"
-        )
-    else:
-        bad = differing_names(recorded, {k: v for k, v in digests.items() if k in recorded})
-        file_state, why = _verified_file_state(run_dir, done, rec)
-        if file_state is not None:  # every difference, exactly as ckptkit diff --tensors lists it
-            tensors = tensor_reports(
-                compare_states(file_state, model_state), {n: (recorded.get(n), digests.get(n)) for n in bad}
-            )
-            values = why
-        else:
-            tensors = named_reports(bad, recorded, digests, "values unavailable")
-            values = (
-                f"unavailable: {why}; record with a checkpoint after step {step} (--ckpt-every) to get "
-                "max |diff|, or compare replay against replay below"
-            )
+    tensors, values = _tensors_against_recording(rec, run_dir, step, model_state)
     # Re-run the step twice here (replay against replay): is it deterministic in this process?
     with tempfile.TemporaryDirectory(prefix="ckptkit-rerun-") as tmp:
         rerun = rerun_step(cfg, origin[1], origin[0], run_dir, step, tmp, exempt, lambda _m: None)
@@ -1076,6 +1054,32 @@ def _explain_step(
         values=values,
         rerun=rerun,
         hints=tuple(hints),
+    )
+
+
+def _tensors_against_recording(
+    rec: Recording, run_dir: str, step: int, model_state: dict[str, Any]
+) -> tuple[list[TensorReport], str]:
+    """The tensors of the state after ``step`` that differ from the recording's digests, and
+    where their values came from (RUN's verified checkpoint there) or why there are none."""
+    done = step + 1
+    digests = leaf_digests(model_state)
+    recorded = dict(rec.digests.get(done) or {})
+    recorded.update(rec.checkpoints.get(done) or {})
+    if not recorded:
+        return [], (
+            f"the recording holds no digests after step {step}, so the tensors cannot be named "
+            "against it (the history predates per-step digests)"
+        )
+    bad = differing_names(recorded, {k: v for k, v in digests.items() if k in recorded})
+    file_state, why = _verified_file_state(run_dir, done, rec)
+    if file_state is not None:  # every difference, exactly as ckptkit diff --tensors lists it
+        return tensor_reports(
+            compare_states(file_state, model_state), {n: (recorded.get(n), digests.get(n)) for n in bad}
+        ), why
+    return named_reports(bad, recorded, digests, "values unavailable"), (
+        f"unavailable: {why}; record with a checkpoint after step {step} (--ckpt-every) to get "
+        "max |diff|, or compare replay against replay below"
     )
 
 
