@@ -685,9 +685,9 @@ def train(
         guard = spike_guard(run, rs, history=history, save=recorder.save, on_step=recorder.emit, log=log)
         step_fn = functools.partial(train_step, run)
 
-        with contextlib.ExitStack() as closing:  # on every exit, in this order:
+        with contextlib.ExitStack() as closing:  # on any exit: the stop handlers, then rs, then the history
             closing.callback(history.close)
-            closing.callback(rs.close)  # the last background save is committed (or its error raised) first
+            closing.callback(rs.close)  # the last background save is committed (or its error raised) before we return
             if preemptible:  # SIGTERM / SIGINT: finish the step, save it, stop (spec/runstate.md)
                 closing.enter_context(rs.preemptible())
 
