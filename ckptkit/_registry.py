@@ -170,26 +170,8 @@ class Registry:
     def restore(self, ckpt: Checkpoint, *, sidecars: Mapping[str, tuple[int, Any]] | None, skip: Iterable[str]) -> None:
         """Put ``ckpt`` into the registered objects (see :meth:`RunState.restore`)."""
         r = self
-        groups: dict[str, Mapping[str, Any]] = {
-            "model": r.models,
-            "optimizer": r.optimizers,
-            "scheduler": r.schedulers,
-            "scaler": r.scalers,
-            "teacher": {"teacher": r.teacher} if r.teacher is not None else {},
-            "monitor": r.monitors,
-            "data": r.data,
-            "value": r.values,
-            "flag": r.flags,
-            "sidecar": r.sidecars,
-        }
-        skip = set(skip)
-        unknown = sorted(s for s in skip if s.partition(":")[2] not in groups.get(s.partition(":")[0], {}))
-        if unknown:
-            raise ValueError(f"restore: skip names {', '.join(unknown)}, which this RunState does not register")
-        sidecars = dict(sidecars or {})
-        lacking = sorted(k for k in r.sidecars if f"sidecar:{k}" not in skip and k not in sidecars)
-        if lacking:
-            raise ValueError(f"restore: no contents given for the registered sidecar(s) {', '.join(lacking)}")
+        skip, sidecars = set(skip), dict(sidecars or {})
+        self._check_request(skip, sidecars)
 
         def todo(kind: str, regs: Mapping[str, Any]) -> list[tuple[str, Any]]:
             return [(name, obj) for name, obj in regs.items() if f"{kind}:{name}" not in skip]
@@ -221,6 +203,32 @@ class Registry:
                 r.flags[name].set(bool(ckpt.flags >> bit & 1))
         for kind, entry in todo("sidecar", r.sidecars):
             entry.set(sidecars[kind])
+
+    def _check_request(self, skip: set[str], sidecars: Mapping[str, tuple[int, Any]]) -> None:
+        """A restore's skip names and sidecar contents, checked before anything is loaded.
+
+        Raises:
+            ValueError: a skip name this run does not register, or a registered sidecar with no contents.
+        """
+        r = self
+        groups: dict[str, Mapping[str, Any]] = {
+            "model": r.models,
+            "optimizer": r.optimizers,
+            "scheduler": r.schedulers,
+            "scaler": r.scalers,
+            "teacher": {"teacher": r.teacher} if r.teacher is not None else {},
+            "monitor": r.monitors,
+            "data": r.data,
+            "value": r.values,
+            "flag": r.flags,
+            "sidecar": r.sidecars,
+        }
+        unknown = sorted(s for s in skip if s.partition(":")[2] not in groups.get(s.partition(":")[0], {}))
+        if unknown:
+            raise ValueError(f"restore: skip names {', '.join(unknown)}, which this RunState does not register")
+        lacking = sorted(k for k in r.sidecars if f"sidecar:{k}" not in skip and k not in sidecars)
+        if lacking:
+            raise ValueError(f"restore: no contents given for the registered sidecar(s) {', '.join(lacking)}")
 
 
 def _layout_problems(where: str, stored: Mapping[str, Any], live: Mapping[str, Any], problems: list[str]) -> None:

@@ -27,7 +27,17 @@ import torch
 
 from .container import Source, read_tensors
 from .errors import InsufficientMemory, StateMismatch, UnsupportedValue
-from .section import CODECS, DTYPE_SIZES, MAX_NDIM, SectionIndex, SectionPlan, TensorRef, check_plain, plan_section
+from .section import (
+    CODECS,
+    DTYPE_SIZES,
+    MAX_NDIM,
+    SectionIndex,
+    SectionPlan,
+    TensorRecord,
+    TensorRef,
+    check_plain,
+    plan_section,
+)
 
 __all__ = [
     "check_tensor",
@@ -548,17 +558,9 @@ def match_destinations(
             if not isinstance(stored, TensorRef):
                 problems.append(f"{at}: a tensor in the destination, {_kind(stored)} in the checkpoint")
                 return
-            rec = recs[stored.id]
-            got = _NAMES.get(d.dtype, str(d.dtype))
-            if rec.dtype != got:
-                problems.append(f"{at}: dtype {rec.dtype} in the checkpoint, {got} in the destination")
-            elif tuple(rec.shape) != tuple(d.shape):
-                problems.append(f"{at}: shape {list(rec.shape)} in the checkpoint, {list(d.shape)} in the destination")
-            elif d.numel() > 1 and any(n > 1 and s == 0 for n, s in zip(d.shape, d.stride(), strict=True)):
-                problems.append(
-                    f"{at}: the destination (shape {list(d.shape)}, stride {list(d.stride())}) overlaps "
-                    "itself, an expand() view: it cannot hold distinct values; pass a tensor of its own"
-                )
+            problem = _destination_problem(recs[stored.id], d, at)
+            if problem is not None:
+                problems.append(problem)
             else:
                 out.setdefault(stored.id, d)
         elif isinstance(d, Mapping):
@@ -589,6 +591,21 @@ def match_destinations(
 
     walk(sec.tree, dest, where)
     return out
+
+
+def _destination_problem(rec: TensorRecord, d: torch.Tensor, at: str) -> str | None:
+    """Why destination tensor ``d`` cannot take the stored tensor ``rec`` in place, or None."""
+    got = _NAMES.get(d.dtype, str(d.dtype))
+    if rec.dtype != got:
+        return f"{at}: dtype {rec.dtype} in the checkpoint, {got} in the destination"
+    if tuple(rec.shape) != tuple(d.shape):
+        return f"{at}: shape {list(rec.shape)} in the checkpoint, {list(d.shape)} in the destination"
+    if d.numel() > 1 and any(n > 1 and s == 0 for n, s in zip(d.shape, d.stride(), strict=True)):
+        return (
+            f"{at}: the destination (shape {list(d.shape)}, stride {list(d.stride())}) overlaps "
+            "itself, an expand() view: it cannot hold distinct values; pass a tensor of its own"
+        )
+    return None
 
 
 def _kind(v: Any) -> str:

@@ -857,7 +857,7 @@ def verify(path: str | os.PathLike[str]) -> Report:
     try:
         opened = Source(path)
     except UnreadableFile as e:
-        return _report(path, 0, None, e, 0)
+        return layout_report(path, 0, None, e, 0)
     with opened as src:
         layout: Layout | None = None
         hashed = 0
@@ -871,11 +871,13 @@ def verify(path: str | os.PathLike[str]) -> Report:
                 if error is not None:
                     raise error
         except FormatError as e:
-            return _report(path, src.size, layout, e, hashed)
-        return _report(path, src.size, layout, None, hashed)
+            return layout_report(path, src.size, layout, e, hashed)
+        return layout_report(path, src.size, layout, None, hashed)
 
 
-def _report(path: str, size: int, layout: Layout | None, error: CheckpointError | None, hashed: int) -> Report:
+def layout_report(path: str, size: int, layout: Layout | None, error: CheckpointError | None, hashed: int) -> Report:
+    """The :class:`Report` on a file whose layout was read (``layout`` None: not even that);
+    :func:`verify` and ``ckptkit inspect`` both build theirs here, so the two list the same sections."""
     if layout is None:
         return Report(path, False, error, None, None, (), False, (), (), size, hashed)
     return Report(

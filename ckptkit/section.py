@@ -521,25 +521,7 @@ def _decode_records(
             raise bad(
                 f"{where}: offset and nbytes must be non-negative integers", actual=_show(r[2:4], 80), hint="R-013"
             )
-        want = math.prod(shape) * DTYPE_SIZES[dtype]
-        if nbytes != want:
-            raise bad(f"{where}: nbytes disagrees with shape x itemsize", expected=want, actual=nbytes, hint="R-014")
-        if offset % ALIGN:
-            raise bad(f"{where}: offset {offset} is not a multiple of {ALIGN}", hint="R-014")
-        if offset < end_prev:
-            raise bad(
-                f"{where}: overlaps the previous tensor (tensors must be in offset order, disjoint)",
-                expected=f">= {end_prev}",
-                actual=offset,
-                hint="R-014",
-            )
-        if offset + nbytes > raw_len:
-            raise bad(
-                f"{where}: extent [{offset}, {offset + nbytes}) runs past the data region",
-                expected=f"end <= {raw_len}",
-                actual=offset + nbytes,
-                hint="R-014",
-            )
+        _check_extent(where, offset, nbytes, math.prod(shape) * DTYPE_SIZES[dtype], end_prev, raw_len, bad)
         end_prev = offset + nbytes
         digest = None
         if not legacy:
@@ -549,6 +531,31 @@ def _decode_records(
             digest = _U64.unpack(d)[0]
         out.append(TensorRecord(dtype, tuple(shape), offset, nbytes, digest))
     return tuple(out)
+
+
+def _check_extent(
+    where: str, offset: int, nbytes: int, want: int, end_prev: int, raw_len: int, bad: Callable[..., FormatError]
+) -> None:
+    """R-014: a record's bytes are ``want`` long (shape x itemsize), aligned, after the previous
+    tensor's and inside the data region of ``raw_len`` bytes."""
+    if nbytes != want:
+        raise bad(f"{where}: nbytes disagrees with shape x itemsize", expected=want, actual=nbytes, hint="R-014")
+    if offset % ALIGN:
+        raise bad(f"{where}: offset {offset} is not a multiple of {ALIGN}", hint="R-014")
+    if offset < end_prev:
+        raise bad(
+            f"{where}: overlaps the previous tensor (tensors must be in offset order, disjoint)",
+            expected=f">= {end_prev}",
+            actual=offset,
+            hint="R-014",
+        )
+    if offset + nbytes > raw_len:
+        raise bad(
+            f"{where}: extent [{offset}, {offset + nbytes}) runs past the data region",
+            expected=f"end <= {raw_len}",
+            actual=offset + nbytes,
+            hint="R-014",
+        )
 
 
 class _Ext:

@@ -51,6 +51,7 @@ exit codes:
 
 
 def add_parser(sub: Any) -> None:
+    """``ckptkit audit``'s flags, kept as one function: a flag table reads best as one list, in ``--help`` order."""
     from .train import add_knobs  # the trainer's flags, one per config key: reused, not copied
 
     p = sub.add_parser(

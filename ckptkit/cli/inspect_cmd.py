@@ -10,7 +10,7 @@ import argparse
 import json
 from typing import Any
 
-from ..container import Source, read_layout, section_infos
+from ..container import Source, layout_report, read_layout
 from ..errors import CheckpointNotFound
 from ..section import TensorRef
 from .verify import _size, report_json
@@ -67,21 +67,7 @@ def run(args: argparse.Namespace) -> int:
         raise CheckpointNotFound(f"{args.path}: is a directory; inspect takes one checkpoint file")
     with Source(args.path) as src:
         layout = read_layout(src)
-    from ..container import Report
-
-    report = Report(
-        args.path,
-        True,
-        None,
-        layout.version,
-        layout.step,
-        layout.flag_names,
-        layout.legacy,
-        layout.missing,
-        section_infos(layout),
-        layout.size,
-        0,
-    )
+    report = layout_report(args.path, layout.size, layout, None, 0)  # no digest is checked here
     monitor = layout.sections.get("monitor")
     run_state = _plain(monitor.tree) if monitor is not None else None
     if args.json:

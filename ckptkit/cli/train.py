@@ -95,6 +95,7 @@ def add_knobs(p: argparse.ArgumentParser) -> None:
 
 
 def add_parser(sub: Any) -> None:
+    """``ckptkit train``'s flags, kept as one function: a flag table reads best as one list, in ``--help`` order."""
     p = sub.add_parser(
         "train",
         help="train the reference byte-level GPT (resumable, bit-exact)",
@@ -163,18 +164,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"ckptkit train: {e}", file=sys.stderr)
         return 2
-    if cfg.data.path and not os.path.isfile(cfg.data.path):
-        print(f"ckptkit train: --data {cfg.data.path}: no such file", file=sys.stderr)
-        return 2
-
-    if args.threads is not None and args.threads < 1:
-        print(f"ckptkit train: --threads must be >= 1 (got {args.threads})", file=sys.stderr)
-        return 2
-    if args.reshard and not args.resume:
-        print("ckptkit train: --reshard needs --resume (it changes how a saved run is continued)", file=sys.stderr)
-        return 2
-    if args.dist_timeout is not None and not args.dist_timeout > 0:
-        print(f"ckptkit train: --dist-timeout must be > 0 seconds (got {args.dist_timeout})", file=sys.stderr)
+    problem = _usage_problem(args, cfg)
+    if problem is not None:
+        print(f"ckptkit train: {problem}", file=sys.stderr)
         return 2
 
     from ..trainer.parallel import DEFAULT_TIMEOUT_S, check_fits, process_group
@@ -221,16 +213,33 @@ def _train(args: argparse.Namespace, cfg: Any, speak: bool) -> int:
                     preemptible=True,
                 )
     except RunStopped as stop:  # Ctrl-C / SIGTERM: the step in progress was saved (after the bar closed)
-        if not speak:
-            return stop.code  # type: ignore[return-value]
-        print(
-            f"ckptkit train: stopped at step {stop.step} ({stop.reason}): saved {stop.path}\n"
-            f"resume with: {_resume_command(args, cfg)}",
-            file=sys.stderr,
-            flush=True,
-        )
+        if speak:
+            print(
+                f"ckptkit train: stopped at step {stop.step} ({stop.reason}): saved {stop.path}\n"
+                f"resume with: {_resume_command(args, cfg)}",
+                file=sys.stderr,
+                flush=True,
+            )
         return stop.code  # type: ignore[return-value]
-    seconds = time.monotonic() - began
+    _print_result(args, cfg, result, threads, seconds=time.monotonic() - began)
+    return 0
+
+
+def _usage_problem(args: argparse.Namespace, cfg: Any) -> str | None:
+    """What is wrong with the flags beyond each field's own rule (exit 2), or None."""
+    if cfg.data.path and not os.path.isfile(cfg.data.path):
+        return f"--data {cfg.data.path}: no such file"
+    if args.threads is not None and args.threads < 1:
+        return f"--threads must be >= 1 (got {args.threads})"
+    if args.reshard and not args.resume:
+        return "--reshard needs --resume (it changes how a saved run is continued)"
+    if args.dist_timeout is not None and not args.dist_timeout > 0:
+        return f"--dist-timeout must be > 0 seconds (got {args.dist_timeout})"
+    return None
+
+
+def _print_result(args: argparse.Namespace, cfg: Any, result: Any, threads: int, *, seconds: float) -> None:
+    """stdout after a finished run: the ``--json`` object, or the last checkpoint and the summary."""
     if args.json:
         print(
             json.dumps(
@@ -250,7 +259,6 @@ def _train(args: argparse.Namespace, cfg: Any, speak: bool) -> int:
     else:
         print(f"step {result.step}: {result.checkpoint or '(no new checkpoint)'}")
         print("\n".join(_summary(args, cfg, result.step, threads, seconds).lines()))
-    return 0
 
 
 def _summary(args: argparse.Namespace, cfg: Any, step: int, threads: int, seconds: float) -> Any:

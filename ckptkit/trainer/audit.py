@@ -19,6 +19,7 @@ and any fact that differs between the two is listed.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import os
@@ -345,68 +346,73 @@ def compare_runs(
     log = log or (lambda _m: None)
     a, b = os.fspath(a), os.fspath(b)
     env_a, env_b = _environment(a), _environment(b)
-    env_diffs = tuple(diff_environment(env_a, env_b))
     rows_a, _ = read_rows(os.path.join(a, HISTORY_FILE))
     rows_b, _ = read_rows(os.path.join(b, HISTORY_FILE))
-    steps_a, steps_b = step_rows(rows_a), step_rows(rows_b)
-    steps = len(steps_a)
+    div, n_ckpt = _history_divergence(a, b, rows_a, rows_b, rerun, log), 0
+    if div is None:  # every history row matched: the checkpoints both runs wrote must be the same bytes
+        div, n_ckpt = _checkpoint_divergence(a, b)
+    steps = len(step_rows(rows_a))
+    return AuditReport(a, b, steps, None, env_a, tuple(diff_environment(env_a, env_b)), n_ckpt, div)
 
-    def report(div: StepDivergence | None, n_ckpt: int = 0) -> AuditReport:
-        return AuditReport(a, b, steps, None, env_a, env_diffs, n_ckpt, div)
 
+def _history_divergence(
+    a: str, b: str, rows_a: list[dict[str, Any]], rows_b: list[dict[str, Any]], rerun: bool, log: Log
+) -> StepDivergence | None:
+    """The first history difference: ``start`` and ``probe`` rows, then step rows (explained)."""
     for kind in ("start", "probe"):
         div = _first_row_difference(rows_a, rows_b, kind)
         if div is not None:
-            return report(div)
+            return div
+    steps_a, steps_b = step_rows(rows_a), step_rows(rows_b)
     fields = step_fields(steps_a[0]) if steps_a else []
     d = first_divergence(steps_a, steps_b, fields)
     if d is None and len(steps_a) != len(steps_b):
-        return report(
-            StepDivergence(
-                "step", min(len(steps_a), len(steps_b)), fields=(FieldDiff("step rows", len(steps_a), len(steps_b)),)
-            )
+        return StepDivergence(
+            "step", min(len(steps_a), len(steps_b)), fields=(FieldDiff("step rows", len(steps_a), len(steps_b)),)
         )
-    if d is not None:
-        div = _explain(a, b, rows_a, rows_b, d.step, divergence_fields(d), rerun, log)
-        drift = _config_drift(a, b)
-        if drift:
-            div = StepDivergence(
-                div.kind,
-                div.step,
-                div.fields,
-                div.tensors,
-                div.values,
-                div.rerun,
-                div.file,
-                (f"the runs' configs differ in {', '.join(drift)}: the likely cause", *div.hints),
-            )
-        return report(div)
-    # Every history row matched: the checkpoints both runs wrote must be the same bytes.
+    if d is None:
+        return None
+    return _with_drift_hint(a, b, _explain(a, b, rows_a, rows_b, d.step, divergence_fields(d), rerun, log))
+
+
+def _with_drift_hint(a: str, b: str, div: StepDivergence) -> StepDivergence:
+    """``div`` with the runs' differing config keys named first among its hints (when they differ)."""
+    drift = _config_drift(a, b)
+    if not drift:
+        return div
+    return dataclasses.replace(
+        div, hints=(f"the runs' configs differ in {', '.join(drift)}: the likely cause", *div.hints)
+    )
+
+
+def _checkpoint_divergence(a: str, b: str) -> tuple[StepDivergence | None, int]:
+    """The first checkpoint both runs wrote whose bytes differ, and how many they share."""
     ckpts = run_checkpoints(a)
     common = sorted(set(ckpts) & set(run_checkpoints(b)))
     differ = first_differing_checkpoint(a, b, common)
-    if differ is not None:
-        s, diffs = differ
-        name = os.path.basename(ckpts[s])
-        return report(
-            StepDivergence(
-                "checkpoint",
-                s,
-                file=name,
-                tensors=tuple(tensor_reports(diffs, {})),
-                values=f"both runs' {name}, compared as ckptkit diff --tensors does",
-                hints=(
-                    (
-                        "the container bytes differ while every fingerprint matched: state outside the "
-                        "fingerprints (see the tensors) was not reproduced"
-                    ),
-                )
-                if diffs
-                else ("the states are equal but the bytes are not: the writer is not canonical (a bug)",),
-            ),
-            len(common),
+    if differ is None:
+        return None, len(common)
+    s, diffs = differ
+    name = os.path.basename(ckpts[s])
+    hint = (
+        (
+            "the container bytes differ while every fingerprint matched: state outside the "
+            "fingerprints (see the tensors) was not reproduced"
         )
-    return report(None, len(common))
+        if diffs
+        else "the states are equal but the bytes are not: the writer is not canonical (a bug)"
+    )
+    return (
+        StepDivergence(
+            "checkpoint",
+            s,
+            file=name,
+            tensors=tuple(tensor_reports(diffs, {})),
+            values=f"both runs' {name}, compared as ckptkit diff --tensors does",
+            hints=(hint,),
+        ),
+        len(common),
+    )
 
 
 def _config_drift(a: str, b: str) -> list[str]:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 import sys
@@ -390,6 +391,23 @@ def _aux_loss(run: Run, x: torch.Tensor, pred: torch.Tensor | None, mask: torch.
     return F.mse_loss(pred, target)
 
 
+def _latch_before_forward(run: Run, step: int) -> str | None:
+    """Latch the fp32 fallback before this step's int8 forward if it is due; returns why, or None."""
+    tc = run.cfg.train
+    if not run.quant_active:
+        return None
+    latch = None
+    if step == tc.trip_latch_at:
+        latch = f"--trip-latch-at {tc.trip_latch_at} (testing aid)"
+    else:
+        error = _quant_error(run)
+        if error > tc.quant_threshold:
+            latch = f"quant error {error:.4g} > --quant-threshold {tc.quant_threshold}"
+    if latch:
+        run.latch_fp32()
+    return latch
+
+
 def train_step(run: Run, step: int) -> StepResult:
     """One optimisation step; reads only the run's state, the stream and (seed, step).
 
@@ -404,16 +422,7 @@ def train_step(run: Run, step: int) -> StepResult:
     n_layer = cfg.model.n_layer
     depth = sample_depth(n_layer, tc.min_depth, seed=tc.seed, step=step) if tc.rand_depth else n_layer
     # -- the one-way fp32 fallback, checked before the forward: a bad int8 step never trains --
-    latch = None
-    if run.quant_active:
-        if step == tc.trip_latch_at:
-            latch = f"--trip-latch-at {tc.trip_latch_at} (testing aid)"
-        else:
-            error = _quant_error(run)
-            if error > tc.quant_threshold:
-                latch = f"quant error {error:.4g} > --quant-threshold {tc.quant_threshold}"
-        if latch:
-            run.latch_fp32()
+    latch = _latch_before_forward(run, step)
     # -- forward (every rank latches if one rank's int8 loss is not finite) --
     mask = _mask(run, step)
     lm_loss, pred = _forward(run, x, y, depth, mask)
@@ -660,7 +669,6 @@ def train(
         >>> train(cfg.replace(**{"train.steps": 40}), "runs/a", resume=True)  # doctest: +SKIP
     """
     log = log or (lambda _msg: None)
-    tc = cfg.train
     with deterministic_torch():
         # -- data, model, optimizer (fresh at step 0; a resume overwrites them) --
         data = load_bytes(cfg.data.path)
@@ -671,69 +679,27 @@ def train(
         # -- run state: everything a checkpoint carries, registered once --
         rs = run_state(run, run_dir, fingerprint, log=log, async_save=True)
         history = rank_history(run_dir, run.ranks)
-
-        def emit(e: Executed) -> None:  # a step's rows, re-runs included (the guard calls it)
-            result = _judged(e)
-            history.append(result.row())
-            history.append(digests_row(result.step + 1, result.param_digests or {}))  # spec/replay.md R-P02
-            if on_step is not None:
-                on_step(result)
-
-        def save(step: int) -> str:  # every checkpoint, the guard's rolled-back state included
-            history.append(checkpoint_row(rs, step))  # spec/replay.md R-P03
-            history.sync()  # every row before the checkpoint is on disk before it
-            return rs.save(step)
+        recorder = _Recorder(rs, history, on_step)
 
         # -- what a spike verdict does (--auto-rollback; spec/rollback.md) --
-        guard = spike_guard(run, rs, history=history, save=save, on_step=emit, log=log)
+        guard = spike_guard(run, rs, history=history, save=recorder.save, on_step=recorder.emit, log=log)
+        step_fn = functools.partial(train_step, run)
 
-        def step_fn(step: int) -> StepResult:
-            return train_step(run, step)
-
-        # -- start or resume --
-        notes: list[str] = []
-        stops = contextlib.ExitStack()
-        try:
+        with contextlib.ExitStack() as closing:  # on any exit: the stop handlers, then rs, then the history
+            closing.callback(history.close)
+            closing.callback(rs.close)  # the last background save is committed (or its error raised) before we return
             if preemptible:  # SIGTERM / SIGINT: finish the step, save it, stop (spec/runstate.md)
-                stops.enter_context(rs.preemptible())
+                closing.enter_context(rs.preemptible())
+
+            # -- start or resume --
+            notes: list[str] = []
             if resume:
                 start, notes = _resume(run, rs, history, step_fn, reshard, allow_legacy, allow_env_change, log)
             else:
                 start = _start(run, rs, history, fingerprint, log)
-            last_saved = start if resume else None
 
-            # -- the loop (a spike rollback sends `step` back: spec/rollback.md) --
-            path = None
-            if start >= tc.steps and resume:
-                log(f"the run is at step {start} and --steps is {tc.steps}: nothing to train")
-            step = start
-            while step < tc.steps:
-                outcome = guard.step(step, step_fn)  # warn: a spike row; on: re-run, then roll back or stop
-                if isinstance(outcome, RolledBack):  # training goes on from the restored step
-                    step = outcome.to
-                    continue
-                result = _judged(outcome.executed)
-                done = step + 1
-                if done % tc.log_every == 0 or done == tc.steps or result.latch or outcome.executed.verdict.is_spike:
-                    log(result.line(tc.steps))
-                if done % tc.ckpt_every == 0 or done == tc.steps:
-                    path = save(done)
-                    last_saved = done
-                why = run.ranks.agree(rs.stop_requested(done))  # preemption, CKPTKIT_STOP_AT: save, stop
-                if why is not None:
-                    path = path if last_saved == done and path is not None else save(done)
-                    rs.wait()
-                    raise RunStopped(done, path, why)
-                step = done
-            final = max(start, tc.steps)
-            if last_saved != final:  # a fresh run of 0 steps still leaves its step-0 checkpoint
-                path = save(final)
-        finally:
-            stops.close()
-            try:
-                rs.close()  # the last background save is committed (or its error raised) before we return
-            finally:
-                history.close()
+            # -- the loop, then the final save --
+            final, path = _loop(run, rs, guard, recorder, step_fn, start, resumed=resume, log=log)
     return TrainResult(
         final,
         path,
@@ -743,6 +709,76 @@ def train(
         tuple(notes),
         rollback=guard.record.state() if guard.on else None,
     )
+
+
+class _Recorder:
+    """Where the loop and the guard put a step's rows and a checkpoint, in the order a replay checks them."""
+
+    def __init__(self, rs: RunState, history: History, on_step: Callable[[StepResult], None] | None) -> None:
+        self._rs, self._history, self._on_step = rs, history, on_step
+
+    def emit(self, e: Executed) -> None:
+        """A step's rows, re-runs included (the guard calls it); then ``on_step``."""
+        result = _judged(e)
+        self._history.append(result.row())
+        self._history.append(digests_row(result.step + 1, result.param_digests or {}))  # spec/replay.md R-P02
+        if self._on_step is not None:
+            self._on_step(result)
+
+    def save(self, step: int) -> str:
+        """Every checkpoint, the guard's rolled-back state included: its row first, synced, then the save."""
+        self._history.append(checkpoint_row(self._rs, step))  # spec/replay.md R-P03
+        self._history.sync()  # every row before the checkpoint is on disk before it
+        return self._rs.save(step)
+
+
+def _loop(
+    run: Run,
+    rs: RunState,
+    guard: SpikeGuard,
+    recorder: _Recorder,
+    step_fn: Callable[[int], StepResult],
+    start: int,
+    *,
+    resumed: bool,
+    log: Log,
+) -> tuple[int, str | None]:
+    """Steps from ``start`` to ``--steps``: the log line, the checkpoint and the stop check of each,
+    then the final save; returns (the step reached, the newest checkpoint this call wrote).
+
+    A spike rollback sends ``step`` back (spec/rollback.md).
+
+    Raises:
+        RunStopped: a stop was requested; the checkpoint at the step reached is committed.
+    """
+    tc = run.cfg.train
+    last_saved = start if resumed else None
+    path = None
+    if start >= tc.steps and resumed:
+        log(f"the run is at step {start} and --steps is {tc.steps}: nothing to train")
+    step = start
+    while step < tc.steps:
+        outcome = guard.step(step, step_fn)  # warn: a spike row; on: re-run, then roll back or stop
+        if isinstance(outcome, RolledBack):  # training goes on from the restored step
+            step = outcome.to
+            continue
+        result = _judged(outcome.executed)
+        done = step + 1
+        if done % tc.log_every == 0 or done == tc.steps or result.latch or outcome.executed.verdict.is_spike:
+            log(result.line(tc.steps))
+        if done % tc.ckpt_every == 0 or done == tc.steps:
+            path = recorder.save(done)
+            last_saved = done
+        why = run.ranks.agree(rs.stop_requested(done))  # preemption, CKPTKIT_STOP_AT: save, stop
+        if why is not None:
+            path = path if last_saved == done and path is not None else recorder.save(done)
+            rs.wait()
+            raise RunStopped(done, path, why)
+        step = done
+    final = max(start, tc.steps)
+    if last_saved != final:  # a fresh run of 0 steps still leaves its step-0 checkpoint
+        path = recorder.save(final)
+    return final, path
 
 
 def _start(run: Run, rs: RunState, history: History, fingerprint: dict[str, Any], log: Log) -> int:

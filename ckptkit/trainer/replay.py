@@ -253,27 +253,7 @@ class ReplayReport:
             )
             lines.append(f"IDENTICAL: {self.replayed} {what} ({span}), every fingerprint bit for bit")
             return "\n".join(lines)
-        if d.kind == "checkpoint" and self.guarded:
-            lines.append(f"DIVERGED at step {d.step}: {d.file} differs from the file the replay wrote at that step")
-        elif d.kind == "checkpoint":
-            lines.append(
-                f"DIVERGED at step {d.step}: {d.file} does not match the digests recorded when it was "
-                "written (altered after the fact)"
-            )
-        elif self.guarded:
-            lines.append(
-                f"DIVERGED at step {d.step}: the recording's history row differs from the replay's "
-                f"({d.kind}; the rows before it matched)"
-            )
-        elif d.kind == "state":
-            lines.append(
-                f"DIVERGED at step {d.step}: the state after {d.step} steps differs from the recorded "
-                "checkpoint digests"
-            )
-        else:
-            lines.append(
-                f"DIVERGED at step {d.step} (history row step={d.step}; {self.replayed - 1} step(s) before it matched)"
-            )
+        lines.append(self._divergence_headline(d))
         for f in d.fields:
             lines.append(f"  {f.field}: recorded {_show(f.recorded)}, replayed {_show(f.replayed)}")
         if d.tensors:
@@ -282,21 +262,41 @@ class ReplayReport:
         if d.values:
             lines.append(f"  values: {d.values}")
         if d.rerun is not None:
-            if d.rerun.identical:
-                lines.append(
-                    f"  re-run of step {d.step if d.kind == 'step' else d.step - 1} twice here: identical "
-                    "(deterministic in this process)"
-                )
-            else:
-                lines.append(
-                    f"  re-run of step {d.step if d.kind == 'step' else d.step - 1} twice here: DIFFERS "
-                    "(nondeterministic in this process):"
-                )
-                for f in d.rerun.fields:
-                    lines.append(f"    {f.field}: first {_show(f.recorded)}, second {_show(f.replayed)}")
-                lines += ["  " + s for s in _tensor_lines(d.rerun.tensors, limit)]
+            lines += _rerun_lines(d, d.rerun, limit)
         lines += [f"  hint: {h}" for h in d.hints]
         return "\n".join(lines)
+
+    def _divergence_headline(self, d: StepDivergence) -> str:
+        """The ``DIVERGED at step N`` line: what differed, as the divergence's kind and the replay's mode say."""
+        if d.kind == "checkpoint" and self.guarded:
+            return f"DIVERGED at step {d.step}: {d.file} differs from the file the replay wrote at that step"
+        if d.kind == "checkpoint":
+            return (
+                f"DIVERGED at step {d.step}: {d.file} does not match the digests recorded when it was "
+                "written (altered after the fact)"
+            )
+        if self.guarded:
+            return (
+                f"DIVERGED at step {d.step}: the recording's history row differs from the replay's "
+                f"({d.kind}; the rows before it matched)"
+            )
+        if d.kind == "state":
+            return (
+                f"DIVERGED at step {d.step}: the state after {d.step} steps differs from the recorded "
+                "checkpoint digests"
+            )
+        return f"DIVERGED at step {d.step} (history row step={d.step}; {self.replayed - 1} step(s) before it matched)"
+
+
+def _rerun_lines(d: StepDivergence, rerun: Rerun, limit: int) -> list[str]:
+    """The diverging step run twice here: identical, or what the two runs disagree on."""
+    step = d.step if d.kind == "step" else d.step - 1  # a state/checkpoint divergence counts steps done
+    if rerun.identical:
+        return [f"  re-run of step {step} twice here: identical (deterministic in this process)"]
+    lines = [f"  re-run of step {step} twice here: DIFFERS (nondeterministic in this process):"]
+    for f in rerun.fields:
+        lines.append(f"    {f.field}: first {_show(f.recorded)}, second {_show(f.replayed)}")
+    return lines + ["  " + s for s in _tensor_lines(rerun.tensors, limit)]
 
 
 def divergence_json(d: StepDivergence, a: str = "recorded", b: str = "replayed") -> dict[str, Any]:
@@ -868,6 +868,24 @@ def _replay_guarded(
     (step, spike, rollback and digests rows: the resume invariant), so the first
     row that differs is the divergence.
     """
+    _private_copy(cfg, run_dir, ckpt_path, start, work)
+    executed = 0
+
+    def count(result: Any) -> None:
+        nonlocal executed
+        executed += 1
+        step_done(result.step + 1, to)
+
+    try:  # the environment was compared with the recording already (R-P06)
+        train(cfg, work, resume=True, allow_env_change=True, log=log, on_step=count)
+    except TrainingUnstable as e:  # the recording may have stopped the same way: its rows say whether it did
+        report.notes.append(f"the replay stopped: {str(e).splitlines()[0]}")
+    return report.done(executed, _compare_guarded(rec, run_dir, start, to, work), guarded=True)
+
+
+def _private_copy(cfg: TrainerConfig, run_dir: str, ckpt_path: str, start: int, work: str) -> None:
+    """A run directory in ``work`` that ``train --resume`` continues as RUN did from ``ckpt_path``:
+    the checkpoint (and the ring's base), bound to the replay's snapshot, and RUN's history."""
     os.makedirs(work, exist_ok=True)
     _copy_checkpoint(ckpt_path, run_dir, work)
     # The resume rebuilds the rollback ring by replaying from the newest checkpoint at or
@@ -880,71 +898,59 @@ def _replay_guarded(
     write_snapshot(snapshot_path(copy), cfg)
     rebind(copy)  # the private copy's checkpoint binds the replay's snapshot (spec/companions.md)
     shutil.copyfile(os.path.join(run_dir, HISTORY_FILE), os.path.join(work, HISTORY_FILE))
-    executed = 0
 
-    def count(result: Any) -> None:
-        nonlocal executed
-        executed += 1
-        step_done(result.step + 1, to)
 
-    try:  # the environment was compared with the recording already (R-P06)
-        train(cfg, work, resume=True, allow_env_change=True, log=log, on_step=count)
-    except TrainingUnstable as e:  # the recording may have stopped the same way: its rows say whether it did
-        report.notes.append(f"the replay stopped: {str(e).splitlines()[0]}")
+def _compare_guarded(rec: Recording, run_dir: str, start: int, to: int, work: str) -> StepDivergence | None:
+    """The guarded replay in ``work`` against the recording: the compared rows in order,
+    then, over the same timeline to the end, RUN's checkpoint files against the replay's."""
     recorded = compared_rows(rec.rows)
     replayed = compared_rows(read_rows(os.path.join(work, HISTORY_FILE))[0])
     for i, (a, b) in enumerate(zip(recorded, replayed, strict=False)):
         if a != b:
-            return report.done(executed, guarded=True, divergence=_row_divergence(recorded, replayed, i))
+            return _row_divergence(recorded, replayed, i)
     if len(replayed) > len(recorded):
         extra = replayed[len(recorded)]
-        return report.done(
-            executed,
-            guarded=True,
-            divergence=StepDivergence(
-                "rows",
-                extra["step"],
-                fields=(FieldDiff("row", None, extra),),
-                hints=("the replay went on where the recording stopped",),
-            ),
+        return StepDivergence(
+            "rows",
+            extra["step"],
+            fields=(FieldDiff("row", None, extra),),
+            hints=("the replay went on where the recording stopped",),
         )
     if to == rec.last and len(replayed) < len(recorded):
         missing = recorded[len(replayed)]
-        return report.done(
-            executed,
-            guarded=True,
-            divergence=StepDivergence(
-                "rows",
-                missing["step"],
-                fields=(FieldDiff("row", missing, None),),
-                hints=("the replay stopped where the recording went on (a rollback bound it did not reach?)",),
-            ),
+        return StepDivergence(
+            "rows",
+            missing["step"],
+            fields=(FieldDiff("row", missing, None),),
+            hints=("the replay stopped where the recording went on (a rollback bound it did not reach?)",),
         )
     if len(replayed) == len(recorded):  # the same timeline to the end: RUN's files must be the replay's bytes
-        mine = {s for s, _ in list_checkpoints(work)}
-        differ = first_differing_checkpoint(
-            work, run_dir, [s for s, _ in list_checkpoints(run_dir) if s > start and s in mine]
-        )
-        if differ is not None:
-            s, diffs = differ
-            return report.done(
-                executed,
-                guarded=True,
-                divergence=StepDivergence(
-                    "checkpoint",
-                    s,
-                    file=os.path.join(run_dir, checkpoint_name(s)),
-                    tensors=tuple(tensor_reports(diffs, {})),
-                    values=f"the replayed {checkpoint_name(s)}, compared as ckptkit diff --tensors does",
-                    hints=(
-                        (
-                            "every history row matched, yet the file differs from the replay's: it was altered "
-                            "after the fact, or state outside the fingerprints was not reproduced"
-                        ),
-                    ),
-                ),
-            )
-    return report.done(executed, None, guarded=True)
+        return _guarded_file_divergence(run_dir, start, work)
+    return None
+
+
+def _guarded_file_divergence(run_dir: str, start: int, work: str) -> StepDivergence | None:
+    """The first checkpoint after ``start`` that RUN and the replay both hold and that differs in bytes."""
+    mine = {s for s, _ in list_checkpoints(work)}
+    differ = first_differing_checkpoint(
+        work, run_dir, [s for s, _ in list_checkpoints(run_dir) if s > start and s in mine]
+    )
+    if differ is None:
+        return None
+    s, diffs = differ
+    return StepDivergence(
+        "checkpoint",
+        s,
+        file=os.path.join(run_dir, checkpoint_name(s)),
+        tensors=tuple(tensor_reports(diffs, {})),
+        values=f"the replayed {checkpoint_name(s)}, compared as ckptkit diff --tensors does",
+        hints=(
+            (
+                "every history row matched, yet the file differs from the replay's: it was altered "
+                "after the fact, or state outside the fingerprints was not reproduced"
+            ),
+        ),
+    )
 
 
 def row_fields(a: Mapping[str, Any], b: Mapping[str, Any]) -> tuple[FieldDiff, ...]:
@@ -1023,31 +1029,9 @@ def _explain_step(
     done = step + 1
     state = _capture(run, rs, done)
     model_state = {k: v for k, v in state.items() if not k.startswith("grad:")}
-    digests = leaf_digests(model_state)
     if out_dir is not None:
         rs.save(done)  # the replayed state after the diverging step, for ckptkit diff --tensors
-    recorded = dict(rec.digests.get(done) or {})
-    recorded.update(rec.checkpoints.get(done) or {})
-    tensors: list[TensorReport] = []
-    if not recorded:
-        values = (
-            f"the recording holds no digests after step {step}, so the tensors cannot be named "
-            "against it (the history predates per-step digests)"
-        )
-    else:
-        bad = differing_names(recorded, {k: v for k, v in digests.items() if k in recorded})
-        file_state, why = _verified_file_state(run_dir, done, rec)
-        if file_state is not None:  # every difference, exactly as ckptkit diff --tensors lists it
-            tensors = tensor_reports(
-                compare_states(file_state, model_state), {n: (recorded.get(n), digests.get(n)) for n in bad}
-            )
-            values = why
-        else:
-            tensors = named_reports(bad, recorded, digests, "values unavailable")
-            values = (
-                f"unavailable: {why}; record with a checkpoint after step {step} (--ckpt-every) to get "
-                "max |diff|, or compare replay against replay below"
-            )
+    tensors, values = _tensors_against_recording(rec, run_dir, step, model_state)
     # Re-run the step twice here (replay against replay): is it deterministic in this process?
     with tempfile.TemporaryDirectory(prefix="ckptkit-rerun-") as tmp:
         rerun = rerun_step(cfg, origin[1], origin[0], run_dir, step, tmp, exempt, lambda _m: None)
@@ -1070,6 +1054,32 @@ def _explain_step(
         values=values,
         rerun=rerun,
         hints=tuple(hints),
+    )
+
+
+def _tensors_against_recording(
+    rec: Recording, run_dir: str, step: int, model_state: dict[str, Any]
+) -> tuple[list[TensorReport], str]:
+    """The tensors of the state after ``step`` that differ from the recording's digests, and
+    where their values came from (RUN's verified checkpoint there) or why there are none."""
+    done = step + 1
+    digests = leaf_digests(model_state)
+    recorded = dict(rec.digests.get(done) or {})
+    recorded.update(rec.checkpoints.get(done) or {})
+    if not recorded:
+        return [], (
+            f"the recording holds no digests after step {step}, so the tensors cannot be named "
+            "against it (the history predates per-step digests)"
+        )
+    bad = differing_names(recorded, {k: v for k, v in digests.items() if k in recorded})
+    file_state, why = _verified_file_state(run_dir, done, rec)
+    if file_state is not None:  # every difference, exactly as ckptkit diff --tensors lists it
+        return tensor_reports(
+            compare_states(file_state, model_state), {n: (recorded.get(n), digests.get(n)) for n in bad}
+        ), why
+    return named_reports(bad, recorded, digests, "values unavailable"), (
+        f"unavailable: {why}; record with a checkpoint after step {step} (--ckpt-every) to get "
+        "max |diff|, or compare replay against replay below"
     )
 
 
