@@ -7,6 +7,7 @@
 - Flat: a config without tables.
 - load_script / fixture_generator / hostile_generator: scripts outside the package (the
   fixture writers, benches) imported by path, once per process.
+- examples: a property test's example count, as a share of the hypothesis profile's.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from hypothesis import settings
 
 import ckptkit
 from ckptkit import RunState, SpikeConfig, SpikeMonitor
@@ -28,6 +30,16 @@ from ckptkit.runstate import checkpoint_name
 from ckptkit.trainer import StepResult, TrainerConfig, compared_rows, read_rows, train
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def examples(share: float) -> int:
+    """A property test's example count: ``share`` of the active hypothesis profile's.
+
+    A cheap invariant over a wide input space takes several times the profile's count,
+    one whose example trains a run takes a fraction; every count follows the profile
+    (root ``conftest.py``), so ``HYPOTHESIS_PROFILE=thorough`` widens all of them.
+    """
+    return max(1, round(settings.default.max_examples * share))
 
 
 def bits(t: torch.Tensor) -> bytes:
