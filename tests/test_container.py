@@ -271,6 +271,7 @@ def _resealed(data: bytes, source: bytes) -> bytes:
         h = xxhash.xxh3_64()
         for a, b in container.skeleton_extents(layout):
             h.update(bytes(out[a:b]))
+    assert layout.trailer_offset is not None
     out[layout.trailer_offset : layout.trailer_offset + 8] = struct.pack("<Q", h.intdigest())
     return bytes(out)
 

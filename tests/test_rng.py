@@ -74,6 +74,7 @@ class _GlobalRngUntouched:
     def __exit__(self, *exc: object) -> None:
         assert random.getstate() == self.py
         after = np.random.get_state()
+        assert isinstance(after, tuple) and isinstance(self.np, tuple)  # the legacy (default) form
         assert after[0] == self.np[0] and np.array_equal(after[1], self.np[1]) and after[2:] == self.np[2:]
         assert torch.equal(torch.get_rng_state(), self.torch)
 

@@ -332,7 +332,7 @@ def test_the_rollback_cap_stops_a_run_that_keeps_rolling_back(tmp_path: Path) ->
     with pytest.raises(TrainingUnstable, match=r"rollback cap 1: 1 rollbacks already done in this run") as e:
         run(cfg, tmp_path, 14)
     assert e.value.checkpoint == str(tmp_path / checkpoint_name(9))  # type: ignore[attr-defined]
-    assert [ev["step"] for ev in e.value.events] == [9, 9]  # type: ignore[attr-defined]
+    assert [ev["step"] for ev in e.value.events] == [9, 9]
 
 
 # ----------------------------------------------------------------------------- resume: the same run, bit for bit
