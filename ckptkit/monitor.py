@@ -38,7 +38,7 @@ import dataclasses
 import math
 import operator
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, SupportsFloat
 
 from ._monitor_state import SPIKE_REASONS, DetectorState, ReportState, exact_keys, typed
 from .errors import ConfigDrift, MalformedIndex, UnsupportedVersion
@@ -276,12 +276,13 @@ class SpikeMonitor:
 
     # ------------------------------------------------------------------ observe
 
-    def observe(self, step: int, grad_norm: float, loss: float) -> Verdict:
+    def observe(self, step: int, grad_norm: SupportsFloat, loss: SupportsFloat) -> Verdict:
         """Judge one step and record it.
 
         Args:
             step: the training step, an int >= 0 and greater than the last observed step.
-            grad_norm: the pre-clip global grad norm (anything ``float()`` accepts).
+            grad_norm: the pre-clip global grad norm: a float, or anything with ``__float__``
+                (a 0-dim tensor, a numpy scalar).
             loss: the step's loss.
 
         Returns:

@@ -31,7 +31,7 @@ import os
 import random
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from .runstate import RunState
 
@@ -44,9 +44,13 @@ class Run(Protocol):
     state: RunState
 
 
+# The caller's own run type: `step` may use everything `make_run`'s objects carry, not only `state`.
+_RunT = TypeVar("_RunT", bound=Run)
+
+
 def _train(
-    make_run: Callable[[Any, Path], Run],
-    step: Callable[[Run, int], None],
+    make_run: Callable[[Any, Path], _RunT],
+    step: Callable[[_RunT, int], None],
     config: Any,
     run_dir: Path,
     steps: int,
@@ -78,8 +82,8 @@ def _files(path: str) -> dict[str, bytes]:
 
 
 def assert_resume_equivalent(
-    make_run: Callable[[Any, Path], Run],
-    step: Callable[[Run, int], None],
+    make_run: Callable[[Any, Path], _RunT],
+    step: Callable[[_RunT, int], None],
     config: Any,
     *,
     steps: int,

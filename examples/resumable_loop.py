@@ -51,7 +51,7 @@ class Stream:
 @dataclasses.dataclass
 class Run:
     cfg: Config
-    net: torch.nn.Module
+    net: torch.nn.Sequential
     opt: torch.optim.Optimizer
     sched: torch.optim.lr_scheduler.LRScheduler
     data: Stream

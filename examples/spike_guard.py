@@ -23,6 +23,7 @@ import argparse
 import dataclasses
 import math
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +75,8 @@ class Batches:
         self.sampler = EpochShuffle(len(dataset), seed)  # type: ignore[arg-type]
         self.loader = torch.utils.data.DataLoader(dataset, batch_size=batch, sampler=self.sampler, drop_last=True)
         self.batch, self.per_epoch = batch, len(dataset) // batch  # type: ignore[arg-type]
-        self.position, self._it = 0, None
+        self.position = 0
+        self._it: Iterator[Any] | None = None
 
     def seek(self, position: int) -> None:
         self.position, self._it = position, None

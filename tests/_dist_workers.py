@@ -106,7 +106,7 @@ def assert_same(a: Any, b: Any) -> None:
 # ---------------------------------------------------------------------------- rank-side work
 
 
-def tiny_model(seed: int) -> torch.nn.Module:
+def tiny_model(seed: int) -> torch.nn.Sequential:
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.ReLU(), torch.nn.Linear(10, 3))
 

@@ -43,7 +43,8 @@ def build(layout: str, seed: int = 0) -> tuple[torch.nn.Module, torch.nn.Module,
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         for layer in (net[0], net[2]):
             fully_shard(layer, mesh=mesh)
-        model = fully_shard(net, mesh=mesh)
+        fully_shard(net, mesh=mesh)  # in place: net is now the FSDP2 module
+        model = net
     else:
         model = net
     return model, model, torch.optim.AdamW(model.parameters(), lr=LoopConfig.lr)
@@ -98,7 +99,7 @@ class Loop:
         self.updates += 1
         return float(norm)
 
-    def _params(self) -> dict[str, torch.Tensor]:
+    def _params(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         return get_model_state_dict(self.model)

@@ -7,6 +7,7 @@
 - Flat: a config without tables.
 - load_script / fixture_generator / hostile_generator: scripts outside the package (the
   fixture writers, benches) imported by path, once per process.
+- examples: a property test's example count, as a share of the hypothesis profile's.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from hypothesis import settings
 
 import ckptkit
 from ckptkit import RunState, SpikeConfig, SpikeMonitor
@@ -28,6 +30,16 @@ from ckptkit.runstate import checkpoint_name
 from ckptkit.trainer import StepResult, TrainerConfig, compared_rows, read_rows, train
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def examples(share: float) -> int:
+    """A property test's example count: ``share`` of the active hypothesis profile's.
+
+    A cheap invariant over a wide input space takes several times the profile's count,
+    one whose example trains a run takes a fraction; every count follows the profile
+    (root ``conftest.py``), so ``HYPOTHESIS_PROFILE=thorough`` widens all of them.
+    """
+    return max(1, round(settings().max_examples * share))
 
 
 def bits(t: torch.Tensor) -> bytes:
@@ -172,7 +184,7 @@ class Loop:
         self.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1)
         self.monitor = SpikeMonitor(SpikeConfig(window=8, min_history=2))
         self.position = 0
-        self.tokens_seen = {"total": 0, "by_source": [0, 0]}
+        self.tokens_seen: dict[str, Any] = {"total": 0, "by_source": [0, 0]}
         self.fp32 = False
         self.table: dict[str, Any] = {"counts": torch.zeros(3, dtype=torch.int64)}
         self.table_step = 0
@@ -215,7 +227,11 @@ class Loop:
         with torch.no_grad():
             for t, s in zip(self.teacher.parameters(), self.body.parameters(), strict=True):
                 t.mul_(0.9).add_(s, alpha=0.1)
-        grad = float(torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in self.body.parameters()])))
+        grad = float(
+            torch.linalg.vector_norm(
+                torch.cat([p.grad.flatten() for p in self.body.parameters() if p.grad is not None])
+            )
+        )
         self.monitor.observe(i, grad, float(loss.detach()))
         self.tokens_seen["total"] += 16
         self.tokens_seen["by_source"][i % 2] += 16

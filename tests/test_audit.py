@@ -95,7 +95,8 @@ def test_compare_runs_names_the_first_divergence_the_tensor_and_the_config_diffe
     assert not report.ok and d is not None and (d.kind, d.step) == ("step", 1)
     assert [f.field for f in d.fields] == ["params_digest"]
     assert [t.name for t in d.tensors] == ["model:model.blocks.0.attn.qkv.weight"]
-    assert d.tensors[0].n_diff == 1 and d.tensors[0].max_abs_diff > 0
+    first = d.tensors[0]
+    assert first.n_diff == 1 and first.max_abs_diff is not None and first.max_abs_diff > 0
     assert d.rerun is not None and d.rerun.identical
     assert "train.perturb_at" in d.hints[0]
     doc = report.to_json()

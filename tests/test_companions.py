@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import TINY_FLAGS, Cfg, Loop, fixture_generator, trained
@@ -38,7 +39,7 @@ def flip_byte(path: Path, at: int) -> None:
     path.write_bytes(bytes(data))
 
 
-def resume(run_dir: Path, cfg: Cfg | None = None):  # type: ignore[no-untyped-def]
+def resume(run_dir: Path, cfg: Cfg | None = None):
     logged: list[str] = []
     loop = Loop(run_dir, cfg)
     loop.state._log = logged.append
@@ -360,13 +361,13 @@ def test_verifying_a_run_and_its_companions_does_not_import_torch(tmp_path: Path
 
 
 ROOT = Path(__file__).resolve().parents[1]
-RUNS: dict[str, dict[str, object]] = json.loads((ROOT / "fixtures" / "MANIFEST.json").read_text())["runs"]
+RUNS: dict[str, dict[str, Any]] = json.loads((ROOT / "fixtures" / "MANIFEST.json").read_text())["runs"]
 
 
 @pytest.mark.parametrize("name", sorted(RUNS))
 def test_verify_reports_each_run_fixture_as_the_manifest_says(name: str, capsys: pytest.CaptureFixture[str]) -> None:
     run = ROOT / "fixtures" / "runs" / name
-    want: dict[str, dict[str, object]] = RUNS[name]["companions"]  # type: ignore[assignment]
+    want: dict[str, dict[str, object]] = RUNS[name]["companions"]
     capsys.readouterr()
     code = main(["verify", str(run), "--json"])
     doc = json.loads(capsys.readouterr().out)
@@ -391,8 +392,8 @@ def test_the_generator_rebuilds_the_run_fixtures_byte_for_byte(tmp_path: Path) -
     assert generate.build_runs(tmp_path) == RUNS
     for name, entry in RUNS.items():
         files = entry["files"]
-        assert sorted(p.name for p in (ROOT / "fixtures" / "runs" / name).iterdir()) == sorted(files)  # type: ignore[arg-type]
-        for file, facts in files.items():  # type: ignore[attr-defined]
+        assert sorted(p.name for p in (ROOT / "fixtures" / "runs" / name).iterdir()) == sorted(files)
+        for file, facts in files.items():
             assert (
                 hashlib.sha256((ROOT / "fixtures" / "runs" / name / file).read_bytes()).hexdigest() == facts["sha256"]
             )

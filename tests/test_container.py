@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 import xxhash
-from helpers import bits, same
+from helpers import bits, examples, same
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -86,7 +86,7 @@ trees = st.recursive(
 )
 
 
-@settings(max_examples=60)
+@settings(max_examples=examples(2.5))
 @given(
     model=trees,
     optim=st.one_of(st.none(), trees),
@@ -109,7 +109,7 @@ def test_arbitrary_state_trees_round_trip_exactly(
     assert verify(path).ok
 
 
-@settings(max_examples=30)
+@settings(max_examples=examples(1))
 @given(tree=trees)
 def test_encoding_is_reproducible_and_independent_of_dict_order(tmp_path_factory, tree):
     d = tmp_path_factory.mktemp("order")
@@ -195,7 +195,7 @@ def test_every_truncation_is_detected_with_a_typed_error(tmp_path):
             load(cut)
 
 
-@settings(max_examples=200)
+@settings(max_examples=examples(8))
 @given(data=st.data())
 def test_any_single_bit_flip_is_detected(tmp_path_factory, data):
     path, raw = _small(tmp_path_factory.mktemp("flip"))
@@ -271,6 +271,7 @@ def _resealed(data: bytes, source: bytes) -> bytes:
         h = xxhash.xxh3_64()
         for a, b in container.skeleton_extents(layout):
             h.update(bytes(out[a:b]))
+    assert layout.trailer_offset is not None
     out[layout.trailer_offset : layout.trailer_offset + 8] = struct.pack("<Q", h.intdigest())
     return bytes(out)
 

@@ -29,6 +29,7 @@ import json
 import os
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -85,7 +86,7 @@ def _lab_main(work: str, external_kills: int, seed: int) -> None:
             self.offset = 0
             self.table_step = 0
             self.counts = torch.zeros(16, dtype=torch.int64)
-            extra = {"async_save": True} if async_save else {}
+            extra: dict[str, Any] = {"async_save": True} if async_save else {}
             self.rs = rs = RunState(run_dir, config=Cfg(width=width), keep=KEEP, **extra)
             rs.add_model("net", self.net)
             rs.add_optimizer("adamw", self.opt)

@@ -47,7 +47,7 @@ def load_single(path: str, seed: int = 7) -> dict[str, Any]:
     model = tiny_model(seed)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     msd, osd = get_state_dict(model, optim)
-    state = {"model": msd, "optim": osd}
+    state: dict[str, Any] = {"model": msd, "optim": osd}
     ckd.load(state, path)
     set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return _full(model, optim)

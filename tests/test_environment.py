@@ -87,8 +87,13 @@ def test_a_deterministic_algorithms_change_is_detected() -> None:
 
 
 def test_drift_message_names_every_differing_fact() -> None:
-    recorded = {"intra_op_threads": 2, "torch": "2.12.0+cpu", "old_fact": "x", "same": True}
-    current = {"intra_op_threads": 1, "torch": "2.13.0+cpu", "new_fact": 4, "same": True}
+    recorded: dict[str, str | int | bool] = {
+        "intra_op_threads": 2,
+        "torch": "2.12.0+cpu",
+        "old_fact": "x",
+        "same": True,
+    }
+    current: dict[str, str | int | bool] = {"intra_op_threads": 1, "torch": "2.13.0+cpu", "new_fact": 4, "same": True}
     with pytest.raises(EnvironmentDrift) as info:
         check_environment(recorded, current)
     assert str(info.value) == (
@@ -112,8 +117,8 @@ def test_allow_returns_the_differences_for_the_history() -> None:
 
 
 def test_a_fact_missing_from_an_old_recording_is_reported_but_not_fatal() -> None:
-    recorded = {"torch": "2.13.0"}
-    current = {"torch": "2.13.0", "inter_op_threads": 4}
+    recorded: dict[str, str | int | bool] = {"torch": "2.13.0"}
+    current: dict[str, str | int | bool] = {"torch": "2.13.0", "inter_op_threads": 4}
     diffs = check_environment(recorded, current)  # does not raise
     assert diffs == [EnvDiff("inter_op_threads", None, 4, fatal=False)]
     assert str(diffs[0]) == "inter_op_threads: not recorded, now 4"

@@ -25,7 +25,7 @@ from pathlib import Path
 import msgpack
 import pytest
 import torch
-from helpers import hostile_generator, load_script
+from helpers import examples, hostile_generator, load_script
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -37,6 +37,7 @@ from ckptkit.sidecar import read_sidecar, verify_sidecar, write_sidecar
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOSTILE = os.path.join(ROOT, "fixtures", "hostile")
 FUZZ = os.path.join(ROOT, "fuzz")
+FUZZ_SECONDS = examples(0.08)  # the harness's budget follows the profile too: 2 s under ci, 80 s under thorough
 
 
 gen = hostile_generator()
@@ -291,7 +292,7 @@ def test_a_u64_lie_at_any_offset_resealed_or_not_raises_only_typed_errors(tmp_pa
 # ------------------------------------------------------------------ properties
 
 
-@settings(max_examples=300, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(12), suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.binary(max_size=512), prefix=st.sampled_from([b"", b"DMCK\x00\x02\x00\x00", b"DMSC\x00\x01\x00\x00"]))
 def test_arbitrary_bytes_raise_only_ckptkit_errors(tmp_path, data, prefix):
     p = tmp_path / "any"
@@ -357,7 +358,7 @@ def mutation_bases(tmp_path_factory):
     }
 
 
-@settings(max_examples=400, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(16), suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_any_lie_inside_an_index_raises_only_ckptkit_errors(tmp_path, mutation_bases, data):
     """Structure-aware: decode one section index, replace any node of it with any
@@ -389,6 +390,7 @@ def test_any_lie_inside_an_index_raises_only_ckptkit_errors(tmp_path, mutation_b
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ["hypothesis", "atheris"])
 def test_the_fuzz_harness_runs_clean_for_a_bounded_time(tmp_path, engine):
+    """The harness works and finds nothing in a short budget (long campaigns: ``fuzz/fuzz_load.py --seconds N``)."""
     if engine == "atheris":
         pytest.importorskip("atheris")
     env = {**os.environ, "MALLOC_ARENA_MAX": "2", "OMP_NUM_THREADS": "1"}
@@ -396,7 +398,7 @@ def test_the_fuzz_harness_runs_clean_for_a_bounded_time(tmp_path, engine):
         sys.executable,
         os.path.join(FUZZ, "fuzz_load.py"),
         "--seconds",
-        "8",
+        str(FUZZ_SECONDS),
         "--engine",
         engine,
         "--seed",

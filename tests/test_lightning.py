@@ -18,17 +18,16 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as L
 import pytest
 import torch
+from torch.utils.data import DataLoader, TensorDataset
 
 import ckptkit
 from ckptkit.cli import main
 from ckptkit.container import MAGIC
 from ckptkit.errors import ChecksumMismatch, FormatError, UnsupportedValue
 from ckptkit.integrations.lightning import LAYOUT, CheckpointIO
-
-L = pytest.importorskip("lightning.pytorch")  # the test extra installs it: this never skips in CI
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 pytestmark = [
     pytest.mark.slow,
@@ -60,7 +59,7 @@ class Net(L.LightningModule):
         return torch.nn.functional.mse_loss(self.fc2(torch.tanh(self.fc1(x))), y)
 
     def configure_optimizers(self) -> Any:
-        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams["lr"])
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.7)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 

@@ -109,7 +109,9 @@ def test_a_million_references_to_one_tensor_cost_a_pointer_each_not_an_object(tm
     tracemalloc.start()
     try:
         with Source(path) as src:
-            tree = read_layout(src).sections["model"].tree["w"]
+            model = read_layout(src).sections["model"]
+            assert model is not None
+            tree = model.tree["w"]
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()

@@ -12,6 +12,7 @@ from typing import Any
 
 import msgpack
 import pytest
+from helpers import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -346,7 +347,7 @@ def _run(m: SpikeMonitor, events: list[tuple[int, float, float, bool]], step: in
     return out, step
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(12))
 @given(_CONFIGS, _EVENTS, st.integers(0, 80))
 def test_save_load_continues_exactly_as_never_saved(cfg: SpikeConfig, events: list[Any], split: int) -> None:
     split = min(split, len(events))
@@ -517,7 +518,7 @@ def _paths(obj: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
     return out
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(12))
 @given(st.data())
 def test_any_corrupted_state_raises_only_ckptkit_errors(data: st.DataObject) -> None:
     state = _state()

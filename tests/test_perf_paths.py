@@ -67,7 +67,10 @@ def saved(tmp_path, name="s.ckpt", **kw) -> tuple[object, Checkpoint]:
 def tensor_offset(path, section: str, i: int) -> tuple[int, int]:
     with Source(path) as src:
         sec = read_layout(src).sections[section]
-    return sec.data_start + sec.tensors[i].offset, sec.tensors[i].digest
+    assert sec is not None
+    record = sec.tensors[i]
+    assert record.digest is not None
+    return sec.data_start + record.offset, record.digest
 
 
 def flip(path, offset: int) -> None:
@@ -173,7 +176,7 @@ def test_load_into_restores_optimizer_state_in_place(tmp_path):
         net = _net(seed)
         opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
         for _ in range(steps):
-            sum(p.float().square().sum() for p in net.parameters()).backward()
+            torch.stack([p.float().square().sum() for p in net.parameters()]).sum().backward()
             opt.step()
         return net, opt
 

@@ -116,6 +116,8 @@ def test_plot_of_a_plain_run_has_no_rollback_spike_or_resume(plain: Path, tmp_pa
 
 
 def test_the_figure_names_each_series_it_draws(rolled: Path, plain: Path) -> None:
+    from matplotlib.patches import Rectangle
+
     cfg, source = spike_config_of(rolled)
     assert (cfg.window, cfg.min_history, source) == (8, 4, "step-00000014.ckpt.config.json")
     fig = render(read_series(rows_of(rolled), cfg))
@@ -136,7 +138,7 @@ def test_the_figure_names_each_series_it_draws(rolled: Path, plain: Path) -> Non
         "abandoned:grad_norm",
         "abandoned:lr",
     }
-    labels = {t.get_text() for ax in fig.axes if ax.get_legend() for t in ax.get_legend().get_texts()}
+    labels = {t.get_text() for ax in fig.axes if (legend := ax.get_legend()) for t in legend.get_texts()}
     assert {
         "loss",
         "lm_loss",
@@ -150,7 +152,8 @@ def test_the_figure_names_each_series_it_draws(rolled: Path, plain: Path) -> Non
         "LR drop at rollback",
     } <= labels
     band = next(p for ax in fig.axes for p in ax.patches if p.get_gid() == "rollback")
-    xs = [band.get_x(), band.get_x() + band.get_width()]  # axvspan draws a Rectangle (matplotlib >= 3.9)
+    assert isinstance(band, Rectangle)  # what axvspan draws (matplotlib >= 3.9)
+    xs = [band.get_x(), band.get_x() + band.get_width()]
     assert (min(xs), max(xs)) == (6, 10)  # from the restart step T = 6 to the spiking step N = 9 inclusive
     assert gids(render(read_series(rows_of(plain), spike_config_of(plain)[0]))) == {
         "loss",

@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from helpers import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -73,6 +74,7 @@ class _GlobalRngUntouched:
     def __exit__(self, *exc: object) -> None:
         assert random.getstate() == self.py
         after = np.random.get_state()
+        assert isinstance(after, tuple) and isinstance(self.np, tuple)  # the legacy (default) form
         assert after[0] == self.np[0] and np.array_equal(after[1], self.np[1]) and after[2:] == self.np[2:]
         assert torch.equal(torch.get_rng_state(), self.torch)
 
@@ -99,7 +101,7 @@ def test_draw_matches_spec_vectors(args: tuple[int, int, int, int], expected: in
     assert _spec_draw(seed, step, index, stream) == expected
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(12))
 @given(U64, U64, U64, U64)
 def test_draw_follows_the_spec_rule_for_any_u64_inputs(seed: int, step: int, index: int, stream: int) -> None:
     value = draw(seed, step, index, stream)
@@ -107,7 +109,7 @@ def test_draw_follows_the_spec_rule_for_any_u64_inputs(seed: int, step: int, ind
     assert value == _spec_draw(seed, step, index, stream)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(4))
 @given(st.lists(st.tuples(SMALL, SMALL, SMALL, st.integers(0, 7)), min_size=1, max_size=20), st.randoms())
 def test_draw_does_not_depend_on_call_order(calls: list[tuple[int, int, int, int]], shuffler: random.Random) -> None:
     first = {c: draw(*c) for c in calls}
@@ -209,7 +211,7 @@ def test_sample_depth_and_randint_match_spec_vectors() -> None:
 # ---------------------------------------------------------------------- vectorised == scalar
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(4))
 @given(U64, U64, st.integers(0, 64), U64)
 def test_vectorised_equals_scalar_exactly(seed: int, step: int, n: int, stream: int) -> None:
     d = draws(seed, step, n, stream)
@@ -229,7 +231,7 @@ def test_draws_of_zero_is_empty_and_negative_is_refused() -> None:
 # ---------------------------------------------------------------------- mask_stream
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(8))
 @given(
     st.integers(0, 300),
     st.floats(0.0, 1.0),
@@ -246,7 +248,7 @@ def test_mask_is_the_causal_dilation_of_its_starts(t: int, frac: float, span: in
     assert np.array_equal(mask, mask_stream(t, frac, span, seed=seed, step=step))
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(4))
 @given(st.integers(0, 60), st.integers(0, 6), st.floats(0.0, 1.0), st.integers(1, 8), SMALL, SMALL)
 def test_a_mask_per_row_draws_row_r_at_indices_r_times_t(
     t: int, rows: int, frac: float, span: int, seed: int, step: int
@@ -336,7 +338,7 @@ def test_mask_boundaries_are_accepted() -> None:
 # ---------------------------------------------------------------------- randint / sample_depth
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(8))
 @given(SMALL, SMALL, st.integers(-50, 50), st.integers(0, 100), SMALL)
 def test_randint_is_in_range_and_the_documented_map(seed: int, step: int, lo: int, width: int, index: int) -> None:
     hi = lo + width

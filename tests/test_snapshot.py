@@ -17,7 +17,7 @@ import tempfile
 from dataclasses import dataclass, field
 
 import pytest
-from helpers import Flat
+from helpers import Flat, examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -94,7 +94,7 @@ GOLDEN = b"""{
 """.replace(b"MODULE", __name__.encode())
 
 
-def _doc(config: dict, **top: object) -> bytes:
+def _doc(config: object, **top: object) -> bytes:
     doc = {"schema_version": 1, "config_type": "x.Cfg", "config": config, **top}
     return json.dumps(doc).encode()
 
@@ -394,7 +394,7 @@ def test_key_diff_describes_itself_in_one_human_line():
 
 def test_key_diff_refuses_an_unknown_kind():
     with pytest.raises(ValueError, match=r"^kind must be one of changed, only_old, only_new \(got 'gone'\)$"):
-        KeyDiff("a", 1, 2, "gone", False)  # type: ignore[arg-type]
+        KeyDiff("a", 1, 2, "gone", False)
 
 
 # --------------------------------------------------------------------------- check_resume
@@ -707,7 +707,7 @@ def _json_value(value):
     return value
 
 
-@settings(max_examples=150)
+@settings(max_examples=examples(6))
 @given(data=st.data())
 def test_a_single_field_flip_is_reported_as_exactly_that_key_with_its_class(data):
     cfg = data.draw(configs())
@@ -733,7 +733,7 @@ def _get(cfg, path):
     return cfg
 
 
-@settings(max_examples=75)
+@settings(max_examples=examples(3))
 @given(cfg=configs())
 def test_random_configs_round_trip_through_the_file_and_pass_their_own_resume(cfg):
     with tempfile.TemporaryDirectory() as d:
@@ -750,7 +750,7 @@ def test_random_configs_round_trip_through_the_file_and_pass_their_own_resume(cf
     assert check_field_coverage(cfg, flips=flips).ok
 
 
-@settings(max_examples=200)
+@settings(max_examples=examples(8))
 @given(data=st.data())
 def test_damaged_snapshot_bytes_raise_only_format_errors(data):
     good = encode_snapshot(Cfg())

@@ -198,7 +198,9 @@ def test_empty_tensors_share_an_offset_and_the_spec_says_r014_allows_it() -> Non
     path = ROOT / "fixtures" / "valid" / "v2-dtypes.ckpt"
     assert verify(path).ok and load(path).model["edge"]["empty_bool"].shape == (0,)
     with Source(path) as src:
-        recs = read_layout(src).sections["model"].tensors
+        model = read_layout(src).sections["model"]
+    assert model is not None
+    recs = model.tensors
     empty = {r.offset for r in recs if r.nbytes == 0}
     assert len([r for r in recs if r.offset in empty]) >= 3  # two empty records and the one after them
     row = _rule_row("R-014")

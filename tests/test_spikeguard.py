@@ -148,7 +148,9 @@ def test_step_returns_a_typed_outcome(tmp_path: Path) -> None:
     assert isinstance(back, ckptkit.RolledBack) and back.to == 6 and back.event.step == 9
     with pytest.raises(dataclasses.FrozenInstanceError):
         toy.guard.record.count = 5  # type: ignore[misc]
-    assert isinstance(outcomes[0].result, float) and outcomes[0].executed.verdict.reason == "warming_up"
+    first = outcomes[0]
+    assert isinstance(first, ckptkit.Continue)
+    assert isinstance(first.result, float) and first.executed.verdict.reason == "warming_up"
 
 
 def test_a_transient_spike_keeps_the_rerun_and_does_not_roll_back(tmp_path: Path) -> None:
@@ -156,7 +158,9 @@ def test_a_transient_spike_keeps_the_rerun_and_does_not_roll_back(tmp_path: Path
     toy.start()
     outcomes = [toy.guard.step(s, toy.step) for s in range(12)]
     assert all(isinstance(o, ckptkit.Continue) for o in outcomes)
-    assert outcomes[9].executed.rerun and toy.guard.record.transient == 1 and toy.guard.record.count == 0
+    ninth = outcomes[9]
+    assert isinstance(ninth, ckptkit.Continue)
+    assert ninth.executed.rerun and toy.guard.record.transient == 1 and toy.guard.record.count == 0
     assert [(r["step"], r["action"]) for r in rows(tmp_path, "spike")] == [(9, "rerun"), (9, "transient")]
     clean = Toy(tmp_path / "clean")
     clean.guard.run(clean.step, clean.start(), 12)
@@ -240,8 +244,12 @@ def test_the_ring_never_shares_memory_with_the_run(tmp_path: Path) -> None:
     for s in range(10):
         toy.guard.step(s, toy.step)
         live = {t.untyped_storage().data_ptr() for t in tensors(toy.state.checkpoint(s).model)}
-        for kept in toy.guard.ring.steps():
-            ck = toy.guard.ring.get(kept).ckpt
+        ring = toy.guard.ring
+        assert ring is not None
+        for kept in ring.steps():
+            entry = ring.get(kept)
+            assert entry is not None
+            ck = entry.ckpt
             assert not live & {t.untyped_storage().data_ptr() for t in tensors((ck.model, ck.optim))}
 
 

@@ -43,9 +43,9 @@ def _name(step: int) -> str:
     return f"step-{step:08d}.dcp"
 
 
-def _launch(run_dir: Path, *flags: str, nproc: int = 2, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    """A torchrun job (or one plain process with ``nproc=0``) in a session of its own."""
-    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] if nproc else []
+def _launch(run_dir: Path, *flags: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """A 2-rank torchrun job in a session of its own."""
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     argv = [sys.executable, *launcher, "-m", "ckptkit", "train", "--run-dir", str(run_dir), *FLAGS, *flags]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.Popen(
@@ -70,11 +70,9 @@ def _stray(run_dir: Path) -> list[str]:
     return out
 
 
-def job(
-    run_dir: Path, *flags: str, nproc: int = 2, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess[str]:
+def job(run_dir: Path, *flags: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """Run a job to its end (bounded); its exit code, stdout and stderr."""
-    proc = _launch(run_dir, *flags, nproc=nproc, env=env)
+    proc = _launch(run_dir, *flags, env=env)
     try:
         out, err = proc.communicate(timeout=JOB_TIMEOUT_S)
     finally:
@@ -83,8 +81,8 @@ def job(
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def ok(run_dir: Path, *flags: str, nproc: int = 2) -> subprocess.CompletedProcess[str]:
-    done = job(run_dir, *flags, nproc=nproc)
+def ok(run_dir: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+    done = job(run_dir, *flags)
     assert done.returncode == 0, done.stderr[-3000:]
     return done
 
@@ -238,15 +236,17 @@ def test_a_whole_job_sigkilled_after_its_first_checkpoint_resumes_to_the_same_by
 
 @pytest.mark.slow
 def test_a_resume_at_world_size_1_is_refused_and_continues_with_reshard(
-    straight: Callable[[str], Path], tmp_path: Path
+    straight: Callable[[str], Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     reference = straight("ddp")
     run_dir = tmp_path / "run"
     shutil.copytree(reference, run_dir)
-    refused = job(run_dir, "--steps", str(STEPS + 2), "--resume", nproc=0)
-    assert refused.returncode == 1
-    line = refused.stderr.strip().splitlines()[-1]
-    assert line.startswith("ckptkit train: ") and "world size" in line, refused.stderr
+    # One process, in this one: `ckptkit train` with the thread count the job recorded (torchrun: 1).
+    one = ["train", "--run-dir", str(run_dir), *FLAGS, "--steps", str(STEPS + 2), "--threads", "1", "--resume"]
+    assert main(one) == 1
+    err = capsys.readouterr().err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("ckptkit train: ") and "world size" in line, err
     assert "torchrun --nproc_per_node 2" in line and "--reshard" in line
     # What --reshard loads at world size 1 is what the 2 ranks saved, bit for bit.
     run = build(tiny(**{"train.ckpt_every": EVERY}))
@@ -257,7 +257,7 @@ def test_a_resume_at_world_size_1_is_refused_and_continues_with_reshard(
     assert param_digests(run.model) == saved
     assert run.stream.offset == expected_offset(run.cfg, STEPS)
     assert run.ngram is not None and run.ngram.table_step == STEPS
-    ok(run_dir, "--steps", str(STEPS + 2), "--resume", "--reshard", nproc=0)
+    assert main([*one, "--reshard"]) == 0
     rows = history(run_dir)
     (resume,) = [r for r in rows if r["kind"] == "resume"]
     assert resume["resharded"] is True and any("bit-comparable" in n for n in resume["notes"])

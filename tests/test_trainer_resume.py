@@ -50,7 +50,7 @@ def scenarios(draw: Any) -> dict[str, Any]:
     }
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(suppress_health_check=[HealthCheck.too_slow])
 @given(sc=scenarios())
 def test_interrupted_and_resumed_run_matches_uninterrupted(tmp_path_factory: Any, sc: dict[str, Any]) -> None:
     cfg = tiny(**{"train.ckpt_every": sc["ckpt_every"]}, **sc["changes"])

@@ -395,7 +395,9 @@ def test_cli_refusals_exit_1(tmp_path: Path, capsys: pytest.CaptureFixture[str])
 
 
 def test_the_format_library_never_imports_the_trainer() -> None:
-    root = Path(importlib.import_module("ckptkit").__file__).parent
+    init = importlib.import_module("ckptkit").__file__
+    assert init is not None
+    root = Path(init).parent
     offenders = []
     for f in root.rglob("*.py"):
         rel = f.relative_to(root).as_posix()
