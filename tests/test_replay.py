@@ -33,7 +33,7 @@ from ckptkit.runstate import checkpoint_name
 from ckptkit.snapshot import encode_snapshot
 from ckptkit.trainer import TrainerConfig
 from ckptkit.trainer.config import knobs
-from ckptkit.trainer.replay import replay
+from ckptkit.trainer.replay import FieldDiff, ReplayReport, Rerun, StepDivergence, replay
 
 pytestmark = pytest.mark.slow
 
@@ -287,3 +287,15 @@ def test_first_divergence_in_files_on_two_trainer_histories(perturbed: Path, tmp
     run(tiny(**{"train.ckpt_every": 2}), tmp_path, 6)
     d = first_divergence_in_files(tmp_path / "history.jsonl", perturbed / "history.jsonl")
     assert d is not None and (d.step, d.fields) == (3, ("params_digest",))
+
+
+def test_a_rerun_that_differs_in_its_row_but_in_no_tensor_is_described_not_crashed() -> None:
+    """A nondeterministic re-run can disagree on a row field (the loss) while every captured
+    tensor matches; the report names the field and no tensor (it raised ValueError before)."""
+    rerun = Rerun(False, fields=(FieldDiff("loss_bits", "0x40a00000", "0x40a00001"),))
+    d = StepDivergence("step", 7, fields=(FieldDiff("loss_bits", "0x40a00000", "0x40a00002"),), rerun=rerun)
+    text = ReplayReport("run", "step-00000005.ckpt", 5, 10, 3, divergence=d).describe()
+    assert text.splitlines()[-2:] == [
+        "  re-run of step 7 twice here: DIFFERS (nondeterministic in this process):",
+        "    loss_bits: first 0x40a00000, second 0x40a00001",
+    ]

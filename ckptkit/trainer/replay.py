@@ -340,7 +340,7 @@ def _tensor_json(t: TensorReport) -> dict[str, Any]:
 
 
 def _tensor_lines(tensors: Sequence[TensorReport], limit: int) -> list[str]:
-    width = max(len(t.name) for t in tensors[:limit])
+    width = max((len(t.name) for t in tensors[:limit]), default=0)  # a re-run may differ in no tensor
     out = [f"    {t.name.ljust(width)}  {t.detail}" for t in tensors[:limit]]
     if len(tensors) > limit:
         out.append(f"    ... and {len(tensors) - limit} more (--json lists all)")
