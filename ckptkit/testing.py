@@ -6,7 +6,7 @@ interrupted at arbitrary steps and resumed equals the uninterrupted run:
 * ``make_run(config, run_dir)`` builds everything (model, optimizer, data, ...) and
   returns an object whose ``state`` attribute is the :class:`~ckptkit.RunState` with
   all of it registered;
-* ``step(run, i)`` performs training step ``i`` (0-based).
+* ``step(run, i)`` performs training step ``i`` (0-based); what it returns (a loss) is ignored.
 
 Copy-paste pytest example (see ``examples/test_resumable_loop.py``)::
 
@@ -50,7 +50,7 @@ _RunT = TypeVar("_RunT", bound=Run)
 
 def _train(
     make_run: Callable[[Any, Path], _RunT],
-    step: Callable[[_RunT, int], None],
+    step: Callable[[_RunT, int], object],
     config: Any,
     run_dir: Path,
     steps: int,
@@ -83,7 +83,7 @@ def _files(path: str) -> dict[str, bytes]:
 
 def assert_resume_equivalent(
     make_run: Callable[[Any, Path], _RunT],
-    step: Callable[[_RunT, int], None],
+    step: Callable[[_RunT, int], object],
     config: Any,
     *,
     steps: int,

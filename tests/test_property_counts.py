@@ -27,7 +27,8 @@ def _pinned_counts(path: Path) -> Iterator[int]:
 
 
 def test_no_property_test_pins_its_example_count() -> None:
-    pinned = [f"tests/{p.name}:{line}" for p in sorted((ROOT / "tests").glob("*.py")) for line in _pinned_counts(p)]
+    files = sorted([*(ROOT / "tests").glob("*.py"), *(ROOT / "examples").glob("*.py")])
+    pinned = [f"{p.relative_to(ROOT)}:{line}" for p in files for line in _pinned_counts(p)]
     assert pinned == [], f"max_examples pinned to a number (write max_examples=examples(share)): {pinned}"
 
 
