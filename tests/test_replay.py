@@ -33,7 +33,8 @@ from ckptkit.runstate import checkpoint_name
 from ckptkit.snapshot import encode_snapshot
 from ckptkit.trainer import TrainerConfig
 from ckptkit.trainer.config import knobs
-from ckptkit.trainer.replay import FieldDiff, ReplayReport, Rerun, StepDivergence, replay
+from ckptkit.trainer.replay import replay
+from ckptkit.trainer.replay_report import FieldDiff, ReplayReport, Rerun, StepDivergence
 
 pytestmark = pytest.mark.slow
 

@@ -39,17 +39,14 @@ from ..runstate import checkpoint_name, list_checkpoints, read_environment
 from ..snapshot import read_snapshot, snapshot_path
 from .config import TrainerConfig, flag_name, knobs
 from .parallel import launcher
-from .replay import (
+from .replay import config_of, first_differing_checkpoint, rerun_step, run_checkpoints
+from .replay_report import (
     FieldDiff,
     StepDivergence,
-    config_of,
     divergence_fields,
     divergence_json,
-    first_differing_checkpoint,
     named_reports,
-    rerun_step,
     row_fields,
-    run_checkpoints,
     step_fields,
     tensor_reports,
 )
