@@ -148,6 +148,9 @@ def test_replay_names_the_step_and_parameter_of_a_recorded_perturbation(
     assert (d["kind"], d["step"]) == ("step", 3)
     assert [f["field"] for f in d["fields"]] == ["params_digest"]  # loss and grad norm of step 3 are untouched
     assert [t["name"] for t in d["tensors"]] == [NAME]
+    # The --json tensor keys are spec/replay.md R-P09's, no more and no fewer.
+    spec_keys = {"name", "detail", "recorded_digest", "actual_digest", "n_diff", "numel", "max_abs_diff"}
+    assert set(d["tensors"][0]) == spec_keys
     ulp = float(torch.finfo(torch.float32).eps)  # element 0 moved by one ulp (a small value: far below eps)
     assert d["tensors"][0]["n_diff"] == 1 and 0 < d["tensors"][0]["max_abs_diff"] < ulp
     assert "step-00000004.ckpt" in d["values"]  # the recorded values: the run's verified checkpoint

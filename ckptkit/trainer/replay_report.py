@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..compare import TensorDiff
@@ -255,15 +255,7 @@ def _field_json(f: FieldDiff, a: str, b: str) -> dict[str, Any]:
 
 
 def _tensor_json(t: TensorReport) -> dict[str, Any]:
-    return {
-        "name": t.name,
-        "detail": t.detail,
-        "recorded_digest": t.recorded_digest,
-        "actual_digest": t.actual_digest,
-        "n_diff": t.n_diff,
-        "numel": t.numel,
-        "max_abs_diff": t.max_abs_diff,
-    }
+    return asdict(t)  # every field, in declaration order: the --json keys are the dataclass's
 
 
 def _tensor_lines(tensors: Sequence[TensorReport], limit: int) -> list[str]:
