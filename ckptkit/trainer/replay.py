@@ -103,11 +103,6 @@ __all__ = [
 
 Log = Callable[[str], None]
 
-JSON_SCHEMA_VERSION = 1
-
-#: The order in which a step computes things: the first category that differs is where to look.
-_ORDER = ("grad", "model", "optim", "teacher", "monitor", "header")
-
 ENV_REPLAY_HINT = "pass --allow-env-change to replay anyway (the differences are then listed with the result)"
 
 

@@ -57,7 +57,7 @@ class TensorReport:
     ``recorded_digest`` is the recording's digest; ``actual_digest`` the replay's (for a
     ``checkpoint`` divergence: the file's). ``max_abs_diff`` / ``n_diff`` are None when
     no verified copy of the other side's values exists (the recording keeps digests,
-    not values); ``detail`` says so.
+    not values); ``detail`` says so. Its fields are the ``--json`` keys (R-P09).
     """
 
     name: str
@@ -233,14 +233,14 @@ def divergence_json(d: StepDivergence, a: str = "recorded", b: str = "replayed")
         "step": d.step,
         "file": d.file,
         "fields": [_field_json(f, a, b) for f in d.fields],
-        "tensors": [_tensor_json(t) for t in d.tensors],
+        "tensors": [asdict(t) for t in d.tensors],
         "values": d.values,
         "rerun": None
         if d.rerun is None
         else {
             "identical": d.rerun.identical,
             "fields": [_field_json(f, "first", "second") for f in d.rerun.fields],
-            "tensors": [_tensor_json(t) for t in d.rerun.tensors],
+            "tensors": [asdict(t) for t in d.rerun.tensors],
         },
         "hints": list(d.hints),
     }
@@ -252,10 +252,6 @@ def _show(v: Any) -> str:
 
 def _field_json(f: FieldDiff, a: str, b: str) -> dict[str, Any]:
     return {"field": f.field, a: f.recorded, b: f.replayed}
-
-
-def _tensor_json(t: TensorReport) -> dict[str, Any]:
-    return asdict(t)  # every field, in declaration order: the --json keys are the dataclass's
 
 
 def _tensor_lines(tensors: Sequence[TensorReport], limit: int) -> list[str]:
