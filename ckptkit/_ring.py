@@ -20,6 +20,7 @@ from typing import Any
 import xxhash
 
 from .checkpoint import Checkpoint
+from .container import SECTIONS
 from .section import sort_key
 
 __all__ = ["Kept", "Ring", "clone", "digests", "local", "localized", "tensors", "tree_digest"]
@@ -63,7 +64,7 @@ def _map(tree: Any, leaf: Any) -> Any:
     if isinstance(tree, tuple):
         return tuple(_map(v, leaf) for v in tree)
     if isinstance(tree, Checkpoint):
-        sections = {name: _map(getattr(tree, name), leaf) for name in ("model", "optim", "teacher", "monitor")}
+        sections = {name: _map(getattr(tree, name), leaf) for name in SECTIONS}
         return dataclasses.replace(tree, **sections)
     return copy.copy(tree)
 

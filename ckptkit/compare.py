@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .container import SECTIONS
+
 __all__ = ["TensorDiff", "compare_checkpoints", "compare_states", "flatten"]
 
 _KINDS = ("changed", "only_old", "only_new")
@@ -145,7 +147,7 @@ def checkpoint_state(ckpt: Any) -> dict[str, Any]:
     from .companions import COMPANIONS_KEY
 
     state: dict[str, Any] = {"header:step": ckpt.step, "header:flags": ckpt.flags}
-    for section in ("model", "optim", "teacher", "monitor"):
+    for section in SECTIONS:
         tree = getattr(ckpt, section)
         if section == "monitor" and isinstance(tree, dict):
             tree = {k: v for k, v in tree.items() if k != COMPANIONS_KEY}
