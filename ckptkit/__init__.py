@@ -13,10 +13,6 @@ Importing ckptkit does not import torch; the functions that build tensors do.
 
 from __future__ import annotations
 
-from .asyncsave import AsyncSaver
-from .checkpoint import Checkpoint, import_torch_checkpoint, load, save
-from .container import FLAG_FP32_FALLBACK, VERSION, Report, SectionInfo, verify
-from .drift import DEFAULT_EXEMPT, KeyDiff, check_resume, diff_keys
 from .errors import (
     AuditError,
     BadMagic,
@@ -49,16 +45,53 @@ from .errors import (
     UnsupportedVersion,
     WorldSizeChanged,
 )
-from .field_coverage import assert_field_coverage, check_field_coverage
-from .history import History
-from .lazy import LazyCheckpoint, open_checkpoint
-from .monitor import SpikeConfig, SpikeMonitor, Verdict
-from .rng import mask_stream, numpy_generator, step_rng, torch_generator
-from .rollback_record import RollbackEvent, RollbackRecord
-from .runstate import ResumeInfo, RunState
-from .sidecar import Sidecar, read_sidecar, write_sidecar
-from .snapshot import Snapshot, read_snapshot, write_snapshot
-from .spikeguard import Continue, Executed, RolledBack, SpikeGuard
+from .format import (
+    FLAG_FP32_FALLBACK,
+    VERSION,
+    AsyncSaver,
+    Checkpoint,
+    LazyCheckpoint,
+    Report,
+    SectionInfo,
+    Sidecar,
+    Snapshot,
+    import_torch_checkpoint,
+    load,
+    open_checkpoint,
+    read_sidecar,
+    read_snapshot,
+    save,
+    verify,
+    write_sidecar,
+    write_snapshot,
+)
+from .guard import (
+    Continue,
+    Executed,
+    RollbackConfig,
+    RollbackEvent,
+    RollbackRecord,
+    RolledBack,
+    SpikeConfig,
+    SpikeGuard,
+    SpikeMonitor,
+    Verdict,
+)
+from .run import (
+    DEFAULT_EXEMPT,
+    History,
+    KeyDiff,
+    ResumeInfo,
+    RunState,
+    assert_field_coverage,
+    check_field_coverage,
+    check_resume,
+    diff_keys,
+    mask_stream,
+    numpy_generator,
+    step_rng,
+    torch_generator,
+)
 
 __version__ = "0.1.0"
 
@@ -93,6 +126,7 @@ __all__ = [
     "ReservedBitSet",
     "ResumeInfo",
     "ResumeRefused",
+    "RollbackConfig",
     "RollbackEvent",
     "RollbackRecord",
     "RolledBack",

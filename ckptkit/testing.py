@@ -33,7 +33,8 @@ from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from .runstate import RunState
+from .guard.faults import GradSpike
+from .run import RunState
 
 __all__ = ["GradSpike", "Run", "assert_resume_equivalent", "assert_step_leaves_global_rng_alone", "interruptions"]
 
@@ -99,7 +100,7 @@ def assert_resume_equivalent(
 
     Raises:
         AssertionError: naming the files that differ and, for the container, every
-            tensor or value that differs (via :mod:`ckptkit.compare`).
+            tensor or value that differs (via :mod:`ckptkit.audit.compare`).
     """
     if any(not 0 < s < steps for s in stops):
         raise ValueError(f"stops must lie in 1..{steps - 1} (got {sorted(stops)})")
@@ -112,7 +113,7 @@ def assert_resume_equivalent(
         return
     lines = [f"resumed at {sorted(stops)} differs from the uninterrupted run in {', '.join(differing)}"]
     if ".ckpt" in differing:
-        from .compare import compare_checkpoints
+        from .audit.compare import compare_checkpoints
 
         for d in compare_checkpoints(straight, resumed)[:20]:
             lines.append(f"  {d.kind:<8} {d.name}: {d.detail}")
@@ -156,7 +157,7 @@ def assert_step_leaves_global_rng_alone(fn: Callable[[], Any]) -> None:
 
     Checks Python's ``random``, numpy's legacy global generator and torch's CPU (and,
     when initialised, CUDA) generators. A step whose randomness comes from
-    ``(seed, step)`` (:mod:`ckptkit.rng`) leaves all of them alone.
+    ``(seed, step)`` (:mod:`ckptkit.run.rng`) leaves all of them alone.
 
     Raises:
         AssertionError: naming each global generator that changed.
@@ -181,65 +182,3 @@ def _differs(a: Any, b: Any) -> bool:
     if isinstance(a, np.ndarray):
         return not np.array_equal(a, b)
     return bool(a != b)
-
-
-class GradSpike:
-    """TESTING AID: multiply every gradient of ``modules`` by ``factor`` on the first
-    ``repeat`` executions of step ``at``, as a data x state spike would.
-
-    Given to :class:`ckptkit.SpikeGuard` (``inject=``), which arms it around the
-    step function: the step itself carries no testing code. The gradient is
-    multiplied in a tensor hook during ``backward()``, so the grad norm the step
-    returns is the spiked one. The arrival count is run state (the guard registers
-    it as ``values.spike_injection``), so a resumed run fires exactly as the
-    uninterrupted one. ``repeat=2`` (the default) is the execution and its re-run:
-    a confirmed spike, one rollback; ``repeat=1`` is a transient fault; a large
-    ``repeat`` makes every arrival spike (the "unstable" scenario).
-
-    Args:
-        modules: the modules whose parameters' gradients are multiplied.
-        at: the step (0-based).
-        repeat: how many arrivals at ``at`` spike, >= 1.
-        factor: the multiplier (default 10, the PRD's synthetic spike).
-    """
-
-    def __init__(self, modules: Sequence[Any], *, at: int, repeat: int = 2, factor: float = 10.0) -> None:
-        if isinstance(at, bool) or not isinstance(at, int) or at < 0:
-            raise ValueError(f"at must be an int >= 0 (got {at!r})")
-        if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
-            raise ValueError(f"repeat must be an int >= 1 (got {repeat!r})")
-        self.modules, self.at, self.repeat, self.factor = list(modules), at, repeat, factor
-        self.arrivals = 0
-        self._handles: list[Any] = []
-
-    def arm(self, step: int) -> None:
-        """Called before step ``step`` runs: hooks the gradients when this arrival spikes."""
-        if step != self.at:
-            return
-        self.arrivals += 1
-        if self.arrivals <= self.repeat:
-            factor = self.factor
-            self._handles = [
-                p.register_hook(lambda g: g * factor) for m in self.modules for p in m.parameters() if p.requires_grad
-            ]
-
-    def disarm(self) -> None:
-        """Called after the step: the hooks go."""
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-
-    def state(self) -> int:
-        return self.arrivals
-
-    def load(self, arrivals: Any) -> None:
-        """Restore the arrival count (``values.spike_injection``).
-
-        Raises:
-            MalformedIndex: the stored count is not an int >= 0.
-        """
-        if isinstance(arrivals, bool) or not isinstance(arrivals, int) or arrivals < 0:
-            from .errors import MalformedIndex
-
-            raise MalformedIndex(f"must be an int >= 0 (got {arrivals!r})", field="values.spike_injection")
-        self.arrivals = arrivals

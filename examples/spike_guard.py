@@ -12,7 +12,7 @@ add. ``--spike-at S`` is a TESTING AID: it multiplies every gradient of step S b
 
 history.jsonl gets a ``step`` row per execution and the guard's ``spike`` and
 ``rollback`` rows (the PRD's ``rollbacks: [{step, reason, lr_after}]``);
-``ckptkit.history.kept_rows`` reads the loss curve of the run as it stands.
+``ckptkit.run.history.kept_rows`` reads the loss curve of the run as it stands.
 Exit codes: 0 trained, 3 training is unstable, 75 stopped by SIGTERM/SIGINT (run
 the same command to resume).
 """
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 import ckptkit
-from ckptkit.rollback_record import skipped_batches  # ckptkit
+from ckptkit.guard.rollback_record import skipped_batches  # ckptkit
 from ckptkit.testing import GradSpike  # ckptkit (testing aid)
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 import ckptkit
-from ckptkit.history import kept_rows, read_rows
+from ckptkit.run.history import kept_rows, read_rows
 
 pytestmark = pytest.mark.slow
 

@@ -265,14 +265,14 @@ def run_hypothesis(
 
 def _import_readers() -> None:
     """Import every reader before the memory cap is measured (and, for atheris, instrumented)."""
-    import ckptkit.checkpoint
     import ckptkit.cli
     import ckptkit.cli.inspect_cmd
     import ckptkit.cli.verify
-    import ckptkit.codec
-    import ckptkit.container
-    import ckptkit.section
-    import ckptkit.sidecar  # noqa: F401
+    import ckptkit.format.checkpoint
+    import ckptkit.format.codec
+    import ckptkit.format.container
+    import ckptkit.format.section
+    import ckptkit.format.sidecar  # noqa: F401
 
 
 def main(argv: list[str] | None = None) -> int:

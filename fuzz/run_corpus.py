@@ -49,10 +49,10 @@ def run(directory: str, mem_mib: int) -> dict:
     # Import everything before measuring the baseline.
     import zstandard  # noqa: F401
 
-    import ckptkit.checkpoint
     import ckptkit.cli.inspect_cmd
     import ckptkit.cli.verify
-    import ckptkit.codec  # noqa: F401
+    import ckptkit.format.checkpoint
+    import ckptkit.format.codec  # noqa: F401
 
     quiet_threads()
     scratch = tempfile.TemporaryDirectory(prefix="ckptkit-corpus-")

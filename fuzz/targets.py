@@ -82,7 +82,7 @@ def _cli(argv: list[str]) -> str:
 
 def declared_tensor_bytes(path: str, kind: str) -> int:
     """Bytes of tensor memory the file asks a loader to allocate (0 if it does not parse)."""
-    from ckptkit import container, sidecar
+    from ckptkit.format import container, sidecar
 
     try:
         with container.Source(path) as src:
@@ -114,7 +114,7 @@ def exercise(
     if declared_tensor_bytes(path, kind) > max_load_bytes:
         skip = (*skip, "load", "read_sidecar")
     import ckptkit
-    from ckptkit import sidecar
+    from ckptkit.format import sidecar
 
     def verify_report() -> str | None:
         r = ckptkit.verify(path)
@@ -180,12 +180,12 @@ def reseal(data: bytes) -> bytes:
     reach the checks behind them: every raw tensor digest that sits in its index
     as ``bin8``, and the skeleton digest. Returns ``data`` unchanged when the
     structure does not parse (then the structural check is what gets tested)."""
-    from ckptkit import container
     from ckptkit.errors import CheckpointError
+    from ckptkit.format import container
 
     if data[:4] == b"DMSC":
         try:
-            from ckptkit import sidecar
+            from ckptkit.format import sidecar
 
             with container.Source(data=data) as src:
                 layout, _ = sidecar._layout(src)
@@ -221,8 +221,8 @@ def reseal(data: bytes) -> bytes:
 def index_sites(data: bytes) -> list[tuple[int, int]]:
     """``(start, index_len)`` of each section index in a v2 container or sidecar
     (for structure-aware mutation); empty when the structure does not parse."""
-    from ckptkit import container, sidecar
     from ckptkit.errors import CheckpointError
+    from ckptkit.format import container, sidecar
 
     try:
         with container.Source(data=data) as src:
@@ -237,7 +237,7 @@ def replace_index(data: bytes, start: int, index_len: int, new_index: bytes) -> 
     the section's ``index_len``, the padding to the 64-byte boundary, and the
     section length in the container header (v2 only). Digests are not touched
     (see :func:`reseal`)."""
-    from ckptkit.section import align_up
+    from ckptkit.format.section import align_up
 
     old_data_start = align_up(start + 8 + index_len)
     new_data_start = align_up(start + 8 + len(new_index))

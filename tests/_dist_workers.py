@@ -98,7 +98,7 @@ class RankPool:
 
 def assert_same(a: Any, b: Any) -> None:
     """Two state trees are bitwise equal (every tensor, every value)."""
-    from ckptkit.compare import compare_states, flatten
+    from ckptkit.audit.compare import compare_states, flatten
 
     assert compare_states(flatten(a, "s"), flatten(b, "s")) == []
 

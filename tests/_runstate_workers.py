@@ -135,7 +135,7 @@ def train(run_dir: str, layout: str, until: int, async_save: bool = False) -> di
 def restore_in_memory(layout: str) -> list[str]:
     """Keep a copy at step 2 (as the spike guard's ring does), train on, restore it: the
     run is back at step 2 bit for bit, and the kept copy's digests match the live state."""
-    from ckptkit._ring import clone, digests
+    from ckptkit.format.tree import clone, digests
 
     loop = Loop("/nonexistent-never-saved", layout)
     for _ in range(2):
@@ -157,14 +157,14 @@ def restore_in_memory(layout: str) -> list[str]:
 
 
 def _differs(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
-    from ckptkit.compare import compare_states, flatten
+    from ckptkit.audit.compare import compare_states, flatten
 
     return [str(d) for d in compare_states(flatten(a, "s"), flatten(b, "s"))]
 
 
 def guarded(run_dir: str, layout: str, until: int, spike_at: int) -> dict[str, Any]:
     """The loop under ``SpikeGuard(mode="on")``, a spike injected at ``spike_at``: what each rank saw."""
-    from ckptkit.rollback_record import skipped_batches
+    from ckptkit.guard.rollback_record import skipped_batches
     from ckptkit.testing import GradSpike
 
     loop = Loop(run_dir, layout, rule=lambda rank, world, step, values: rank + (step + skipped_batches(values)) * world)
@@ -178,7 +178,7 @@ def guarded(run_dir: str, layout: str, until: int, spike_at: int) -> dict[str, A
         if history is not None and start == 0:
             history.start_fresh()
         guard.run(loop.step, start, until, save_every=2)
-        from ckptkit._ring import clone, localized
+        from ckptkit.format.tree import clone, localized
 
         # this rank's own copy (DDP: the whole replicated model; FSDP2: its shards)
         here = localized(clone(loop.rs.checkpoint(until)))

@@ -26,7 +26,7 @@ from hypothesis import settings
 
 import ckptkit
 from ckptkit import RunState, SpikeConfig, SpikeMonitor
-from ckptkit.runstate import checkpoint_name
+from ckptkit.run import checkpoint_name
 from ckptkit.trainer import StepResult, TrainerConfig, compared_rows, read_rows, train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,8 +138,8 @@ def assert_same_run(a: Path, b: Path, step: int) -> None:
 def record_environment(run_dir: Path, facts: dict[str, object]) -> None:
     """Make ``run_dir`` look recorded under ``facts``: its environment.json, and the
     digest of it its checkpoints bind (R-C03) -- an edit alone is damage."""
-    from ckptkit.companions import rebind
-    from ckptkit.runstate import list_checkpoints
+    from ckptkit.format.companions import rebind
+    from ckptkit.run import list_checkpoints
 
     (run_dir / "environment.json").write_text(json.dumps(facts, sort_keys=True, indent=2) + "\n")
     for _step, path in list_checkpoints(run_dir):
@@ -167,6 +167,8 @@ class Loop:
         width: int | None = None,
         keep: int = 3,
         rule: Any = None,
+        async_save: bool = False,
+        log: Any = None,
     ) -> None:
         self.cfg = cfg or Cfg()
         w = width or self.cfg.width
@@ -189,7 +191,7 @@ class Loop:
         self.table: dict[str, Any] = {"counts": torch.zeros(3, dtype=torch.int64)}
         self.table_step = 0
         self.restored: list[str] = []
-        self.state = rs = RunState(run_dir, config=self.cfg, keep=keep)
+        self.state = rs = RunState(run_dir, config=self.cfg, keep=keep, async_save=async_save, log=log)
         rs.add_model("body", self.body)
         rs.add_model("head", self.head)
         rs.add_optimizer("adamw", self.opt_body)

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from helpers import TINY_FLAGS, run, tiny
 
-from ckptkit.checkpoint import load, save
 from ckptkit.cli import main
 from ckptkit.cli.train import add_parser as add_train_parser
 from ckptkit.cli.train import config_from_args
-from ckptkit.runstate import checkpoint_name
+from ckptkit.format.checkpoint import load, save
+from ckptkit.run import checkpoint_name
 from ckptkit.trainer.audit import compare_runs, knob_flags
 
 pytestmark = pytest.mark.slow

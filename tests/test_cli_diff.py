@@ -10,7 +10,7 @@ import pytest
 from helpers import Flat
 
 from ckptkit.cli import diff as cli_diff
-from ckptkit.snapshot import snapshot_path, write_snapshot
+from ckptkit.format.snapshot import snapshot_path, write_snapshot
 
 
 def _cli(argv, capsys):

@@ -17,7 +17,7 @@ from helpers import TINY_FLAGS, Cfg, Loop, fixture_generator, trained
 
 from ckptkit import CheckpointNotFound, ChecksumMismatch
 from ckptkit.cli import main
-from ckptkit.runstate import checkpoint_name
+from ckptkit.run import checkpoint_name
 
 TRAIN_FLAGS = [*TINY_FLAGS, "--ckpt-every", "2", "--keep", "10", "--log-every", "1000"]
 
@@ -41,8 +41,7 @@ def flip_byte(path: Path, at: int) -> None:
 
 def resume(run_dir: Path, cfg: Cfg | None = None):
     logged: list[str] = []
-    loop = Loop(run_dir, cfg)
-    loop.state._log = logged.append
+    loop = Loop(run_dir, cfg, log=logged.append)
     return loop, loop.state.resume(), logged
 
 
@@ -150,7 +149,7 @@ def test_the_record_is_the_digest_of_each_companion_file(tmp_path: Path) -> None
     import xxhash
 
     import ckptkit
-    from ckptkit.sidecar import read_sidecar
+    from ckptkit.format.sidecar import read_sidecar
 
     trained(tmp_path, steps=2)
     path = tmp_path / checkpoint_name(2)
@@ -165,8 +164,7 @@ def test_the_record_is_the_digest_of_each_companion_file(tmp_path: Path) -> None
 
 def test_an_async_save_records_the_same_bytes(tmp_path: Path) -> None:
     trained(tmp_path / "sync", steps=2)
-    loop = Loop(tmp_path / "async")
-    loop.state._saver = __import__("ckptkit.asyncsave", fromlist=["AsyncSaver"]).AsyncSaver()
+    loop = Loop(tmp_path / "async", async_save=True)
     loop.state.start()
     for i in range(2):
         loop.step(i)
@@ -177,7 +175,7 @@ def test_an_async_save_records_the_same_bytes(tmp_path: Path) -> None:
 
 
 def test_check_companions_raises_a_checksum_mismatch(tmp_path: Path) -> None:
-    from ckptkit.companions import check_companions, read_record
+    from ckptkit.format.companions import check_companions, read_record
 
     trained(tmp_path, steps=2)
     path = str(tmp_path / checkpoint_name(2))
@@ -253,7 +251,7 @@ def test_verify_run_names_a_damaged_snapshot_and_exits_1(
 
 
 def _recorded(run_dir: Path, step: int) -> int:
-    from ckptkit.companions import read_record
+    from ckptkit.format.companions import read_record
 
     record = read_record(run_dir / checkpoint_name(step))
     assert record is not None
@@ -336,7 +334,7 @@ def test_verify_json_lists_companions(tmp_path: Path, capsys: pytest.CaptureFixt
 def test_two_runs_differing_in_an_exempt_key_differ_only_in_the_record(tmp_path: Path) -> None:
     """Each binds its own snapshot (``steps`` differs), so the bytes differ; with the
     records set aside they are the same checkpoint (what audit and replay compare)."""
-    from ckptkit.companions import unbound_bytes
+    from ckptkit.format.companions import unbound_bytes
 
     trained(tmp_path / "a", steps=2, cfg=Cfg(steps=10))
     trained(tmp_path / "b", steps=2, cfg=Cfg(steps=20))
@@ -351,7 +349,7 @@ def test_verifying_a_run_and_its_companions_does_not_import_torch(tmp_path: Path
 
     trained(tmp_path, steps=2)
     code = (
-        "import sys, ckptkit.companions; from ckptkit.cli import main; "
+        "import sys, ckptkit.format.companions; from ckptkit.cli import main; "
         f"assert main(['verify', {str(tmp_path)!r}]) == 0; assert 'torch' not in sys.modules, 'torch'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
@@ -460,7 +458,7 @@ def test_verify_checks_what_it_can_in_history(tmp_path: Path, capsys: pytest.Cap
 
 
 def test_check_history_follows_reruns_rollbacks_and_resumes(tmp_path: Path) -> None:
-    from ckptkit.history import check_history
+    from ckptkit.run.history import check_history
 
     def rows(*pairs: tuple[str, int, dict[str, object]]) -> Path:
         path = tmp_path / "history.jsonl"

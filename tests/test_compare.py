@@ -1,4 +1,4 @@
-"""Tensor-by-tensor comparison (ckptkit.compare) and `ckptkit diff --tensors`."""
+"""Tensor-by-tensor comparison (ckptkit.audit.compare) and `ckptkit diff --tensors`."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import json
 
 import torch
 
-from ckptkit.checkpoint import Checkpoint, save
+from ckptkit.audit.compare import compare_checkpoints, compare_states, flatten
 from ckptkit.cli import main
-from ckptkit.compare import compare_checkpoints, compare_states, flatten
-from ckptkit.snapshot import snapshot_path, write_snapshot
+from ckptkit.format.checkpoint import Checkpoint, save
+from ckptkit.format.snapshot import snapshot_path, write_snapshot
 
 
 @dataclasses.dataclass

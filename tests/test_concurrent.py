@@ -22,12 +22,12 @@ import pytest
 import torch
 
 import ckptkit
-from ckptkit.checkpoint import Checkpoint, save
 from ckptkit.cli import main
+from ckptkit.format.checkpoint import Checkpoint, save
 
 _WRITER = r"""
 import sys, torch
-from ckptkit.checkpoint import Checkpoint, save
+from ckptkit.format.checkpoint import Checkpoint, save
 path, n = sys.argv[1], int(sys.argv[2])
 torch.set_num_threads(1)
 for i in range(1, n + 1):
@@ -38,7 +38,7 @@ for i in range(1, n + 1):
 
 _RUN_WRITER = r"""
 import dataclasses, sys, torch
-from ckptkit.runstate import RunState
+from ckptkit.run import RunState
 @dataclasses.dataclass(frozen=True)
 class Cfg:
     steps: int = 1000

@@ -15,10 +15,7 @@ from helpers import bits, examples, same
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import ckptkit.container as container
-from ckptkit.checkpoint import Checkpoint, load, save
-from ckptkit.codec import encode_tree
-from ckptkit.container import FLAG_FP32_FALLBACK, verify
+import ckptkit.format.container as container
 from ckptkit.errors import (
     BadMagic,
     ChecksumMismatch,
@@ -29,7 +26,10 @@ from ckptkit.errors import (
     UnsupportedValue,
     UnsupportedVersion,
 )
-from ckptkit.section import plan_section
+from ckptkit.format.checkpoint import Checkpoint, load, save
+from ckptkit.format.codec import encode_tree
+from ckptkit.format.container import FLAG_FP32_FALLBACK, verify
+from ckptkit.format.section import plan_section
 
 DTYPES = [
     torch.float32,
@@ -379,7 +379,8 @@ def test_map_location_places_tensors(tmp_path):
 
 def test_importing_the_format_core_does_not_import_torch():
     code = (
-        "import sys, ckptkit, ckptkit.container, ckptkit.sidecar, ckptkit.snapshot, ckptkit.atomic, "
+        "import sys, ckptkit, ckptkit.format.container, ckptkit.format.sidecar, ckptkit.format.snapshot, "
+        "ckptkit.format.atomic, "
         "ckptkit.cli, ckptkit.cli.verify, ckptkit.cli.inspect_cmd; assert 'torch' not in sys.modules, 'torch'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

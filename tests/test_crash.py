@@ -59,8 +59,8 @@ def _lab_main(work: str, external_kills: int, seed: int) -> None:
     import xxhash
 
     import ckptkit
-    from ckptkit.runstate import RunState, list_checkpoints
-    from ckptkit.sidecar import verify_sidecar
+    from ckptkit.format.sidecar import verify_sidecar
+    from ckptkit.run import RunState, list_checkpoints
 
     torch.set_num_threads(1)
 
@@ -615,7 +615,7 @@ def test_a_sigkilled_ckptkit_train_resumes_to_the_same_bytes(tmp_path):
     time, ends with the same final checkpoint (container, snapshot, sidecar) and the
     same history rows as a run that was never killed. (Kills between checkpoints are
     covered in-process by tests/test_trainer_resume.py.)"""
-    from ckptkit.runstate import checkpoint_name
+    from ckptkit.run import checkpoint_name
     from ckptkit.trainer import compared_rows, read_rows
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

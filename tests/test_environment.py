@@ -1,4 +1,4 @@
-"""ckptkit.environment: the environment is part of the run (spec/determinism.md R-D09..R-D12)."""
+"""ckptkit.run.environment: the environment is part of the run (spec/determinism.md R-D09..R-D12)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import msgpack
 import pytest
 import torch
 
-from ckptkit import environment
-from ckptkit.environment import ENV_HINT, EnvDiff, capture, check_environment, diff_environment
 from ckptkit.errors import EnvironmentDrift, MalformedIndex, ResumeRefused
+from ckptkit.run import environment
+from ckptkit.run.environment import ENV_HINT, EnvDiff, capture, check_environment, diff_environment
 
 EXPECTED_KEYS = [
     "cuda",
@@ -152,7 +152,7 @@ def test_a_malformed_recording_raises_malformed_index(recorded: object, message:
 
 
 def test_import_does_not_import_torch() -> None:
-    code = "import sys, ckptkit.environment; print('torch' in sys.modules)"
+    code = "import sys, ckptkit.run.environment; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ckptkit.fingerprint import first_divergence, float_bits, state_digest, tensor_digest
+from ckptkit.run.fingerprint import first_divergence, float_bits, state_digest, tensor_digest
 
 
 def test_float_bits_are_the_exact_pattern_at_the_values_own_width():

@@ -19,10 +19,10 @@ import zstandard
 from helpers import fixture_generator
 
 from ckptkit import errors
-from ckptkit.checkpoint import Checkpoint, load, save
 from ckptkit.cli import main
-from ckptkit.container import LEGACY_MISSING, Source, read_layout, section_infos, verify
-from ckptkit.sidecar import read_sidecar, verify_sidecar, write_sidecar
+from ckptkit.format.checkpoint import Checkpoint, load, save
+from ckptkit.format.container import LEGACY_MISSING, Source, read_layout, section_infos, verify
+from ckptkit.format.sidecar import read_sidecar, verify_sidecar, write_sidecar
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "fixtures"
@@ -309,7 +309,7 @@ def test_every_rule_in_the_validation_spec_has_an_invalid_fixture_named_after_it
 def test_every_rule_id_the_code_names_is_in_the_validation_spec() -> None:
     named = set()
     for mod in ("container.py", "section.py", "sidecar.py"):
-        named |= set(re.findall(r"R-\d{3}", (ROOT / "ckptkit" / mod).read_text()))
+        named |= set(re.findall(r"R-\d{3}", (ROOT / "ckptkit" / "format" / mod).read_text()))
     assert named <= set(_spec_rules())
 
 

@@ -30,9 +30,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ckptkit
-from ckptkit.checkpoint import Checkpoint, load, save
 from ckptkit.errors import BadMagic, CheckpointError, FormatError
-from ckptkit.sidecar import read_sidecar, verify_sidecar, write_sidecar
+from ckptkit.format.checkpoint import Checkpoint, load, save
+from ckptkit.format.sidecar import read_sidecar, verify_sidecar, write_sidecar
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOSTILE = os.path.join(ROOT, "fixtures", "hostile")
@@ -163,7 +163,7 @@ def valid_run(tmp_path_factory):
     """A run directory with valid checkpoints at steps 1 and 2 (model + ngram sidecar)."""
     import dataclasses
 
-    from ckptkit.runstate import RunState
+    from ckptkit.run import RunState
 
     @dataclasses.dataclass(frozen=True)
     class Cfg:

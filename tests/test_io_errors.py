@@ -23,11 +23,11 @@ import pytest
 import torch
 
 import ckptkit
-from ckptkit import atomic
-from ckptkit.checkpoint import Checkpoint, save
 from ckptkit.errors import CheckpointError, SaveFailed
-from ckptkit.runstate import RunState, list_checkpoints
-from ckptkit.sidecar import verify_sidecar
+from ckptkit.format import atomic
+from ckptkit.format.checkpoint import Checkpoint, save
+from ckptkit.format.sidecar import verify_sidecar
+from ckptkit.run import RunState, list_checkpoints
 
 
 class Faults:

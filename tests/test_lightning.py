@@ -25,8 +25,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import ckptkit
 from ckptkit.cli import main
-from ckptkit.container import MAGIC
 from ckptkit.errors import ChecksumMismatch, FormatError, UnsupportedValue
+from ckptkit.format.container import MAGIC
 from ckptkit.integrations.lightning import LAYOUT, CheckpointIO
 
 pytestmark = [

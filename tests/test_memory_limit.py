@@ -21,7 +21,7 @@ import torch
 from helpers import hostile_generator
 
 from ckptkit import Checkpoint, InsufficientMemory, load, save, verify
-from ckptkit.container import Source, read_layout
+from ckptkit.format.container import Source, read_layout
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 1 << 30

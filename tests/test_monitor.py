@@ -1,4 +1,4 @@
-"""ckptkit.monitor: the spike / stability monitor (spec/rollback.md R-M01..R-M12)."""
+"""ckptkit.guard.monitor: the spike / stability monitor (spec/rollback.md R-M01..R-M12)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from helpers import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckptkit import monitor as monitor_module
 from ckptkit.errors import CheckpointError, ConfigDrift, MalformedIndex, UnsupportedVersion
-from ckptkit.monitor import REASONS, STATE_VERSION, SpikeConfig, SpikeMonitor, Verdict
+from ckptkit.guard import monitor as monitor_module
+from ckptkit.guard.monitor import REASONS, STATE_VERSION, SpikeConfig, SpikeMonitor, Verdict
 
 NAN = float("nan")
 INF = float("inf")
@@ -210,7 +210,7 @@ def test_observe_accepts_a_zero_dim_tensor_without_the_monitor_importing_torch()
 
 
 def test_import_does_not_import_torch() -> None:
-    code = "import sys, ckptkit.monitor; print('torch' in sys.modules)"
+    code = "import sys, ckptkit.guard.monitor; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 

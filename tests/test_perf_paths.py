@@ -19,8 +19,8 @@ import torch
 import xxhash
 from helpers import bits, same
 
-import ckptkit._fileio as _fileio
-import ckptkit.container as container
+import ckptkit.format._io as _fileio
+import ckptkit.format.container as container
 from ckptkit import (
     AsyncSaver,
     Checkpoint,
@@ -35,7 +35,7 @@ from ckptkit import (
     save,
     verify,
 )
-from ckptkit.container import Source, read_layout
+from ckptkit.format.container import Source, read_layout
 
 
 def state() -> dict:

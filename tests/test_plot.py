@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 from helpers import TINY_FLAGS
 
+from ckptkit.audit.plot import COLORS, plot_run, read_series, render, spike_config_of
 from ckptkit.cli import main
-from ckptkit.history import History, read_rows
-from ckptkit.monitor import SpikeConfig
-from ckptkit.plot import COLORS, plot_run, read_series, render, spike_config_of
+from ckptkit.guard.monitor import SpikeConfig
+from ckptkit.run.history import History, read_rows
 
 pytestmark = pytest.mark.slow
 
@@ -179,7 +179,7 @@ def test_the_threshold_is_the_trainers_own_detector(rolled: Path, plain: Path) -
 
 
 def test_the_kept_rows_are_the_trainers_lineage(rolled: Path) -> None:
-    from ckptkit.history import kept_rows
+    from ckptkit.run.history import kept_rows
 
     rows = rows_of(rolled)
     series = read_series(rows)
@@ -349,7 +349,7 @@ def test_kept_scalars_are_what_a_tracker_logs_one_value_per_step(rolled: Path) -
     rows = rows_of(rolled)
     logged = read_series(rows).kept_scalars()
     assert [step for step, _ in logged] == list(range(14))
-    from ckptkit.history import kept_rows
+    from ckptkit.run.history import kept_rows
 
     for (step, values), row in zip(logged, kept_rows(rows), strict=True):
         assert values == {k: row[k] for k in ("loss", "lm_loss", "aux_loss", "grad_norm", "lr")}, step

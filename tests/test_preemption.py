@@ -22,9 +22,9 @@ from helpers import TINY_FLAGS
 
 import ckptkit
 from ckptkit.cli import main
-from ckptkit.history import compared_rows, read_rows
-from ckptkit.preemption import EXIT_STOPPED, STOP_AT_ENV, RunStopped
-from ckptkit.runstate import checkpoint_name, list_checkpoints
+from ckptkit.run import checkpoint_name, list_checkpoints
+from ckptkit.run.history import compared_rows, read_rows
+from ckptkit.run.preemption import EXIT_STOPPED, STOP_AT_ENV, RunStopped
 
 pytestmark = pytest.mark.slow
 

@@ -26,8 +26,8 @@ from helpers import TINY_FLAGS
 
 from ckptkit.cli import main
 from ckptkit.cli._progress import Progress
-from ckptkit.history import read_rows
-from ckptkit.runstate import read_environment
+from ckptkit.run import read_environment
+from ckptkit.run.history import read_rows
 
 pytestmark = pytest.mark.slow
 

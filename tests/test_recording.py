@@ -1,4 +1,4 @@
-"""RunState.record and ckptkit.recording: one call per step, exact rows, the first difference named."""
+"""RunState.record and ckptkit.audit.recording: one call per step, exact rows, the first difference named."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import ckptkit
-from ckptkit.history import read_rows
-from ckptkit.recording import RunRecording, first_difference
+from ckptkit.audit.recording import RunRecording, first_difference
+from ckptkit.run.history import read_rows
 
 
 @dataclasses.dataclass

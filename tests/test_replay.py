@@ -19,8 +19,10 @@ from helpers import history, record_environment, run, tiny
 
 import ckptkit
 from ckptkit.cli import main
-from ckptkit.compare import checkpoint_state
-from ckptkit.fingerprint import (
+from ckptkit.format.snapshot import encode_snapshot
+from ckptkit.format.tree import checkpoint_state
+from ckptkit.run import checkpoint_name
+from ckptkit.run.fingerprint import (
     combine,
     differing_names,
     first_divergence_in_files,
@@ -29,8 +31,6 @@ from ckptkit.fingerprint import (
     state_digest,
     tensor_digest,
 )
-from ckptkit.runstate import checkpoint_name
-from ckptkit.snapshot import encode_snapshot
 from ckptkit.trainer import TrainerConfig
 from ckptkit.trainer.config import knobs
 from ckptkit.trainer.replay import replay

@@ -1,4 +1,4 @@
-"""ckptkit.rng: randomness is a pure function of (seed, step) (spec/determinism.md)."""
+"""ckptkit.run.rng: randomness is a pure function of (seed, step) (spec/determinism.md)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from helpers import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckptkit import rng
-from ckptkit.rng import (
+from ckptkit.run import rng
+from ckptkit.run.rng import (
     GAMMA,
     Stream,
     draw,
@@ -119,7 +119,7 @@ def test_draw_does_not_depend_on_call_order(calls: list[tuple[int, int, int, int
 
 
 def test_draw_is_the_same_in_a_fresh_process() -> None:
-    code = "from ckptkit.rng import draw; print(draw(7, 11, 13, 3))"
+    code = "from ckptkit.run.rng import draw; print(draw(7, 11, 13, 3))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert int(out) == draw(7, 11, 13, 3)
 
@@ -413,7 +413,7 @@ def test_no_function_touches_a_global_rng() -> None:
 
 
 def test_import_does_not_import_torch() -> None:
-    code = "import sys, ckptkit.rng; print('torch' in sys.modules)"
+    code = "import sys, ckptkit.run.rng; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 

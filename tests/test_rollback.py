@@ -23,7 +23,6 @@ from helpers import TINY_FLAGS, Crash, assert_same_run, examples, history, run, 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckptkit.checkpoint import load, save
 from ckptkit.cli import main
 from ckptkit.errors import (
     MalformedIndex,
@@ -32,10 +31,11 @@ from ckptkit.errors import (
     TrainingUnstable,
     UnsupportedVersion,
 )
-from ckptkit.history import History, f64_bits, kept_rows, read_rows
-from ckptkit.rollback_record import RollbackRecord, skipped_batches
-from ckptkit.runstate import RunState, checkpoint_name, list_checkpoints
-from ckptkit.sidecar import read_sidecar
+from ckptkit.format.checkpoint import load, save
+from ckptkit.format.sidecar import read_sidecar
+from ckptkit.guard.rollback_record import RollbackRecord, skipped_batches
+from ckptkit.run import RunState, checkpoint_name, list_checkpoints
+from ckptkit.run.history import History, f64_bits, kept_rows, read_rows
 from ckptkit.trainer import StepResult, TrainerConfig, train
 from ckptkit.trainer.replay import replay
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import os
 import shutil
 import threading
@@ -27,7 +28,7 @@ from ckptkit import (
     StreamOffsetMismatch,
     UnsupportedValue,
 )
-from ckptkit.runstate import checkpoint_name, list_checkpoints
+from ckptkit.run import checkpoint_name, list_checkpoints
 
 # ----------------------------------------------------------------------------- every kind of state comes back
 
@@ -203,8 +204,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one_and_says_so(
     newest.write_bytes(bytes(data))
     (tmp_path / (checkpoint_name(4) + ".counts")).unlink()
     logged: list[str] = []
-    loop = Loop(tmp_path)
-    loop.state._log = logged.append
+    loop = Loop(tmp_path, log=logged.append)
     info = loop.state.resume()
     assert info.step == 2 and loop.position == 8
     assert [os.path.basename(p) for p, _ in info.skipped] == ["step-00000006.ckpt", "step-00000004.ckpt"]
@@ -320,16 +320,47 @@ def test_checkpoints_waits_for_the_save_in_flight(tmp_path: Path, monkeypatch: p
     net = torch.nn.Linear(64, 64)
     rs.add_model("net", net)
     rs.start()
-    real = ckptkit.runstate.save
+    real = ckptkit.run.file_store.save
     gate = threading.Event()
 
     def slow_save(*a: Any, **kw: Any) -> None:
         gate.wait(10)
         real(*a, **kw)
 
-    monkeypatch.setattr(ckptkit.runstate, "save", slow_save)
+    monkeypatch.setattr(ckptkit.run.file_store, "save", slow_save)
     rs.save(1)
     assert list_checkpoints(tmp_path) == []  # still in flight
     gate.set()
     assert [s for s, _ in rs.checkpoints()] == [1]
     rs.close()
+
+
+def test_a_run_answers_what_a_guard_asks_of_it(tmp_path: Path) -> None:
+    """The public questions a guard (or any loop) asks: positions, the offset rule, the monitor's
+    name, the LR, and scaling it — the LR of every group and the schedulers' base LRs."""
+    net = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    pos = {"v": 6}
+    skipped = {"n": 2}
+    rs = RunState(tmp_path, config=Cfg())
+    assert math.isnan(rs.lr())  # no optimizer registered yet
+    rs.add_model("net", net)
+    rs.add_optimizer("sgd", opt)
+    rs.add_scheduler("lr", sched)
+    rs.add_value("skipped", get=lambda: skipped["n"], set=lambda v: skipped.update(n=v))
+    rs.add_data_position(
+        "train", get=lambda: pos["v"], set=lambda v: pos.update(v=v), expected=lambda s, vals: 2 * s + vals["skipped"]
+    )
+    rs.add_data_position("eval", get=lambda: 0, set=lambda v: None)
+    monitor = ckptkit.SpikeMonitor()
+    rs.add_monitor("spikes", monitor)
+    assert rs.data_positions() == {"train": 6, "eval": 0}
+    assert rs.expected_position("train", 3) == 8 and rs.expected_position("eval", 3) is None
+    assert rs.monitor_name(monitor) == "spikes" and rs.monitor_name(ckptkit.SpikeMonitor()) is None
+    assert rs.lr() == 0.1
+    rs.scale_lr(0.5)
+    assert rs.lr() == 0.05 and opt.param_groups[0]["initial_lr"] == 0.05 and sched.base_lrs == [0.05]
+    opt.step()
+    sched.step()
+    assert opt.param_groups[0]["lr"] == 0.05  # the closed-form schedule keeps the drop

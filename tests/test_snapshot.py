@@ -21,7 +21,6 @@ from helpers import Flat, examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckptkit.drift import DEFAULT_EXEMPT, KeyDiff, check_resume, diff_keys
 from ckptkit.errors import (
     CheckpointNotFound,
     ConfigDrift,
@@ -29,8 +28,7 @@ from ckptkit.errors import (
     UnsupportedValue,
     UnsupportedVersion,
 )
-from ckptkit.field_coverage import assert_field_coverage, check_field_coverage
-from ckptkit.snapshot import (
+from ckptkit.format.snapshot import (
     Snapshot,
     encode_snapshot,
     read_snapshot,
@@ -38,6 +36,8 @@ from ckptkit.snapshot import (
     snapshot_path,
     write_snapshot,
 )
+from ckptkit.run.drift import DEFAULT_EXEMPT, KeyDiff, check_resume, diff_keys
+from ckptkit.run.field_coverage import assert_field_coverage, check_field_coverage
 
 # --------------------------------------------------------------------------- configs
 
@@ -191,7 +191,7 @@ def test_write_snapshot_refuses_unsupported_values_and_writes_nothing(tmp_path):
 
 
 def test_importing_snapshot_and_cli_diff_leaves_torch_unimported():
-    code = "import ckptkit.snapshot, ckptkit.cli.diff, sys; assert 'torch' not in sys.modules"
+    code = "import ckptkit.format.snapshot, ckptkit.cli.diff, sys; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

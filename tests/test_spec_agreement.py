@@ -15,9 +15,9 @@ import torch
 from helpers import fixture_generator
 
 from ckptkit import BadTensorValue, MalformedIndex, open_checkpoint
-from ckptkit.checkpoint import Checkpoint, load, save
 from ckptkit.cli import main
-from ckptkit.container import Source, read_layout, verify
+from ckptkit.format.checkpoint import Checkpoint, load, save
+from ckptkit.format.container import Source, read_layout, verify
 
 GENERATE = fixture_generator()
 

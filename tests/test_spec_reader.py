@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from ckptkit.container import Source, read_layout, section_infos
+from ckptkit.format.container import Source, read_layout, section_infos
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "fixtures"

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import ckptkit
-from ckptkit._ring import tensors
-from ckptkit.history import History, kept_rows, read_rows
-from ckptkit.rollback_record import skipped_batches
+from ckptkit.format.tree import tensors
+from ckptkit.guard.rollback_record import skipped_batches
+from ckptkit.run.history import History, kept_rows, read_rows
 from ckptkit.testing import GradSpike
 
 
@@ -53,7 +53,7 @@ class Toy:
         *,
         spike_at: int | None = None,
         repeat: int = 2,
-        k: int = 3,
+        k: int | None = 3,
         register_data: bool = True,
         **guard_kw: Any,
     ) -> None:
@@ -80,8 +80,9 @@ class Toy:
         _OPEN.append(self.history)
         inject = None if spike_at is None else GradSpike([self.net], at=spike_at, repeat=repeat)
         monitor = ckptkit.SpikeMonitor(ckptkit.SpikeConfig(window=8, min_history=4))
+        knobs: dict[str, Any] = {} if k is None else {"k": k}  # k=None: the guard's knobs come in guard_kw (config=...)
         self.guard = ckptkit.SpikeGuard(
-            self.state, mode, monitor=monitor, k=k, history=self.history, inject=inject, **guard_kw
+            self.state, mode, monitor=monitor, history=self.history, inject=inject, **knobs, **guard_kw
         )
         self.lrs: list[tuple[int, float]] = []
 
@@ -327,3 +328,52 @@ def test_bad_knobs_are_named(tmp_path: Path, kw: dict[str, Any], message: str) -
     state = ckptkit.RunState(tmp_path, config=Cfg())
     with pytest.raises(ValueError, match=re.escape(message)):
         ckptkit.SpikeGuard(state, **kw)
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"mode": "yes"}, "mode must be one of off, warn, on (got 'yes')"),
+        ({"k": -1}, "k must be an int >= 0 (got -1)"),
+        ({"k": True}, "k must be an int >= 0 (got True)"),
+        ({"bound": 0}, "bound must be an int >= 1 (got 0)"),
+        ({"cap": -1}, "cap must be an int >= 0 (got -1)"),
+        ({"lr_drop": 1.5}, "lr_drop must be a float, finite, > 0 and <= 1 (got 1.5)"),
+        ({"lr_drop": float("nan")}, "lr_drop must be a float, finite, > 0 and <= 1 (got nan)"),
+    ],
+)
+def test_a_rollback_config_refuses_a_bad_knob_when_it_is_made(kw: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ckptkit.RollbackConfig(**kw)
+
+
+def test_a_rollback_config_is_frozen_and_takes_a_mode_enum() -> None:
+    import enum
+
+    class Mode(str, enum.Enum):  # a config's enum, as the trainer's is
+        ON = "on"
+
+    cfg = ckptkit.RollbackConfig(mode=Mode.ON, k=0, bound=1, cap=0, lr_drop=1.0)  # each boundary, accepted
+    assert cfg.mode == "on" and cfg.on
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.k = 3  # type: ignore[misc]
+
+
+def test_a_guard_built_from_a_config_rolls_back_as_one_built_from_knobs(tmp_path: Path) -> None:
+    """config=RollbackConfig(...) is the same guard as the knobs one by one: same record, same rows."""
+    cfg = ckptkit.RollbackConfig(mode="on", k=3, lr_drop=0.25)
+    knobs = Toy(tmp_path / "knobs", "on", spike_at=12, k=3, lr_drop=0.25)
+    config = Toy(tmp_path / "config", "warn", spike_at=12, k=None, config=cfg)  # "warn": the default, unused
+    for toy in (knobs, config):
+        toy.start()
+        toy.guard.run(toy.step, 0, 20)
+        toy.history.close()
+        assert toy.guard.config == cfg
+    assert config.guard.record == knobs.guard.record and config.guard.record.count == 1
+    assert read_rows(tmp_path / "config" / "history.jsonl") == read_rows(tmp_path / "knobs" / "history.jsonl")
+
+
+def test_a_guard_refuses_knobs_given_twice(tmp_path: Path) -> None:
+    state = ckptkit.RunState(tmp_path, config=Cfg())
+    with pytest.raises(ValueError, match=re.escape("pass the rollback knobs in config= or one by one, not both")):
+        ckptkit.SpikeGuard(state, k=4, config=ckptkit.RollbackConfig(mode="on"))

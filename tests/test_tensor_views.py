@@ -18,7 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ckptkit import AsyncSaver, Checkpoint, StateMismatch, load, open_checkpoint, save
-from ckptkit.section import DTYPE_SIZES
+from ckptkit.format.section import DTYPE_SIZES
 
 DTYPES = sorted(DTYPE_SIZES)
 

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 from ckptkit.cli import main
 from ckptkit.errors import ConfigDrift
-from ckptkit.history import compared_rows
+from ckptkit.run.history import compared_rows
 from ckptkit.trainer.data import ByteStream, data_fingerprint, load_bytes
 from ckptkit.trainer.digests import param_digests
 from ckptkit.trainer.loop import build, deterministic_torch, expected_offset, intra_op_threads, run_state

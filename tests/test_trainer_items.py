@@ -20,11 +20,11 @@ import pytest
 import torch
 from helpers import artifacts, assert_same_run, history, run, tiny
 
-from ckptkit import drift, field_coverage, snapshot
-from ckptkit.checkpoint import load
 from ckptkit.errors import ConfigDrift, SidecarMismatch, StreamOffsetMismatch
-from ckptkit.runstate import RunState, checkpoint_name
-from ckptkit.sidecar import read_sidecar
+from ckptkit.format import snapshot
+from ckptkit.format.checkpoint import load
+from ckptkit.format.sidecar import read_sidecar
+from ckptkit.run import RunState, checkpoint_name, drift, field_coverage
 from ckptkit.trainer import TrainerConfig
 from ckptkit.trainer.config import knobs
 
@@ -342,7 +342,7 @@ def test_item7_a_sidecar_from_another_step_is_never_paired(tmp_path: Path, monke
     assert_same_run(ref, cut, 6)
 
     # The bug: the stale sidecar accepted for step 4 (stamp check switched off).
-    from ckptkit import runstate
+    from ckptkit.run import files as runstate
 
     real = runstate.read_sidecar
     monkeypatch.setattr(runstate, "read_sidecar", lambda path, expect_step=None: real(path))

@@ -20,7 +20,7 @@ from helpers import TINY_FLAGS, artifacts, assert_same_run, history, run, tiny
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckptkit.runstate import checkpoint_name
+from ckptkit.run import checkpoint_name
 
 pytestmark = pytest.mark.slow
 

@@ -16,9 +16,8 @@ import pytest
 import torch
 from helpers import history, record_environment, run, tiny
 
-from ckptkit import container, load
+from ckptkit import load
 from ckptkit.cli import main
-from ckptkit.codec import encode_tree
 from ckptkit.errors import (
     ConfigDrift,
     EnvironmentDrift,
@@ -27,9 +26,11 @@ from ckptkit.errors import (
     ReplayDivergence,
     ResumeRefused,
 )
-from ckptkit.history import History, f32_bits, f64_bits, read_rows
-from ckptkit.runstate import checkpoint_name
-from ckptkit.section import plan_section
+from ckptkit.format import container
+from ckptkit.format.codec import encode_tree
+from ckptkit.format.section import plan_section
+from ckptkit.run import checkpoint_name
+from ckptkit.run.history import History, f32_bits, f64_bits, read_rows
 from ckptkit.trainer import TrainerConfig, compared_rows
 from ckptkit.trainer.data import ByteStream, load_bytes
 

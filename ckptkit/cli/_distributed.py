@@ -70,7 +70,7 @@ def read_run_record(path: str) -> dict[str, Any] | None:
     Raises:
         CheckpointError: the metadata cannot be read, or the record is malformed (R-C01).
     """
-    from ..companions import record_of
+    from ..format.companions import record_of
 
     run = read_metadata(path, check_files=False).values.get("run")
     if isinstance(run, tuple) and len(run) == 1:
@@ -222,7 +222,7 @@ def diff_directories(args: Any, tensor_lines: Callable[[list[dict[str, Any]]], l
 
 
 def _tensor_diffs(a: str, b: str) -> list[dict[str, Any]]:
-    from ..compare import compare_states  # imports torch: only here
+    from ..audit.compare import compare_states  # imports torch: only here
     from ..distributed.storage import logical_state
 
     out = []

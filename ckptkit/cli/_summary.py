@@ -1,7 +1,7 @@
 """The lines ``ckptkit train`` ends with, read back from what the run wrote.
 
 Every figure but the wall time comes from the run directory after the run:
-``history.jsonl`` (read with :mod:`ckptkit.history`) and the checkpoint files
+``history.jsonl`` (read with :mod:`ckptkit.run.history`) and the checkpoint files
 on disk. So the summary cannot name a checkpoint that retention deleted, or a
 step whose row never reached the file. "This call" is everything after the
 history's last ``start`` or ``resume`` row. Counts say steps done (``now at
@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..history import HISTORY_FILE, read_rows
-from ..runstate import DCP_SUFFIX, list_checkpoints
+from ..run import DCP_SUFFIX, list_checkpoints
+from ..run.history import HISTORY_FILE, read_rows
 
 __all__ = ["TrainSummary", "extend_command", "summarize"]
 

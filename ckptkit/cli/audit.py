@@ -156,8 +156,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_command(args: argparse.Namespace, command: list[str]) -> int:
-    """``ckptkit audit [--stop-at K] -- CMD ARGS...``: any loop (ckptkit.command_runs)."""
-    from ..command_runs import audit_command
+    """``ckptkit audit [--stop-at K] -- CMD ARGS...``: any loop (ckptkit.audit.commands)."""
+    from ..audit.commands import audit_command
     from ..trainer.config import knobs
 
     given = [key for key, _ in knobs() if getattr(args, key, None) is not None]

@@ -24,9 +24,9 @@ import os
 import sys
 from typing import Any
 
-from ..drift import KeyDiff, diff_keys
 from ..errors import CheckpointError, CheckpointNotFound
-from ..snapshot import SNAPSHOT_SUFFIX, Snapshot, read_snapshot, snapshot_path
+from ..format.snapshot import SNAPSHOT_SUFFIX, Snapshot, read_snapshot, snapshot_path
+from ..run.drift import KeyDiff, diff_keys
 from ._paths import CKPT_RE
 
 __all__ = ["add_parser", "run"]
@@ -172,7 +172,7 @@ def _diff_json(d: KeyDiff) -> dict[str, Any]:
 def _tensor_diffs(ckpt_a: str | None, ckpt_b: str | None) -> list[dict[str, Any]]:
     if ckpt_a is None or ckpt_b is None:
         raise _Unavailable("--tensors needs two checkpoints (or run directories that hold one), not bare snapshots")
-    from ..compare import compare_checkpoints  # imports torch: only when asked
+    from ..audit.compare import compare_checkpoints  # imports torch: only when asked
 
     return [dataclasses.asdict(d) for d in compare_checkpoints(ckpt_a, ckpt_b)]
 

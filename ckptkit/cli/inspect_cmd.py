@@ -10,9 +10,9 @@ import argparse
 import json
 from typing import Any
 
-from ..container import Source, layout_report, read_layout
 from ..errors import CheckpointNotFound
-from ..section import TensorRef
+from ..format.container import Source, layout_report, read_layout
+from ..format.section import TensorRef
 from .verify import _size, report_json
 
 __all__ = ["add_parser", "run"]

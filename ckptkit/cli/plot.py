@@ -53,8 +53,8 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..audit.plot import PLOT_EXTRA, plot_run
     from ..errors import CheckpointError
-    from ..plot import PLOT_EXTRA, plot_run
 
     if args.start is not None and args.end is not None and args.start > args.end:
         print(f"ckptkit plot: --from {args.start} is after --to {args.end}", file=sys.stderr)

@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
         if recorded_world(args.run_dir) > 1:
             return _replay_ranks(args)
     if command:
-        from ..command_runs import replay_command
+        from ..audit.commands import replay_command
 
         with Progress("replay", quiet=args.quiet) as progress:
             outcome = replay_command(

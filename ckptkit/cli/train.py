@@ -186,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace, cfg: Any, speak: bool) -> int:
     from torch import get_num_threads as torch_threads
 
-    from ..preemption import RunStopped
+    from ..run.preemption import RunStopped
     from ..trainer.loop import intra_op_threads, train
     from ._progress import Progress
 

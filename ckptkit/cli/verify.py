@@ -13,8 +13,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from ..container import Report, verify
 from ..errors import CheckpointError, CheckpointNotFound, UnreadableFile
+from ..format.container import Report, verify
 from ._paths import expand_checkpoints
 from ._progress import Progress
 
@@ -96,7 +96,7 @@ def _file_size(path: str) -> int:
 
 def _verify_any(path: str) -> Report:
     """A container or a sidecar, told apart by the magic."""
-    from ..container import Source
+    from ..format.container import Source
 
     try:
         with Source(path) as src:  # refuses FIFOs and devices instead of blocking on them
@@ -104,7 +104,7 @@ def _verify_any(path: str) -> Report:
     except UnreadableFile:  # a directory, FIFO, device, symlink loop: verify reports it as FAIL
         return verify(path)
     if magic == b"DMSC":
-        from ..sidecar import sidecar_report
+        from ..format.sidecar import sidecar_report
 
         return sidecar_report(path)
     return verify(path)
@@ -193,7 +193,7 @@ def _history_json(h: Any) -> dict[str, Any]:
 def _history_checks(paths: list[str]) -> list[Any]:
     """``history.jsonl`` of each run directory given: no checksum, so what can be
     checked is (spec/trainer.md R-T13)."""
-    from ..history import HISTORY_FILE, check_history
+    from ..run.history import HISTORY_FILE, check_history
 
     found = sorted({os.path.join(p, HISTORY_FILE) for p in paths if os.path.isdir(p)})
     return [check_history(h) for h in found if os.path.isfile(h)]
@@ -227,7 +227,7 @@ def _companion_checks(reports: list[Report], paths: list[str], dir_reports: list
     cannot be resumed); beside a checkpoint named on its own, only those present
     are checked, and its sidecars are verified byte for byte too.
     """
-    from ..companions import companion_checks, read_record
+    from ..format.companions import companion_checks, read_record
     from . import _distributed
 
     run_dirs = {os.path.normpath(p) for p in paths if os.path.isdir(p)}
@@ -266,7 +266,7 @@ def _companion_checks(reports: list[Report], paths: list[str], dir_reports: list
 def _merge(merged: dict[str, dict[str, Any]], ckpt_path: str, checks: list[Any], in_run: bool) -> None:
     """Fold one checkpoint's companion verdicts into ``merged`` (a file shared by several
     checkpoints, like environment.json, is one entry naming them all)."""
-    from ..sidecar import sidecar_report
+    from ..format.sidecar import sidecar_report
 
     for c in checks:
         error = c.error

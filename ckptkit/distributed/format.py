@@ -29,8 +29,6 @@ from typing import Any
 
 import xxhash
 
-from ..atomic import atomic_write
-from ..container import Layout, Source, check_skeleton, read_framed, write_framed
 from ..errors import (
     BadMagic,
     CheckpointError,
@@ -41,7 +39,9 @@ from ..errors import (
     MalformedIndex,
     UnsupportedVersion,
 )
-from ..section import DTYPE_SIZES, MAX_NDIM, SectionIndex, TensorRecord, TensorRef, check_plain, plan_section
+from ..format.atomic import atomic_write
+from ..format.container import Layout, Source, check_skeleton, read_framed, write_framed
+from ..format.section import DTYPE_SIZES, MAX_NDIM, SectionIndex, TensorRecord, TensorRef, check_plain, plan_section
 
 __all__ = [
     "DCP_DEFAULT_METADATA",

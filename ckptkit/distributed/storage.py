@@ -54,10 +54,10 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ..codec import check_tensor, dtype_name, tensor_bytes, torch_dtype
-from ..container import Source
 from ..errors import CheckpointError, SaveFailed, StateMismatch, UnsupportedValue
-from ..section import check_plain
+from ..format.codec import check_tensor, dtype_name, tensor_bytes, torch_dtype
+from ..format.container import Source
+from ..format.section import check_plain
 from .format import (
     METADATA_NAME,
     Chunk,

@@ -48,9 +48,9 @@ import contextlib
 import os
 from typing import TYPE_CHECKING, Any, TypeGuard
 
-from ..checkpoint import Checkpoint, load, save
 from ..errors import FormatError, UnsupportedValue
-from ..section import check_plain
+from ..format.checkpoint import Checkpoint, load, save
+from ..format.section import check_plain
 
 if TYPE_CHECKING:
     import torch
@@ -85,7 +85,7 @@ def _check(checkpoint: dict[str, Any]) -> None:
     """Refuse a checkpoint the container cannot carry, naming the Lightning key path."""
     import torch
 
-    from ..codec import check_tensor
+    from ..format.codec import check_tensor
 
     def tensor(value: Any, at: str) -> Any:
         if isinstance(value, torch.Tensor):

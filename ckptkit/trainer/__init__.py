@@ -1,4 +1,4 @@
-"""The reference trainer: a tiny byte-level GPT, and the first user of :class:`~ckptkit.runstate.RunState`.
+"""The reference trainer: a tiny byte-level GPT, and the first user of :class:`~ckptkit.run.state.RunState`.
 
     ckptkit train --run-dir runs/a --steps 200
     ckptkit train --run-dir runs/a --steps 400 --resume
@@ -15,7 +15,7 @@ this package. ``spec/trainer.md`` is the contract for its files.
 
 from __future__ import annotations
 
-from ..history import compared_rows, read_rows
+from ..run.history import compared_rows, read_rows
 from .config import DataConfig, ModelConfig, TrainConfig, TrainerConfig
 from .loop import StepResult, TrainResult, train, train_step
 

@@ -11,7 +11,7 @@ initialised kernels, global RNGs) starts over. The two run directories are compa
 with the same machinery as ``ckptkit replay``: the first history row that differs
 (step fingerprints, probes, the start row), the tensors that differ after that step
 (the per-step ``digests`` rows; values from both runs' checkpoints when both have
-one, via :func:`ckptkit.compare.compare_checkpoints` -- what ``ckptkit diff
+one, via :func:`ckptkit.audit.compare.compare_checkpoints` -- what ``ckptkit diff
 --tensors`` prints), the step re-run twice in this process, and finally every
 checkpoint both runs wrote, byte for byte. Each run's ``environment.json`` is shown,
 and any fact that differs between the two is listed.
@@ -29,14 +29,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..compare import compare_checkpoints
-from ..drift import DEFAULT_EXEMPT, diff_keys
-from ..environment import EnvDiff, diff_environment
+from ..audit.compare import compare_checkpoints
 from ..errors import AuditError, CheckpointError
-from ..fingerprint import differing_names, first_divergence, step_rows
-from ..history import HISTORY_FILE, compared_rows, read_rows
-from ..runstate import checkpoint_name, list_checkpoints, read_environment
-from ..snapshot import read_snapshot, snapshot_path
+from ..format.snapshot import read_snapshot, snapshot_path
+from ..run import checkpoint_name, list_checkpoints, read_environment
+from ..run.drift import DEFAULT_EXEMPT, diff_keys
+from ..run.environment import EnvDiff, diff_environment
+from ..run.fingerprint import differing_names, first_divergence, step_rows
+from ..run.history import HISTORY_FILE, compared_rows, read_rows
 from .config import TrainerConfig, flag_name, knobs
 from .parallel import launcher
 from .replay import config_of, first_differing_checkpoint, rerun_step, run_checkpoints

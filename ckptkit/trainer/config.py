@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..monitor import SpikeConfig
+from ..guard.monitor import SpikeConfig
 
 __all__ = [
     "QUANT_FORMATS",

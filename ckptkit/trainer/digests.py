@@ -2,7 +2,7 @@
 
 Implements ``spec/replay.md`` R-P01..R-P04 and the testing aid R-P10. Three records:
 
-* every ``step`` row carries ``params_digest``: :func:`ckptkit.fingerprint.combine`
+* every ``step`` row carries ``params_digest``: :func:`ckptkit.run.fingerprint.combine`
   of the per-parameter digests after the step (equal to ``state_digest`` over the
   model's named parameters);
 * after every step a ``digests`` row holds those per-parameter digests by name, so a
@@ -11,7 +11,7 @@ Implements ``spec/replay.md`` R-P01..R-P04 and the testing aid R-P10. Three reco
   checkpoint (parameters, optimizer state, teacher, monitor, header), so a replay can
   check the file it starts from and name any tensor altered after the fact.
 
-Names are those of :func:`ckptkit.compare.checkpoint_state` (``model:model.wte``,
+Names are those of :func:`ckptkit.audit.compare.checkpoint_state` (``model:model.wte``,
 ``optim:optimizers.adamw.state.3.exp_avg``), so ``ckptkit diff --tensors`` and
 ``ckptkit replay`` name the same tensors. A ``digests``/``checkpoint`` row's
 ``step`` is the number of steps done, like a checkpoint's and a ``resume`` row's.
@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from ..compare import checkpoint_state
-from ..fingerprint import combine, leaf_digests, tensor_digest
+from ..format.tree import checkpoint_state
+from ..run.fingerprint import combine, leaf_digests, tensor_digest
 from .parallel import full_tensor
 
 __all__ = [

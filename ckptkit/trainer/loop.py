@@ -7,7 +7,7 @@
 
 It reads top to bottom like nanoGPT's ``train.py``: config, data, model,
 optimizer, run state, start or resume, loop. Everything a checkpoint must
-carry is registered with :class:`~ckptkit.runstate.RunState` in one place
+carry is registered with :class:`~ckptkit.run.state.RunState` in one place
 (the "run state" section of :func:`train`), and that is the list the design
 record (ADR-0021) asks for:
 
@@ -15,7 +15,7 @@ record (ADR-0021) asks for:
 model, optimizer       ``add_model`` / ``add_optimizer`` (AdamW moments, step)
 EMA teacher            ``add_teacher``: restored as the run left it (item 1)
 fp32 fallback latch    ``add_flag("fp32_fallback")`` + ``after_restore`` (item 2)
-mask, depth            nothing: functions of (seed, step) via ckptkit.rng (items 3, 5)
+mask, depth            nothing: functions of (seed, step) via ckptkit.run.rng (items 3, 5)
 spike monitor          ``add_monitor``: the report survives a resume (item 4)
 stream offset          ``add_data_position`` with the rule as ``expected`` (item 6)
 bigram table           ``add_sidecar("ngram")``, stamped with the step (item 7)
@@ -49,16 +49,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..drift import DEFAULT_EXEMPT
 from ..errors import ReplayDivergence, ResumeRefused, SidecarMismatch
-from ..history import History, f32_bits, f64_bits, json_float
-from ..monitor import SpikeMonitor, Verdict
-from ..preemption import RunStopped
-from ..rng import Stream, mask_stream, sample_depth, torch_generator
-from ..rollback_record import skipped_batches
-from ..runstate import RunState
-from ..spikeguard import Executed, RolledBack, SpikeGuard
-from ..testing import GradSpike
+from ..guard.faults import GradSpike
+from ..guard.monitor import SpikeMonitor, Verdict
+from ..guard.rollback_record import skipped_batches
+from ..guard.spikeguard import Executed, RolledBack, SpikeGuard
+from ..run import RunState
+from ..run.drift import DEFAULT_EXEMPT
+from ..run.history import History, f32_bits, f64_bits, json_float
+from ..run.preemption import RunStopped
+from ..run.rng import Stream, mask_stream, sample_depth, torch_generator
 from .config import RollbackSkip, TrainConfig, TrainerConfig
 from .data import ByteStream, data_fingerprint, load_bytes
 from .digests import checkpoint_row, digests_row, param_digests, params_digest, perturb, perturb_target

@@ -6,7 +6,7 @@ never sees its own targets. The next forward adds ``ngram_weight * log p(next |
 prev)`` (add-one smoothed) to the logits.
 
 The table is not a parameter and not in the model's ``state_dict``: it is saved
-as the ``<ckpt>.ngram`` sidecar, stamped by :mod:`ckptkit.sidecar` with the
+as the ``<ckpt>.ngram`` sidecar, stamped by :mod:`ckptkit.format.sidecar` with the
 training step of its checkpoint and refused on resume if the stamp differs
 (design record item 7). ``table_step`` is the table's own counter: the number
 of updates applied. In this trainer it equals the training step, which the
@@ -60,7 +60,7 @@ class BigramTable:
         return weight * (c.log() - c.sum(dim=1, keepdim=True).log())
 
     def sidecar(self) -> tuple[int, dict[str, Any]]:
-        """``(table_step, tree)`` for :meth:`ckptkit.runstate.RunState.add_sidecar`."""
+        """``(table_step, tree)`` for :meth:`ckptkit.run.state.RunState.add_sidecar`."""
         return self.table_step, {"counts": self.counts}
 
     def load_sidecar(self, table_step: int, tree: Any, *, train_step: int | None = None) -> None:

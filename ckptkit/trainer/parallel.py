@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..history import History
+from ..run.history import History
 from .config import Parallel, TrainerConfig
 
 __all__ = [

@@ -3,7 +3,7 @@
 A replay compares its re-run with the surviving row of each kind at each step: the
 ``step`` rows' fingerprints, the per-step ``digests`` and the ``checkpoint`` rows
 (spec/replay.md R-P02, R-P03). Any loop's recording (``RunState.record``) is read by
-:class:`ckptkit.recording.RunRecording` instead; the trainer's also names the steps
+:class:`ckptkit.audit.recording.RunRecording` instead; the trainer's also names the steps
 it re-ran or rolled back and the environment it continued under.
 """
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CheckpointNotFound, FormatError
-from ..history import HISTORY_FILE, read_rows
+from ..run.history import HISTORY_FILE, read_rows
 
 __all__ = ["Recording", "load_recording"]
 

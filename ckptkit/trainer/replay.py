@@ -28,9 +28,9 @@ every tensor and value it holds (``checkpoint`` rows). A replay:
 A range the recording re-ran or rolled back in (``--auto-rollback on``) is replayed by
 the trainer's own guarded loop instead, comparing every history row in order (R-P15).
 
-Names are those of :func:`ckptkit.compare.checkpoint_state` (``model:model.wte``,
+Names are those of :func:`ckptkit.audit.compare.checkpoint_state` (``model:model.wte``,
 ``optim:optimizers.adamw.state.3.exp_avg``); gradients are ``grad:model.<param>``.
-Differences between values are computed by :func:`ckptkit.compare.compare_states`, the
+Differences between values are computed by :func:`ckptkit.audit.compare.compare_states`, the
 function behind ``ckptkit diff --tensors``, so the two always agree.
 """
 
@@ -45,11 +45,7 @@ from typing import Any
 
 import torch
 
-from ..checkpoint import load
-from ..companions import rebind, unbound_bytes
-from ..compare import TensorDiff, checkpoint_state, compare_checkpoints, compare_states
-from ..drift import DEFAULT_EXEMPT
-from ..environment import EnvDiff, capture, diff_environment
+from ..audit.compare import TensorDiff, compare_checkpoints, compare_states
 from ..errors import (
     CheckpointNotFound,
     EnvironmentDrift,
@@ -57,10 +53,15 @@ from ..errors import (
     ReplayError,
     TrainingUnstable,
 )
-from ..fingerprint import Divergence, differing_names, first_divergence, leaf_digests
-from ..history import HISTORY_FILE, compared_rows, read_rows
-from ..runstate import DCP_SUFFIX, ENVIRONMENT_FILE, RunState, checkpoint_name, list_checkpoints, read_environment
-from ..snapshot import read_snapshot, snapshot_path, write_snapshot
+from ..format.checkpoint import load
+from ..format.companions import rebind, unbound_bytes
+from ..format.snapshot import read_snapshot, snapshot_path, write_snapshot
+from ..format.tree import checkpoint_state
+from ..run import DCP_SUFFIX, ENVIRONMENT_FILE, RunState, checkpoint_name, list_checkpoints, read_environment
+from ..run.drift import DEFAULT_EXEMPT
+from ..run.environment import EnvDiff, capture, diff_environment
+from ..run.fingerprint import Divergence, differing_names, first_divergence, leaf_digests
+from ..run.history import HISTORY_FILE, compared_rows, read_rows
 from .config import TrainerConfig
 from .data import data_fingerprint, load_bytes
 from .digests import MODEL_PREFIX
@@ -180,7 +181,7 @@ def rerun_step(
     Returns:
         A :class:`Rerun` comparing the two step rows and the two captured states
         (gradients, parameters, optimizer state, teacher, monitor) with
-        :func:`ckptkit.compare.compare_states`.
+        :func:`ckptkit.audit.compare.compare_states`.
     """
     captures, rows = [], []
     for _ in range(2):

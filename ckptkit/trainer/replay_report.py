@@ -15,11 +15,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..compare import TensorDiff
-from ..environment import EnvDiff
+from ..audit.compare import TensorDiff
 from ..errors import ReplayDivergence
-from ..fingerprint import FINGERPRINT_FIELDS, Divergence
-from ..history import WALL_FIELDS
+from ..run.environment import EnvDiff
+from ..run.fingerprint import FINGERPRINT_FIELDS, Divergence
+from ..run.history import WALL_FIELDS
 
 __all__ = [
     "FieldDiff",
@@ -275,14 +275,14 @@ def step_fields(recorded: Mapping[str, Any]) -> list[str]:
 
 
 def divergence_fields(d: Divergence) -> tuple[FieldDiff, ...]:
-    """A :class:`~ckptkit.fingerprint.Divergence`'s differing fields, recorded against replayed."""
+    """A :class:`~ckptkit.run.fingerprint.Divergence`'s differing fields, recorded against replayed."""
     return tuple(FieldDiff(f, d.expected.get(f), d.actual.get(f)) for f in d.fields)
 
 
 def tensor_reports(
     diffs: Sequence[TensorDiff], digests: Mapping[str, tuple[int | None, int | None]]
 ) -> list[TensorReport]:
-    """:func:`ckptkit.compare.compare_states` differences as reports, in compute order."""
+    """:func:`ckptkit.audit.compare.compare_states` differences as reports, in compute order."""
     out = []
     for t in diffs:
         rec, rep = digests.get(t.name, (None, None))

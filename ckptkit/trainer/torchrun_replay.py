@@ -10,7 +10,7 @@ at or before ``--from`` (the ``.dcp`` directory and its companions), ``environme
 and ``history.jsonl`` are copied into a fresh directory, and ``torchrun --nproc_per_node
 W -m ckptkit train --resume``, with the checkpoint's own config, continues it to ``--to``
 (default: the end of the recording). The replay's history rows from the checkpoint on
-are compared with the recording's, in order (:func:`ckptkit.recording.first_difference`),
+are compared with the recording's, in order (:func:`ckptkit.audit.recording.first_difference`),
 then every checkpoint both hold after the start, file by file (spec/trainer.md R-T14).
 RUN is only read.
 """
@@ -23,11 +23,11 @@ import subprocess
 import tempfile
 from collections.abc import Callable
 
-from ..command_runs import CommandReport, _workdir  # the same work directory rule as `replay -- CMD`
+from ..audit.commands import CommandReport, _workdir  # the same work directory rule as `replay -- CMD`
+from ..audit.recording import Difference, RunRecording, first_difference
 from ..errors import AuditError, CheckpointError, CheckpointNotFound, ReplayError
-from ..history import HISTORY_FILE
-from ..recording import Difference, RunRecording, first_difference
-from ..runstate import ENVIRONMENT_FILE, read_environment
+from ..run import ENVIRONMENT_FILE, read_environment
+from ..run.history import HISTORY_FILE
 from .audit import knob_flags
 from .parallel import launcher, stop_job
 from .replay import config_of, first_differing_checkpoint, run_checkpoints

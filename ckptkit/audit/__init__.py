@@ -1,0 +1,25 @@
+"""Recording read back and compared: where two runs part, tensor by tensor.
+
+Compare (``ckptkit diff --tensors``), a loop's recording and its first difference,
+audit and replay of any loop's command, and the plot of a run. Stands on
+:mod:`ckptkit.run` and :mod:`ckptkit.guard`; no tool is imported here
+(``tests/test_layers.py``). spec/replay.md is the contract.
+"""
+
+from __future__ import annotations
+
+from .commands import CommandReport, audit_command, replay_command
+from .compare import TensorDiff, compare_checkpoints, compare_states
+from .recording import Difference, RunRecording, first_difference
+
+__all__ = [
+    "CommandReport",
+    "Difference",
+    "RunRecording",
+    "TensorDiff",
+    "audit_command",
+    "compare_checkpoints",
+    "compare_states",
+    "first_difference",
+    "replay_command",
+]

@@ -1,0 +1,39 @@
+"""Bytes on disk: the v2 container (and v1, read-only), its tensor codec, sidecars,
+config snapshots, the companion record, atomic writes and the one walk over state trees.
+
+The floor everything else stands on. It knows files and bytes, never a run: nothing
+here imports :mod:`ckptkit.run`, :mod:`ckptkit.guard`, :mod:`ckptkit.audit` or a tool
+(``tests/test_layers.py``). Only :mod:`~ckptkit.format.codec` imports torch, on use,
+so ``ckptkit verify`` starts without it. spec/container.md, sidecar.md, snapshot.md,
+companions.md are the contract.
+"""
+
+from __future__ import annotations
+
+from .asyncsave import AsyncSaver
+from .checkpoint import Checkpoint, import_torch_checkpoint, load, save
+from .container import FLAG_FP32_FALLBACK, VERSION, Report, SectionInfo, verify
+from .lazy import LazyCheckpoint, open_checkpoint
+from .sidecar import Sidecar, read_sidecar, write_sidecar
+from .snapshot import Snapshot, read_snapshot, write_snapshot
+
+__all__ = [
+    "FLAG_FP32_FALLBACK",
+    "VERSION",
+    "AsyncSaver",
+    "Checkpoint",
+    "LazyCheckpoint",
+    "Report",
+    "SectionInfo",
+    "Sidecar",
+    "Snapshot",
+    "import_torch_checkpoint",
+    "load",
+    "open_checkpoint",
+    "read_sidecar",
+    "read_snapshot",
+    "save",
+    "verify",
+    "write_sidecar",
+    "write_snapshot",
+]

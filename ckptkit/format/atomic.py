@@ -1,0 +1,144 @@
+"""Crash-safe file replacement (spec/guarantees.md).
+
+A file is written to a temporary name in its destination directory, flushed,
+fsync'd, renamed over the destination and the directory is fsync'd. A crash at
+any point leaves either the old file or the new one, never a torn one; after
+:func:`atomic_write` returns the new file survives power loss.
+
+Temporary names are ``.<name>.tmp.<pid>.<token>`` so that :func:`clean_stale_temps`
+can remove what a killed writer left behind without touching a live writer's file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import re
+import secrets
+from collections.abc import Callable, Iterator
+from typing import BinaryIO
+
+from ..errors import SaveFailed
+
+__all__ = ["atomic_write", "clean_stale_temps", "fsync_dir", "write_bytes_atomic"]
+
+_TEMP_RE = re.compile(r"^\.(?P<name>.+)\.tmp\.(?P<pid>\d+)\.[0-9a-f]{8}$")
+
+
+def _temp_name(path: str) -> str:
+    head, tail = os.path.split(path)
+    return os.path.join(head, f".{tail}.tmp.{os.getpid()}.{secrets.token_hex(4)}")
+
+
+def fsync_dir(directory: str) -> None:
+    """fsync a directory so a rename inside it survives power loss."""
+    fd = os.open(directory or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def _temp_file(path: str) -> Iterator[tuple[BinaryIO, str]]:
+    tmp = _temp_name(path)
+    try:
+        f = open(tmp, "xb")  # noqa: SIM115 - closed below, on every path
+    except OSError as e:
+        raise SaveFailed(f"{path}: cannot create temporary file: {e.strerror}", cause=e, path=path) from e
+    try:
+        yield f, tmp
+    except BaseException:
+        f.close()
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    f.close()
+
+
+def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], object]) -> None:
+    """Write a file through ``write(f)`` so that it appears whole or not at all.
+
+    Args:
+        path: destination; its directory must exist.
+        write: fills the open binary file; it may seek and write at offsets.
+
+    Raises:
+        SaveFailed: any OSError while writing, syncing or renaming (ENOSPC, EIO,
+            EACCES...). The temporary file is removed and the previous file at
+            ``path`` is untouched. Other exceptions from ``write`` propagate
+            unchanged, with the same cleanup.
+    """
+    path = os.fspath(path)
+    directory = os.path.dirname(path) or "."
+    with _temp_file(path) as (f, tmp):
+        try:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        except OSError as e:
+            what = errno.errorcode.get(e.errno or 0, "I/O error")
+            raise SaveFailed(
+                f"{path}: write failed ({what}: {e.strerror}); the previous file is intact",
+                cause=e,
+                path=path,
+            ) from e
+    try:
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise SaveFailed(
+            f"{path}: cannot commit the new file ({e.strerror}); the previous file is intact", cause=e, path=path
+        ) from e
+    try:
+        fsync_dir(directory)
+    except OSError as e:  # the rename happened: the new file is whole, its durability unknown
+        raise SaveFailed(
+            f"{path}: the new file is in place but the directory could not be synced "
+            f"({e.strerror}); it may not survive a power loss",
+            cause=e,
+            path=path,
+        ) from e
+
+
+def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> None:
+    """Atomically replace ``path`` with ``data`` (see :func:`atomic_write`)."""
+    atomic_write(path, lambda f: f.write(data))
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clean_stale_temps(directory: str | os.PathLike[str]) -> list[str]:
+    """Remove temporary files that a killed writer left in ``directory``.
+
+    A temp file whose writer process is still alive is kept (it may be mid-save).
+
+    Returns:
+        The paths removed, sorted.
+    """
+    directory = os.fspath(directory)
+    removed = []
+    try:
+        names = sorted(os.listdir(directory))
+    except FileNotFoundError:
+        return []
+    for name in names:
+        m = _TEMP_RE.match(name)
+        if m and not _pid_alive(int(m.group("pid"))):
+            full = os.path.join(directory, name)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(full)
+                removed.append(full)
+    return removed

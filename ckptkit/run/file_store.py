@@ -1,0 +1,176 @@
+"""The single-file store: one verified container per step, written after its companions.
+
+A step is ``step-00000120.ckpt`` beside its snapshot and sidecars
+(``.config.json``, ``.<kind>``), which are written first: the container is the
+commit, and it records their digests (spec/companions.md). With ``async_save`` the
+state is snapshot into a reused buffer and the same files are written, in the same
+order, in the background. The run's one-process half of the :class:`~ckptkit.run.store.Store`
+protocol; spec/runstate.md is the contract.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ..errors import CheckpointError
+from ..format.asyncsave import AsyncSaver
+from ..format.atomic import clean_stale_temps
+from ..format.checkpoint import Checkpoint, load, save
+from ..format.companions import COMPANIONS_KEY, record_of
+from ..format.container import SECTIONS
+from ..format.sidecar import read_sidecar, sidecar_path
+from ..format.snapshot import snapshot_path
+from ._registry import Registry
+from .files import (
+    CKPT_SUFFIX,
+    DCP_SUFFIX,
+    check_step,
+    checkpoint_name,
+    list_checkpoints,
+    read_companions,
+    read_environment,
+    retain,
+    write_companions,
+)
+from .group import WORLD_SIZE, world_of, world_size_changed
+from .store import Opened, Sidecars
+
+__all__ = ["FileStore", "bind"]
+
+
+class FileStore:
+    """``step-N.ckpt`` files in ``run_dir`` (a one-process run)."""
+
+    suffix = CKPT_SUFFIX
+    names_optimizer_models = False
+
+    def __init__(
+        self,
+        run_dir: str,
+        reg: Registry,
+        *,
+        keep: int,
+        compression: str,
+        async_save: bool,
+        log: Callable[[str], None],
+    ) -> None:
+        self.run_dir, self.reg, self.keep, self.compression, self.log = run_dir, reg, keep, compression, log
+        self._saver: AsyncSaver | None = AsyncSaver(compression=compression) if async_save else None
+        self._checked: tuple[str, Checkpoint, Sidecars] | None = None  # check() read every byte: open() takes them
+
+    def path(self, step: int) -> str:
+        return os.path.join(self.run_dir, checkpoint_name(step))
+
+    def listing(self) -> list[tuple[int, str]]:
+        return list_checkpoints(self.run_dir)
+
+    def committed(self) -> list[tuple[int, str]]:
+        self.wait()
+        return list_checkpoints(self.run_dir)
+
+    def facts(self) -> dict[str, Any]:
+        return {}
+
+    def refuse_foreign(self) -> None:
+        """A one-process run refuses a run directory a distributed run saved into.
+
+        Raises:
+            WorldSizeChanged: the directory holds ``step-*.dcp`` checkpoints.
+        """
+        if list_checkpoints(self.run_dir, DCP_SUFFIX):
+            try:
+                saved = world_of(read_environment(self.run_dir))
+            except CheckpointError:
+                saved = {WORLD_SIZE: "N (environment.json is unreadable)"}
+            raise world_size_changed(self.run_dir, saved, {})
+
+    def refuse_unstorable(self, kind: str, name: str, obj: Any) -> None:
+        from ..format.codec import encode_tree
+
+        encode_tree(obj.state_dict(), f"{kind} {name!r}")
+
+    # ------------------------------------------------------------------ save
+
+    def save(self, step: int, ckpt: Checkpoint, config: bytes, sidecars: Mapping[str, tuple[int, Any]]) -> str:
+        os.makedirs(self.run_dir, exist_ok=True)
+        path = self.path(step)
+        if self._saver is not None:
+            self._save_async(path, ckpt, config, sidecars)
+            return path
+        record = write_companions(path, step, config, sidecars)
+        save(path, bind(ckpt, record), compression=self.compression)
+        self._retain()
+        return path
+
+    def _save_async(self, path: str, ckpt: Checkpoint, config: bytes, sidecars: Mapping[str, tuple[int, Any]]) -> None:
+        assert self._saver is not None
+        stamps, trees = {}, {name: getattr(ckpt, name) for name in SECTIONS}
+        for kind, (table_step, tree) in sidecars.items():
+            stamps[kind], trees[f"sidecar:{kind}"] = table_step, tree
+
+        def write(snap: dict[str, Any]) -> None:
+            copied = {kind: (table_step, snap[f"sidecar:{kind}"]) for kind, table_step in stamps.items()}
+            record = write_companions(path, ckpt.step, config, copied)
+            taken = dataclasses.replace(ckpt, **{name: snap[name] for name in SECTIONS})
+            save(path, bind(taken, record), compression=self.compression)
+            self._retain()
+
+        self._saver.submit(trees, write)
+
+    def _retain(self) -> None:
+        retain(self.run_dir, self.keep, self.delete, self.log)
+
+    def delete(self, path: str) -> None:
+        # Container first: a crash mid-delete leaves orphan companions (swept by
+        # retention), never a container without its companions.
+        for p in [path, snapshot_path(path)] + [sidecar_path(path, k) for k in self.reg.sidecars]:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(p)
+
+    def wait(self) -> None:
+        if self._saver is not None:
+            self._saver.wait()
+
+    def close(self) -> None:
+        if self._saver is not None:
+            self._saver.close()
+
+    # ------------------------------------------------------------------ resume
+
+    def sweep(self) -> list[str]:
+        return clean_stale_temps(self.run_dir)
+
+    def check(self, step: int, path: str) -> dict[str, Any] | None:
+        self._checked = None
+        ckpt = load(path)
+        check_step(path, step, ckpt.step, field="step", what="header step", offset=8)
+        sidecars = read_companions(path, step, self.reg.sidecars, ckpt.monitor)
+        self._checked = (path, ckpt, {k: (sc.table_step, sc.tree) for k, sc in sidecars.items()})
+        return record_of(ckpt.monitor)
+
+    def open(self, path: str, *, reshard: bool) -> Opened:
+        checked, self._checked = self._checked, None
+        if checked is not None and checked[0] == path:
+            return Opened(checked[1], checked[2])
+        ckpt = load(path)
+        return Opened(ckpt, self._sidecars(path, ckpt.step))
+
+    def load(self, path: str, opened: Opened, *, copy: bool = False) -> Checkpoint:
+        return opened.ckpt  # every tensor was read (and verified) into memory of its own by open()
+
+    def _sidecars(self, path: str, step: int) -> Sidecars:
+        return {
+            kind: (sc.table_step, sc.tree)
+            for kind, sc in ((k, read_sidecar(sidecar_path(path, k), expect_step=step)) for k in self.reg.sidecars)
+        }
+
+
+def bind(ckpt: Checkpoint, record: dict[str, Any]) -> Checkpoint:
+    """``ckpt`` with the companion record (spec/companions.md): the digests of the
+    snapshot, sidecars and environment record just written, so that none of them
+    can be edited or swapped without the checkpoint noticing."""
+    return dataclasses.replace(ckpt, monitor={**(ckpt.monitor or {}), COMPANIONS_KEY: record})

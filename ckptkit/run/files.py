@@ -1,0 +1,220 @@
+"""The files of a run directory: checkpoint names, discovery, retention, a step's companions.
+
+The layout both stores and every tool that reads a run directory (verify, replay,
+audit, recording) share: a step's name (``step-00000120.ckpt`` or ``.dcp``), how
+checkpoints are found and which are kept, the environment record, and writing and
+checking a step's companions. The names, discovery and the environment record are
+public through :mod:`ckptkit.run` (spec/runstate.md "Files in the run directory").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, TypeVar
+
+import xxhash
+
+from ..errors import CheckpointNotFound, FormatError, ResumeRefused
+from ..format.atomic import write_bytes_atomic
+from ..format.companions import ENVIRONMENT_FILE, check_companions, file_digest, make_record, record_of
+from ..format.sidecar import Sidecar, read_sidecar, sidecar_path, write_sidecar
+from ..format.snapshot import read_snapshot, snapshot_path
+
+__all__ = [
+    "CKPT_SUFFIX",
+    "DCP_SUFFIX",
+    "ENVIRONMENT_FILE",
+    "check_step",
+    "checkpoint_name",
+    "fallback_notes",
+    "list_checkpoints",
+    "newest_consistent",
+    "read_companions",
+    "read_environment",
+    "refuse_existing",
+    "retain",
+    "write_companions",
+]
+
+T = TypeVar("T")
+
+_PREFIX, CKPT_SUFFIX = "step-", ".ckpt"
+#: A distributed run's checkpoints are ``ckptkit.distributed`` directories, ``step-00000120.dcp/``.
+DCP_SUFFIX = ".dcp"
+
+
+def checkpoint_name(step: int, suffix: str = CKPT_SUFFIX) -> str:
+    """File name of the checkpoint at ``step``: ``step-00000120.ckpt`` (8+ digits, sortable);
+    ``suffix=DCP_SUFFIX`` names a distributed run's checkpoint directory."""
+    return f"{_PREFIX}{step:08d}{suffix}"
+
+
+def read_environment(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """The environment facts a run recorded when it started (``environment.json``).
+
+    Raises:
+        CheckpointNotFound: the record is missing.
+        FormatError: it is not valid JSON.
+    """
+    env_path = os.path.join(os.fspath(run_dir), ENVIRONMENT_FILE)
+    try:
+        with open(env_path, encoding="utf-8") as f:
+            facts: dict[str, Any] = json.load(f)
+            return facts
+    except FileNotFoundError:
+        raise CheckpointNotFound(f"{env_path}: the run's environment record is missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise FormatError(f"not valid JSON: {e}", path=env_path, field="environment") from None
+
+
+def list_checkpoints(run_dir: str | os.PathLike[str], suffix: str = CKPT_SUFFIX) -> list[tuple[int, str]]:
+    """``(step, path)`` of every checkpoint file in ``run_dir``, oldest first
+    (``suffix=DCP_SUFFIX``: every distributed checkpoint directory, committed or not)."""
+    run_dir = os.fspath(run_dir)
+    out = []
+    with contextlib.suppress(FileNotFoundError):
+        for name in os.listdir(run_dir):
+            digits = name[len(_PREFIX) : -len(suffix)]
+            if name.startswith(_PREFIX) and name.endswith(suffix) and digits.isdigit() and len(digits) >= 8:
+                out.append((int(digits), os.path.join(run_dir, name)))
+    return sorted(out)
+
+
+def retain(
+    run_dir: str, keep: int, delete: Callable[[str], None], log: Callable[[str], None], suffix: str = CKPT_SUFFIX
+) -> None:
+    """Delete all but the newest ``keep`` checkpoints, and companions orphaned by a
+    crash mid-delete (``delete`` removes a container and its companions). The new
+    checkpoint is already committed, so a failure here is reported and retried by the
+    next save, never raised."""
+    ckpts = list_checkpoints(run_dir, suffix)
+    for _step, path in ckpts[:-keep]:
+        try:
+            delete(path)
+        except OSError as e:
+            log(f"retention: cannot delete {path} ({e.strerror}); will retry at the next save")
+    kept = {p for _s, p in list_checkpoints(run_dir, suffix)}
+    oldest = ckpts[-keep:][0][0] if ckpts else None
+    for name in sorted(os.listdir(run_dir)):
+        head, sep, _kind = name.partition(suffix + ".")
+        container = os.path.join(run_dir, head + suffix)
+        digits = head[len(_PREFIX) :]
+        if (
+            sep
+            and head.startswith(_PREFIX)
+            and digits.isdigit()
+            and container not in kept
+            and oldest is not None
+            and int(digits) < oldest
+        ):
+            try:
+                os.unlink(os.path.join(run_dir, name))
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                log(f"retention: cannot delete orphan {name} ({e.strerror})")
+
+
+def write_companions(path: str, step: int, config: bytes, sidecars: Mapping[str, tuple[int, Any]]) -> dict[str, Any]:
+    """Write the snapshot, then each sidecar (stamped ``step``), of the checkpoint at ``path``,
+    and return its companion record (spec/companions.md): their digests and that of the
+    run's ``environment.json``, for the checkpoint, written after them, to carry.
+
+    Raises:
+        SaveFailed: a write failed; earlier checkpoints are intact.
+        UnsupportedValue: a sidecar value the codec cannot carry.
+    """
+    write_bytes_atomic(snapshot_path(path), config)
+    bound = {
+        kind: write_sidecar(sidecar_path(path, kind), train_step=step, table_step=table_step, tree=tree)
+        for kind, (table_step, tree) in sidecars.items()
+    }
+    env_path = os.path.join(os.path.dirname(path), ENVIRONMENT_FILE)
+    env = file_digest(env_path, "environment record") if os.path.exists(env_path) else None
+    return make_record(snapshot=xxhash.xxh3_64_intdigest(config), environment=env, sidecars=bound)
+
+
+def check_step(path: str, named: int, stored: int, *, field: str, what: str, offset: int | None = None) -> None:
+    """A checkpoint's stored step must be the one its name says.
+
+    Raises:
+        FormatError: it is not (a checkpoint renamed or copied over another).
+    """
+    if stored != named:
+        raise FormatError(
+            f"{what} does not match the {'file' if offset is not None else 'directory'} name",
+            path=path,
+            offset=offset,
+            field=field,
+            expected=named,
+            actual=stored,
+            hint="a checkpoint renamed or copied over another; resume from another",
+        )
+
+
+def read_companions(path: str, step: int, kinds: Iterable[str], tree: Any) -> dict[str, Sidecar]:
+    """The companions of the checkpoint at ``path`` (its companion record in ``tree``, the
+    checkpoint's monitor state), checked: the snapshot is there and parses, each sidecar of
+    ``kinds`` is stamped ``step``, and every digest the record holds matches. A damaged or
+    swapped companion is damage, like a damaged container (spec/companions.md): a resume
+    skips the checkpoint, never reports it as drift.
+
+    Returns:
+        The sidecars by kind.
+
+    Raises:
+        CheckpointNotFound: the snapshot or a sidecar is missing.
+        FormatError: a companion is damaged or does not match the record.
+    """
+    if not os.path.exists(snapshot_path(path)):
+        raise CheckpointNotFound(f"{snapshot_path(path)}: config snapshot is missing")
+    sidecars = {kind: read_sidecar(sidecar_path(path, kind), expect_step=step) for kind in kinds}
+    check_companions(path, record_of(tree, path), sidecars=sidecars)
+    read_snapshot(snapshot_path(path))
+    return sidecars
+
+
+def refuse_existing(run_dir: str, existing: list[tuple[int, str]]) -> None:
+    """``start()`` never overwrites: refuse a run directory that already holds checkpoints.
+
+    Raises:
+        ResumeRefused: ``existing`` is not empty.
+    """
+    if existing:
+        raise ResumeRefused(
+            f"{run_dir}: already holds {len(existing)} checkpoint(s), newest "
+            f"{os.path.basename(existing[-1][1])}; resume it (--resume) or use a new run directory"
+        )
+
+
+def newest_consistent(
+    run_dir: str, candidates: list[tuple[int, str]], check: Callable[[int, str], T]
+) -> tuple[T, str, list[tuple[str, str]]]:
+    """The newest of ``candidates`` that ``check(step, path)`` accepts: ``(what check returned,
+    its path, (path, why) for each newer one it refused)``. A refusal is a
+    :class:`FormatError` or :class:`CheckpointNotFound` (damage, never drift).
+
+    Raises:
+        CheckpointNotFound: no candidates, or none accepted (each refusal listed).
+    """
+    if not candidates:
+        raise CheckpointNotFound(f"{run_dir}: no checkpoints to resume from")
+    skipped: list[tuple[str, str]] = []
+    for named_step, path in reversed(candidates):
+        try:
+            return check(named_step, path), path, skipped
+        except (FormatError, CheckpointNotFound) as e:
+            skipped.append((path, str(e)))
+    detail = "; ".join(f"{os.path.basename(p)}: {why}" for p, why in skipped)
+    raise CheckpointNotFound(f"{run_dir}: no consistent checkpoint to resume from ({detail})")
+
+
+def fallback_notes(skipped: list[tuple[str, str]], path: str, step: int) -> list[str]:
+    """The lines a resume says for the checkpoints it passed over."""
+    notes = [f"skipped {os.path.basename(p)}: {why}" for p, why in skipped]
+    if skipped:
+        notes.append(f"falling back to {os.path.basename(path)} (step {step})")
+    return notes

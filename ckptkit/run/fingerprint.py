@@ -1,0 +1,274 @@
+"""Exact, comparable fingerprints of training state, and the first divergence between runs.
+
+Two runs that should be the same are compared by fingerprints, not by eye:
+
+* :func:`float_bits` — a loss or grad-norm as the hex of its exact bit pattern;
+* :func:`tensor_digest` — xxh3-64 over a tensor's name, dtype, shape and exact bytes,
+  so a single flipped bit, a reshape or a renamed tensor all change it;
+* :func:`state_digest` — an order-independent digest of many named tensors: the
+  sum mod 2**64 of their mixed digests (integer arithmetic, never float sums), so
+  iteration order never matters but a permutation of contents does;
+* :func:`leaf_digest` / :func:`leaf_digests` — the same for any leaf of a state tree
+  (tensors by their bytes, plain values by a typed canonical encoding), so a whole
+  checkpoint can be fingerprinted tensor by tensor, named as :func:`ckptkit.audit.compare.flatten`
+  names it;
+* :func:`combine` — the order-independent sum behind :func:`state_digest`;
+* :func:`first_divergence` — the first step at which two histories differ, and in
+  which field; :func:`first_divergence_in_files` does it for two JSON Lines files;
+* :func:`differing_names` — which named digests differ between two digest maps.
+
+Implements ``spec/replay.md``. Usable by any trainer: only ``tensor_digest`` and
+``state_digest`` need torch, and they import it lazily.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import xxhash
+
+from ..errors import FormatError, UnsupportedValue
+from .rng import mix64
+
+__all__ = [
+    "FINGERPRINT_FIELDS",
+    "Divergence",
+    "combine",
+    "differing_names",
+    "first_divergence",
+    "first_divergence_in_files",
+    "float_bits",
+    "leaf_digest",
+    "leaf_digests",
+    "read_jsonl",
+    "state_digest",
+    "step_rows",
+    "tensor_digest",
+]
+
+_MASK64 = (1 << 64) - 1
+
+#: The history fields that must match bit for bit between a run and its replay.
+FINGERPRINT_FIELDS = ("loss_bits", "grad_norm_bits", "lr_bits", "params_digest")
+
+
+def float_bits(x: Any) -> str:
+    """The exact bit pattern of a float as hex: float32 for 0-d float32 tensors, else float64.
+
+    Example:
+        >>> float_bits(1.0)
+        '0x3ff0000000000000'
+    """
+    if hasattr(x, "dtype") and hasattr(x, "numel"):  # a torch tensor: its own width
+        import torch
+
+        t = x.detach().cpu().reshape(-1).contiguous()
+        if t.numel() != 1:
+            raise ValueError(f"float_bits takes one value (got a tensor of {t.numel()} elements)")
+        raw: bytes = t.view(torch.uint8).numpy().tobytes()
+        return "0x" + raw[::-1].hex()
+    return "0x" + struct.pack(">d", float(x)).hex()
+
+
+def tensor_digest(name: str, tensor: Any) -> int:
+    """xxh3-64 of ``name``, dtype, shape and the exact bytes of ``tensor``.
+
+    Example:
+        >>> import torch
+        >>> tensor_digest("w", torch.zeros(2)) != tensor_digest("w", torch.zeros(1, 2))
+        True
+    """
+    from ..format.codec import dtype_name, tensor_bytes
+
+    _held, raw = tensor_bytes(tensor)
+    h = xxhash.xxh3_64()
+    h.update(name.encode("utf-8") + b"\0" + dtype_name(tensor.dtype).encode() + b"\0")
+    h.update(struct.pack(f"<I{tensor.dim()}Q", tensor.dim(), *tensor.shape))
+    h.update(raw)
+    return h.intdigest()
+
+
+def state_digest(named: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> int:
+    """Order-independent digest of named tensors: ``sum(mix64(tensor_digest)) mod 2**64``.
+
+    ``mix64`` keeps a shared structure in the per-tensor digests from cancelling.
+    """
+    items = named.items() if isinstance(named, Mapping) else named
+    return combine(tensor_digest(name, t) for name, t in items)
+
+
+def combine(digests: Iterable[int]) -> int:
+    """``sum(mix64(d)) mod 2**64``: one digest for many, independent of their order.
+
+    ``state_digest(named) == combine(tensor_digest(n, t) for n, t in named)``, so a
+    trainer that keeps per-tensor digests gets the state digest without hashing twice.
+
+    Example:
+        >>> combine([1, 2]) == combine([2, 1])
+        True
+    """
+    total = 0
+    for d in digests:
+        total = (total + mix64(d)) & _MASK64
+    return total
+
+
+def _value_bytes(value: Any, name: str) -> bytes:
+    # Type-tagged and exact: True is not 1, 1 is not 1.0, and a float is its bit pattern.
+    if value is None:
+        return b"none"
+    if isinstance(value, bool):
+        return b"bool:" + (b"1" if value else b"0")
+    if isinstance(value, int):
+        return b"int:" + str(value).encode()
+    if isinstance(value, float):
+        return b"float:" + struct.pack("<d", value)
+    if isinstance(value, str):
+        return b"str:" + value.encode("utf-8")
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return b"bytes:" + bytes(value)
+    raise UnsupportedValue(
+        f"{name}: cannot fingerprint a {type(value).__name__} (tensors, None, bool, int, "
+        "float, str and bytes only; flatten containers first)"
+    )
+
+
+def leaf_digest(name: str, value: Any) -> int:
+    """Digest of one leaf of a state tree: :func:`tensor_digest` for a tensor, else an
+    xxh3-64 of ``name`` and the value's type-tagged exact encoding.
+
+    Raises:
+        UnsupportedValue: a value that is neither a tensor nor a plain scalar.
+
+    Example:
+        >>> leaf_digest("lr", 1) != leaf_digest("lr", 1.0) != leaf_digest("lr", True)
+        True
+    """
+    if hasattr(value, "dtype") and hasattr(value, "numel") and hasattr(value, "untyped_storage"):
+        return tensor_digest(name, value)
+    return xxhash.xxh3_64_intdigest(b"leaf\0" + name.encode("utf-8") + b"\0" + _value_bytes(value, name))
+
+
+def leaf_digests(named: Mapping[str, Any]) -> dict[str, int]:
+    """:func:`leaf_digest` of every entry, keys sorted (e.g. of
+    :func:`ckptkit.audit.compare.checkpoint_state`, so names match ``ckptkit diff --tensors``)."""
+    return {name: leaf_digest(name, named[name]) for name in sorted(named)}
+
+
+def differing_names(recorded: Mapping[str, Any], replayed: Mapping[str, Any]) -> list[str]:
+    """Names whose digests differ, or that one side lacks, sorted.
+
+    Example:
+        >>> differing_names({"a": 1, "b": 2}, {"a": 1, "b": 3, "c": 4})
+        ['b', 'c']
+    """
+    return sorted(n for n in set(recorded) | set(replayed) if recorded.get(n) != replayed.get(n))
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """Where two histories part: the first step, and each field that differs there."""
+
+    step: int
+    fields: tuple[str, ...]
+    expected: Mapping[str, Any]
+    actual: Mapping[str, Any]
+
+    def describe(self) -> str:
+        parts = [f"{f}: recorded {self.expected.get(f)!r}, replayed {self.actual.get(f)!r}" for f in self.fields]
+        return f"step {self.step}: " + "; ".join(parts)
+
+
+def first_divergence(
+    recorded: Sequence[Mapping[str, Any]],
+    replayed: Sequence[Mapping[str, Any]],
+    fields: Sequence[str] = FINGERPRINT_FIELDS,
+) -> Divergence | None:
+    """The first step whose fingerprints differ between two histories, or None.
+
+    Rows are matched by their ``step`` key; only steps present in both are compared,
+    in ascending order. A field present in one row and absent in the other differs.
+
+    Example:
+        >>> first_divergence([{"step": 1, "x": "0x1"}], [{"step": 1, "x": "0x2"}], ["x"])
+        Divergence(step=1, fields=('x',), expected={'step': 1, 'x': '0x1'}, actual={'step': 1, 'x': '0x2'})
+    """
+    by_step = {r["step"]: r for r in replayed}
+    for row in sorted(recorded, key=lambda r: r["step"]):
+        other = by_step.get(row["step"])
+        if other is None:
+            continue
+        bad = tuple(f for f in fields if (f in row or f in other) and not _same(row.get(f), other.get(f)))
+        if bad:
+            return Divergence(row["step"], bad, row, other)
+    return None
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return type(a) is type(b) and a == b
+
+
+def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The complete rows of a JSON Lines file (a torn last line, without ``\\n``, is ignored).
+
+    Raises:
+        FileNotFoundError: the file does not exist.
+        FormatError: a complete line is not a JSON object.
+    """
+    path = os.fspath(path)
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")[:-1]
+    rows, offset = [], 0
+    for i, line in enumerate(lines):
+        try:
+            row = json.loads(line)
+        except (UnicodeDecodeError, ValueError) as e:
+            raise FormatError(f"line {i + 1} is not JSON ({e})", path=path, offset=offset, field="history") from None
+        if not isinstance(row, dict):
+            raise FormatError(f"line {i + 1} is not a JSON object", path=path, offset=offset, field="history")
+        rows.append(row)
+        offset += len(line) + 1
+    return rows
+
+
+def step_rows(rows: Iterable[Mapping[str, Any]], kind: str = "step") -> list[Mapping[str, Any]]:
+    """The rows of ``kind`` (rows without a ``kind`` count as steps) that have an int
+    ``step``, one per step: a later row for the same step replaces an earlier one (a
+    re-run, or a rollback's new timeline, supersedes what it replaced). Sorted by step."""
+    by_step: dict[int, Mapping[str, Any]] = {}
+    for r in rows:
+        if r.get("kind", "step") == kind and isinstance(r.get("step"), int) and not isinstance(r["step"], bool):
+            by_step[r["step"]] = r
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def first_divergence_in_files(
+    path_a: str | os.PathLike[str],
+    path_b: str | os.PathLike[str],
+    fields: Sequence[str] = FINGERPRINT_FIELDS,
+) -> Divergence | None:
+    """The first step whose fingerprints differ between two history files, or None.
+
+    Works on any JSON Lines history whose step rows carry ``step`` and the
+    fingerprint ``fields`` (no reference trainer needed): ``a`` is the recording,
+    ``b`` the run compared with it. Rows are taken as :func:`step_rows` does; only
+    steps both files hold are compared.
+
+    Raises:
+        FileNotFoundError: a file does not exist.
+        FormatError: a line is not a JSON object.
+
+    Example::
+
+        d = first_divergence_in_files("runs/a/history.jsonl", "runs/b/history.jsonl")
+        print("identical" if d is None else d.describe())
+    """
+    return first_divergence(step_rows(read_jsonl(path_a)), step_rows(read_jsonl(path_b)), fields)

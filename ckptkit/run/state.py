@@ -1,0 +1,467 @@
+"""What a training run consists of, and how it is saved and resumed as one thing.
+
+A :class:`RunState` is told, once, every piece of state a run has — modules,
+optimizers, schedulers, scalers, the EMA teacher, data positions, monitors, flag
+bits, small values, sidecars and the config — and then does ``save(step)`` and
+``resume()`` with every check the design record asks for:
+
+* the config snapshot is diffed key by key (:func:`ckptkit.run.drift.check_resume`);
+* the environment (torch version, threads, ...) is compared with the recording;
+* the newest checkpoint that verifies, *with* consistent sidecars, is chosen, and
+  every fallback is said out loud;
+* a data position that disagrees with the step is refused;
+* a legacy checkpoint is refused unless allowed, with what it lacks named;
+* anything registered that the container cannot carry is refused at registration.
+
+Files in the run directory (``spec/runstate.md``)::
+
+    environment.json                    facts recorded when the run started
+    step-00000120.ckpt                  the container (written last: it marks a complete save)
+    step-00000120.ckpt.config.json      the config snapshot
+    step-00000120.ckpt.<kind>           one sidecar per registered kind (e.g. .ngram)
+
+Example::
+
+    rs = RunState("run", config=cfg, keep=3)
+    rs.add_model("model", net)
+    rs.add_optimizer("adamw", opt)
+    rs.add_data_position("train", get=lambda: data.offset, set=data.seek)
+    step = rs.resume().step if args.resume else rs.start()
+    for step in range(step, cfg.steps):
+        ...
+        if (step + 1) % cfg.ckpt_every == 0:
+            rs.save(step + 1)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import sys
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from ..errors import RunStopped
+from ..format.checkpoint import Checkpoint
+from ..format.snapshot import encode_snapshot
+from . import resume as protocol
+from ._registry import Registry
+from .dcp_store import DcpStore
+from .drift import DEFAULT_EXEMPT
+from .file_store import FileStore
+from .files import CKPT_SUFFIX, DCP_SUFFIX, list_checkpoints
+from .group import Alone, group_of
+from .preemption import DEFAULT_SIGNALS, StopRequests
+from .registration import Registration
+from .resume import ResumeInfo
+from .store import Sidecars, Store
+
+__all__ = ["ResumeInfo", "RunState"]
+
+
+class RunState(Registration):
+    """A run's state, registered once, saved and resumed as a whole.
+
+    Args:
+        run_dir: the run directory (created on the first save).
+        config: the run's resolved config, a (nested) dataclass instance; snapshot
+            next to every checkpoint and diffed on resume. A config the snapshot
+            cannot hold raises :class:`~ckptkit.errors.UnsupportedValue` here.
+        keep: how many newest checkpoints to keep (older ones, with their
+            companions, are deleted after each successful save).
+        exempt: config keys allowed to change across a resume (default: the
+            progress/cadence keys, see :data:`ckptkit.run.drift.DEFAULT_EXEMPT`).
+        compression: container codec per :func:`ckptkit.save`.
+        log: called with each human-readable note (default: ignore; notes are also
+            returned in :class:`ResumeInfo`).
+        async_save: ``save()`` snapshots the state into a reusable buffer and
+            returns; the files are written in the background
+            (:class:`ckptkit.format.asyncsave.AsyncSaver`, same bytes as a synchronous
+            save). A failed background write is raised by the next ``save()``,
+            ``wait()``, ``resume()`` or ``close()``. Costs one copy of the
+            checkpoint's tensors in host memory.
+        process_group: a ``torch.distributed`` group makes the run state distributed
+            (the default group when ``torch.distributed`` is initialised): every rank
+            constructs it, registers the same things and calls ``save``/``resume``
+            together; checkpoints are ``ckptkit.distributed`` directories
+            (spec/runstate.md "Distributed run state"). In one process, a run
+            directory a distributed run saved into makes it distributed at world
+            size 1: ``resume(reshard=True)`` continues the run there.
+    """
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike[str],
+        *,
+        config: Any,
+        keep: int = 3,
+        exempt: Iterable[str] = DEFAULT_EXEMPT,
+        compression: str = "raw",
+        log: Callable[[str], None] | None = None,
+        async_save: bool = False,
+        process_group: Any = None,
+    ) -> None:
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"keep must be >= 1 (got {keep!r})")
+        if not isinstance(async_save, bool):
+            raise ValueError(f"async_save must be True or False (got {async_save!r})")
+        encode_snapshot(config)  # a config the snapshot cannot hold is refused now, not at the first save
+        self.run_dir = os.fspath(run_dir)
+        self.config = config
+        self.keep = keep
+        self.exempt = frozenset(exempt)
+        self.compression = compression
+        self._log = log or (lambda _msg: None)
+        self._reg = Registry()
+        self._after_restore: list[Callable[[], None]] = []
+        self._stops = StopRequests()
+        self._resume_hint: str | None = None
+        self._recording = False  # record() has opened history.jsonl in this process
+        self._group = group_of(process_group)
+        self._store = self._open_store(async_save)
+
+    def _open_store(self, async_save: bool) -> Store:
+        """The DCP store when given a group, built in an initialised job, or on a run directory
+        a distributed run saved into (which it may only resume with a reshard, RS-D7); else
+        one file per step."""
+        if not isinstance(self._group, Alone) or list_checkpoints(self.run_dir, DCP_SUFFIX):
+            return DcpStore(
+                self.run_dir,
+                self._reg,
+                self._group,
+                keep=self.keep,
+                compression=self.compression,
+                async_save=async_save,
+                log=self._log,
+            )
+        return FileStore(
+            self.run_dir, self._reg, keep=self.keep, compression=self.compression, async_save=async_save, log=self._log
+        )
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the run's process group (0 in one process)."""
+        return self._group.rank
+
+    @property
+    def world_size(self) -> int:
+        """How many processes the run has (1 in one process)."""
+        return self._group.world
+
+    # ------------------------------------------------------------------ what a guard or loop asks of a run
+
+    def data_positions(self) -> dict[str, int]:
+        """Every registered data position, by name, where the stream is now."""
+        return {name: entry.get() for name, entry in self._reg.data.items()}
+
+    def expected_position(self, name: str, step: int) -> int | None:
+        """Where data position ``name``'s offset rule says the stream must be after ``step``
+        steps, given the registered values as they are now (None: it has no rule)."""
+        values = {n: e.get() for n, e in self._reg.values.items()}  # as a checkpoint at `step` would hold them
+        want = self._reg.data[name].expected_at(step, values)
+        return None if want is None else int(want)
+
+    def monitor_name(self, monitor: Any) -> str | None:
+        """The name ``monitor`` (this very object) is registered under, or None."""
+        return next((n for n, m in self._reg.monitors.items() if m is monitor), None)
+
+    def lr(self) -> float:
+        """The LR of the first registered optimizer's first param group (NaN: none is registered)."""
+        return self._reg.lr()
+
+    def scale_lr(self, factor: float) -> None:
+        """Multiply the LR of what is registered by ``factor``: every optimizer's param groups
+        (and their ``initial_lr``) and every scheduler's base LRs, so that closed-form and
+        chainable schedules alike keep the change for the rest of the run (a spike rollback's
+        LR drop, spec/rollback.md R-R06)."""
+        self._reg.scale_lr(factor)
+
+    # ------------------------------------------------------------------ save
+
+    def checkpoint(self, step: int) -> Checkpoint:
+        """The container contents for ``step``, built from the registered state.
+
+        The tensors are the live ones (``state_dict()`` references): copy them to keep
+        this state while training goes on (e.g. for :meth:`restore`).
+        """
+        return self._reg.contents(step)
+
+    def checkpoint_path(self, step: int) -> str:
+        """The path :meth:`save` of ``step`` writes: ``<run_dir>/step-00000120.ckpt``, or the
+        directory ``<run_dir>/step-00000120.dcp`` in a distributed run (to name it before it exists)."""
+        return self._store.path(step)
+
+    def load_checkpoint(self, step: int) -> tuple[Checkpoint, dict[str, tuple[int, Any]]]:
+        """The saved checkpoint at ``step`` as :meth:`checkpoint` builds contents (in a
+        distributed run: this rank's, loaded collectively), in copies: the registered
+        objects are untouched. With its sidecars, ``kind -> (table_step, tree)``, the form
+        :meth:`restore` takes. The spike guard rebuilds its ring from it.
+
+        Raises:
+            CheckpointNotFound: no committed checkpoint at ``step``.
+            FormatError: it (or a sidecar) is damaged.
+            StateMismatch: it does not fit the registered modules and optimizers.
+        """
+        path = self.checkpoint_path(step)
+        opened = self._store.open(path, reshard=False)
+        return self._store.load(path, opened, copy=True), opened.sidecars
+
+    def save(self, step: int) -> str:
+        """Save everything at ``step``: snapshot, sidecars, then the container.
+
+        The container is written last, so its presence marks a complete save; each
+        file is atomic. Older checkpoints beyond ``keep`` are then deleted.
+
+        With ``async_save``, the state is snapshot and the same files are written,
+        in the same order, by a background thread; the returned path exists once
+        :meth:`wait` returns.
+
+        Returns:
+            The checkpoint path.
+
+        Raises:
+            SaveFailed: a write failed (with ``async_save``: the previous save's
+                write); earlier checkpoints are intact.
+            UnsupportedValue: state that cannot be stored (named by path).
+        """
+        self._store.wait()
+        return self._store.save(step, self.checkpoint(step), encode_snapshot(self.config), self.sidecar_contents())
+
+    def wait(self) -> None:
+        """Block until a background save (``async_save``) is committed; a no-op otherwise.
+
+        Raises:
+            SaveFailed: the background write failed; earlier checkpoints are intact.
+        """
+        self._store.wait()
+
+    def close(self) -> None:
+        """Finish a background save and free its snapshot buffer.
+
+        Raises:
+            SaveFailed: the background write failed.
+        """
+        self._store.close()
+
+    def checkpoints(self) -> list[tuple[int, str]]:
+        """``(step, path)`` of the run directory's checkpoints, oldest first, once a
+        background save in flight has committed: the newest is the newest this run saved.
+
+        Raises:
+            SaveFailed: the background write failed; earlier checkpoints are intact.
+        """
+        return self._store.committed()
+
+    def discard_after(self, step: int) -> list[str]:
+        """Delete checkpoints newer than ``step`` (after a rollback they belong to an
+        abandoned timeline and must never be resumed). Returns the paths deleted."""
+        self._store.wait()
+        gone = [p for s, p in self._store.listing() if s > step]  # committed or not: an abandoned timeline's
+
+        def delete() -> None:
+            for p in gone:
+                self._store.delete(p)
+
+        self._group.on_rank0(delete, "discarding checkpoints")
+        return gone
+
+    # ------------------------------------------------------------------ start / resume
+
+    def start(self) -> int:
+        """Begin a fresh run: refuse a directory that already holds checkpoints.
+
+        Records the environment (``environment.json``) and returns step 0.
+
+        Raises:
+            ResumeRefused: the run directory already holds checkpoints (nothing is
+                overwritten; resume it, or use another directory).
+        """
+        return protocol.start(self._store, self._group, self.run_dir)
+
+    def resume(
+        self, *, allow_legacy: bool = False, allow_env_change: bool = False, reshard: bool = False
+    ) -> ResumeInfo:
+        """Restore the newest consistent checkpoint, after every check passes.
+
+        Candidates are tried newest first; one that fails to verify, lacks its
+        snapshot, or has a missing or mismatched sidecar is skipped, and the
+        skip is reported. Nothing is restored until every check has passed.
+
+        Args:
+            allow_legacy: accept a v1 checkpoint (which lacks teacher, flags,
+                monitor and digests); the run continues loudly.
+            allow_env_change: accept a different environment; the differences are
+                returned for the caller to record.
+            reshard: a distributed run may resume at another world size or layout:
+                DCP reshards, data positions come from their offset rules, and
+                ``ResumeInfo.resharded`` says the run is no longer bit-comparable.
+
+        Returns:
+            A :class:`ResumeInfo`.
+
+        Raises:
+            CheckpointNotFound: no usable checkpoint in the run directory.
+            ConfigDrift: the config differs from the snapshot in strict keys (all listed).
+            EnvironmentDrift: the environment differs (all facts listed).
+            LegacyCheckpoint: a v1 checkpoint without ``allow_legacy``.
+            StreamOffsetMismatch: a stored data position disagrees with the step.
+            StateMismatch: the checkpoint's contents do not fit what is registered
+                (a registration either side lacks, a module's keys, shapes or dtypes).
+            WorldSizeChanged: the run was saved at another world size or layout
+                (one process vs a process group included) and ``reshard`` is False.
+        """
+        how = protocol.Resume(self.config, self.exempt, allow_legacy, allow_env_change, reshard)
+
+        def restore(ckpt: Checkpoint, sidecars: Sidecars) -> None:
+            self.restore(ckpt, sidecars=sidecars)
+
+        return protocol.resume(self._store, self._group, self._reg, self.run_dir, how, restore, self._log)
+
+    def resume_or_start(
+        self, *, allow_legacy: bool = False, allow_env_change: bool = False, reshard: bool = False
+    ) -> int:
+        """Resume the newest consistent checkpoint if the run directory holds one, else start
+        fresh; returns the step to continue from. The same command line then starts the run
+        and continues it after a preemption (``ckptkit audit`` relies on that).
+
+        Raises:
+            As :meth:`resume` (never :class:`CheckpointNotFound` for an empty directory).
+        """
+        if protocol.has_checkpoints(self._group, self.run_dir, (CKPT_SUFFIX, DCP_SUFFIX)):
+            return self.resume(allow_legacy=allow_legacy, allow_env_change=allow_env_change, reshard=reshard).step
+        return self.start()
+
+    def record(self, step: int, **scalars: Any) -> None:
+        """Record step ``step`` (0-based, just finished) in ``history.jsonl``: a ``step`` row
+        with the loop's scalars (floats also as exact bits) and a ``digests`` row with the
+        digest of every tensor and value registered, after the step (spec/replay.md "Any
+        loop"). ``ckptkit audit -- CMD`` and ``ckptkit replay RUN --from S -- CMD`` compare
+        these rows and name the first step and tensor that differ.
+
+        The first call in a process at step ``S`` makes the file the run's history up to
+        ``S``: a fresh one at step 0, else the rows an interrupted run wrote from ``S`` on
+        (in the timeline of the restored rollback record, if a SpikeGuard registered one)
+        are dropped.
+
+        Example::
+
+            state.record(step, loss=loss.item(), grad_norm=gn.item(), lr=sched.get_last_lr()[0])
+
+        Raises:
+            TypeError: a scalar that is not a number, string or one-element tensor.
+        """
+        from ..format.tree import checkpoint_state, localized
+        from .history import HISTORY_FILE, History, append_rows, digests_row, step_row
+
+        if self.rank != 0:
+            return  # a distributed run's history is rank 0's
+        row = step_row(step, scalars)
+        if not self._recording:
+            os.makedirs(self.run_dir, exist_ok=True)
+            history = History(self.run_dir)
+            if step == 0:
+                history.start_fresh()
+            else:
+                rollback = self._reg.values.get("rollback")
+                history.resume_at(step, rollback.get()["count"] if rollback is not None else 0)
+            history.close()
+            self._recording = True
+        append_rows(
+            os.path.join(self.run_dir, HISTORY_FILE),
+            [row, digests_row(step + 1, checkpoint_state(localized(self.checkpoint(step + 1))))],
+        )
+
+    # ------------------------------------------------------------------ stopping (spec/runstate.md "Stopping")
+
+    def preemptible(
+        self, signals: Iterable[int] = DEFAULT_SIGNALS, *, resume_hint: str | None = None
+    ) -> contextlib.AbstractContextManager[None]:
+        """Opt in to preemption while the returned context is open: the first SIGTERM or
+        SIGINT requests a stop (the loop finishes its step, :meth:`step_done` saves it and
+        exits with ``EXIT_STOPPED``, 75); a second aborts at once, leaving every checkpoint
+        on disk intact.
+
+        Args:
+            signals: the signals that request a stop.
+            resume_hint: the command the stop line tells the user to run (default: this
+                process's command line, which resumes by itself through :meth:`resume_or_start`).
+
+        Example::
+
+            with state.preemptible():
+                for step in range(state.resume_or_start(), steps):
+                    train_step(step)
+                    state.step_done(step + 1)
+        """
+        self._resume_hint = resume_hint
+        return self._stops.installed(signals)
+
+    def stop_requested(self, steps_done: int) -> str | None:
+        """What asks the run to stop after ``steps_done`` steps (a signal caught by
+        :meth:`preemptible`, or ``CKPTKIT_STOP_AT``), or None. For a loop that saves
+        its own way; :meth:`step_done` is this plus the save and the exit.
+
+        Raises:
+            CheckpointError: ``CKPTKIT_STOP_AT`` is not a step count.
+        """
+        return self._stops.reason(steps_done)
+
+    def step_done(self, steps_done: int) -> None:
+        """Call once after every step with the number of steps done: when a stop was
+        requested, saves that step, prints how to resume and raises :class:`RunStopped`
+        (a ``SystemExit`` with code 75: uncaught, the process ends there).
+
+        Raises:
+            RunStopped: a stop was requested; the checkpoint at ``steps_done`` is committed.
+            SaveFailed: the save failed (earlier checkpoints are intact).
+        """
+        why = self._stops.reason(steps_done)
+        if why is None:
+            return
+        path = self.save(steps_done)
+        self.wait()
+        hint = self._resume_hint or shlex.join(
+            [sys.executable, *sys.argv] if sys.argv and sys.argv[0].endswith(".py") else sys.argv
+        )
+        print(
+            f"ckptkit: stopped at step {steps_done} ({why}): saved {path}; resume with: {hint}",
+            file=sys.stderr,
+            flush=True,
+        )
+        raise RunStopped(steps_done, path, why)
+
+    def restore(
+        self,
+        ckpt: Checkpoint,
+        *,
+        sidecars: Mapping[str, tuple[int, Any]] | None = None,
+        skip: Iterable[str] = (),
+    ) -> None:
+        """Put a checkpoint's contents into the registered objects, unchecked.
+
+        :meth:`resume` is this plus every check; call it directly to go back to a
+        state the run itself kept with :meth:`checkpoint` (an in-memory rollback),
+        so that what the rollback restores is exactly what is registered. The
+        teacher comes back frozen; the ``after_restore`` hooks run last.
+
+        Args:
+            ckpt: the contents, e.g. a :meth:`checkpoint` taken earlier and copied
+                then (its tensors are the live ones). ``load_state_dict`` may keep
+                references to the tensors given (an optimizer does): pass a copy
+                that nothing else will use.
+            sidecars: ``kind -> (table_step, tree)`` for every registered sidecar
+                not skipped.
+            skip: registrations to leave as they are, named ``"<kind>:<name>"``
+                with kind ``model``, ``optimizer``, ``scheduler``, ``scaler``,
+                ``teacher`` (name ``teacher``), ``monitor``, ``data``, ``value``,
+                ``flag`` or ``sidecar``: e.g. ``"data:train"`` to keep the stream
+                where it is.
+
+        Raises:
+            ValueError: a ``skip`` name that is not registered, or a registered
+                sidecar missing from ``sidecars``.
+        """
+        self._reg.restore(ckpt, sidecars=sidecars, skip=skip)
+        for fn in self._after_restore:
+            fn()
