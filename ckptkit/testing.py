@@ -28,13 +28,13 @@ The field-coverage check for your config type is :func:`ckptkit.assert_field_cov
 from __future__ import annotations
 
 import os
-import random
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from .guard.faults import GradSpike
 from .run import RunState
+from .run.rng import global_rng_state
 
 __all__ = ["GradSpike", "Run", "assert_resume_equivalent", "assert_step_leaves_global_rng_alone", "interruptions"]
 
@@ -138,20 +138,6 @@ def interruptions(steps: int, max_stops: int = 3) -> Any:
     return st.lists(st.integers(1, steps - 1), min_size=1, max_size=max_stops, unique=True).map(sorted)
 
 
-def _global_rng_state() -> dict[str, Any]:
-    import numpy as np
-    import torch
-
-    state: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(legacy=False),
-        "torch": torch.get_rng_state().numpy().tobytes(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = [s.numpy().tobytes() for s in torch.cuda.get_rng_state_all()]
-    return state
-
-
 def assert_step_leaves_global_rng_alone(fn: Callable[[], Any]) -> None:
     """Assert ``fn()`` neither reads-and-advances nor reseeds a global RNG.
 
@@ -162,9 +148,9 @@ def assert_step_leaves_global_rng_alone(fn: Callable[[], Any]) -> None:
     Raises:
         AssertionError: naming each global generator that changed.
     """
-    before = _global_rng_state()
+    before = global_rng_state()
     fn()
-    after = _global_rng_state()
+    after = global_rng_state()
     changed = [k for k in before if _differs(before[k], after.get(k))]
     if changed:
         raise AssertionError(
@@ -176,9 +162,14 @@ def assert_step_leaves_global_rng_alone(fn: Callable[[], Any]) -> None:
 
 def _differs(a: Any, b: Any) -> bool:
     import numpy as np
+    import torch
 
     if isinstance(a, dict):
         return a.keys() != b.keys() or any(_differs(a[k], b[k]) for k in a)
+    if isinstance(a, list) and a and isinstance(a[0], torch.Tensor):  # CUDA: one state per device
+        return len(a) != len(b) or any(_differs(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, torch.Tensor):
+        return not torch.equal(a, b)
     if isinstance(a, np.ndarray):
         return not np.array_equal(a, b)
     return bool(a != b)

@@ -10,9 +10,15 @@ An MLP with dropout, AdamW, a warmup + cosine ``LambdaLR``, a shuffled
 add. ``--spike-at S`` is a TESTING AID: it multiplies every gradient of step S by
 10 (``ckptkit.testing.GradSpike``, armed by the guard around the step).
 
-history.jsonl gets a ``step`` row per execution and the guard's ``spike`` and
-``rollback`` rows (the PRD's ``rollbacks: [{step, reason, lr_after}]``);
+One history, every writer: ``state.record`` writes a ``step`` row (and a
+``digests`` row) per execution, the guard its ``spike`` and ``rollback`` rows (the
+PRD's ``rollbacks: [{step, reason, lr_after}]``), all through the run's own
+``history.jsonl`` (``RunState.history``), so ``ckptkit verify``, ``ckptkit plot``,
+``ckptkit audit`` and ``ckptkit replay`` read the whole story;
 ``ckptkit.run.history.kept_rows`` reads the loss curve of the run as it stands.
+``--global-draw`` is a TESTING AID too: the step also draws from the global
+generator (a determinism bug), which ``ckptkit audit -- python examples/spike_guard.py
+--run-dir {run_dir} --steps 40 --global-draw`` must find.
 Exit codes: 0 trained, 3 training is unstable, 75 stopped by SIGTERM/SIGINT (run
 the same command to resume).
 """
@@ -47,6 +53,7 @@ class Config:
     mode: str = "on"  # the guard's mode: off, warn or on
     spike_at: int | None = None  # TESTING AID: gradients x10 at this step
     spike_repeat: int = 2  # TESTING AID: arrivals at spike_at that spike (2: one rollback)
+    global_draw: bool = False  # TESTING AID: the step also draws from the global generator (a bug to find)
 
 
 class EpochShuffle(torch.utils.data.Sampler[int]):
@@ -103,7 +110,6 @@ class Run:
     sched: torch.optim.lr_scheduler.LRScheduler
     data: Batches
     state: ckptkit.RunState  # ckptkit
-    history: ckptkit.History  # ckptkit
     guard: ckptkit.SpikeGuard  # ckptkit
 
 
@@ -138,16 +144,9 @@ def make_run(cfg: Config, run_dir: Path) -> Run:
         set=data.seek,  # ckptkit
         expected=lambda step, values: step + skipped_batches(values),
     )  # ckptkit
-    history = ckptkit.History(run_dir)  # ckptkit
     inject = None if cfg.spike_at is None else GradSpike([net], at=cfg.spike_at, repeat=cfg.spike_repeat)  # ckptkit
-    guard = ckptkit.SpikeGuard(
-        state,
-        cfg.mode,
-        history=history,
-        inject=inject,  # ckptkit
-        on_step=lambda e: history.append(step_row(e)),
-    )  # ckptkit
-    return Run(cfg, net, opt, sched, data, state, history, guard)
+    guard = ckptkit.SpikeGuard(state, cfg.mode, inject=inject)  # ckptkit: its rows go to the run's history
+    return Run(cfg, net, opt, sched, data, state, guard)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +157,7 @@ class StepOut:
 
 def train_step(run: Run, step: int) -> StepOut:
     x, y = run.data.next()
+    lr = run.opt.param_groups[0]["lr"]
     with ckptkit.step_rng(run.cfg.seed, step):  # ckptkit: nn.Dropout's mask is a function of (seed, step)
         loss = torch.nn.functional.mse_loss(run.net(x), y)
     run.opt.zero_grad()
@@ -165,20 +165,12 @@ def train_step(run: Run, step: int) -> StepOut:
     grad_norm = torch.nn.utils.clip_grad_norm_(run.net.parameters(), 1.0)
     run.opt.step()
     run.sched.step()
+    if run.cfg.global_draw:  # TESTING AID: not a function of (seed, step), so not the same run after a resume
+        with torch.no_grad():
+            first = next(run.net.parameters())
+            first.add_(torch.randn(first.shape) * 1e-4)
+    run.state.record(step, loss=loss, grad_norm=grad_norm, lr=lr)  # ckptkit: a step row and a digests row
     return StepOut(loss.item(), grad_norm.item())
-
-
-def step_row(e: ckptkit.Executed) -> dict[str, Any]:
-    """A ``step`` row of history.jsonl (the loop's scalars; spec/rollback.md R-R10)."""
-    return {
-        "kind": "step",
-        "step": e.step,
-        "loss": e.result.loss,
-        "grad_norm": e.result.grad_norm,
-        "lr": e.lr,
-        "verdict": e.verdict.reason,
-        "rerun": e.rerun,
-    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -189,23 +181,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mode", choices=["off", "warn", "on"], default=Config.mode)
     p.add_argument("--spike-at", type=int, help="TESTING AID: gradients x10 at this step")
     p.add_argument("--spike-repeat", type=int, default=Config.spike_repeat, help="TESTING AID")
+    p.add_argument("--global-draw", action="store_true", help="TESTING AID: a draw from the global generator")
     args = p.parse_args(argv)
-    cfg = Config(steps=args.steps, mode=args.mode, spike_at=args.spike_at, spike_repeat=args.spike_repeat)
+    cfg = Config(
+        steps=args.steps,
+        mode=args.mode,
+        spike_at=args.spike_at,
+        spike_repeat=args.spike_repeat,
+        global_draw=args.global_draw,
+    )
     run = make_run(cfg, args.run_dir)
     with run.state.preemptible():  # ckptkit: SIGTERM/SIGINT finish the step, save it, exit 75
-        resuming = args.resume or bool(run.state.checkpoints())
-        start = run.state.resume().step if resuming else run.state.start()  # ckptkit
-        if resuming:
-            run.history.resume_at(start, run.guard.record.count)  # ckptkit
-        else:
-            run.history.start_fresh()  # ckptkit
+        start = run.state.resume().step if args.resume else run.state.resume_or_start()  # ckptkit
         try:
             run.guard.run(lambda step: train_step(run, step), start, cfg.steps, save_every=cfg.ckpt_every)  # ckptkit
         except ckptkit.TrainingUnstable as e:
             print(f"spike_guard: {e}", file=sys.stderr)
             return 3
         finally:
-            run.history.close()
+            run.state.close()  # ckptkit: closes the run's history too
     rec = run.guard.record
     print(f"step {cfg.steps}: {rec.count} rollback(s), lr scale {rec.lr_scale:g}")
     return 0

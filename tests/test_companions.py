@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from helpers import TINY_FLAGS, Cfg, Loop, fixture_generator, trained
 
+import ckptkit
 from ckptkit import CheckpointNotFound, ChecksumMismatch
 from ckptkit.cli import main
 from ckptkit.run import checkpoint_name
@@ -341,6 +342,29 @@ def test_two_runs_differing_in_an_exempt_key_differ_only_in_the_record(tmp_path:
     a, b = tmp_path / "a" / checkpoint_name(2), tmp_path / "b" / checkpoint_name(2)
     assert a.read_bytes() != b.read_bytes()
     assert unbound_bytes(a) == unbound_bytes(b)
+
+
+def test_the_same_checkpoint_is_one_rule_the_record_set_aside_and_every_other_byte_counted(tmp_path: Path) -> None:
+    """``same_checkpoint`` (what audit, replay and the trainer's comparisons use): two files that
+    differ only in their companion records are the same checkpoint; one more differing byte
+    anywhere else (a tensor's, here) is not."""
+    import torch
+
+    from ckptkit.audit.recording import RunRecording, first_difference
+    from ckptkit.format.companions import same_checkpoint
+
+    trained(tmp_path / "a", steps=2, cfg=Cfg(steps=10))
+    trained(tmp_path / "b", steps=2, cfg=Cfg(steps=20))
+    a, b = tmp_path / "a" / checkpoint_name(2), tmp_path / "b" / checkpoint_name(2)
+    assert a.read_bytes() != b.read_bytes() and same_checkpoint(a, b) and same_checkpoint(a, a)
+    assert first_difference(RunRecording(tmp_path / "a"), RunRecording(tmp_path / "b")) is None
+    ckpt = ckptkit.load(b)
+    weight = ckpt.model["body"]["weight"]
+    weight.view(torch.int32).view(-1)[0] ^= 1  # one bit of one tensor
+    ckptkit.save(b, ckpt)
+    assert not same_checkpoint(a, b)
+    d = first_difference(RunRecording(tmp_path / "a"), RunRecording(tmp_path / "b"))
+    assert d is not None and d.kind == "checkpoint" and d.tensors == ("model:body.weight",)
 
 
 def test_verifying_a_run_and_its_companions_does_not_import_torch(tmp_path: Path) -> None:

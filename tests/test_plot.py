@@ -362,3 +362,36 @@ def test_plot_help_shows_an_example_and_the_exit_codes(capsys: pytest.CaptureFix
     assert main(["plot", "--help"]) == 0
     out = capsys.readouterr().out
     assert "ckptkit plot runs/b -o runs/b.png" in out and "exit codes: 0 written, 2" in out
+
+
+def test_a_spike_and_its_spiking_rerun_count_as_one_spike() -> None:
+    """The title and summary count spikes as the trainer's summary does: the first execution
+    and its re-run from the state before it are one spike; the same step spiking again later
+    (after the rollback, in the next timeline) is another."""
+    rows = [{"kind": "step", "step": s, "grad_norm": 1.0, "loss": 1.0} for s in range(4)]
+    rows += [
+        {"kind": "step", "step": 4, "grad_norm": 50.0, "loss": 1.0},
+        {"kind": "spike", "step": 4, "action": "rerun"},
+        {"kind": "step", "step": 4, "grad_norm": 60.0, "loss": 1.0, "rerun": True},
+        {"kind": "spike", "step": 4, "action": "rollback"},
+        {"kind": "rollback", "step": 4, "to": 2, "lr_before": 1e-3, "lr_after": 5e-4},
+        {"kind": "step", "step": 2, "grad_norm": 1.0, "loss": 1.0},
+        {"kind": "step", "step": 3, "grad_norm": 1.0, "loss": 1.0},
+        {"kind": "step", "step": 4, "grad_norm": 70.0, "loss": 1.0},
+    ]
+    series = read_series(rows, SpikeConfig(window=4, min_history=4))
+    assert [s for s, _ in series.spikes] == [4, 4, 4]  # every spiking row keeps its marker
+    assert series.spike_events == 2
+
+
+def test_the_loss_axis_is_fitted_past_the_first_steps_transient() -> None:
+    """A start at loss 6 over a run near 2 no longer squashes the curve: the axis fits the run
+    after its first 10% of steps (the start runs off the top); a run without a transient keeps
+    matplotlib's own range."""
+    rows = [{"kind": "step", "step": s, "loss": 6.0 if s < 3 else 2.0 + 0.01 * (s % 5)} for s in range(100)]
+    fig = render(read_series(rows))
+    lo, hi = fig.axes[0].get_ylim()
+    assert 1.9 < lo < 2.0 and 2.04 < hi < 2.1
+    flat = [{"kind": "step", "step": s, "loss": 2.0 + 0.01 * (s % 5)} for s in range(100)]
+    lo, hi = render(read_series(flat)).axes[0].get_ylim()
+    assert lo < 2.0 and hi > 2.04 and hi - lo < 0.1

@@ -79,10 +79,11 @@ class Toy:
         self.history = History(run_dir)
         _OPEN.append(self.history)
         inject = None if spike_at is None else GradSpike([self.net], at=spike_at, repeat=repeat)
+        history = guard_kw.pop("history", self.history)  # history=None: the guard writes to the run's own
         monitor = ckptkit.SpikeMonitor(ckptkit.SpikeConfig(window=8, min_history=4))
         knobs: dict[str, Any] = {} if k is None else {"k": k}  # k=None: the guard's knobs come in guard_kw (config=...)
         self.guard = ckptkit.SpikeGuard(
-            self.state, mode, monitor=monitor, history=self.history, inject=inject, **knobs, **guard_kw
+            self.state, mode, monitor=monitor, history=history, inject=inject, **knobs, **guard_kw
         )
         self.lrs: list[tuple[int, float]] = []
 
@@ -377,3 +378,98 @@ def test_a_guard_refuses_knobs_given_twice(tmp_path: Path) -> None:
     state = ckptkit.RunState(tmp_path, config=Cfg())
     with pytest.raises(ValueError, match=re.escape("pass the rollback knobs in config= or one by one, not both")):
         ckptkit.SpikeGuard(state, k=4, config=ckptkit.RollbackConfig(mode="on"))
+
+
+def _noisy(toy: Toy) -> Any:
+    """The toy's step plus a draw from the global generator (not a function of (seed, step))."""
+
+    def step(step: int) -> float:
+        gn = toy.step(step)
+        with torch.no_grad():
+            toy.net.weight.add_(torch.rand(toy.net.weight.shape) * 1e-3)
+        return gn
+
+    return step
+
+
+def _process(run_dir: Path, mode: str, steps: tuple[int, int] | None) -> Toy:
+    """A fresh "process": the global generator seeded as a new process seeds it, then a start
+    (``steps``: train ``start..stop``) or a resume to step 12."""
+    torch.manual_seed(1234)
+    toy = Toy(run_dir, mode, k=3)
+    if steps is not None:
+        toy.guard.run(_noisy(toy), toy.start(), steps[1], save_every=6)
+    else:
+        toy.guard.run(_noisy(toy), toy.resume(), 12, save_every=6)
+    return toy
+
+
+def test_rebuilding_the_ring_never_hides_a_step_that_draws_from_the_global_generator(tmp_path: Path) -> None:
+    """R-R12: the replay that rebuilds the ring (here from step 0: no checkpoint at or before
+    6 - K) redraws the global generator as the first process did; the resumed run must not
+    go on from those redrawn states, or a nondeterministic step would pass an audit as the
+    same run. Guarded or not, a resumed run draws what a fresh process draws."""
+    ref = _process(tmp_path / "ref", "on", (0, 12))
+    runs = {}
+    for mode in ("on", "off"):
+        _process(tmp_path / mode, mode, (0, 6))
+        runs[mode] = _process(tmp_path / mode, mode, None)
+    assert torch.equal(runs["on"].net.weight, runs["off"].net.weight)  # the guard added no draws of its own
+    assert not torch.equal(runs["on"].net.weight, ref.net.weight)  # the divergence shows, as without a guard
+    assert runs["on"].guard.ring is not None and runs["on"].guard.ring.steps()  # the ring was rebuilt
+
+
+def test_a_ring_rebuild_that_diverges_names_the_first_tensors(tmp_path: Path) -> None:
+    """From a checkpoint base, the global draw makes the replay miss the resumed state: the
+    refusal names the tensors, as ``ckptkit diff --tensors`` does, not only the section."""
+    first = Toy(tmp_path, k=3)
+    first.guard.run(_noisy(first), first.start(), 12, save_every=3)
+    again = Toy(tmp_path, k=3)
+    start = again.resume()
+    with pytest.raises(ckptkit.ReplayDivergence) as e:
+        again.guard.rebuild(start, _noisy(again))
+    said = str(e.value)
+    assert "did not reproduce step-00000012.ckpt (differs in: model, " in said
+    assert re.search(r"; first: model:net\.(bias|weight)[^;]*\); this run is not deterministic", said), said
+
+
+class Recorded(Toy):
+    """The toy with ``state.record`` after every step: the composition docs/adopting.md shows."""
+
+    def record_step(self, step: int) -> float:
+        gn = self.step(step)
+        self.state.record(step, grad_norm=gn, lr=self.opt.param_groups[0]["lr"])
+        return gn
+
+
+@pytest.mark.parametrize("given", [True, False], ids=["history-given", "run-history"])
+def test_guard_rows_and_record_rows_share_one_history_and_none_is_lost(tmp_path: Path, given: bool) -> None:
+    """R-R10: the guard's spike and rollback rows and ``record``'s step and digests rows go
+    through one history object, in order, whoever writes first; a resume drops only what
+    the interrupted run wrote after its checkpoint. ``ckptkit verify RUN`` is clean."""
+    from ckptkit.cli import main
+
+    def loop(run_dir: Path, stop: int, *, resume: bool) -> Recorded:
+        kw: dict[str, Any] = {} if given else {"history": None}
+        toy = Recorded(run_dir, "on", spike_at=9, **kw)
+        if given:
+            start = toy.resume() if resume else toy.start()
+        else:
+            start = toy.state.resume().step if resume else toy.state.start()
+        toy.guard.run(toy.record_step, start, stop, save_every=2)
+        toy.state.close()
+        toy.history.close()
+        return toy
+
+    loop(tmp_path / "ref", 14, resume=False)
+    loop(tmp_path / "cut", 8, resume=False)
+    loop(tmp_path / "cut", 14, resume=True)
+    for run in ("ref", "cut"):
+        got, torn = read_rows(tmp_path / run / "history.jsonl")
+        assert not torn
+        kinds = [(r["kind"], r["step"]) for r in got if r["kind"] != "resume"]
+        assert ("rollback", 9) in kinds and ("spike", 9) in kinds
+        steps = [s for k, s in kinds if k == "step"]
+        assert steps == [*range(10), 9, *range(6, 14)], steps  # 0..9, the re-run of 9, then 6..13 after the rollback
+        assert main(["verify", str(tmp_path / run)]) == 0
+    assert read_rows(tmp_path / "ref" / "history.jsonl") == read_rows(tmp_path / "cut" / "history.jsonl")

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -34,7 +35,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import AuditError, CheckpointNotFound, ReplayError
+from ..errors import AuditError, CheckpointNotFound, ReplayDivergence, ReplayError
 from ..run import ENVIRONMENT_FILE, checkpoint_name
 from ..run.history import HISTORY_FILE
 from ..run.preemption import EXIT_STOPPED, STOP_AT_ENV
@@ -152,8 +153,15 @@ def _run(argv: list[str], label: str, timeout: float, stop_at: int | None, log: 
         if code not in (0, EXIT_STOPPED):
             err.seek(0)
             tail = err.read().decode("utf-8", "replace").strip().splitlines()[-15:]
+            found = [m.group(1) for m in map(_DIVERGED.match, tail) if m]
+            if found:  # the command itself found it is not the same run (a ring rebuild that missed)
+                raise ReplayDivergence(f"{label}: the command found its run differs: {found[-1]}")
             raise AuditError(f"{label}: the command exited {code}:\n" + "\n".join(tail))
     return code
+
+
+#: The last line of a traceback of the ckptkit error a loop raises when its own replay misses.
+_DIVERGED = re.compile(r"^(?:ckptkit\.errors\.)?ReplayDivergence: (.+)$")
 
 
 @contextlib.contextmanager
@@ -188,6 +196,7 @@ def audit_command(
     Raises:
         AuditError: no ``{run_dir}``, a process failed or timed out, the command saved no
             checkpoint or ignored the stop request, ``stop_at`` outside the run.
+        ReplayDivergence: the command raised one itself (its ring rebuild missed): a difference.
     """
     log = log or (lambda _m: None)
     _substitute(argv, "", AuditError)
@@ -237,6 +246,7 @@ def replay_command(
         CheckpointNotFound: no checkpoint at or before ``from_step``.
         ReplayError: no ``{run_dir}`` in the command.
         AuditError: the command failed or timed out.
+        ReplayDivergence: the command raised one itself (its ring rebuild missed): a difference.
     """
     log = log or (lambda _m: None)
     _substitute(argv, "", ReplayError)

@@ -69,7 +69,8 @@ COLORS = {
     "resume": "#5f6b7a",
 }
 _EXTRA_COLORS = ("#2ca02c", "#17becf", "#bcbd22", "#7f7f7f")
-_ABANDONED_ALPHA = 0.35
+_ABANDONED_ALPHA = 0.75  # abandoned steps must stand out against the rollback shading
+_TRANSIENT = 0.1  # the loss axis is fitted to the run after its first 10% of steps (the start's transient)
 _DEFAULTS = "SpikeConfig defaults"
 # Spike actions after which the spiking step's update is discarded (spec/rollback.md R-R04, R-R07).
 _DISCARDED = frozenset({"rerun", "rollback", "unstable"})
@@ -93,6 +94,8 @@ class RunSeries:
         spikes: ``(step, grad_norm)`` of every row judged a spike (recorded ``spike``, or
             the detector's verdict for rows that do not record one).
         rollbacks: ``(N, T, lr_before, lr_after)`` per ``rollback`` row.
+        spike_events: the spikes as a person counts them (and the trainer's summary): a
+            spiking step and its spiking re-run from the state before it are one spike.
         resumes: the step of every ``resume`` row.
         spike_config: the detector's parameters; config_source: where they came from.
     """
@@ -106,6 +109,7 @@ class RunSeries:
     resumes: tuple[int, ...]
     spike_config: SpikeConfig
     config_source: str
+    spike_events: int = 0
 
     def kept_scalars(self) -> list[tuple[int, dict[str, float]]]:
         """``(step, {name: value})`` for every kept row, ascending: what to log to an experiment
@@ -200,7 +204,7 @@ def read_series(
             if (_LOSS_NAME.match(k) or k in ("grad_norm", "lr")) and _number(v) is not None
         }
     )
-    threshold, spikes = _replay_detector(step_rows, config)
+    threshold, spikes, events = _replay_detector(step_rows, config)
     rollbacks = tuple(
         (r["step"], r["to"], _number(r.get("lr_before")), _number(r.get("lr_after")))
         for r in rows
@@ -216,6 +220,7 @@ def read_series(
         resumes=tuple(r["step"] for r in rows if r["kind"] == "resume"),
         spike_config=config,
         config_source=config_source,
+        spike_events=events,
     )
 
 
@@ -239,17 +244,19 @@ def _kept(rows: Sequence[dict[str, Any]]) -> tuple[bool, ...]:
 
 def _replay_detector(
     step_rows: Sequence[dict[str, Any]], config: SpikeConfig
-) -> tuple[tuple[float | None, ...], tuple[tuple[int, float], ...]]:
+) -> tuple[tuple[float | None, ...], tuple[tuple[int, float], ...], int]:
     """The detector fed the recorded grad norms in file order, rewound where a step runs again.
 
     Returns:
         Per step row the threshold before its step was observed (None while warming up, without a
-        grad norm, or with nothing to rewind to), and ``(step, grad_norm)`` of every spike.
+        grad norm, or with nothing to rewind to), ``(step, grad_norm)`` of every spike, and the
+        spike events (a spike whose previous row was a spike of the same step is its re-run).
     """
     monitor = SpikeMonitor(dataclasses.replace(config, history=0))  # the detector only: no report to keep
     before: collections.OrderedDict[int, dict[str, Any]] = collections.OrderedDict()  # step -> state before it
     threshold: list[float | None] = []
     spikes: list[tuple[int, float]] = []
+    events, spiked = 0, None  # spiked: the step of the previous row, when it was a spike
     last: int | None = None
     for r in step_rows:
         step = r["step"]
@@ -275,7 +282,38 @@ def _replay_detector(
         recorded = r.get("spike")
         if recorded if isinstance(recorded, bool) else verdict.is_spike:
             spikes.append((step, g))
-    return tuple(threshold), tuple(spikes)
+            events += spiked != step  # a spiking re-run of the spiking step is the same spike
+            spiked = step
+        else:
+            spiked = None
+    return tuple(threshold), tuple(spikes), events
+
+
+def _fitted(series: RunSeries, window: _Window) -> tuple[float, float] | None:
+    """The loss axis's range over the shown rows after the first :data:`_TRANSIENT` of them,
+    with a margin, when the transient would otherwise take more than half the height (the
+    first steps' loss, several times the rest, is then drawn running off the top); else None."""
+    values = [
+        v
+        for name in series.loss_names
+        for v, shown in zip(series.scalars[name], window.shown, strict=True)
+        if shown and v is not None and math.isfinite(v)
+    ]
+    rows = [v for v, shown in zip(series.scalars.get("loss", ()), window.shown, strict=True) if shown]
+    skip = int(len(rows) * _TRANSIENT)
+    later = [
+        v
+        for name in series.loss_names
+        for v in [x for x, shown in zip(series.scalars[name], window.shown, strict=True) if shown][skip:]
+        if v is not None and math.isfinite(v)
+    ]
+    if not values or not later:
+        return None
+    lo, hi, top = min(values), max(later), max(values)
+    if top - lo <= 2 * (hi - lo):
+        return None
+    pad = 0.08 * (hi - lo or abs(hi) or 1.0)
+    return lo - pad, hi + pad
 
 
 def _runs(flags: Sequence[bool]) -> list[tuple[int, int]]:
@@ -383,31 +421,36 @@ class _Painter:
     window: _Window
     colors: dict[str, str]
 
-    def line(self, ax: Any, name: str, label: str, width: float) -> None:
-        """A scalar: kept rows solid, each run of abandoned rows faded and dashed."""
+    def line(self, ax: Any, name: str, label: str, width: float, style: Any = "-") -> None:
+        """A scalar: kept rows in ``style``, each run of abandoned rows dashed, as wide."""
         series = self.series
         values = [math.nan if v is None else v for v in series.scalars[name]]
         kept = [k and s for k, s in zip(series.kept, self.window.shown, strict=True)]
         abandoned = [not k and s for k, s in zip(series.kept, self.window.shown, strict=True)]
         xs = [st for st, k in zip(series.steps, kept, strict=True) if k]
         ys = [v for v, k in zip(values, kept, strict=True) if k]
-        ax.plot(xs, ys, color=self.colors[name], lw=width, label=label, gid=name, zorder=3)
+        ax.plot(xs, ys, color=self.colors[name], lw=width, ls=style, label=label, gid=name, zorder=3)
         for j, (a, b) in enumerate(_runs(abandoned)):
             ax.plot(
                 series.steps[a:b],
                 values[a:b],
                 color=self.colors[name],
-                lw=max(width - 0.6, 0.8),
+                lw=max(width, 1.2),
                 alpha=_ABANDONED_ALPHA,
-                ls="--",
+                ls=(0, (2, 1.5)),
                 gid=f"abandoned:{name}",
                 zorder=2,
                 label="abandoned (rolled back)" if j == 0 and name in ("loss", "grad_norm") else "_nolegend_",
             )
 
     def loss_panel(self, ax: Any) -> None:
+        """The loss solid and wide, its parts thin and dash-dotted (a part that is nearly the
+        whole loss stays visible over it); the axis fitted past the start's transient."""
         for n in self.series.loss_names:
-            self.line(ax, n, n, 2.2 if n == "loss" else 1.4)
+            self.line(ax, n, n, 2.4 if n == "loss" else 1.2, "-" if n == "loss" else (0, (6, 2, 1, 2)))
+        limits = _fitted(self.series, self.window)
+        if limits is not None:
+            ax.set_ylim(*limits)
         ax.set_ylabel("loss")
 
     def grad_norm_panel(self, ax: Any) -> None:
@@ -605,7 +648,7 @@ def plot_run(
         raise ValueError(f"{path}: no step row records a loss, grad_norm or lr; nothing to plot")
     name = os.path.basename(os.path.normpath(os.path.dirname(path) or os.getcwd()))
     title = (
-        f"{name}: {len(set(series.steps))} steps \u00b7 {len(series.spikes)} spike(s) \u00b7 "
+        f"{name}: {len(set(series.steps))} steps \u00b7 {series.spike_events} spike(s) \u00b7 "
         f"{len(series.rollbacks)} rollback(s) \u00b7 {len(series.resumes)} resume(s)"
     )
     fig = render(series, title=title, start=start, end=end)
@@ -617,7 +660,7 @@ def plot_run(
     return PlotSummary(
         path=out,
         steps=len(series.steps),
-        spikes=len(series.spikes),
+        spikes=series.spike_events,
         rollbacks=len(series.rollbacks),
         resumes=len(series.resumes),
         series=tuple(drawn),

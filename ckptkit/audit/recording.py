@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..format.companions import same_checkpoint
 from ..run.files import checkpoint_name, list_checkpoints
 from ..run.fingerprint import differing_names
 from ..run.history import HISTORY_FILE, WALL_FIELDS, read_rows
@@ -147,7 +148,7 @@ def _first_checkpoint_difference(a: RunRecording, b: RunRecording, from_step: in
         if step < from_step:
             continue
         pa, pb = a.checkpoints[step], b.checkpoints[step]
-        if _same_bytes(pa, pb):
+        if same_checkpoint(pa, pb):  # the one rule (its companion record set aside)
             continue
         diffs = compare_checkpoints(pa, pb)
         return Difference(
@@ -158,15 +159,3 @@ def _first_checkpoint_difference(a: RunRecording, b: RunRecording, from_step: in
             details=tuple(f"{d.name}: {d.detail}" for d in diffs),
         )
     return None
-
-
-def _same_bytes(pa: str, pb: str) -> bool:
-    if os.path.getsize(pa) != os.path.getsize(pb):
-        return False
-    with open(pa, "rb") as fa, open(pb, "rb") as fb:
-        while True:
-            ca, cb = fa.read(1 << 20), fb.read(1 << 20)
-            if ca != cb:
-                return False
-            if not ca:
-                return True

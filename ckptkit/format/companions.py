@@ -46,6 +46,7 @@ __all__ = [
     "read_record",
     "rebind",
     "record_of",
+    "same_checkpoint",
     "unbound_bytes",
 ]
 
@@ -299,6 +300,33 @@ def rebind(ckpt_path: str | os.PathLike[str]) -> None:
         sidecars={kind: sidecar_digest(f"{ckpt_path}.{kind}") for kind in old["sidecars"]},
     )
     save(ckpt_path, dataclasses.replace(ckpt, monitor={**ckpt.monitor, COMPANIONS_KEY: record}))
+
+
+def same_checkpoint(path_a: str | os.PathLike[str], path_b: str | os.PathLike[str]) -> bool:
+    """The one rule for "the same checkpoint" (``ckptkit audit``, ``replay``, the trainer's
+    and any loop's): the same bytes, or the same bytes once each file's companion record is
+    set aside (:func:`unbound_bytes`). The record holds digests of the files beside the
+    checkpoint, not state of the run: two runs of one experiment may bind snapshots that
+    differ in exempt keys (``steps``) or in informational fields (``config_type``).
+
+    Raises:
+        CheckpointNotFound, FormatError: a file that differs cannot be loaded.
+    """
+    if _same_file_bytes(path_a, path_b):
+        return True
+    return unbound_bytes(path_a) == unbound_bytes(path_b)
+
+
+def _same_file_bytes(path_a: str | os.PathLike[str], path_b: str | os.PathLike[str]) -> bool:
+    if os.path.getsize(path_a) != os.path.getsize(path_b):
+        return False
+    with open(path_a, "rb") as fa, open(path_b, "rb") as fb:
+        while True:
+            ca, cb = fa.read(1 << 20), fb.read(1 << 20)
+            if ca != cb:
+                return False
+            if not ca:
+                return True
 
 
 def unbound_bytes(ckpt_path: str | os.PathLike[str]) -> bytes:

@@ -41,6 +41,7 @@ torch is imported lazily (``import ckptkit`` stays torch-free).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from collections.abc import Callable
@@ -48,9 +49,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointNotFound, FormatError, ReplayDivergence, StreamOffsetMismatch, TrainingUnstable
-from ..format.tree import clone, digests
+from ..format.tree import checkpoint_state, clone, digests, localized
 from ..run import RunState
+from ..run.fingerprint import leaf_digests
 from ..run.history import History, f32_bits, json_float
+from ..run.rng import global_rngs_kept
 from ._ring import Kept, Ring
 from .config import MODES, RollbackConfig
 from .monitor import SpikeMonitor, Verdict
@@ -144,8 +147,9 @@ class _Effects:
         self.guard, self.live = guard, live
 
     def row(self, row: dict[str, Any]) -> None:
-        if self.live and self.guard.history is not None:
-            self.guard.history.append(row)
+        history = self.guard.rows_to() if self.live else None
+        if history is not None:
+            history.append(row)
 
     def executed(self, e: Executed) -> None:
         if self.live and self.guard.on_step is not None:
@@ -233,6 +237,7 @@ class SpikeGuard:
         self.config = cfg = config or knobs
         self.state, self.mode, self.k, self.lr_drop = state, cfg.mode, cfg.k, cfg.lr_drop
         self.bound, self.cap, self.history, self.on_step = cfg.bound, cfg.cap, history, on_step
+        self._runs = self._adopt(history)
         self.log: Log = log or (lambda _msg: None)
         self._lr, self._prepare, self._inject = lr, prepare, inject
         self.save: Callable[[int], object] = save or self._default_save
@@ -258,6 +263,13 @@ class SpikeGuard:
         self._genesis = self._capture(0) if self.on else None
         self._live, self._quiet = _Effects(self, live=True), _Effects(self, live=False)
 
+    def rows_to(self) -> History | None:
+        """Where the guard's rows go: the run's history (:attr:`RunState.history`), which is the
+        ``history`` given when it is this run's file; rank 0 writes a distributed run's."""
+        if self.history is not None and self.history is not self._runs:
+            return self.history
+        return self.state.history if self.state.rank == 0 else None
+
     @property
     def on(self) -> bool:
         return self.mode == "on"
@@ -266,6 +278,17 @@ class SpikeGuard:
     def lr_scale(self) -> float:
         """Multiplies the LR: 1.0 until a rollback drops it (R-R06)."""
         return self.record.lr_scale
+
+    def _adopt(self, history: History | None) -> History | None:
+        """A ``history`` of the run's own file becomes the run's (one writer object for the guard,
+        ``record`` and the loop, R-R10); another file stays the guard's alone."""
+        if history is None:
+            return None
+        try:
+            self.state.use_history(history)
+        except ValueError:
+            return None
+        return history
 
     def _data_position(self, name: str | None) -> str:
         positions = sorted(self.state.data_positions())
@@ -288,8 +311,9 @@ class SpikeGuard:
         self.record = RollbackRecord.from_state(stored)
 
     def _default_save(self, step: int) -> str:
-        if self.history is not None:
-            self.history.sync()
+        history = self.rows_to()
+        if history is not None and history.prepared:
+            history.sync()
         return self.state.save(step)
 
     # ------------------------------------------------------------------ the loop
@@ -376,7 +400,8 @@ class SpikeGuard:
         if self._inject is not None:
             self._inject.arm(n)
         try:
-            result = step_fn(n)
+            with self.state.replaying(rerun=True) if rerun else contextlib.nullcontext():
+                result = step_fn(n)
         finally:
             if self._inject is not None:
                 self._inject.disarm()
@@ -472,8 +497,9 @@ class SpikeGuard:
         rec = self.record
         bound_hit = consecutive >= self.bound
         fx.row(self._spike_row(first, "unstable", rerun))
-        if self.history is not None and fx.live:
-            self.history.sync()
+        history = self.rows_to()
+        if history is not None and fx.live and history.prepared:
+            history.sync()
         # The bound lists the chain's rollbacks; the cap, every rollback of the run.
         chain = list(rec.rollbacks[len(rec.rollbacks) - (consecutive - 1) :]) if consecutive > 1 else []
         chain = chain if bound_hit else list(rec.rollbacks)
@@ -562,29 +588,36 @@ class SpikeGuard:
         if not self.on or start == 0:
             return []
         here, timeline = self._capture(start), self.record.count
-        base, note = self._replay_base(max(start - self.k, 0))
-        if base is None:
-            assert self._genesis is not None
-            self._restore(self._genesis, keep_data=False, full=True)
-            if self._prepare is not None:
-                self._prepare()
-            frm = 0
-        else:
-            self._restore(base, keep_data=False, full=True)
-            frm = base.step
-        self._replay(frm, start, timeline, step_fn)
+        # The replay redraws nothing the resumed run then trusts, and records nothing (R-R12).
+        with global_rngs_kept(), self.state.replaying():
+            frm, note = self._replay_from(max(start - self.k, 0))
+            self._replay(frm, start, timeline, step_fn)
         now = self._capture(start)
         name = os.path.basename(self.state.checkpoint_path(start))
         differ = sorted(n for n in here.digests if here.digests[n] != now.digests.get(n))
         if differ:
             raise ReplayDivergence(
                 f"rebuilding the rollback ring: replaying steps {frm}..{start} from {note} did not reproduce "
-                f"{name} (differs in: {', '.join(differ)}); this run is not deterministic here, "
-                "so a rollback could not be exact; see ReplayDivergence's docstring for the usual causes"
+                f"{name} (differs in: {', '.join(differ)}{_first_tensors(here, now)}); this run is not "
+                "deterministic here, so a rollback could not be exact; see ReplayDivergence's docstring for the "
+                "usual causes"
             )
         msg = f"rollback ring rebuilt: replayed steps {frm}..{start} from {note}; it reproduced {name}"
         self.log(msg)
         return [msg]
+
+    def _replay_from(self, need: int) -> tuple[int, str]:
+        """Restore the replay base (the newest loadable checkpoint at or before ``need``, else
+        the state at construction, then ``prepare``): ``(its step, what it is)``."""
+        base, note = self._replay_base(need)
+        if base is not None:
+            self._restore(base, keep_data=False, full=True)
+            return base.step, note
+        assert self._genesis is not None
+        self._restore(self._genesis, keep_data=False, full=True)
+        if self._prepare is not None:
+            self._prepare()
+        return 0, note
 
     def _replay_base(self, need: int) -> tuple[Kept | None, str]:
         """The newest loadable checkpoint at or before ``need``; None means the construction state."""
@@ -661,6 +694,17 @@ class SpikeGuard:
             "count": rec.count,
             "rollbacks": [e.row() for e in rec.rollbacks],
         }
+
+
+def _first_tensors(a: Kept, b: Kept, limit: int = 5) -> str:
+    """The first tensors and values two kept states differ in, named as ``ckptkit diff --tensors``
+    names them (``; first: model:net.weight, ...``), or nothing when only a sidecar differs."""
+    da, db = (leaf_digests(checkpoint_state(localized(k.ckpt))) for k in (a, b))
+    names = sorted(n for n in da.keys() | db.keys() if da.get(n) != db.get(n))
+    if not names:
+        return ""
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return f"; first: {', '.join(names[:limit])}{more}"
 
 
 def _num(x: float | None) -> float | str | None:

@@ -43,7 +43,7 @@ from typing import IO, Any
 
 from ..errors import FormatError
 from ..format.atomic import write_bytes_atomic
-from .fingerprint import float_bits, leaf_digests
+from .fingerprint import float_bits
 
 __all__ = [
     "COMPARED_KINDS",
@@ -181,6 +181,19 @@ class History:
     def __init__(self, run_dir: str | os.PathLike[str]) -> None:
         self.path = os.path.join(os.fspath(run_dir), HISTORY_FILE)
         self._file: IO[bytes] | None = None
+        self.prepared = False  # start_fresh() or resume_at() made the file this run's, in this process
+
+    def begin(self, step: int, timeline: int = 0) -> list[str]:
+        """Make the file this run's history at ``step`` once per process: :meth:`start_fresh`
+        at step 0, else :meth:`resume_at`; a no-op (no notes) once either has run, so every
+        writer of the run (``RunState.record``, the spike guard, the loop's own rows) may
+        ask for it and none drops what another wrote."""
+        if self.prepared:
+            return []
+        if step == 0:
+            self.start_fresh()
+            return []
+        return self.resume_at(step, timeline)
 
     def start_fresh(self) -> None:
         """Begin an empty history (a fresh run; any file a failed start left is replaced)."""
@@ -235,10 +248,16 @@ class History:
     def _open(self) -> None:
         self.close()
         self._file = open(self.path, "ab")  # noqa: SIM115 - held open for the run, closed in close()
+        self.prepared = True
 
     def append(self, row: dict[str, Any]) -> None:
-        """Append one row and flush it to the OS (fsync waits for :meth:`sync`)."""
-        assert self._file is not None, "History.start_fresh() or resume_at() first"
+        """Append one row and flush it to the OS (fsync waits for :meth:`sync`); a history
+        closed after it was prepared opens again for appending."""
+        if self._file is None:
+            if not self.prepared:
+                raise ValueError(f"{self.path}: History.start_fresh(), resume_at() or begin() first")
+            self._open()
+        assert self._file is not None
         self._file.write(_encode(row))
         self._file.flush()
 
@@ -251,6 +270,9 @@ class History:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+    def __del__(self) -> None:  # a history dropped unclosed (its run ended) closes its file
+        self.close()
 
 
 @dataclass(frozen=True)
@@ -376,7 +398,7 @@ def step_row(step: int, scalars: Mapping[str, Any]) -> dict[str, Any]:
     """
     row: dict[str, Any] = {"kind": "step", "step": step}
     for name, value in sorted(scalars.items()):
-        if name in ("kind", "step") or name.endswith("_bits"):
+        if name in ("kind", "step", "rerun") or name.endswith("_bits"):
             raise TypeError(f"record(): {name!r} is a reserved row field; name the scalar otherwise")
         if hasattr(value, "numel"):
             if value.numel() != 1:
@@ -393,6 +415,7 @@ def step_row(step: int, scalars: Mapping[str, Any]) -> dict[str, Any]:
     return row
 
 
-def digests_row(steps_done: int, state: Mapping[str, Any]) -> dict[str, Any]:
-    """The ``digests`` row after ``steps_done`` steps: every leaf of the registered state."""
-    return {"kind": "digests", "step": steps_done, "tensors": dict(sorted(leaf_digests(state).items()))}
+def digests_row(steps_done: int, digests: Mapping[str, int]) -> dict[str, Any]:
+    """The ``digests`` row after ``steps_done`` steps: the digest of every leaf of the state,
+    by name (:func:`~ckptkit.run.fingerprint.leaf_digests`; spec/replay.md R-P02)."""
+    return {"kind": "digests", "step": steps_done, "tensors": dict(sorted(digests.items()))}

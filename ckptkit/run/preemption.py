@@ -17,14 +17,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import signal
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from types import FrameType
 
 from ..errors import EXIT_STOPPED, CheckpointError, RunStopped
 
-__all__ = ["EXIT_STOPPED", "STOP_AT_ENV", "RunStopped", "StopRequests"]
+__all__ = ["EXIT_STOPPED", "STOP_AT_ENV", "RunStopped", "StopRequests", "Stopping"]
 
 STOP_AT_ENV = "CKPTKIT_STOP_AT"  # save and stop once this many steps are done (ckptkit audit)
 DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -89,3 +90,70 @@ class StopRequests:
         if not raw.isdigit():
             raise CheckpointError(f"{STOP_AT_ENV}={raw!r}: must be a step count (digits only), e.g. {STOP_AT_ENV}=20")
         return f"{STOP_AT_ENV}={raw}" if int(raw) == steps_done else None
+
+
+class Stopping:
+    """The stopping half of :class:`~ckptkit.RunState`: preemption opted into, requested stops,
+    and the save-print-exit of :meth:`step_done`."""
+
+    _stops: StopRequests
+    _resume_hint: str | None
+    save: Callable[[int], str]  # RunState's
+    wait: Callable[[], None]  # RunState's
+
+    def preemptible(
+        self, signals: Iterable[int] = DEFAULT_SIGNALS, *, resume_hint: str | None = None
+    ) -> contextlib.AbstractContextManager[None]:
+        """Opt in to preemption while the returned context is open: the first SIGTERM or
+        SIGINT requests a stop (the loop finishes its step, :meth:`step_done` saves it and
+        exits with ``EXIT_STOPPED``, 75); a second aborts at once, leaving every checkpoint
+        on disk intact.
+
+        Args:
+            signals: the signals that request a stop.
+            resume_hint: the command the stop line tells the user to run (default: this
+                process's command line, which resumes by itself through :meth:`resume_or_start`).
+
+        Example::
+
+            with state.preemptible():
+                for step in range(state.resume_or_start(), steps):
+                    train_step(step)
+                    state.step_done(step + 1)
+        """
+        self._resume_hint = resume_hint
+        return self._stops.installed(signals)
+
+    def stop_requested(self, steps_done: int) -> str | None:
+        """What asks the run to stop after ``steps_done`` steps (a signal caught by
+        :meth:`preemptible`, or ``CKPTKIT_STOP_AT``), or None. For a loop that saves
+        its own way; :meth:`step_done` is this plus the save and the exit.
+
+        Raises:
+            CheckpointError: ``CKPTKIT_STOP_AT`` is not a step count.
+        """
+        return self._stops.reason(steps_done)
+
+    def step_done(self, steps_done: int) -> None:
+        """Call once after every step with the number of steps done: when a stop was
+        requested, saves that step, prints how to resume and raises :class:`RunStopped`
+        (a ``SystemExit`` with code 75: uncaught, the process ends there).
+
+        Raises:
+            RunStopped: a stop was requested; the checkpoint at ``steps_done`` is committed.
+            SaveFailed: the save failed (earlier checkpoints are intact).
+        """
+        why = self._stops.reason(steps_done)
+        if why is None:
+            return
+        path = self.save(steps_done)
+        self.wait()
+        hint = self._resume_hint or shlex.join(
+            [sys.executable, *sys.argv] if sys.argv and sys.argv[0].endswith(".py") else sys.argv
+        )
+        print(
+            f"ckptkit: stopped at step {steps_done} ({why}): saved {path}; resume with: {hint}",
+            file=sys.stderr,
+            flush=True,
+        )
+        raise RunStopped(steps_done, path, why)

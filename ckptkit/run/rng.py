@@ -41,6 +41,8 @@ __all__ = [
     "Stream",
     "draw",
     "draws",
+    "global_rng_state",
+    "global_rngs_kept",
     "mask_stream",
     "mix64",
     "numpy_generator",
@@ -424,3 +426,44 @@ def step_rng(seed: int, step: int, stream: int = Stream.DROPOUT) -> Iterator[Non
         if cuda:
             torch.cuda.manual_seed_all(value)
         yield
+
+
+def global_rng_state() -> dict[str, Any]:
+    """The global generators' states: Python's ``random``, numpy's legacy global generator,
+    torch's CPU generator and, when CUDA is initialised, every CUDA generator."""
+    import random
+
+    import torch
+
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(legacy=False),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+@contextlib.contextmanager
+def global_rngs_kept() -> Iterator[None]:
+    """After the block, every global generator (:func:`global_rng_state`) is as it was before.
+
+    For work a run does on the side — the spike guard replaying steps to rebuild its
+    ring — so that what it draws never reaches the steps that follow: a resumed run then
+    draws exactly what it would have drawn without that work, and a step that depends on
+    the global generator shows up as the divergence it is instead of being papered over.
+    """
+    import random
+
+    import torch
+
+    before = global_rng_state()
+    try:
+        yield
+    finally:
+        random.setstate(before["python"])
+        np.random.set_state(before["numpy"])
+        torch.set_rng_state(before["torch"])
+        if "cuda" in before:
+            torch.cuda.set_rng_state_all(before["cuda"])

@@ -37,12 +37,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shlex
-import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
-from ..errors import RunStopped
 from ..format.checkpoint import Checkpoint
 from ..format.snapshot import encode_snapshot
 from . import resume as protocol
@@ -52,7 +49,8 @@ from .drift import DEFAULT_EXEMPT
 from .file_store import FileStore
 from .files import CKPT_SUFFIX, DCP_SUFFIX, list_checkpoints
 from .group import Alone, group_of
-from .preemption import DEFAULT_SIGNALS, StopRequests
+from .history import History
+from .preemption import Stopping, StopRequests
 from .registration import Registration
 from .resume import ResumeInfo
 from .store import Sidecars, Store
@@ -60,7 +58,7 @@ from .store import Sidecars, Store
 __all__ = ["ResumeInfo", "RunState"]
 
 
-class RunState(Registration):
+class RunState(Registration, Stopping):
     """A run's state, registered once, saved and resumed as a whole.
 
     Args:
@@ -117,7 +115,9 @@ class RunState(Registration):
         self._after_restore: list[Callable[[], None]] = []
         self._stops = StopRequests()
         self._resume_hint: str | None = None
-        self._recording = False  # record() has opened history.jsonl in this process
+        self._history: History | None = None  # the run's history.jsonl, opened by its first writer
+        self._began: int | None = None  # the step start() or resume() began this process at
+        self._replaying: str | None = None  # inside replaying(): "replay" or "rerun"
         self._group = group_of(process_group)
         self._store = self._open_store(async_save)
 
@@ -237,11 +237,13 @@ class RunState(Registration):
         self._store.wait()
 
     def close(self) -> None:
-        """Finish a background save and free its snapshot buffer.
+        """Finish a background save and free its snapshot buffer; close the run's history.
 
         Raises:
             SaveFailed: the background write failed.
         """
+        if self._history is not None:
+            self._history.close()
         self._store.close()
 
     def checkpoints(self) -> list[tuple[int, str]]:
@@ -277,7 +279,8 @@ class RunState(Registration):
             ResumeRefused: the run directory already holds checkpoints (nothing is
                 overwritten; resume it, or use another directory).
         """
-        return protocol.start(self._store, self._group, self.run_dir)
+        self._began = protocol.start(self._store, self._group, self.run_dir)
+        return self._began
 
     def resume(
         self, *, allow_legacy: bool = False, allow_env_change: bool = False, reshard: bool = False
@@ -316,7 +319,9 @@ class RunState(Registration):
         def restore(ckpt: Checkpoint, sidecars: Sidecars) -> None:
             self.restore(ckpt, sidecars=sidecars)
 
-        return protocol.resume(self._store, self._group, self._reg, self.run_dir, how, restore, self._log)
+        info = protocol.resume(self._store, self._group, self._reg, self.run_dir, how, restore, self._log)
+        self._began = info.step
+        return info
 
     def resume_or_start(
         self, *, allow_legacy: bool = False, allow_env_change: bool = False, reshard: bool = False
@@ -339,10 +344,8 @@ class RunState(Registration):
         loop"). ``ckptkit audit -- CMD`` and ``ckptkit replay RUN --from S -- CMD`` compare
         these rows and name the first step and tensor that differ.
 
-        The first call in a process at step ``S`` makes the file the run's history up to
-        ``S``: a fresh one at step 0, else the rows an interrupted run wrote from ``S`` on
-        (in the timeline of the restored rollback record, if a SpikeGuard registered one)
-        are dropped.
+        The rows go through :attr:`history`: the rows an interrupted run wrote after the
+        resumed step (in the resumed rollback timeline) are dropped once, whoever writes first.
 
         Example::
 
@@ -352,84 +355,67 @@ class RunState(Registration):
             TypeError: a scalar that is not a number, string or one-element tensor.
         """
         from ..format.tree import checkpoint_state, localized
-        from .history import HISTORY_FILE, History, append_rows, digests_row, step_row
+        from .fingerprint import leaf_digests
+        from .history import digests_row, step_row
 
-        if self.rank != 0:
-            return  # a distributed run's history is rank 0's
+        if self.rank != 0 or self._replaying == "replay":
+            return  # a distributed run's history is rank 0's; a replayed step is recorded already
         row = step_row(step, scalars)
-        if not self._recording:
+        if self._replaying == "rerun":
+            row["rerun"] = True  # the re-run of a spiking step (spec/rollback.md R-R04)
+        history = self._history_at(step)
+        history.append(row)
+        history.append(digests_row(step + 1, leaf_digests(checkpoint_state(localized(self.checkpoint(step + 1))))))
+
+    @contextlib.contextmanager
+    def replaying(self, *, rerun: bool = False) -> Iterator[None]:
+        """While open, the loop's steps are not new steps of the run: a ring rebuild's replay
+        (:meth:`record` writes nothing: their rows exist) or, with ``rerun``, a spiking step
+        re-run from the state before it (its step row says ``"rerun": true``, R-R04)."""
+        was = self._replaying
+        self._replaying = "rerun" if rerun and was is None else "replay"  # a re-run inside a replay: a replay
+        try:
+            yield
+        finally:
+            self._replaying = was
+
+    @property
+    def history(self) -> History:
+        """The run's ``history.jsonl``: one :class:`~ckptkit.History` for every writer in this
+        process (:meth:`record`, the spike guard, the loop's own rows), made the run's at the
+        step :meth:`start` or :meth:`resume` began at (a fresh file, or the rows after it dropped),
+        once, so that no writer drops what another wrote.
+
+        Raises:
+            ValueError: neither :meth:`start` nor :meth:`resume` has run in this process.
+        """
+        return self._history_at(None)
+
+    def use_history(self, history: History) -> None:
+        """Make ``history`` (the caller's :class:`~ckptkit.History` of this run) the run's own.
+
+        Raises:
+            ValueError: it is another file, or the run's history is already open as another object.
+        """
+        mine = self._history or History(self.run_dir)
+        if os.path.realpath(history.path) != os.path.realpath(mine.path):
+            raise ValueError(f"use_history: {history.path} is not this run's history ({mine.path})")
+        if mine is not history and mine.prepared:
+            raise ValueError(f"use_history: {mine.path} is already open as this run's history; pass that one")
+        self._history = history
+
+    def _history_at(self, step: int | None) -> History:
+        """The run's history, made the run's at the step this process began at (else ``step``)."""
+        history = self._history = self._history or History(self.run_dir)
+        if not history.prepared:
+            began = self._began if self._began is not None else step
+            if began is None:
+                raise ValueError(f"{history.path}: the run's history opens at start() or resume(); call one first")
             os.makedirs(self.run_dir, exist_ok=True)
-            history = History(self.run_dir)
-            if step == 0:
-                history.start_fresh()
-            else:
-                rollback = self._reg.values.get("rollback")
-                history.resume_at(step, rollback.get()["count"] if rollback is not None else 0)
-            history.close()
-            self._recording = True
-        append_rows(
-            os.path.join(self.run_dir, HISTORY_FILE),
-            [row, digests_row(step + 1, checkpoint_state(localized(self.checkpoint(step + 1))))],
-        )
-
-    # ------------------------------------------------------------------ stopping (spec/runstate.md "Stopping")
-
-    def preemptible(
-        self, signals: Iterable[int] = DEFAULT_SIGNALS, *, resume_hint: str | None = None
-    ) -> contextlib.AbstractContextManager[None]:
-        """Opt in to preemption while the returned context is open: the first SIGTERM or
-        SIGINT requests a stop (the loop finishes its step, :meth:`step_done` saves it and
-        exits with ``EXIT_STOPPED``, 75); a second aborts at once, leaving every checkpoint
-        on disk intact.
-
-        Args:
-            signals: the signals that request a stop.
-            resume_hint: the command the stop line tells the user to run (default: this
-                process's command line, which resumes by itself through :meth:`resume_or_start`).
-
-        Example::
-
-            with state.preemptible():
-                for step in range(state.resume_or_start(), steps):
-                    train_step(step)
-                    state.step_done(step + 1)
-        """
-        self._resume_hint = resume_hint
-        return self._stops.installed(signals)
-
-    def stop_requested(self, steps_done: int) -> str | None:
-        """What asks the run to stop after ``steps_done`` steps (a signal caught by
-        :meth:`preemptible`, or ``CKPTKIT_STOP_AT``), or None. For a loop that saves
-        its own way; :meth:`step_done` is this plus the save and the exit.
-
-        Raises:
-            CheckpointError: ``CKPTKIT_STOP_AT`` is not a step count.
-        """
-        return self._stops.reason(steps_done)
-
-    def step_done(self, steps_done: int) -> None:
-        """Call once after every step with the number of steps done: when a stop was
-        requested, saves that step, prints how to resume and raises :class:`RunStopped`
-        (a ``SystemExit`` with code 75: uncaught, the process ends there).
-
-        Raises:
-            RunStopped: a stop was requested; the checkpoint at ``steps_done`` is committed.
-            SaveFailed: the save failed (earlier checkpoints are intact).
-        """
-        why = self._stops.reason(steps_done)
-        if why is None:
-            return
-        path = self.save(steps_done)
-        self.wait()
-        hint = self._resume_hint or shlex.join(
-            [sys.executable, *sys.argv] if sys.argv and sys.argv[0].endswith(".py") else sys.argv
-        )
-        print(
-            f"ckptkit: stopped at step {steps_done} ({why}): saved {path}; resume with: {hint}",
-            file=sys.stderr,
-            flush=True,
-        )
-        raise RunStopped(steps_done, path, why)
+            rollback = self._reg.values.get("rollback")  # the guard's record: the timeline resumed in
+            for note in history.begin(began, rollback.get()["count"] if began and rollback is not None else 0):
+                self._log(note)
+        return history
 
     def restore(
         self,

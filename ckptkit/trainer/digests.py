@@ -32,7 +32,6 @@ from .parallel import full_tensor
 __all__ = [
     "MODEL_PREFIX",
     "checkpoint_row",
-    "digests_row",
     "param_digests",
     "params_digest",
     "perturb",
@@ -57,11 +56,6 @@ def param_digests(model: torch.nn.Module) -> dict[str, int]:
 def params_digest(digests: Mapping[str, int]) -> int:
     """The order-independent ``params_digest`` of a step row (spec/replay.md R-P01)."""
     return combine(digests.values())
-
-
-def digests_row(steps_done: int, digests: Mapping[str, int]) -> dict[str, Any]:
-    """The ``digests`` row written after step ``steps_done - 1``."""
-    return {"kind": "digests", "step": steps_done, "tensors": dict(sorted(digests.items()))}
 
 
 def checkpoint_row(rs: Any, step: int) -> dict[str, Any]:

@@ -56,12 +56,12 @@ from ..guard.rollback_record import skipped_batches
 from ..guard.spikeguard import Executed, RolledBack, SpikeGuard
 from ..run import RunState
 from ..run.drift import DEFAULT_EXEMPT
-from ..run.history import History, f32_bits, f64_bits, json_float
+from ..run.history import History, digests_row, f32_bits, f64_bits, json_float
 from ..run.preemption import RunStopped
 from ..run.rng import Stream, mask_stream, sample_depth, torch_generator
 from .config import RollbackSkip, TrainConfig, TrainerConfig
 from .data import ByteStream, data_fingerprint, load_bytes
-from .digests import checkpoint_row, digests_row, param_digests, params_digest, perturb, perturb_target
+from .digests import checkpoint_row, param_digests, params_digest, perturb, perturb_target
 from .model import GPT, apply_compute_settings, make_teacher
 from .ngram import BigramTable
 from .parallel import Ranks, check_fits, full_tensor, rank_history, ranks, wrap

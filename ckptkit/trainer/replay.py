@@ -54,7 +54,7 @@ from ..errors import (
     TrainingUnstable,
 )
 from ..format.checkpoint import load
-from ..format.companions import rebind, unbound_bytes
+from ..format.companions import rebind, same_checkpoint
 from ..format.snapshot import read_snapshot, snapshot_path, write_snapshot
 from ..format.tree import checkpoint_state
 from ..run import DCP_SUFFIX, ENVIRONMENT_FILE, RunState, checkpoint_name, list_checkpoints, read_environment
@@ -626,10 +626,8 @@ def first_differing_checkpoint(a: str, b: str, steps: Sequence[int]) -> tuple[in
             if _tree_bytes(pa) != _tree_bytes(pb):
                 return s, _logical_diffs(pa, pb)
             continue
-        with open(pa, "rb") as fa, open(pb, "rb") as fb:
-            # A checkpoint binds its own snapshot (spec/companions.md), whose exempt keys may differ.
-            if fa.read() != fb.read() and unbound_bytes(pa) != unbound_bytes(pb):
-                return s, compare_checkpoints(pa, pb)
+        if not same_checkpoint(pa, pb):
+            return s, compare_checkpoints(pa, pb)
     return None
 
 
