@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
+import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -54,7 +56,8 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ..errors import CheckpointError, SaveFailed, StateMismatch, UnsupportedValue
+from ..errors import CheckpointError, SaveFailed, StateMismatch, UnsupportedOption, UnsupportedValue
+from ..format.atomic import exchange, fsync_dir
 from ..format.codec import check_tensor, dtype_name, tensor_bytes, torch_dtype
 from ..format.container import Source
 from ..format.section import check_plain
@@ -93,31 +96,75 @@ class _Recorder:
 class Writer(StorageWriter, _Recorder):
     """A DCP ``StorageWriter`` that writes a ckptkit distributed checkpoint into ``path``.
 
-    ``path`` is a directory, one per checkpoint: a directory that already holds a
-    committed checkpoint is refused (the previous checkpoint is never touched); one
-    left incomplete by a failed save may be saved into again.
+    A drop-in for DCP's ``FileSystemWriter``: it takes the same arguments
+    (``spec/distributed.md`` §9 says what each means here). ``overwrite=True`` (DCP's
+    default) replaces a committed checkpoint atomically: the new one is written and
+    committed beside it, then the two directories are swapped in one step, so ``path``
+    always holds the old checkpoint or the new one, whole. ``overwrite=False`` refuses a
+    directory that holds one. A directory left incomplete by a failed save is saved into
+    again either way.
+
+    Args:
+        path: the checkpoint's directory (a local path; URLs are refused).
+        single_file_per_rank: must be True (one data file per rank is the format).
+        sync_files: accepted; ckptkit always fsyncs before it commits (False is ignored).
+        thread_count: >= 1; accepted, each rank writes its one file with one thread.
+        per_thread_copy_ahead: >= 0; accepted, tensors are copied to the CPU one at a time.
+        cache_staged_state_dict: must be False: this writer is no stager, ``dcp.async_save``
+            stages for it with DCP's faster ``DefaultStager``; for a cached staging copy pass
+            ``async_stager=BlockingAsyncStager(cache_staged_state_dict=True)`` to it.
+        overwrite: replace a committed checkpoint in ``path`` (atomically) or refuse it.
+        _extensions: DCP stream extensions; none is supported yet, each is refused by name.
+        serialization_format: DCP's default (``TORCH_SAVE``) or None; ckptkit's format
+            replaces it (no ``torch.save`` bytes); ``SAFETENSORS`` is refused.
+
+    Raises:
+        UnsupportedOption: a URL, or an argument ckptkit refuses (named, with why).
+        ValueError: ``thread_count`` < 1 or ``per_thread_copy_ahead`` < 0.
 
     Example:
         >>> dcp.save(state, storage_writer=ckptkit.distributed.Writer("ckpt/step-100"))  # doctest: +SKIP
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        single_file_per_rank: bool = True,
+        sync_files: bool = True,
+        thread_count: int = 1,
+        per_thread_copy_ahead: int = 10_000_000,
+        cache_staged_state_dict: bool = False,
+        overwrite: bool = True,
+        _extensions: Sequence[Any] | None = None,
+        serialization_format: Any = None,
+    ) -> None:
         super().__init__()
-        self.path = os.fspath(path)
+        self.path = local_path(path)
+        _check_writer_options(single_file_per_rank, thread_count, per_thread_copy_ahead, serialization_format)
+        if cache_staged_state_dict:
+            raise UnsupportedOption(
+                "cache_staged_state_dict=True: ckptkit.distributed.Writer is no stager (dcp.async_save stages for "
+                "it with DCP's DefaultStager); for a cached staging copy pass "
+                "async_stager=BlockingAsyncStager(cache_staged_state_dict=True) to dcp.async_save"
+            )
+        check_extensions(_extensions)
+        self.single_file_per_rank, self.sync_files, self.overwrite = True, True, bool(overwrite)
+        self.thread_count, self.per_thread_copy_ahead = thread_count, per_thread_copy_ahead
         self.save_id = uuid.uuid4().hex
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id:
-            self.path = os.fspath(checkpoint_id)
+            self.path = local_path(checkpoint_id)
         self.save_id = uuid.uuid4().hex
         self.failure = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        if kwargs.get("use_collectives", True) is False:
+        if kwargs.get("use_collectives", True) is False and _world_size() > 1:
             raise self._record(
-                UnsupportedValue(
-                    "ckptkit.distributed.Writer needs DCP's collectives (use_collectives=False writes rank-local "
-                    "metadata, which breaks the all-ranks-commit rule)"
+                UnsupportedOption(
+                    f"use_collectives=False at world size {_world_size()}: every rank would commit its own "
+                    "metadata, which breaks the all-ranks-commit rule (R-DC03); ckptkit.distributed.Writer takes "
+                    "use_collectives=False only in a single process"
                 )
             )
 
@@ -130,18 +177,29 @@ class Writer(StorageWriter, _Recorder):
                     f"{self.path}: cannot create the checkpoint directory ({e.strerror})", cause=e, path=self.path
                 )
             ) from e
-        if os.path.exists(os.path.join(self.path, METADATA_NAME)):
+        if not self.overwrite and _committed(self.path):
             raise self._record(
                 SaveFailed(
-                    f"{self.path}: already holds a committed checkpoint; save into a new directory "
-                    "(one checkpoint, one directory) or remove this one first",
+                    f"{self.path}: Checkpoint already exists and overwrite=False (R-DC09); save into a new "
+                    "directory, or pass overwrite=True to replace it atomically",
                     path=self.path,
                 )
             )
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        return [dataclasses.replace(p, storage_data=(rank, len(plans))) for rank, p in enumerate(plans)]
+        """The coordinator decides where every rank writes: ``path``, or beside it when it holds a commit."""
+        into = self.path
+        if _committed(self.path):
+            into = staging_path(self.path)
+            try:
+                shutil.rmtree(into, ignore_errors=True)  # what an interrupted replacement left
+                os.makedirs(into)
+            except OSError as e:
+                raise self._record(
+                    SaveFailed(f"{into}: cannot create the replacement's directory ({e.strerror})", cause=e, path=into)
+                ) from e
+        return [dataclasses.replace(p, storage_data=(rank, len(plans), into)) for rank, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         try:
@@ -153,7 +211,7 @@ class Writer(StorageWriter, _Recorder):
         return fut
 
     def _write(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
-        rank, world = plan.storage_data
+        rank, world, into = plan.storage_data
         results: list[WriteResult] = []
         chunks, keep, indexes = [], [], []
         for item in plan.items:
@@ -168,16 +226,20 @@ class Writer(StorageWriter, _Recorder):
             keep.append(held)
             chunks.append((fqn, tuple(item.tensor_data.chunk.offsets), dtype, tuple(tensor.shape), buf))
             indexes.append(item.index)
-        rank_file, placed = write_data_file(self.path, rank, world, chunks)
+        rank_file, placed = write_data_file(into, rank, world, chunks)
         for index, (offset, nbytes, digest) in zip(indexes, placed, strict=True):
             results.append(WriteResult(index, nbytes, ("chunk", rank, offset, nbytes, digest)))
-        results.append(WriteResult(MetadataIndex(_FILE_KEY), rank_file.size, ("file", rank, rank_file)))
+        results.append(WriteResult(MetadataIndex(_FILE_KEY), rank_file.size, ("file", rank, rank_file, into)))
         return results
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Commit: every rank's file is durable (its write_data returned); write the metadata last."""
+        """Commit: every rank's file is durable (its write_data returned); write the metadata last,
+        then, for a replacement, swap the committed new directory with the old one."""
         try:
-            write_metadata(self.path, _encode(metadata, results))
+            into = _written_into(results, self.path)
+            write_metadata(into, _encode(metadata, results))
+            if into != self.path:
+                replace_directory(self.path, into)
         except CheckpointError as e:
             raise self._record(e) from None
 
@@ -186,7 +248,115 @@ class Writer(StorageWriter, _Recorder):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return isinstance(checkpoint_id, (str, os.PathLike))
+        """True for a local path; False for a URL (``scheme://``), which this backend does not serve."""
+        return _is_local(checkpoint_id)
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _committed(path: str) -> bool:
+    return os.path.exists(os.path.join(path, METADATA_NAME))
+
+
+def _written_into(results: list[list[WriteResult]], path: str) -> str:
+    """The directory every rank wrote into (each rank's file record says), which must be one."""
+    dirs = {wr.storage_data[3] for rank_results in results for wr in rank_results if wr.storage_data[0] == "file"}
+    if len(dirs) != 1:
+        raise SaveFailed(f"{path}: the ranks wrote into {sorted(dirs)}, not one directory; nothing committed")
+    return str(dirs.pop())
+
+
+def staging_path(path: str) -> str:
+    """Where a replacement of the committed checkpoint ``path`` is written: a hidden sibling."""
+    head, name = os.path.split(os.path.normpath(path))
+    return os.path.join(head, f".{name}.new")
+
+
+def replace_directory(path: str, staged: str) -> None:
+    """Swap the committed ``staged`` directory into ``path`` in one step, then remove the old one.
+
+    A crash before the swap leaves the old checkpoint at ``path`` (and a stray ``staged``,
+    removed by the next replacement); after it, the new one (and the old one in ``staged``).
+
+    Raises:
+        SaveFailed: the swap failed or the platform cannot swap; ``path`` holds the old checkpoint.
+    """
+    exchange(staged, path)
+    try:
+        fsync_dir(os.path.dirname(os.path.normpath(path)))
+    except OSError as e:
+        raise SaveFailed(
+            f"{path}: the new checkpoint is in place but its directory could not be synced ({e.strerror}); "
+            "it may not survive a power loss",
+            cause=e,
+            path=path,
+        ) from e
+    shutil.rmtree(staged, ignore_errors=True)
+
+
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def _is_local(checkpoint_id: Any) -> bool:
+    return isinstance(checkpoint_id, (str, os.PathLike)) and not _SCHEME.match(os.fspath(checkpoint_id))
+
+
+def local_path(checkpoint_id: str | os.PathLike[str]) -> str:
+    """``checkpoint_id`` as a local path; a URL is refused by name (never a local folder ``s3:``).
+
+    Raises:
+        UnsupportedOption: a ``scheme://`` URL (object storage is not supported yet).
+    """
+    path = os.fspath(checkpoint_id)
+    if _SCHEME.match(path):
+        raise UnsupportedOption(
+            f"{path}: a URL; ckptkit.distributed writes and reads local directories only, object storage "
+            "is not supported yet; save to a local (or mounted) directory and copy it to the object store"
+        )
+    return path
+
+
+def _check_writer_options(single_file_per_rank: bool, thread_count: int, copy_ahead: int, fmt: Any) -> None:
+    """Refuse ``FileSystemWriter`` arguments that ckptkit cannot honour, naming them."""
+    if single_file_per_rank is not True:
+        raise UnsupportedOption(
+            f"single_file_per_rank={single_file_per_rank!r}: ckptkit's format is one data file per rank "
+            "(spec/distributed.md §1), never one file per tensor; leave it at True"
+        )
+    if isinstance(thread_count, bool) or not isinstance(thread_count, int) or thread_count < 1:
+        raise ValueError(f"thread_count must be an int >= 1 (got {thread_count!r})")
+    if isinstance(copy_ahead, bool) or not isinstance(copy_ahead, int) or copy_ahead < 0:
+        raise ValueError(f"per_thread_copy_ahead must be an int >= 0 (got {copy_ahead!r})")
+    if fmt is not None and getattr(fmt, "name", fmt) != "TORCH_SAVE":
+        raise UnsupportedOption(
+            f"serialization_format={fmt!r}: ckptkit writes its own format (raw chunk bytes, plain msgpack), "
+            "neither torch.save nor safetensors files; leave it at the default"
+        )
+
+
+def check_extensions(extensions: Sequence[Any] | None) -> None:
+    """Refuse DCP stream extensions (``_extensions``), each by its name: none is supported yet.
+
+    Raises:
+        UnsupportedOption: a non-empty sequence of extensions.
+    """
+    if extensions:
+        names = ", ".join(_extension_name(e) for e in extensions)
+        raise UnsupportedOption(
+            f"_extensions: {names}: ckptkit.distributed supports no DCP stream extension yet (chunks are stored "
+            "raw and digested as stored); pass _extensions=None or use DCP's FileSystemWriter for them"
+        )
+
+
+def _extension_name(ext: Any) -> str:
+    try:
+        return str(ext.get_descriptor())
+    except Exception:  # noqa: BLE001 - a foreign object: name it by its type
+        return type(ext).__name__
 
 
 def _lookup(planner: SavePlanner, item: Any) -> Any:
@@ -243,20 +413,27 @@ class Reader(StorageReader, _Recorder):
     load fails; destinations it already filled keep the new values (as with DCP's
     default backend), so do not use state from a failed load.
 
+    A drop-in for DCP's ``FileSystemReader``: ``_extension_registry`` is accepted (a
+    ckptkit checkpoint holds no extension-encoded chunk, so it is never consulted).
+
+    Raises:
+        UnsupportedOption: ``path`` is a URL (object storage is not supported yet).
+
     Example:
         >>> dcp.load(state, storage_reader=ckptkit.distributed.Reader("ckpt/step-100"))  # doctest: +SKIP
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], _extension_registry: Any = None) -> None:
         super().__init__()
-        self.path = os.fspath(path)
+        self.path = local_path(path)
+        self.extension_registry = _extension_registry
         self.load_id = uuid.uuid4().hex
         self.metadata: DirMetadata | None = None
         self.storage_data: dict[MetadataIndex, Any] = {}
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id:
-            self.path = os.fspath(checkpoint_id)
+            self.path = local_path(checkpoint_id)
         self.load_id = uuid.uuid4().hex
         self.storage_data = {}
         self.failure = None
@@ -368,7 +545,8 @@ class Reader(StorageReader, _Recorder):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return isinstance(checkpoint_id, (str, os.PathLike))
+        """True for a local path; False for a URL (``scheme://``), which this backend does not serve."""
+        return _is_local(checkpoint_id)
 
 
 def read_chunk(src: Source, directory: str, fqn: str, c: Chunk, out: torch.Tensor) -> None:
@@ -451,7 +629,8 @@ class LoadPlanner(DefaultLoadPlanner, _Recorder):
         for fqn, obj in self.state_dict.items():
             md = self.metadata.state_dict_metadata.get(fqn)
             if md is None:
-                problems.append(f"{fqn}: missing from the checkpoint")
+                if not self.allow_partial_load:
+                    problems.append(f"{fqn}: missing from the checkpoint")
             elif isinstance(md, BytesStorageMetadata):
                 if isinstance(obj, torch.Tensor):
                     problems.append(f"{fqn}: the checkpoint holds a non-tensor value, the destination a tensor")
