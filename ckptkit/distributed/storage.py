@@ -11,10 +11,15 @@ backend (``spec/distributed.md``):
   section encoding, non-tensor leaves (step, lr, param_groups) plain msgpack in the
   metadata, looked up through the planner instead of ``torch.save``;
 * all ranks commit or none: each rank's file is fsync'd and renamed before the
-  coordinator writes ``metadata.ckdcp`` atomically, last;
+  coordinator writes ``metadata.ckdcp`` atomically, last; a committed checkpoint is
+  never written into: ``overwrite=True`` commits the new one beside it and swaps the
+  two directories atomically (R-DC09);
 * every byte read is verified: the chunk is the unit of verification, so a read
   of part of a chunk (resharding) reads and hashes the whole chunk first;
 * a dtype differing between checkpoint and destination is refused, never cast.
+
+The constructors take ``FileSystemWriter``'s and ``FileSystemReader``'s arguments
+(``spec/distributed.md`` §9): each means what it means there or is refused by name.
 
 Known limit: DCP's own collectives still pickle plans and results *in memory*
 between ranks (``gather_object``); the promise is about files.
