@@ -4,8 +4,9 @@ The storage behaviours PyTorch's own DCP tests check (``test_file_system_checkpo
 ``e2e/test_e2e_save_and_load``, ``test_format_utils``, ``test_save_load_api``,
 ``test_dtensor_checkpoint``, ``test_dtensor_resharding``), reproduced with the backend
 swapped in: the constructors' arguments, save twice into one directory (DCP's default
-``overwrite=True``), planner options, partial loads, loads without a template, async
-saves, DTensor resharding on real gloo ranks. The deliberate differences
+``overwrite=True``), stream extensions (zstd, chained, a user's own), planner options,
+partial loads, loads without a template, async saves, DTensor resharding on real gloo
+ranks. The deliberate differences
 (``spec/distributed.md`` §9) are tested as refusals with their exact messages.
 
 The crash test SIGKILLs the second of two saves into one directory at every file
@@ -28,10 +29,11 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._extension import StreamTransformExtension
 
 import ckptkit
 import ckptkit.distributed as ckd
-from ckptkit.distributed.format import METADATA_NAME, data_name, verify_directory
+from ckptkit.distributed.format import METADATA_NAME, data_name, read_metadata, verify_directory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -154,18 +156,128 @@ def test_a_serialization_format_other_than_dcps_default_is_refused_by_name(tmp_p
     )
 
 
-def test_stream_extensions_are_refused_each_by_name(tmp_path):
+class Rot13(StreamTransformExtension):
+    """A stream extension of the user's own: adds 13 to every byte (``shift`` is a faulty writer's)."""
+
+    def __init__(self, drop: int = 0) -> None:
+        self.drop = drop
+
+    @staticmethod
+    def registry_name() -> str:
+        return "stream.rot13"
+
+    @staticmethod
+    def from_descriptor(version: str) -> Rot13:
+        return Rot13()
+
+    def get_descriptor(self) -> str:
+        return "stream.rot13/1"
+
+    def transform_to(self, output: Any) -> Any:
+        ext = self
+
+        class W(io.RawIOBase):
+            def writable(self) -> bool:
+                return True
+
+            def write(self, b: Any) -> int:
+                data = bytes((x + 13) % 256 for x in bytes(b))
+                output.write(data[: len(data) - ext.drop])
+                return len(memoryview(b))
+
+        return W()
+
+    def transform_from(self, stream: Any) -> Any:
+        return io.BytesIO(bytes((x - 13) % 256 for x in stream.read()))
+
+
+def test_zstd_through_extensions_round_trips_and_stores_less(tmp_path):
     from torch.distributed.checkpoint._extension import ZStandard
 
-    class Rot13:
+    raw, packed = str(tmp_path / "raw"), str(tmp_path / "zstd")
+    sd = {**state(), "zeros": torch.zeros(4096)}
+    dcp.save(sd, storage_writer=ckd.Writer(raw))
+    dcp.save(sd, storage_writer=ckd.Writer(packed, _extensions=[ZStandard()]))
+    assert os.path.getsize(os.path.join(packed, data_name(0))) < os.path.getsize(os.path.join(raw, data_name(0))) / 4
+    out = {**blank(), "zeros": torch.ones(4096)}
+    dcp.load(out, storage_reader=ckd.Reader(packed))
+    assert same(out, sd) and verify_directory(packed).ok
+    md = read_metadata(packed)
+    assert {c.transforms for t in md.tensors.values() for c in t.chunks} == {("stream.zstd/1",)}
+
+
+def test_two_extensions_chain_as_dcp_chains_them(tmp_path):
+    from torch.distributed.checkpoint._extension import ExtensionRegistry, ZStandard
+
+    path = str(tmp_path / "ckpt")
+    dcp.save(state(), storage_writer=ckd.Writer(path, _extensions=[Rot13(), ZStandard()]))
+    md = read_metadata(path)
+    assert md.tensors["model.w"].chunks[0].transforms == ("stream.rot13/1", "stream.zstd/1")  # reading order
+    registry = ExtensionRegistry()
+    registry.register(Rot13)
+    out = blank()
+    dcp.load(out, storage_reader=ckd.Reader(path, _extension_registry=registry))
+    assert same(out, state())
+
+
+def test_a_transform_the_reader_does_not_know_is_refused_by_name(tmp_path):
+    path = str(tmp_path / "ckpt")
+    ckd_state = {"w": torch.ones(3)}
+    dcp.save(ckd_state, storage_writer=ckd.Writer(path, _extensions=[Rot13()]))
+    c = read_metadata(path).tensors["w"].chunks[0]
+    with pytest.raises(ckptkit.UnsupportedVersion) as e:
+        ckd.load({"w": torch.zeros(3)}, path)
+    assert str(e.value) == (
+        f"{path}/{data_name(0)}: offset {c.offset} (0x{c.offset:x}): tensor 'w': chunk at [0] is stored through "
+        "stream.rot13/1, which this reader cannot decode (Unknown extension name='stream.rot13'); pass "
+        "Reader(path, _extension_registry=...) with the extension registered (R-DC11)"
+    )
+
+
+def test_the_digest_is_over_the_stored_bytes_checked_before_decoding(tmp_path):
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    path = str(tmp_path / "ckpt")
+    dcp.save({"w": torch.ones(64)}, storage_writer=ckd.Writer(path, _extensions=[ZStandard()]))
+    c = read_metadata(path).tensors["w"].chunks[0]
+    f = os.path.join(path, data_name(0))
+    with open(f, "r+b") as fh:
+        fh.seek(c.offset + c.nbytes - 1)
+        last = fh.read(1)[0]
+        fh.seek(c.offset + c.nbytes - 1)
+        fh.write(bytes([last ^ 0x01]))
+    with pytest.raises(ckptkit.ChecksumMismatch, match=r"tensor 'w' chunk at \[0\] of \[64\] \(\d+ bytes\)"):
+        ckd.load({"w": torch.zeros(64)}, path)
+    assert isinstance(verify_directory(path).error, ckptkit.ChecksumMismatch)
+
+
+def test_a_transformed_chunk_that_decodes_short_is_refused(tmp_path):
+    from torch.distributed.checkpoint._extension import ExtensionRegistry
+
+    path = str(tmp_path / "ckpt")
+    dcp.save({"w": torch.ones(4)}, storage_writer=ckd.Writer(path, _extensions=[Rot13(drop=1)]))
+    c = read_metadata(path).tensors["w"].chunks[0]
+    registry = ExtensionRegistry()
+    registry.register(Rot13)
+    with pytest.raises(dcp.api.CheckpointException):
+        dcp.load({"w": torch.zeros(4)}, storage_reader=(reader := ckd.Reader(path, _extension_registry=registry)))
+    assert isinstance(reader.failure, ckptkit.MalformedIndex)
+    assert str(reader.failure) == (
+        f"{path}/{data_name(0)}: offset {c.offset} (0x{c.offset:x}): tensor 'w': chunk at [0] decodes to 15 bytes "
+        "(expected 16, got 15); the writer that stored it is faulty (R-DC11)"
+    )
+
+
+def test_an_extension_that_is_no_stream_transform_is_refused_by_name(tmp_path):
+    class Foreign:
         def get_descriptor(self) -> str:
-            return "stream.rot13/1"
+            return "layout.sharded/1"
 
     with pytest.raises(ckptkit.UnsupportedOption) as e:
-        ckd.Writer(str(tmp_path / "c"), _extensions=[ZStandard(), Rot13()])
+        ckd.Writer(str(tmp_path / "c"), _extensions=[Foreign(), object()])
     assert str(e.value) == (
-        "_extensions: stream.zstd/1, stream.rot13/1: ckptkit.distributed supports no DCP stream extension yet "
-        "(chunks are stored raw and digested as stored); pass _extensions=None or use DCP's FileSystemWriter for them"
+        "_extensions: layout.sharded/1, object: not a DCP StreamTransformExtension; ckptkit.distributed applies "
+        "stream transforms (such as torch.distributed.checkpoint._extension.ZStandard) to each chunk, nothing else"
     )
     ckd.Writer(str(tmp_path / "c"), _extensions=[])  # DCP: an empty sequence is no extension
 

@@ -8,8 +8,9 @@ with DCP's resharding on load. What changes against DCP's default filesystem
 backend (``spec/distributed.md``):
 
 * nothing in the files is pickle: tensor chunks are raw bytes in the container's
-  section encoding, non-tensor leaves (step, lr, param_groups) plain msgpack in the
-  metadata, looked up through the planner instead of ``torch.save``;
+  section encoding (or those bytes through DCP stream extensions such as zstd, R-DC11),
+  non-tensor leaves (step, lr, param_groups) plain msgpack in the metadata, looked up
+  through the planner instead of ``torch.save``;
 * all ranks commit or none: each rank's file is fsync'd and renamed before the
   coordinator writes ``metadata.ckdcp`` atomically, last; a committed checkpoint is
   never written into: ``overwrite=True`` commits the new one beside it and swaps the
@@ -28,12 +29,13 @@ between ranks (``gather_object``); the promise is about files.
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
 import re
 import shutil
 import uuid
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import xxhash
@@ -61,7 +63,15 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ..errors import CheckpointError, SaveFailed, StateMismatch, UnsupportedOption, UnsupportedValue
+from ..errors import (
+    CheckpointError,
+    MalformedIndex,
+    SaveFailed,
+    StateMismatch,
+    UnsupportedOption,
+    UnsupportedValue,
+    UnsupportedVersion,
+)
 from ..format.atomic import exchange, fsync_dir
 from ..format.codec import check_tensor, dtype_name, tensor_bytes, torch_dtype
 from ..format.container import Source
@@ -119,7 +129,9 @@ class Writer(StorageWriter, _Recorder):
             stages for it with DCP's faster ``DefaultStager``; for a cached staging copy pass
             ``async_stager=BlockingAsyncStager(cache_staged_state_dict=True)`` to it.
         overwrite: replace a committed checkpoint in ``path`` (atomically) or refuse it.
-        _extensions: DCP stream extensions; none is supported yet, each is refused by name.
+        _extensions: DCP stream extensions (``StreamTransformExtension``: zstd's ``ZStandard``,
+            or your own) applied to every chunk; the digest is over the stored bytes, which
+            a reader checks before any extension decodes them. Anything else is refused by name.
         serialization_format: DCP's default (``TORCH_SAVE``) or None; ckptkit's format
             replaces it (no ``torch.save`` bytes); ``SAFETENSORS`` is refused.
 
@@ -152,7 +164,7 @@ class Writer(StorageWriter, _Recorder):
                 "it with DCP's DefaultStager); for a cached staging copy pass "
                 "async_stager=BlockingAsyncStager(cache_staged_state_dict=True) to dcp.async_save"
             )
-        check_extensions(_extensions)
+        self.extensions = check_extensions(_extensions)
         self.single_file_per_rank, self.sync_files, self.overwrite = True, True, bool(overwrite)
         self.thread_count, self.per_thread_copy_ahead = thread_count, per_thread_copy_ahead
         self.save_id = uuid.uuid4().hex
@@ -226,14 +238,20 @@ class Writer(StorageWriter, _Recorder):
                 continue
             tensor = planner.resolve_data(item)
             assert isinstance(tensor, torch.Tensor) and item.tensor_data is not None
-            dtype = check_tensor(tensor, fqn)
+            dtype, shape = check_tensor(tensor, fqn), tuple(tensor.shape)
             held, buf = tensor_bytes(tensor)
             keep.append(held)
-            chunks.append((fqn, tuple(item.tensor_data.chunk.offsets), dtype, tuple(tensor.shape), buf))
+            if self.extensions:
+                buf = memoryview(_transform(buf, self.extensions))
+                dtype, shape = "uint8", (len(buf),)
+            chunks.append((fqn, tuple(item.tensor_data.chunk.offsets), dtype, shape, buf))
             indexes.append(item.index)
         rank_file, placed = write_data_file(into, rank, world, chunks)
+        # reading order: the first wraps the stored bytes (DCP records them reversed, which undoes a
+        # chain of two or more in the wrong order)
+        descriptors = tuple(str(e.get_descriptor()) for e in self.extensions)
         for index, (offset, nbytes, digest) in zip(indexes, placed, strict=True):
-            results.append(WriteResult(index, nbytes, ("chunk", rank, offset, nbytes, digest)))
+            results.append(WriteResult(index, nbytes, ("chunk", rank, offset, nbytes, digest, descriptors)))
         results.append(WriteResult(MetadataIndex(_FILE_KEY), rank_file.size, ("file", rank, rank_file, into)))
         return results
 
@@ -343,18 +361,49 @@ def _check_writer_options(single_file_per_rank: bool, thread_count: int, copy_ah
         )
 
 
-def check_extensions(extensions: Sequence[Any] | None) -> None:
-    """Refuse DCP stream extensions (``_extensions``), each by its name: none is supported yet.
+def check_extensions(extensions: Sequence[Any] | None) -> tuple[Any, ...]:
+    """DCP's ``_extensions``: stream transforms, applied to every chunk in order.
 
     Raises:
-        UnsupportedOption: a non-empty sequence of extensions.
+        UnsupportedOption: an extension that is no ``StreamTransformExtension`` (named).
     """
-    if extensions:
-        names = ", ".join(_extension_name(e) for e in extensions)
+    extensions = tuple(extensions or ())
+    if not extensions:
+        return ()
+    from torch.distributed.checkpoint._extension import StreamTransformExtension  # torch >= 2.6
+
+    foreign = [e for e in extensions if not isinstance(e, StreamTransformExtension)]
+    if foreign:
+        names = ", ".join(_extension_name(e) for e in foreign)
         raise UnsupportedOption(
-            f"_extensions: {names}: ckptkit.distributed supports no DCP stream extension yet (chunks are stored "
-            "raw and digested as stored); pass _extensions=None or use DCP's FileSystemWriter for them"
+            f"_extensions: {names}: not a DCP StreamTransformExtension; ckptkit.distributed applies stream "
+            "transforms (such as torch.distributed.checkpoint._extension.ZStandard) to each chunk, nothing else"
         )
+    return extensions
+
+
+class _Sink(io.RawIOBase):
+    """The innermost stream of a transform chain: collects the stored bytes, survives close()."""
+
+    def __init__(self) -> None:
+        self.out = io.BytesIO()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        return self.out.write(b)
+
+
+def _transform(buf: memoryview, extensions: Sequence[Any]) -> bytes:
+    """A chunk's bytes as stored: passed through each extension's ``transform_to``, as DCP does."""
+    sink = _Sink()
+    stream: Any = sink
+    for ext in extensions:
+        stream = ext.transform_to(stream)
+    stream.write(buf)
+    stream.close()
+    return sink.out.getvalue()
 
 
 def _extension_name(ext: Any) -> str:
@@ -379,7 +428,7 @@ def _lookup(planner: SavePlanner, item: Any) -> Any:
 def _encode(metadata: Metadata, results: list[list[WriteResult]]) -> DirMetadata:
     files: dict[int, RankFile] = {}
     values: dict[str, Any] = {}
-    stored: dict[tuple[str, tuple[int, ...]], tuple[int, int, int, int]] = {}
+    stored: dict[tuple[str, tuple[int, ...]], tuple[int, int, int, int, tuple[str, ...]]] = {}
     for wr in (r for rank_results in results for r in rank_results):
         kind, *rest = wr.storage_data
         if kind == "file":
@@ -418,8 +467,9 @@ class Reader(StorageReader, _Recorder):
     load fails; destinations it already filled keep the new values (as with DCP's
     default backend), so do not use state from a failed load.
 
-    A drop-in for DCP's ``FileSystemReader``: ``_extension_registry`` is accepted (a
-    ckptkit checkpoint holds no extension-encoded chunk, so it is never consulted).
+    A drop-in for DCP's ``FileSystemReader``: ``_extension_registry`` decodes chunks a
+    writer stored through stream extensions (default: DCP's registry, which knows zstd),
+    after their stored bytes are verified.
 
     Raises:
         UnsupportedOption: ``path`` is a URL (object storage is not supported yet).
@@ -542,7 +592,7 @@ class Reader(StorageReader, _Recorder):
             and not any(req.storage_offsets)
         )
         whole = dest if direct else torch.empty(c.sizes, dtype=dest.dtype)
-        read_chunk(src, self.path, fqn, c, whole)
+        read_chunk(src, self.path, fqn, c, whole, self.extension_registry)
         for req, dest in reqs:
             if not direct:
                 dest.copy_(_box(whole, req.storage_offsets, req.lengths))
@@ -554,22 +604,71 @@ class Reader(StorageReader, _Recorder):
         return _is_local(checkpoint_id)
 
 
-def read_chunk(src: Source, directory: str, fqn: str, c: Chunk, out: torch.Tensor) -> None:
+def read_chunk(src: Source, directory: str, fqn: str, c: Chunk, out: torch.Tensor, registry: Any = None) -> None:
     """Read chunk ``c`` into the contiguous CPU tensor ``out``, hashing each piece while in cache.
+
+    A transformed chunk's stored bytes are read and verified first, then decoded through
+    ``registry`` (DCP's ``ExtensionRegistry``; default: DCP's, which knows zstd).
 
     Raises:
         ChecksumMismatch: the bytes do not match the chunk's digest (file, tensor, offset named).
         TruncatedFile: the file shrank while being read.
+        UnsupportedVersion: a transform the registry does not know (R-DC11).
+        MalformedIndex: a transformed chunk that does not decode to its size (R-DC11).
     """
+    buf = out.reshape(-1).view(torch.uint8).numpy().data if out.numel() else memoryview(bytearray())
+    stored = memoryview(bytearray(c.nbytes)) if c.transforms else buf
     h = xxhash.xxh3_64()
-    if out.numel():
-        buf = out.reshape(-1).view(torch.uint8).numpy().data
-        for a in range(0, c.nbytes, _READ_PIECE):
-            piece = buf[a : a + _READ_PIECE]
-            src.readinto(c.offset + a, piece)
-            h.update(piece)
+    for a in range(0, c.nbytes, _READ_PIECE):
+        piece = stored[a : a + _READ_PIECE]
+        src.readinto(c.offset + a, piece)
+        h.update(piece)
     if h.intdigest() != c.digest:
         raise chunk_mismatch(directory, fqn, c, h.intdigest())
+    if c.transforms:
+        _untransform(stored, buf, directory, fqn, c, registry)
+
+
+def _untransform(stored: memoryview, out: memoryview, directory: str, fqn: str, c: Chunk, registry: Any) -> None:
+    """Decode verified stored bytes through the chunk's transforms into ``out``, which they must fill exactly."""
+    from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
+
+    path, field = os.path.join(directory, data_name(c.rank)), f"tensor {fqn!r}"
+    try:
+        extensions = (registry or ExtensionRegistry()).from_descriptor_list(list(c.transforms))
+        if not all(isinstance(e, StreamTransformExtension) for e in extensions):
+            raise ValueError("not a stream transform")
+    except ValueError as e:
+        raise UnsupportedVersion(
+            f"chunk at {list(c.offsets)} is stored through {', '.join(c.transforms)}, which this reader cannot "
+            f"decode ({e})",
+            path=path,
+            offset=c.offset,
+            field=field,
+            hint="pass Reader(path, _extension_registry=...) with the extension registered (R-DC11)",
+        ) from None
+    stream: Any = io.BytesIO(stored)
+    got, extra = 0, bytearray(1)
+    try:
+        for ext in extensions:
+            stream = cast(StreamTransformExtension, ext).transform_from(stream)
+        while got < len(out) and (n := stream.readinto(out[got:])):
+            got += n
+        over = stream.readinto(extra) if got == len(out) else 0
+    except Exception as e:  # noqa: BLE001 - whatever the extension raises, named as a format error
+        raise MalformedIndex(
+            f"chunk does not decode ({type(e).__name__}: {e})", path=path, offset=c.offset, field=field, hint="R-DC11"
+        ) from None
+    if got != len(out) or over:
+        raise MalformedIndex(
+            f"chunk at {list(c.offsets)} decodes to {'more than ' if over else ''}{got} bytes",
+            path=path,
+            offset=c.offset,
+            field=field,
+            expected=len(out),
+            actual=got,
+            hint="the writer that stored it is faulty (R-DC11)",
+        )
 
 
 def _box(t: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
