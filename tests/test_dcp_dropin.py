@@ -360,6 +360,28 @@ def test_a_stray_replacement_left_by_a_killed_save_is_replaced_by_the_next(tmp_p
     assert os.listdir(tmp_path) == ["ckpt"] and same(load(path), state(2.0))
 
 
+def test_a_load_that_races_a_replacement_fails_by_name_never_mixes(tmp_path):
+    """A save with overwrite=True lands between the load's metadata read and its chunk reads."""
+    path = str(tmp_path / "ckpt")
+    ckd.save(state(1.0), path)
+
+    class Racing(DefaultLoadPlanner):
+        def create_local_plan(self) -> Any:
+            ckd.save(state(2.0), path, overwrite=True)
+            return super().create_local_plan()
+
+    reader = ckd.Reader(path)
+    with pytest.raises(dcp.api.CheckpointException):
+        dcp.load(blank(), storage_reader=reader, planner=Racing())
+    assert isinstance(reader.failure, ckptkit.CheckpointNotFound)
+    assert str(reader.failure).startswith(
+        f"{path}: the checkpoint was replaced while this load read it (a save with overwrite=True swapped in a new "
+        f"one after its metadata was read: {path}/{data_name(0)}: offset "
+    )
+    assert str(reader.failure).endswith("); do not use state from this failed load, load again")
+    assert same(load(path), state(2.0))
+
+
 def test_an_overwrite_killed_at_every_file_operation_leaves_old_or_new_whole(tmp_path):
     """SIGKILL the second save at each of its file operations (and mid-way through each
     write): the directory always verifies and loads, as the old checkpoint until the swap

@@ -65,6 +65,7 @@ from torch.futures import Future
 
 from ..errors import (
     CheckpointError,
+    CheckpointNotFound,
     MalformedIndex,
     SaveFailed,
     StateMismatch,
@@ -273,6 +274,15 @@ class Writer(StorageWriter, _Recorder):
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         """True for a local path; False for a URL (``scheme://``), which this backend does not serve."""
         return _is_local(checkpoint_id)
+
+
+def _commit_id(path: str) -> tuple[int, int] | None:
+    """Which ``metadata.ckdcp`` is at ``path`` now: a replacement swaps in another file."""
+    try:
+        st = os.stat(os.path.join(path, METADATA_NAME))
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _world_size() -> int:
@@ -484,6 +494,7 @@ class Reader(StorageReader, _Recorder):
         self.extension_registry = _extension_registry
         self.load_id = uuid.uuid4().hex
         self.metadata: DirMetadata | None = None
+        self.commit: tuple[int, int] | None = None  # the metadata file read (device, inode)
         self.storage_data: dict[MetadataIndex, Any] = {}
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -502,6 +513,7 @@ class Reader(StorageReader, _Recorder):
             FormatError: a damaged metadata file.
         """
         try:
+            self.commit = _commit_id(self.path)  # before the read: a replacement after it is then seen
             md = self.metadata = read_metadata(self.path)
         except CheckpointError as e:
             raise self._record(e) from None
@@ -536,10 +548,24 @@ class Reader(StorageReader, _Recorder):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: DCPLoadPlanner) -> Future[None]:
+        """Read and verify every chunk of ``plan`` into the planner's destinations.
+
+        Raises:
+            ChecksumMismatch, TruncatedFile, StateMismatch, R-DC11's errors: see :func:`read_chunk`.
+            CheckpointNotFound: the checkpoint was replaced (``overwrite=True``) after its metadata was read.
+        """
         try:
             self._read(plan, planner)
         except CheckpointError as e:
-            raise self._record(e) from None
+            if _commit_id(self.path) == self.commit:
+                raise self._record(e) from None
+            raise self._record(
+                CheckpointNotFound(
+                    f"{self.path}: the checkpoint was replaced while this load read it (a save with overwrite=True "
+                    f"swapped in a new one after its metadata was read: {e}); do not use state from this failed "
+                    "load, load again"
+                )
+            ) from None
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
