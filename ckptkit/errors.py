@@ -20,6 +20,7 @@ around a load keeps working::
     ├── InsufficientMemory (MemoryError)      a load would allocate more than is available
     ├── SaveFailed (OSError)                  a write failed; the previous file is intact
     ├── UnsupportedValue (TypeError)          state the container cannot carry
+    ├── UnsupportedOption (ValueError)        a storage option or checkpoint id ckptkit does not serve
     ├── ResumeRefused (RuntimeError)          a resume would continue a different run
     │   ├── ConfigDrift                       the config differs in strict keys
     │   ├── EnvironmentDrift                  torch version, threads, ... differ
@@ -79,6 +80,7 @@ __all__ = [
     "TrainingUnstable",
     "TruncatedFile",
     "UnreadableFile",
+    "UnsupportedOption",
     "UnsupportedValue",
     "UnsupportedVersion",
     "WorldSizeChanged",
@@ -255,6 +257,11 @@ class SaveFailed(CheckpointError, OSError):
 
 class UnsupportedValue(CheckpointError, TypeError):
     """A value the container cannot carry; refused at save or registration, never dropped."""
+
+
+class UnsupportedOption(CheckpointError, ValueError):
+    """A storage argument or checkpoint id (a URL, a DCP option) this backend refuses; the message
+    names it, says why and what to do instead."""
 
 
 class ResumeRefused(CheckpointError, RuntimeError):

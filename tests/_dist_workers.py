@@ -208,3 +208,35 @@ def async_saves(first: str, third: str) -> list[str]:
     finally:
         saver.close()
     return out
+
+
+def dtensor_overwrite_and_reshard(path: str) -> dict[str, Any]:
+    """DCP's DTensor storage behaviours through ckptkit's Writer/Reader (tests/test_dcp_dropin.py):
+    a row-sharded DTensor saved twice into one directory (DCP's default overwrite=True),
+    then loaded as column shards and as a replicated DTensor; each rank's full views."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    full = torch.arange(48, dtype=torch.float32).reshape(6, 8)
+    for scale in (1.0, 2.0):
+        state = {"t": distribute_tensor(full * scale, mesh, [Shard(0)]), "step": int(scale)}
+        dcp.save(state, storage_writer=ckd.Writer(path))
+    out: dict[str, Any] = {"files": sorted(os.listdir(os.path.dirname(path)))}
+    for name, placement in (("cols", Shard(1)), ("replicated", Replicate())):
+        dest: dict[str, Any] = {"t": distribute_tensor(torch.zeros(6, 8), mesh, [placement]), "step": 0}
+        dcp.load(dest, storage_reader=ckd.Reader(path))
+        out[name] = (dest["t"].full_tensor(), dest["step"])
+    return out
+
+
+def save_without_collectives(path: str) -> str:
+    """dcp.save with use_collectives=False on every rank of 2: ckptkit's Writer refuses it."""
+    import torch.distributed.checkpoint as dcp
+
+    writer = ckd.Writer(path)
+    try:
+        dcp.save({"w": torch.ones(2)}, storage_writer=writer, use_collectives=False)
+    except BaseException as e:  # noqa: BLE001 - reported as the test expects it
+        return f"{type(e).__name__}: {e}"
+    return "saved"

@@ -166,9 +166,13 @@ def test_a_checkpoint_directory_without_metadata_is_refused_naming_what_is_missi
     )
 
 
-def test_a_committed_checkpoint_is_never_overwritten(copy):
-    with pytest.raises(ckptkit.SaveFailed, match="already holds a committed checkpoint"):
+def test_a_committed_checkpoint_is_never_overwritten_unless_asked(copy):
+    with pytest.raises(ckptkit.SaveFailed) as e:
         ckd.save({"w": torch.zeros(2)}, copy)
+    assert str(e.value) == (
+        f"{copy}: Checkpoint already exists and overwrite=False (R-DC09); save into a new directory, or pass "
+        "overwrite=True to replace it atomically"
+    )
     assert load_single(copy)
 
 
@@ -202,8 +206,8 @@ def test_async_save_on_its_own_group_and_a_failure_surfaces_at_the_next_call(poo
     for out in pool.run("async_saves", first, third):
         assert out[0] == "all_reduce 1048576"
         assert out[1] == (
-            f"SaveFailed: {first}: already holds a committed checkpoint; save into a new directory "
-            "(one checkpoint, one directory) or remove this one first"
+            f"SaveFailed: {first}: Checkpoint already exists and overwrite=False (R-DC09); save into a new "
+            "directory, or pass overwrite=True to replace it atomically"
         )
         assert len(out) == 2
     state = {"w": torch.zeros(64), "step": 0}

@@ -64,6 +64,17 @@ def test_the_two_rank_directory_loads_at_world_size_1_to_its_literal_values(caps
     assert capsys.readouterr().out.startswith(f"OK    {path}  distributed world size 2  2 tensors in 3 chunks, ")
 
 
+def test_the_zstd_directory_stores_compressed_chunks_and_loads_to_the_same_values():
+    path = str(FIXTURES / "two-ranks-zstd")
+    state = _fresh_state()
+    load(state, path)
+    assert torch.equal(state["model"]["w"], GENERATE.W) and torch.equal(state["model"]["b"], GENERATE.B)
+    assert (state["step"], state["betas"], state["name"]) == (7, (0.5, 0.25), "golden")
+    chunks = [c for t in MANIFEST["valid"]["two-ranks-zstd"]["tensors"].values() for c in t["chunks"]]
+    assert len(chunks) == 3 and all(c[3:] == ["stream.zstd/1"] for c in chunks)
+    assert verify_directory(path).ok
+
+
 @pytest.mark.parametrize("name", sorted(MANIFEST["invalid"]))
 def test_each_damaged_directory_is_refused_with_the_manifest_error(name, capsys):
     entry, path = MANIFEST["invalid"][name], FIXTURES / name
@@ -100,9 +111,10 @@ def test_the_reference_reader_in_the_spec_reads_the_golden_directory():
 def test_every_rule_of_the_spec_has_a_fixture_or_a_named_test():
     text = (Path(__file__).resolve().parents[1] / "spec" / "distributed.md").read_text()
     rules = sorted(set(re.findall(r"^\| (R-DC\d\d) \|", text, re.M)))
-    assert rules == [f"R-DC{i:02d}" for i in range(1, 11)]
+    assert rules == [f"R-DC{i:02d}" for i in range(1, 12)]
     fixtures = {name.split("-")[0] + "-" + name.split("-")[1] for name in MANIFEST["invalid"]}
-    tested = {"R-DC08", "R-DC09"}  # tests/test_distributed.py: dtype/missing keys, committed directory
+    # tests/test_distributed.py: dtype/missing keys, committed directory; tests/test_dcp_dropin.py: transforms
+    tested = {"R-DC08", "R-DC09", "R-DC11"}
     assert set(rules) <= fixtures | tested
 
 

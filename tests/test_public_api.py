@@ -61,6 +61,7 @@ PUBLIC = [
     "TrainingUnstable",
     "TruncatedFile",
     "UnreadableFile",
+    "UnsupportedOption",
     "UnsupportedValue",
     "UnsupportedVersion",
     "VERSION",

@@ -90,8 +90,9 @@ class Chunk:
     sizes: tuple[int, ...]  # extent of the box, per dimension
     rank: int  # whose data file holds it
     offset: int  # absolute byte offset in that file (64-aligned)
-    nbytes: int
-    digest: int  # xxh3-64 of the nbytes bytes: the whole chunk is the unit of verification
+    nbytes: int  # stored length: prod(sizes) x itemsize, or the transformed length
+    digest: int  # xxh3-64 of the nbytes stored bytes: the whole chunk is the unit of verification
+    transforms: tuple[str, ...] = ()  # DCP stream-extension descriptors, in reading order (R-DC11)
 
 
 @dataclass(frozen=True)
@@ -186,13 +187,24 @@ def _metadata_tree(md: DirMetadata) -> dict[str, Any]:
             fqn: [
                 t.dtype,
                 list(t.size),
-                [[list(c.offsets), list(c.sizes), c.rank, c.offset, c.nbytes, _U64.pack(c.digest)] for c in t.chunks],
+                [_chunk_entry(c) for c in t.chunks],
             ]
             for fqn, t in md.tensors.items()
         },
         "values": dict(md.values),
         "world_size": md.world_size,
     }
+
+
+def _chunk_entry(c: Chunk) -> list[Any]:
+    entry = [list(c.offsets), list(c.sizes), c.rank, c.offset, c.nbytes, _U64.pack(c.digest)]
+    return [*entry, list(c.transforms)] if c.transforms else entry
+
+
+def stored_record(dtype: str, c: Chunk) -> tuple[str, tuple[int, ...]]:
+    """The dtype and shape of ``c``'s record in its data file: the chunk's own, or, for a
+    transformed chunk, its stored bytes as ``uint8[nbytes]``."""
+    return ("uint8", (c.nbytes,)) if c.transforms else (dtype, c.sizes)
 
 
 # ---------------------------------------------------------------------------- reading
@@ -363,7 +375,7 @@ def _decode_tensor(fqn: Any, t: Any, files: list[RankFile], bad: Callable[..., F
     for c in chunks:
         if not (
             isinstance(c, list)
-            and len(c) == 6
+            and len(c) in (6, 7)
             and _dims(c[0])
             and _dims(c[1])
             and len(c[0]) == len(size)
@@ -373,14 +385,22 @@ def _decode_tensor(fqn: Any, t: Any, files: list[RankFile], bad: Callable[..., F
         ):
             raise bad(f"{fqn}: a chunk must be [offsets, sizes, rank, offset, nbytes, digest]", repr(c)[:80])
         offsets, sizes, rank, offset, nbytes = c[:5]
+        transforms = _transforms(c[6], fqn, bad) if len(c) == 7 else ()
         if any(o + s > d for o, s, d in zip(offsets, sizes, size, strict=False)):
             raise bad(f"{fqn}: chunk at {offsets} of {sizes} runs past the tensor's size {size}")
-        if nbytes != math.prod(sizes) * DTYPE_SIZES[dtype]:
+        if not transforms and nbytes != math.prod(sizes) * DTYPE_SIZES[dtype]:
             raise bad(f"{fqn}: chunk nbytes disagrees with its sizes x itemsize", nbytes)
         if rank >= len(files) or offset + nbytes > files[rank].size:
             raise bad(f"{fqn}: chunk extent [{offset}, {offset + nbytes}) is outside rank {rank}'s data file")
-        out.append(Chunk(tuple(offsets), tuple(sizes), rank, offset, nbytes, _U64.unpack(c[5])[0]))
+        out.append(Chunk(tuple(offsets), tuple(sizes), rank, offset, nbytes, _U64.unpack(c[5])[0], transforms))
     return TensorEntry(dtype, tuple(size), tuple(out))
+
+
+def _transforms(v: Any, fqn: str, bad: Callable[..., FormatError]) -> tuple[str, ...]:
+    """A chunk's transforms: a non-empty array of descriptor strings (R-DC11)."""
+    if not (isinstance(v, list) and v and all(isinstance(d, str) and 0 < len(d) <= 200 for d in v)):
+        raise bad(f"{fqn}: a chunk's transforms must be a non-empty array of descriptor strings", repr(v)[:60])
+    return tuple(v)
 
 
 def _uint(v: Any) -> bool:
@@ -558,14 +578,15 @@ def _expected_chunk(
             hint="R-DC06",
         )
     dtype, c = got
+    want_dtype, want_shape = stored_record(dtype, c)
     stored = (rec.dtype, rec.shape, sec.data_start + rec.offset, rec.nbytes, rec.digest, rank)
-    if stored != (dtype, c.sizes, c.offset, c.nbytes, c.digest, c.rank):
+    if stored != (want_dtype, want_shape, c.offset, c.nbytes, c.digest, c.rank):
         raise MalformedIndex(
             f"tensor {fqn!r} chunk at {offsets}: the data index and the metadata disagree",
             path=path,
             offset=sec.start + 8,
             field="data index",
-            expected=f"{dtype}{list(c.sizes)} at {c.offset}",
+            expected=f"{want_dtype}{list(want_shape)} at {c.offset}",
             actual=f"{rec.dtype}{list(rec.shape)} at {sec.data_start + rec.offset}",
             hint="R-DC06",
         )

@@ -26,29 +26,49 @@ from .storage import LoadPlanner, Reader, Writer, _Recorder
 __all__ = ["AsyncSaver", "load", "save"]
 
 
-def save(state_dict: dict[str, Any], path: str | os.PathLike[str], process_group: Any = None) -> None:
+def save(
+    state_dict: dict[str, Any], path: str | os.PathLike[str], process_group: Any = None, *, overwrite: bool = False
+) -> None:
     """Save ``state_dict`` (plain, DDP or FSDP2) into the directory ``path``; all ranks commit or none.
 
     Call it on every rank of ``process_group`` (default: the default group; none
     initialised: a single process).
 
+    Args:
+        overwrite: replace a committed checkpoint in ``path``, atomically (the directory
+            holds the old one or the new one at every moment); False (the default, unlike
+            ``Writer``'s DCP default) refuses it.
+
     Raises:
-        SaveFailed: a write failed on some rank, or ``path`` already holds a committed checkpoint.
+        SaveFailed: a write failed on some rank, or ``path`` already holds a committed
+            checkpoint and ``overwrite`` is False.
+        UnsupportedOption: ``path`` is a URL.
         UnsupportedValue: a value that is neither a tensor nor plain data (named by key).
         DistributedFailure: another failure inside DCP on some rank.
 
     Example:
         >>> ckptkit.distributed.save({"model": model.state_dict()}, "ckpt/step-100")  # doctest: +SKIP
     """
-    writer = Writer(path)
+    writer = Writer(path, overwrite=overwrite)
     _run(lambda: dcp.save(state_dict, storage_writer=writer, process_group=process_group), writer)
 
 
-def load(state_dict: dict[str, Any], path: str | os.PathLike[str], process_group: Any = None) -> None:
+def load(
+    state_dict: dict[str, Any],
+    path: str | os.PathLike[str],
+    process_group: Any = None,
+    *,
+    allow_partial: bool = False,
+) -> None:
     """Load the checkpoint in ``path`` into ``state_dict`` in place, resharding as DCP does.
 
     Every byte read is verified; every missing key and every shape or dtype
     mismatch is listed before anything is read.
+
+    Args:
+        allow_partial: keys of ``state_dict`` the checkpoint lacks keep their values
+            (DCP's ``allow_partial_load``) instead of being refused; shapes and dtypes
+            are still checked.
 
     Raises:
         IncompleteCheckpoint: the save did not commit (no metadata), or a rank file is missing.
@@ -60,7 +80,7 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike[str], process_group
     Example:
         >>> ckptkit.distributed.load(state, "ckpt/step-100")  # doctest: +SKIP
     """
-    reader, planner = Reader(path), LoadPlanner()
+    reader, planner = Reader(path), LoadPlanner(allow_partial_load=allow_partial)
     _run(
         lambda: dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group),
         reader,
@@ -132,15 +152,18 @@ class AsyncSaver:
         self._pending: Future[Any] | None = None
         self._writer: Writer | None = None
 
-    def save(self, state_dict: dict[str, Any], path: str | os.PathLike[str]) -> None:
+    def save(self, state_dict: dict[str, Any], path: str | os.PathLike[str], *, overwrite: bool = False) -> None:
         """Stage ``state_dict`` (a CPU copy) and write it in the background into ``path``.
+
+        Args:
+            overwrite: as for :func:`save`: replace a committed checkpoint atomically, or refuse it.
 
         Raises:
             CheckpointError: the previous background save failed (it is reported
                 here, once), or staging this one failed.
         """
         self.wait()
-        self._writer = Writer(path)
+        self._writer = Writer(path, overwrite=overwrite)
         writer = self._writer
         self._pending = _run(
             lambda: dcp.async_save(state_dict, storage_writer=writer, process_group=self._group), writer

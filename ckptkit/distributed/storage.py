@@ -8,13 +8,19 @@ with DCP's resharding on load. What changes against DCP's default filesystem
 backend (``spec/distributed.md``):
 
 * nothing in the files is pickle: tensor chunks are raw bytes in the container's
-  section encoding, non-tensor leaves (step, lr, param_groups) plain msgpack in the
-  metadata, looked up through the planner instead of ``torch.save``;
+  section encoding (or those bytes through DCP stream extensions such as zstd, R-DC11),
+  non-tensor leaves (step, lr, param_groups) plain msgpack in the metadata, looked up
+  through the planner instead of ``torch.save``;
 * all ranks commit or none: each rank's file is fsync'd and renamed before the
-  coordinator writes ``metadata.ckdcp`` atomically, last;
+  coordinator writes ``metadata.ckdcp`` atomically, last; a committed checkpoint is
+  never written into: ``overwrite=True`` commits the new one beside it and swaps the
+  two directories atomically (R-DC09);
 * every byte read is verified: the chunk is the unit of verification, so a read
   of part of a chunk (resharding) reads and hashes the whole chunk first;
 * a dtype differing between checkpoint and destination is refused, never cast.
+
+The constructors take ``FileSystemWriter``'s and ``FileSystemReader``'s arguments
+(``spec/distributed.md`` §9): each means what it means there or is refused by name.
 
 Known limit: DCP's own collectives still pickle plans and results *in memory*
 between ranks (``gather_object``); the promise is about files.
@@ -23,10 +29,13 @@ between ranks (``gather_object``); the promise is about files.
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
+import re
+import shutil
 import uuid
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import Any, cast
 
 import torch
 import xxhash
@@ -54,7 +63,17 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ..errors import CheckpointError, SaveFailed, StateMismatch, UnsupportedValue
+from ..errors import (
+    CheckpointError,
+    CheckpointNotFound,
+    MalformedIndex,
+    SaveFailed,
+    StateMismatch,
+    UnsupportedOption,
+    UnsupportedValue,
+    UnsupportedVersion,
+)
+from ..format.atomic import exchange, fsync_dir
 from ..format.codec import check_tensor, dtype_name, tensor_bytes, torch_dtype
 from ..format.container import Source
 from ..format.section import check_plain
@@ -93,31 +112,77 @@ class _Recorder:
 class Writer(StorageWriter, _Recorder):
     """A DCP ``StorageWriter`` that writes a ckptkit distributed checkpoint into ``path``.
 
-    ``path`` is a directory, one per checkpoint: a directory that already holds a
-    committed checkpoint is refused (the previous checkpoint is never touched); one
-    left incomplete by a failed save may be saved into again.
+    A drop-in for DCP's ``FileSystemWriter``: it takes the same arguments
+    (``spec/distributed.md`` §9 says what each means here). ``overwrite=True`` (DCP's
+    default) replaces a committed checkpoint atomically: the new one is written and
+    committed beside it, then the two directories are swapped in one step, so ``path``
+    always holds the old checkpoint or the new one, whole. ``overwrite=False`` refuses a
+    directory that holds one. A directory left incomplete by a failed save is saved into
+    again either way.
+
+    Args:
+        path: the checkpoint's directory (a local path; URLs are refused).
+        single_file_per_rank: must be True (one data file per rank is the format).
+        sync_files: accepted; ckptkit always fsyncs before it commits (False is ignored).
+        thread_count: >= 1; accepted, each rank writes its one file with one thread.
+        per_thread_copy_ahead: >= 0; accepted, tensors are copied to the CPU one at a time.
+        cache_staged_state_dict: must be False: this writer is no stager, ``dcp.async_save``
+            stages for it with DCP's faster ``DefaultStager``; for a cached staging copy pass
+            ``async_stager=BlockingAsyncStager(cache_staged_state_dict=True)`` to it.
+        overwrite: replace a committed checkpoint in ``path`` (atomically) or refuse it.
+        _extensions: DCP stream extensions (``StreamTransformExtension``: zstd's ``ZStandard``,
+            or your own) applied to every chunk; the digest is over the stored bytes, which
+            a reader checks before any extension decodes them. Anything else is refused by name.
+        serialization_format: DCP's default (``TORCH_SAVE``) or None; ckptkit's format
+            replaces it (no ``torch.save`` bytes); ``SAFETENSORS`` is refused.
+
+    Raises:
+        UnsupportedOption: a URL, or an argument ckptkit refuses (named, with why).
+        ValueError: ``thread_count`` < 1 or ``per_thread_copy_ahead`` < 0.
 
     Example:
         >>> dcp.save(state, storage_writer=ckptkit.distributed.Writer("ckpt/step-100"))  # doctest: +SKIP
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        single_file_per_rank: bool = True,
+        sync_files: bool = True,
+        thread_count: int = 1,
+        per_thread_copy_ahead: int = 10_000_000,
+        cache_staged_state_dict: bool = False,
+        overwrite: bool = True,
+        _extensions: Sequence[Any] | None = None,
+        serialization_format: Any = None,
+    ) -> None:
         super().__init__()
-        self.path = os.fspath(path)
+        self.path = local_path(path)
+        _check_writer_options(single_file_per_rank, thread_count, per_thread_copy_ahead, serialization_format)
+        if cache_staged_state_dict:
+            raise UnsupportedOption(
+                "cache_staged_state_dict=True: ckptkit.distributed.Writer is no stager (dcp.async_save stages for "
+                "it with DCP's DefaultStager); for a cached staging copy pass "
+                "async_stager=BlockingAsyncStager(cache_staged_state_dict=True) to dcp.async_save"
+            )
+        self.extensions = check_extensions(_extensions)
+        self.single_file_per_rank, self.sync_files, self.overwrite = True, True, bool(overwrite)
+        self.thread_count, self.per_thread_copy_ahead = thread_count, per_thread_copy_ahead
         self.save_id = uuid.uuid4().hex
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id:
-            self.path = os.fspath(checkpoint_id)
+            self.path = local_path(checkpoint_id)
         self.save_id = uuid.uuid4().hex
         self.failure = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        if kwargs.get("use_collectives", True) is False:
+        if kwargs.get("use_collectives", True) is False and _world_size() > 1:
             raise self._record(
-                UnsupportedValue(
-                    "ckptkit.distributed.Writer needs DCP's collectives (use_collectives=False writes rank-local "
-                    "metadata, which breaks the all-ranks-commit rule)"
+                UnsupportedOption(
+                    f"use_collectives=False at world size {_world_size()}: every rank would commit its own "
+                    "metadata, which breaks the all-ranks-commit rule (R-DC03); ckptkit.distributed.Writer takes "
+                    "use_collectives=False only in a single process"
                 )
             )
 
@@ -130,18 +195,29 @@ class Writer(StorageWriter, _Recorder):
                     f"{self.path}: cannot create the checkpoint directory ({e.strerror})", cause=e, path=self.path
                 )
             ) from e
-        if os.path.exists(os.path.join(self.path, METADATA_NAME)):
+        if not self.overwrite and _committed(self.path):
             raise self._record(
                 SaveFailed(
-                    f"{self.path}: already holds a committed checkpoint; save into a new directory "
-                    "(one checkpoint, one directory) or remove this one first",
+                    f"{self.path}: Checkpoint already exists and overwrite=False (R-DC09); save into a new "
+                    "directory, or pass overwrite=True to replace it atomically",
                     path=self.path,
                 )
             )
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        return [dataclasses.replace(p, storage_data=(rank, len(plans))) for rank, p in enumerate(plans)]
+        """The coordinator decides where every rank writes: ``path``, or beside it when it holds a commit."""
+        into = self.path
+        if _committed(self.path):
+            into = staging_path(self.path)
+            try:
+                shutil.rmtree(into, ignore_errors=True)  # what an interrupted replacement left
+                os.makedirs(into)
+            except OSError as e:
+                raise self._record(
+                    SaveFailed(f"{into}: cannot create the replacement's directory ({e.strerror})", cause=e, path=into)
+                ) from e
+        return [dataclasses.replace(p, storage_data=(rank, len(plans), into)) for rank, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         try:
@@ -153,7 +229,7 @@ class Writer(StorageWriter, _Recorder):
         return fut
 
     def _write(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
-        rank, world = plan.storage_data
+        rank, world, into = plan.storage_data
         results: list[WriteResult] = []
         chunks, keep, indexes = [], [], []
         for item in plan.items:
@@ -163,21 +239,31 @@ class Writer(StorageWriter, _Recorder):
                 continue
             tensor = planner.resolve_data(item)
             assert isinstance(tensor, torch.Tensor) and item.tensor_data is not None
-            dtype = check_tensor(tensor, fqn)
+            dtype, shape = check_tensor(tensor, fqn), tuple(tensor.shape)
             held, buf = tensor_bytes(tensor)
             keep.append(held)
-            chunks.append((fqn, tuple(item.tensor_data.chunk.offsets), dtype, tuple(tensor.shape), buf))
+            if self.extensions:
+                buf = memoryview(_transform(buf, self.extensions))
+                dtype, shape = "uint8", (len(buf),)
+            chunks.append((fqn, tuple(item.tensor_data.chunk.offsets), dtype, shape, buf))
             indexes.append(item.index)
-        rank_file, placed = write_data_file(self.path, rank, world, chunks)
+        rank_file, placed = write_data_file(into, rank, world, chunks)
+        # reading order: the first wraps the stored bytes (DCP records them reversed, which undoes a
+        # chain of two or more in the wrong order)
+        descriptors = tuple(str(e.get_descriptor()) for e in self.extensions)
         for index, (offset, nbytes, digest) in zip(indexes, placed, strict=True):
-            results.append(WriteResult(index, nbytes, ("chunk", rank, offset, nbytes, digest)))
-        results.append(WriteResult(MetadataIndex(_FILE_KEY), rank_file.size, ("file", rank, rank_file)))
+            results.append(WriteResult(index, nbytes, ("chunk", rank, offset, nbytes, digest, descriptors)))
+        results.append(WriteResult(MetadataIndex(_FILE_KEY), rank_file.size, ("file", rank, rank_file, into)))
         return results
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Commit: every rank's file is durable (its write_data returned); write the metadata last."""
+        """Commit: every rank's file is durable (its write_data returned); write the metadata last,
+        then, for a replacement, swap the committed new directory with the old one."""
         try:
-            write_metadata(self.path, _encode(metadata, results))
+            into = _written_into(results, self.path)
+            write_metadata(into, _encode(metadata, results))
+            if into != self.path:
+                replace_directory(self.path, into)
         except CheckpointError as e:
             raise self._record(e) from None
 
@@ -186,7 +272,155 @@ class Writer(StorageWriter, _Recorder):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return isinstance(checkpoint_id, (str, os.PathLike))
+        """True for a local path; False for a URL (``scheme://``), which this backend does not serve."""
+        return _is_local(checkpoint_id)
+
+
+def _commit_id(path: str) -> tuple[int, int] | None:
+    """Which ``metadata.ckdcp`` is at ``path`` now: a replacement swaps in another file."""
+    try:
+        st = os.stat(os.path.join(path, METADATA_NAME))
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _committed(path: str) -> bool:
+    return os.path.exists(os.path.join(path, METADATA_NAME))
+
+
+def _written_into(results: list[list[WriteResult]], path: str) -> str:
+    """The directory every rank wrote into (each rank's file record says), which must be one."""
+    dirs = {wr.storage_data[3] for rank_results in results for wr in rank_results if wr.storage_data[0] == "file"}
+    if len(dirs) != 1:
+        raise SaveFailed(f"{path}: the ranks wrote into {sorted(dirs)}, not one directory; nothing committed")
+    return str(dirs.pop())
+
+
+def staging_path(path: str) -> str:
+    """Where a replacement of the committed checkpoint ``path`` is written: a hidden sibling."""
+    head, name = os.path.split(os.path.normpath(path))
+    return os.path.join(head, f".{name}.new")
+
+
+def replace_directory(path: str, staged: str) -> None:
+    """Swap the committed ``staged`` directory into ``path`` in one step, then remove the old one.
+
+    A crash before the swap leaves the old checkpoint at ``path`` (and a stray ``staged``,
+    removed by the next replacement); after it, the new one (and the old one in ``staged``).
+
+    Raises:
+        SaveFailed: the swap failed or the platform cannot swap; ``path`` holds the old checkpoint.
+    """
+    exchange(staged, path)
+    try:
+        fsync_dir(os.path.dirname(os.path.normpath(path)))
+    except OSError as e:
+        raise SaveFailed(
+            f"{path}: the new checkpoint is in place but its directory could not be synced ({e.strerror}); "
+            "it may not survive a power loss",
+            cause=e,
+            path=path,
+        ) from e
+    shutil.rmtree(staged, ignore_errors=True)
+
+
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def _is_local(checkpoint_id: Any) -> bool:
+    return isinstance(checkpoint_id, (str, os.PathLike)) and not _SCHEME.match(os.fspath(checkpoint_id))
+
+
+def local_path(checkpoint_id: str | os.PathLike[str]) -> str:
+    """``checkpoint_id`` as a local path; a URL is refused by name (never a local folder ``s3:``).
+
+    Raises:
+        UnsupportedOption: a ``scheme://`` URL (object storage is not supported yet).
+    """
+    path = os.fspath(checkpoint_id)
+    if _SCHEME.match(path):
+        raise UnsupportedOption(
+            f"{path}: a URL; ckptkit.distributed writes and reads local directories only, object storage "
+            "is not supported yet; save to a local (or mounted) directory and copy it to the object store"
+        )
+    return path
+
+
+def _check_writer_options(single_file_per_rank: bool, thread_count: int, copy_ahead: int, fmt: Any) -> None:
+    """Refuse ``FileSystemWriter`` arguments that ckptkit cannot honour, naming them."""
+    if single_file_per_rank is not True:
+        raise UnsupportedOption(
+            f"single_file_per_rank={single_file_per_rank!r}: ckptkit's format is one data file per rank "
+            "(spec/distributed.md §1), never one file per tensor; leave it at True"
+        )
+    if isinstance(thread_count, bool) or not isinstance(thread_count, int) or thread_count < 1:
+        raise ValueError(f"thread_count must be an int >= 1 (got {thread_count!r})")
+    if isinstance(copy_ahead, bool) or not isinstance(copy_ahead, int) or copy_ahead < 0:
+        raise ValueError(f"per_thread_copy_ahead must be an int >= 0 (got {copy_ahead!r})")
+    if fmt is not None and getattr(fmt, "name", fmt) != "TORCH_SAVE":
+        raise UnsupportedOption(
+            f"serialization_format={fmt!r}: ckptkit writes its own format (raw chunk bytes, plain msgpack), "
+            "neither torch.save nor safetensors files; leave it at the default"
+        )
+
+
+def check_extensions(extensions: Sequence[Any] | None) -> tuple[Any, ...]:
+    """DCP's ``_extensions``: stream transforms, applied to every chunk in order.
+
+    Raises:
+        UnsupportedOption: an extension that is no ``StreamTransformExtension`` (named).
+    """
+    extensions = tuple(extensions or ())
+    if not extensions:
+        return ()
+    from torch.distributed.checkpoint._extension import StreamTransformExtension  # torch >= 2.6
+
+    foreign = [e for e in extensions if not isinstance(e, StreamTransformExtension)]
+    if foreign:
+        names = ", ".join(_extension_name(e) for e in foreign)
+        raise UnsupportedOption(
+            f"_extensions: {names}: not a DCP StreamTransformExtension; ckptkit.distributed applies stream "
+            "transforms (such as torch.distributed.checkpoint._extension.ZStandard) to each chunk, nothing else"
+        )
+    return extensions
+
+
+class _Sink(io.RawIOBase):
+    """The innermost stream of a transform chain: collects the stored bytes, survives close()."""
+
+    def __init__(self) -> None:
+        self.out = io.BytesIO()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        return self.out.write(b)
+
+
+def _transform(buf: memoryview, extensions: Sequence[Any]) -> bytes:
+    """A chunk's bytes as stored: passed through each extension's ``transform_to``, as DCP does."""
+    sink = _Sink()
+    stream: Any = sink
+    for ext in extensions:
+        stream = ext.transform_to(stream)
+    stream.write(buf)
+    stream.close()
+    return sink.out.getvalue()
+
+
+def _extension_name(ext: Any) -> str:
+    try:
+        return str(ext.get_descriptor())
+    except Exception:  # noqa: BLE001 - a foreign object: name it by its type
+        return type(ext).__name__
 
 
 def _lookup(planner: SavePlanner, item: Any) -> Any:
@@ -204,7 +438,7 @@ def _lookup(planner: SavePlanner, item: Any) -> Any:
 def _encode(metadata: Metadata, results: list[list[WriteResult]]) -> DirMetadata:
     files: dict[int, RankFile] = {}
     values: dict[str, Any] = {}
-    stored: dict[tuple[str, tuple[int, ...]], tuple[int, int, int, int]] = {}
+    stored: dict[tuple[str, tuple[int, ...]], tuple[int, int, int, int, tuple[str, ...]]] = {}
     for wr in (r for rank_results in results for r in rank_results):
         kind, *rest = wr.storage_data
         if kind == "file":
@@ -243,20 +477,29 @@ class Reader(StorageReader, _Recorder):
     load fails; destinations it already filled keep the new values (as with DCP's
     default backend), so do not use state from a failed load.
 
+    A drop-in for DCP's ``FileSystemReader``: ``_extension_registry`` decodes chunks a
+    writer stored through stream extensions (default: DCP's registry, which knows zstd),
+    after their stored bytes are verified.
+
+    Raises:
+        UnsupportedOption: ``path`` is a URL (object storage is not supported yet).
+
     Example:
         >>> dcp.load(state, storage_reader=ckptkit.distributed.Reader("ckpt/step-100"))  # doctest: +SKIP
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], _extension_registry: Any = None) -> None:
         super().__init__()
-        self.path = os.fspath(path)
+        self.path = local_path(path)
+        self.extension_registry = _extension_registry
         self.load_id = uuid.uuid4().hex
         self.metadata: DirMetadata | None = None
+        self.commit: tuple[int, int] | None = None  # the metadata file read (device, inode)
         self.storage_data: dict[MetadataIndex, Any] = {}
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id:
-            self.path = os.fspath(checkpoint_id)
+            self.path = local_path(checkpoint_id)
         self.load_id = uuid.uuid4().hex
         self.storage_data = {}
         self.failure = None
@@ -270,6 +513,7 @@ class Reader(StorageReader, _Recorder):
             FormatError: a damaged metadata file.
         """
         try:
+            self.commit = _commit_id(self.path)  # before the read: a replacement after it is then seen
             md = self.metadata = read_metadata(self.path)
         except CheckpointError as e:
             raise self._record(e) from None
@@ -304,10 +548,24 @@ class Reader(StorageReader, _Recorder):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: DCPLoadPlanner) -> Future[None]:
+        """Read and verify every chunk of ``plan`` into the planner's destinations.
+
+        Raises:
+            ChecksumMismatch, TruncatedFile, StateMismatch, R-DC11's errors: see :func:`read_chunk`.
+            CheckpointNotFound: the checkpoint was replaced (``overwrite=True``) after its metadata was read.
+        """
         try:
             self._read(plan, planner)
         except CheckpointError as e:
-            raise self._record(e) from None
+            if _commit_id(self.path) == self.commit:
+                raise self._record(e) from None
+            raise self._record(
+                CheckpointNotFound(
+                    f"{self.path}: the checkpoint was replaced while this load read it (a save with overwrite=True "
+                    f"swapped in a new one after its metadata was read: {e}); do not use state from this failed "
+                    "load, load again"
+                )
+            ) from None
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
@@ -360,7 +618,7 @@ class Reader(StorageReader, _Recorder):
             and not any(req.storage_offsets)
         )
         whole = dest if direct else torch.empty(c.sizes, dtype=dest.dtype)
-        read_chunk(src, self.path, fqn, c, whole)
+        read_chunk(src, self.path, fqn, c, whole, self.extension_registry)
         for req, dest in reqs:
             if not direct:
                 dest.copy_(_box(whole, req.storage_offsets, req.lengths))
@@ -368,25 +626,75 @@ class Reader(StorageReader, _Recorder):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return isinstance(checkpoint_id, (str, os.PathLike))
+        """True for a local path; False for a URL (``scheme://``), which this backend does not serve."""
+        return _is_local(checkpoint_id)
 
 
-def read_chunk(src: Source, directory: str, fqn: str, c: Chunk, out: torch.Tensor) -> None:
+def read_chunk(src: Source, directory: str, fqn: str, c: Chunk, out: torch.Tensor, registry: Any = None) -> None:
     """Read chunk ``c`` into the contiguous CPU tensor ``out``, hashing each piece while in cache.
+
+    A transformed chunk's stored bytes are read and verified first, then decoded through
+    ``registry`` (DCP's ``ExtensionRegistry``; default: DCP's, which knows zstd).
 
     Raises:
         ChecksumMismatch: the bytes do not match the chunk's digest (file, tensor, offset named).
         TruncatedFile: the file shrank while being read.
+        UnsupportedVersion: a transform the registry does not know (R-DC11).
+        MalformedIndex: a transformed chunk that does not decode to its size (R-DC11).
     """
+    buf = out.reshape(-1).view(torch.uint8).numpy().data if out.numel() else memoryview(bytearray())
+    stored = memoryview(bytearray(c.nbytes)) if c.transforms else buf
     h = xxhash.xxh3_64()
-    if out.numel():
-        buf = out.reshape(-1).view(torch.uint8).numpy().data
-        for a in range(0, c.nbytes, _READ_PIECE):
-            piece = buf[a : a + _READ_PIECE]
-            src.readinto(c.offset + a, piece)
-            h.update(piece)
+    for a in range(0, c.nbytes, _READ_PIECE):
+        piece = stored[a : a + _READ_PIECE]
+        src.readinto(c.offset + a, piece)
+        h.update(piece)
     if h.intdigest() != c.digest:
         raise chunk_mismatch(directory, fqn, c, h.intdigest())
+    if c.transforms:
+        _untransform(stored, buf, directory, fqn, c, registry)
+
+
+def _untransform(stored: memoryview, out: memoryview, directory: str, fqn: str, c: Chunk, registry: Any) -> None:
+    """Decode verified stored bytes through the chunk's transforms into ``out``, which they must fill exactly."""
+    from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
+
+    path, field = os.path.join(directory, data_name(c.rank)), f"tensor {fqn!r}"
+    try:
+        extensions = (registry or ExtensionRegistry()).from_descriptor_list(list(c.transforms))
+        if not all(isinstance(e, StreamTransformExtension) for e in extensions):
+            raise ValueError("not a stream transform")
+    except ValueError as e:
+        raise UnsupportedVersion(
+            f"chunk at {list(c.offsets)} is stored through {', '.join(c.transforms)}, which this reader cannot "
+            f"decode ({e})",
+            path=path,
+            offset=c.offset,
+            field=field,
+            hint="pass Reader(path, _extension_registry=...) with the extension registered (R-DC11)",
+        ) from None
+    stream: Any = io.BytesIO(stored)
+    got, extra = 0, bytearray(1)
+    try:
+        for ext in extensions:
+            stream = cast(StreamTransformExtension, ext).transform_from(stream)
+        while got < len(out) and (n := stream.readinto(out[got:])):
+            got += n
+        over = stream.readinto(extra) if got == len(out) else 0
+    except Exception as e:  # noqa: BLE001 - whatever the extension raises, named as a format error
+        raise MalformedIndex(
+            f"chunk does not decode ({type(e).__name__}: {e})", path=path, offset=c.offset, field=field, hint="R-DC11"
+        ) from None
+    if got != len(out) or over:
+        raise MalformedIndex(
+            f"chunk at {list(c.offsets)} decodes to {'more than ' if over else ''}{got} bytes",
+            path=path,
+            offset=c.offset,
+            field=field,
+            expected=len(out),
+            actual=got,
+            hint="the writer that stored it is faulty (R-DC11)",
+        )
 
 
 def _box(t: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
@@ -451,7 +759,8 @@ class LoadPlanner(DefaultLoadPlanner, _Recorder):
         for fqn, obj in self.state_dict.items():
             md = self.metadata.state_dict_metadata.get(fqn)
             if md is None:
-                problems.append(f"{fqn}: missing from the checkpoint")
+                if not self.allow_partial_load:
+                    problems.append(f"{fqn}: missing from the checkpoint")
             elif isinstance(md, BytesStorageMetadata):
                 if isinstance(obj, torch.Tensor):
                     problems.append(f"{fqn}: the checkpoint holds a non-tensor value, the destination a tensor")

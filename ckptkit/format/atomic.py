@@ -7,21 +7,27 @@ any point leaves either the old file or the new one, never a torn one; after
 
 Temporary names are ``.<name>.tmp.<pid>.<token>`` so that :func:`clean_stale_temps`
 can remove what a killed writer left behind without touching a live writer's file.
+
+A directory is replaced by :func:`exchange`: the new one is built beside it, then
+the two names are swapped in one atomic step (``renameat2(RENAME_EXCHANGE)`` on
+Linux, ``renamex_np(RENAME_SWAP)`` on macOS), so the name always holds one of them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import os
 import re
 import secrets
+import sys
 from collections.abc import Callable, Iterator
 from typing import BinaryIO
 
 from ..errors import SaveFailed
 
-__all__ = ["atomic_write", "clean_stale_temps", "fsync_dir", "write_bytes_atomic"]
+__all__ = ["atomic_write", "clean_stale_temps", "exchange", "fsync_dir", "write_bytes_atomic"]
 
 _TEMP_RE = re.compile(r"^\.(?P<name>.+)\.tmp\.(?P<pid>\d+)\.[0-9a-f]{8}$")
 
@@ -101,6 +107,38 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], objec
             cause=e,
             path=path,
         ) from e
+
+
+def exchange(a: str, b: str) -> None:
+    """Swap the names ``a`` and ``b`` (two directories of one filesystem) in one atomic step.
+
+    There is no portable call for it: a rename over a non-empty directory fails, and two
+    renames leave a moment with nothing at one of the names.
+
+    Raises:
+        SaveFailed: the platform or filesystem cannot swap atomically, or the swap failed;
+            both names are as they were.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    ea, eb = os.fsencode(a), os.fsencode(b)
+    if sys.platform == "linux" and hasattr(libc, "renameat2"):
+        rc = libc.renameat2(-100, ea, -100, eb, 2)  # AT_FDCWD, RENAME_EXCHANGE
+    elif sys.platform == "darwin" and hasattr(libc, "renamex_np"):
+        rc = libc.renamex_np(ea, eb, 2)  # RENAME_SWAP
+    else:
+        raise SaveFailed(
+            f"{b}: cannot replace a directory atomically on this platform ({sys.platform}: no renameat2 or "
+            "renamex_np); save into a new directory instead",
+            path=b,
+        )
+    if rc != 0:
+        code = ctypes.get_errno()
+        raise SaveFailed(
+            f"{b}: cannot swap in its replacement {a} ({errno.errorcode.get(code, code)}: {os.strerror(code)}); "
+            "the previous directory is intact",
+            cause=OSError(code, os.strerror(code)),
+            path=b,
+        )
 
 
 def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> None:

@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..errors import MalformedIndex, ReplicaDivergence, ResumeRefused, UnsupportedValue
-from ..format.atomic import clean_stale_temps, fsync_dir
+from ..format.atomic import clean_stale_temps
 from ..format.checkpoint import Checkpoint
 from ..format.companions import record_of
 from ..format.section import check_plain
@@ -85,14 +85,10 @@ def dcp_access() -> Access:
     return Access(get_model_state_dict, load_model, optim_state, load_optim)
 
 
-def _aside(path: str, what: str) -> str:
-    """A hidden directory beside a checkpoint (never listed as one), for replacing it."""
-    head, name = os.path.split(path)
-    return os.path.join(head, f".{name}.{what}")
-
-
 def _sweep_aside(run_dir: str) -> list[str]:
-    """Remove what an interrupted replacement left beside its checkpoint (``_aside``)."""
+    """Remove what an interrupted replacement left beside its checkpoint: the Writer's
+    staging directory ``.step-N.dcp.new`` (``storage.staging_path``), and ``.old`` ones
+    that ckptkit versions before the atomic swap left."""
     gone = []
     for name in sorted(os.listdir(run_dir)):
         if name.startswith(".step-") and name.endswith((f"{files.DCP_SUFFIX}.old", f"{files.DCP_SUFFIX}.new")):
@@ -123,7 +119,7 @@ class DcpStore:
         self.run_dir, self.reg, self.g, self.keep, self.log = run_dir, reg, group, keep, log
         reg.access = dcp_access()
         self._saver: Any = None
-        self._pending: tuple[str, str] | None = None  # (checkpoint, where DCP writes it) until committed
+        self._pending: str | None = None  # the checkpoint being saved, until committed
         if async_save and not isinstance(group, Alone):  # one process alone saves synchronously (no group to save on)
             import ckptkit.distributed as ckd
 
@@ -179,48 +175,31 @@ class DcpStore:
         self.wait()
         path = self.path(step)
         self._check_replicas(step, ckpt, config, sidecars)
-        record, into = self.g.from_rank0(
-            lambda: self._companions(path, step, config, sidecars), "writing the companions"
-        )
+        record = self.g.from_rank0(lambda: self._companions(path, step, config, sidecars), "writing the companions")
         state = self._state(ckpt, record)
-        self._pending = (path, into)
+        self._pending = path
+        # overwrite: a rollback saves its step again; the Writer commits the new directory
+        # beside the old one and swaps the two atomically (spec/distributed.md §1)
         if self._saver is not None:
-            self._saver.save(state, into)
+            self._saver.save(state, path, overwrite=True)
             return path
-        ckd.save(state, into, process_group=self.g.group)
+        ckd.save(state, path, process_group=self.g.group, overwrite=True)
         self._commit()
         return path
 
-    def _companions(
-        self, path: str, step: int, config: bytes, sidecars: Mapping[str, Any]
-    ) -> tuple[dict[str, Any], str]:
-        """Rank 0: the companions written; where DCP writes (beside ``path`` when a committed
-        checkpoint is there: a rollback saves its step again, replacing it only once committed)."""
+    def _companions(self, path: str, step: int, config: bytes, sidecars: Mapping[str, Any]) -> dict[str, Any]:
+        """Rank 0: the companions written, after removing what an earlier save of this step
+        left uncommitted (a dead rank's temp file included); a committed one stays until replaced."""
         from ..distributed.format import METADATA_NAME
 
         os.makedirs(self.run_dir, exist_ok=True)
-        into = path
-        if os.path.exists(os.path.join(path, METADATA_NAME)):
-            into = _aside(path, "new")
-        # What an earlier save of this step left uncommitted (a dead rank's temp file included) goes first.
-        shutil.rmtree(into, ignore_errors=True)
-        return files.write_companions(path, step, config, sidecars), into
+        if not os.path.exists(os.path.join(path, METADATA_NAME)):
+            shutil.rmtree(path, ignore_errors=True)
+        return files.write_companions(path, step, config, sidecars)
 
     def _commit(self) -> None:
-        """After DCP committed: a replacement takes the old directory's place, then retention."""
-        path, into = self._pending or ("", "")
+        """After DCP committed (the replacement, if any, swapped in): retention."""
         self._pending = None
-        if into != path:
-
-            def swap() -> None:
-                old = _aside(path, "old")
-                shutil.rmtree(old, ignore_errors=True)
-                os.rename(path, old)
-                os.rename(into, path)
-                fsync_dir(self.run_dir)
-                shutil.rmtree(old)
-
-            self.g.on_rank0(swap, "replacing the checkpoint")
         self.g.on_rank0(self._retain, "retention")  # the agreement is the barrier: no rank lists a step being deleted
 
     def _check_replicas(self, step: int, ckpt: Checkpoint, config: bytes, sidecars: Mapping[str, Any]) -> None:
