@@ -440,3 +440,35 @@ def test_every_value_comes_back_equal_and_same_type_or_is_refused_at_save(route:
         assert same(back, original), (back, original)
 
     check()
+
+
+def test_inspect_json_shows_typed_values_without_their_data(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from ckptkit.cli import main
+
+    assert main(["inspect", "fixtures/valid/v2-typed-values.ckpt", "--json"]) == 0
+    monitor = json.loads(capsys.readouterr().out)["monitor"]
+    assert monitor["numpy"]["big_endian_int32"] == "<numpy.ndarray >i4[3]>"
+    assert monitor["numpy"]["scalar_int64"] == "<numpy.int64 <i8[]>"
+    assert monitor["torch"] == {
+        "device": "<torch.device cuda:1>",
+        "dtype": "<torch.dtype bfloat16>",
+        "size": "<torch.Size 2, 3>",
+    }
+    assert monitor["set"] == ["a", 3, [1, 2], None] and monitor["frozenset"] == ["78", 2.5]
+
+
+def test_state_digests_and_comparisons_take_typed_values() -> None:
+    """The one tree walk (format/tree.py) digests a typed value by its canonical bytes, and ``ckptkit diff``'s
+    comparison compares numpy values by dtype, shape and bytes: equal states agree, a changed one differs."""
+    from ckptkit.audit.compare import compare_states
+    from ckptkit.format.tree import flatten, tree_digest
+
+    a = {"rng": np.random.RandomState(1).get_state(), "seen": {3, 1}, "dtype": torch.float16, "n": np.int64(2)}
+    same_state = {"rng": np.random.RandomState(1).get_state(), "seen": {1, 3}, "dtype": torch.float16, "n": np.int64(2)}
+    other = {**a, "rng": np.random.RandomState(2).get_state(), "n": np.int32(2)}
+    assert tree_digest(a, "v") == tree_digest(same_state, "v") != tree_digest(other, "v")
+    assert compare_states(flatten(a, "monitor"), flatten(same_state, "monitor")) == []
+    changed = compare_states(flatten(a, "monitor"), flatten(other, "monitor"))
+    assert [d.name for d in changed] == ["monitor:n", "monitor:rng.1"]  # the int32 scalar; the key array

@@ -8,7 +8,9 @@ reverse. Implements ``spec/container.md`` ("Tensor codec").
 
 Invariants:
     * No pickle, ever: a tree holds None, bool, int, float, str, bytes, lists,
-      tuples, dicts (str/int keys) and tensors; anything else is refused by name.
+      tuples, dicts (str/int keys), tensors and the typed values of
+      :mod:`ckptkit.format.values`; anything else is refused by name. The torch typed
+      values (dtype, device, Size) become torch objects again here (:func:`torch_value`).
     * Two names for one tensor (same object, or the same storage, offset, shape and
       strides) are stored once and load as one tensor object.
     * Tensor bytes are handed to the writer as views: no copy unless the tensor is

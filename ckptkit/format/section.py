@@ -1,11 +1,11 @@
 """One section of a container: a msgpack index followed by aligned tensor bytes.
 
 A section carries one state tree (a model's ``state_dict()``, an optimizer's nested
-state, monitor values...) as data, never code: the tree is msgpack with two
-extension types (a tensor reference and a tuple marker) and the tensors are raw
-little-endian bytes at 64-byte aligned offsets, so a reader can map them without
-copying. Each tensor carries its own xxh3-64 digest, so a lazy reader can check
-exactly the tensors it touches.
+state, monitor values...) as data, never code: the tree is msgpack with three
+extension types (a tensor reference, a tuple marker, a typed-value marker: §5.4 and
+:mod:`ckptkit.format.values`) and the tensors are raw little-endian bytes at 64-byte
+aligned offsets, so a reader can map them without copying. Each tensor carries its own
+xxh3-64 digest, so a lazy reader can check exactly the tensors it touches.
 
 This module is torch-free: tensors enter as byte buffers (``memoryview``) and leave
 as :class:`TensorRecord` extents. ``spec/container.md`` ("Section") is the contract;
@@ -31,7 +31,7 @@ from typing import Any
 import msgpack
 
 from ..errors import FormatError, MalformedIndex, TruncatedFile, UnsupportedValue, UnsupportedVersion
-from .values import CONTAINER_TYPES, EXT_TYPED, BadTyped, TypedValue, decode_leaf, encode_numpy, encode_torch, refusal
+from .values import CONTAINER_TYPES, EXT_TYPED, TypedValue, decode_leaf, encode_numpy, encode_torch, refusal
 
 __all__ = [
     "ALIGN",
@@ -43,6 +43,7 @@ __all__ = [
     "TensorRecord",
     "TensorRef",
     "align_up",
+    "canonical_bytes",
     "decode_index",
     "plan_section",
 ]
@@ -347,8 +348,22 @@ def _plain_set(value: set[Any] | frozenset[Any], where: str, depth: int, on_leaf
     for v in items:
         if any(True for _ in iter_refs(v)):
             raise UnsupportedValue(f"{where}: a {type(value).__name__} holding a tensor cannot be stored; use a list")
-    packed = sorted((msgpack.packb(_pack_tree(v), use_bin_type=True), i) for i, v in enumerate(items))
+    packed = sorted((_packb(v), i) for i, v in enumerate(items))
     return TypedValue(type(value).__name__, tuple(items[i] for _, i in packed))
+
+
+def _packb(plain: Any) -> bytes:
+    out: bytes = msgpack.packb(_pack_tree(plain), use_bin_type=True)
+    return out
+
+
+def canonical_bytes(value: Any, where: str) -> bytes:
+    """The canonical msgpack bytes of a tensor-free value, as a tree stores it (a typed value's, a set's).
+
+    Raises:
+        UnsupportedValue: a value a tree cannot hold, named by ``where``.
+    """
+    return _packb(check_plain(value, where))
 
 
 def _check_utf8(s: str, where: str) -> None:
@@ -686,17 +701,9 @@ def _typed(raw_name: bytes, fields: list[Any], bad: Callable[..., FormatError]) 
         raise bad(f"{name}: a typed value's fields hold no tensor references", hint="R-018")
     try:
         return decode_leaf(name, fields)
-    except BadTyped as e:
-        if not e.unknown:
-            raise bad(e.problem, hint="R-018") from None
+    except FormatError as e:  # raised without a place: give it the index's
         where = bad(e.problem)
-        raise UnsupportedVersion(
-            e.problem,
-            path=where.path,
-            offset=where.offset,
-            field=where.field,
-            hint="written by a newer ckptkit? upgrade ckptkit to read it; nothing was loaded (R-018)",
-        ) from None
+        raise type(e)(e.problem, path=where.path, offset=where.offset, field=where.field, hint=e.hint) from None
 
 
 def _typed_container(name: str, fields: list[Any], bad: Callable[..., FormatError]) -> Any:

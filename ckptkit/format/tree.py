@@ -22,7 +22,7 @@ import xxhash
 
 from .checkpoint import Checkpoint
 from .container import SECTIONS
-from .section import sort_key
+from .section import canonical_bytes, sort_key
 
 __all__ = [
     "Sidecars",
@@ -124,8 +124,9 @@ def _feed(h: Any, value: Any, path: str) -> None:
         h.update(b"S" + struct.pack("<Q", len(text)) + text)
     elif isinstance(value, bytes):
         h.update(b"Y" + struct.pack("<Q", len(value)) + value)
-    else:  # RunState.checkpoint only holds the above (add_* probes refuse the rest)
-        raise TypeError(f"{path}: cannot digest a {type(value).__name__}")
+    else:  # a typed value (numpy, set, torch dtype...): its canonical bytes; the rest is refused
+        raw = canonical_bytes(value, path)
+        h.update(b"X" + struct.pack("<Q", len(raw)) + raw)
 
 
 def tree_digest(tree: Any, where: str) -> int:

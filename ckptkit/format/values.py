@@ -30,7 +30,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import UnsupportedValue
+from ..errors import MalformedIndex, UnsupportedValue, UnsupportedVersion
 
 __all__ = [
     "CONTAINER_TYPES",
@@ -38,7 +38,6 @@ __all__ = [
     "NUMPY_DTYPES",
     "TORCH_TYPES",
     "TYPE_NAMES",
-    "BadTyped",
     "TypedValue",
     "decode_leaf",
     "encode_numpy",
@@ -84,13 +83,9 @@ class TypedValue:
     fields: tuple[Any, ...]
 
 
-class BadTyped(Exception):
-    """A typed value a reader refuses; ``unknown``: the name is not in :data:`TYPE_NAMES`."""
-
-    def __init__(self, problem: str, *, unknown: bool = False) -> None:
-        super().__init__(problem)
-        self.problem = problem
-        self.unknown = unknown
+def _bad(problem: str) -> MalformedIndex:
+    """Fields that do not fit their type; the section reader adds where (path, offset, field)."""
+    return MalformedIndex(problem, hint="R-018")
 
 
 # ---------------------------------------------------------------------------- writing
@@ -189,7 +184,8 @@ def decode_leaf(name: str, fields: list[Any]) -> Any:
     here and turned into torch objects by the codec.
 
     Raises:
-        BadTyped: an unknown name, or fields that do not fit the type.
+        UnsupportedVersion: a name not in :data:`TYPE_NAMES` (R-018).
+        MalformedIndex: fields that do not fit the type (R-018).
     """
     if name == "numpy.ndarray":
         return _ndarray(fields)
@@ -197,24 +193,27 @@ def decode_leaf(name: str, fields: list[Any]) -> Any:
         return _scalar(fields)
     if name == "torch.Size":
         if not all(type(d) is int and d >= 0 for d in fields):
-            raise BadTyped("torch.Size: fields must be non-negative integers")
+            raise _bad("torch.Size: fields must be non-negative integers")
         return TypedValue(name, tuple(fields))
     if name in ("torch.device", "torch.dtype"):
         if len(fields) != 1 or not isinstance(fields[0], str) or not 0 < len(fields[0]) <= 64:
-            raise BadTyped(f"{name}: must have one field, a string of 1..64 characters")
+            raise _bad(f"{name}: must have one field, a string of 1..64 characters")
         return TypedValue(name, tuple(fields))
-    raise BadTyped(f"unknown value type {name[:60]!r} (this reader knows {', '.join(TYPE_NAMES)})", unknown=True)
+    raise UnsupportedVersion(
+        f"unknown value type {name[:60]!r} (this reader knows {', '.join(TYPE_NAMES)})",
+        hint="written by a newer ckptkit? upgrade ckptkit to read it; nothing was loaded (R-018)",
+    )
 
 
 def _numpy_fields(name: str, dtype: Any, data: Any, numel: int) -> Any:
     """The little-endian numpy dtype of checked ``(dtype, data)`` fields holding ``numel`` elements."""
     if not isinstance(dtype, str) or dtype not in NUMPY_DTYPES:
-        raise BadTyped(f"{name}: unknown dtype {str(dtype)[:40]!r} (numpy dtypes: {', '.join(NUMPY_DTYPES)})")
+        raise _bad(f"{name}: unknown dtype {str(dtype)[:40]!r} (numpy dtypes: {', '.join(NUMPY_DTYPES)})")
     if not isinstance(data, bytes) or len(data) != numel * NUMPY_DTYPES[dtype]:
         got = len(data) if isinstance(data, bytes) else type(data).__name__
-        raise BadTyped(f"{name}: data must be {numel} x {NUMPY_DTYPES[dtype]} bytes (got {got})")
+        raise _bad(f"{name}: data must be {numel} x {NUMPY_DTYPES[dtype]} bytes (got {got})")
     if dtype == "bool" and data.strip(b"\x00\x01"):
-        raise BadTyped(f"{name}: a bool byte other than 0 or 1")
+        raise _bad(f"{name}: a bool byte other than 0 or 1")
     import numpy as np
 
     return np, np.dtype(dtype).newbyteorder("<")
@@ -222,12 +221,12 @@ def _numpy_fields(name: str, dtype: Any, data: Any, numel: int) -> Any:
 
 def _ndarray(fields: list[Any]) -> Any:
     if len(fields) != 4:
-        raise BadTyped(f"numpy.ndarray: must have 4 fields (dtype, shape, data, big_endian), got {len(fields)}")
+        raise _bad(f"numpy.ndarray: must have 4 fields (dtype, shape, data, big_endian), got {len(fields)}")
     dtype, shape, data, big = fields
     if not isinstance(shape, list) or len(shape) > _MAX_NDIM or not all(type(d) is int and d >= 0 for d in shape):
-        raise BadTyped(f"numpy.ndarray: shape must be at most {_MAX_NDIM} non-negative integers")
+        raise _bad(f"numpy.ndarray: shape must be at most {_MAX_NDIM} non-negative integers")
     if not isinstance(big, bool) or (big and NUMPY_DTYPES.get(dtype) == 1):
-        raise BadTyped("numpy.ndarray: big_endian must be a bool, false for one-byte dtypes")
+        raise _bad("numpy.ndarray: big_endian must be a bool, false for one-byte dtypes")
     np, little = _numpy_fields("numpy.ndarray", dtype, data, math.prod(shape))
     out = np.frombuffer(data, dtype=little).reshape(shape)
     return out.astype(little.newbyteorder(">") if big else np.dtype(dtype))  # a copy: writable, own memory
@@ -235,6 +234,6 @@ def _ndarray(fields: list[Any]) -> Any:
 
 def _scalar(fields: list[Any]) -> Any:
     if len(fields) != 2:
-        raise BadTyped(f"numpy.scalar: must have 2 fields (dtype, data), got {len(fields)}")
+        raise _bad(f"numpy.scalar: must have 2 fields (dtype, data), got {len(fields)}")
     np, little = _numpy_fields("numpy.scalar", fields[0], fields[1], 1)
     return np.frombuffer(fields[1], dtype=little).astype(np.dtype(fields[0]))[0]

@@ -23,18 +23,22 @@ Layout: the checkpoint dict Lightning builds is stored in a v2 container
 * the container's step: ``global_step`` (0 when absent, as in Fabric's checkpoints).
 
 ``load_checkpoint`` returns the same dict (dicts come back as plain dicts, keys in
-sorted order; tuples stay tuples). So ``ckptkit verify`` and ``ckptkit inspect`` work
+sorted order; ordered dicts, such as the ``state_dict``, in their own order; tuples stay
+tuples). So ``ckptkit verify`` and ``ckptkit inspect`` work
 on these files as on any checkpoint, and ``ckptkit.load`` reads them without Lightning.
 
-What the container cannot carry: values other than tensors, None, bool, int, float,
-str, bytes, lists, tuples and dicts with str or int keys -- e.g. a module or an object
-passed to ``save_hyperparameters``, omegaconf containers, a callback whose
-``state_dict()`` returns an object. Saving such a checkpoint raises
-:class:`~ckptkit.errors.UnsupportedValue` naming the key path
+What the container carries besides tensors and plain values: the typed values of
+spec/container.md §5.4 (numpy arrays and scalars such as ``np.random.get_state()``,
+sets, ordered dicts, torch dtypes, devices and sizes), each back as the same type. What
+it cannot carry -- e.g. a module or an object passed to ``save_hyperparameters``, an
+Enum, omegaconf containers, a callback whose ``state_dict()`` returns an object -- is
+refused with :class:`~ckptkit.errors.UnsupportedValue` naming the key path
 (``checkpoint['hyper_parameters']['act']``) and what to do; nothing is written and a
-previous file at the path is untouched. No value is encoded lossily and none is
-pickled. The ``_metadata`` attribute of a state dict (module versions, which only old
-checkpoints of a few modules consult) is not stored, as with ``ckptkit.save``.
+previous file at the path is untouched. Passed in ``callbacks`` as well as ``plugins``,
+the plug-in refuses hyper-parameters and callback state when ``fit`` starts, before
+step 1 (spec/lightning.md R-L04). No value is encoded lossily and none is pickled. The
+``_metadata`` attribute of a state dict (module versions, which only old checkpoints of
+a few modules consult) is not stored, as with ``ckptkit.save``.
 
 Known limits: local paths only (no fsspec URLs); ``map_location`` is honoured when it
 is a device or a device string, anything else loads on the CPU (Lightning moves the
