@@ -125,8 +125,8 @@ def _feed(h: Any, value: Any, path: str) -> None:
     elif isinstance(value, bytes):
         h.update(b"Y" + struct.pack("<Q", len(value)) + value)
     else:  # a typed value (numpy, set, torch dtype...): its canonical bytes; the rest is refused
-        raw = canonical_bytes(value, path)
-        h.update(b"X" + struct.pack("<Q", len(raw)) + raw)
+        typed = canonical_bytes(value, path)
+        h.update(b"X" + struct.pack("<Q", len(typed)) + typed)
 
 
 def tree_digest(tree: Any, where: str) -> int:
