@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from helpers import bits, examples
+from helpers import ROOT, bits, examples, fixture_generator, load_script
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -472,3 +472,14 @@ def test_state_digests_and_comparisons_take_typed_values() -> None:
     assert compare_states(flatten(a, "monitor"), flatten(same_state, "monitor")) == []
     changed = compare_states(flatten(a, "monitor"), flatten(other, "monitor"))
     assert [d.name for d in changed] == ["monitor:n", "monitor:rng.1"]  # the int32 scalar; the key array
+
+
+def test_the_golden_files_hold_typed_values_that_load_as_the_generator_made_them() -> None:
+    """``fixtures/valid/v2-typed-values.ckpt`` and ``fixtures/distributed/typed-values`` (their bytes are
+    pinned by the fixture tests) load as the very values and types their generators wrote."""
+    want = fixture_generator().typed_state()
+    assert same(ckptkit.load(ROOT / "fixtures" / "valid" / "v2-typed-values.ckpt").monitor, want)
+    dist = load_script("generate_distributed", ROOT / "fixtures" / "generate_distributed.py").typed_state()
+    dest = blank(dist)
+    ckd.load(dest, ROOT / "fixtures" / "distributed" / "typed-values")
+    assert same(dest, dist)
