@@ -55,23 +55,20 @@ CONTAINER_TYPES = ("collections.OrderedDict", "frozenset", "set")
 TORCH_TYPES = ("torch.Size", "torch.device", "torch.dtype")
 #: Every name a reader of this version knows.
 TYPE_NAMES = tuple(sorted((*CONTAINER_TYPES, "numpy.ndarray", "numpy.scalar", *TORCH_TYPES)))
-#: numpy dtypes stored as typed values: the dtype table's names numpy has (no bfloat16, no float8).
-NUMPY_DTYPES = {
-    "bool": 1,
-    "uint8": 1,
-    "int8": 1,
-    "int16": 2,
-    "uint16": 2,
-    "int32": 4,
-    "uint32": 4,
-    "int64": 8,
-    "uint64": 8,
-    "float16": 2,
-    "float32": 4,
-    "float64": 8,
-    "complex64": 8,
-    "complex128": 16,
-}
+#: numpy dtypes stored as typed values: the dtype table's names (section.DTYPE_SIZES) numpy has.
+NUMPY_DTYPES: tuple[str, ...] = (
+    "bool",
+    "uint8",
+    "int8",
+    "int16",
+    "uint16",
+    "int32",
+    "uint32",
+    "int64",
+    "uint64",
+    "float16",
+)
+NUMPY_DTYPES += ("float32", "float64", "complex64", "complex128")  # no bfloat16, no float8 in numpy
 _MAX_NDIM = 64  # numpy's own limit (NPY_MAXDIMS), and the tensor table's (R-013)
 
 
@@ -206,16 +203,17 @@ def decode_leaf(name: str, fields: list[Any]) -> Any:
 
 
 def _numpy_fields(name: str, dtype: Any, data: Any, numel: int) -> Any:
-    """The little-endian numpy dtype of checked ``(dtype, data)`` fields holding ``numel`` elements."""
+    """numpy and the little-endian numpy dtype of checked ``(dtype, data)`` fields holding ``numel`` elements."""
     if not isinstance(dtype, str) or dtype not in NUMPY_DTYPES:
         raise _bad(f"{name}: unknown dtype {str(dtype)[:40]!r} (numpy dtypes: {', '.join(NUMPY_DTYPES)})")
-    if not isinstance(data, bytes) or len(data) != numel * NUMPY_DTYPES[dtype]:
-        got = len(data) if isinstance(data, bytes) else type(data).__name__
-        raise _bad(f"{name}: data must be {numel} x {NUMPY_DTYPES[dtype]} bytes (got {got})")
-    if dtype == "bool" and data.strip(b"\x00\x01"):
-        raise _bad(f"{name}: a bool byte other than 0 or 1")
     import numpy as np
 
+    size = np.dtype(dtype).itemsize
+    if not isinstance(data, bytes) or len(data) != numel * size:
+        got = len(data) if isinstance(data, bytes) else type(data).__name__
+        raise _bad(f"{name}: data must be {numel} x {size} bytes (got {got})")
+    if dtype == "bool" and data.strip(b"\x00\x01"):
+        raise _bad(f"{name}: a bool byte other than 0 or 1")
     return np, np.dtype(dtype).newbyteorder("<")
 
 
@@ -225,9 +223,9 @@ def _ndarray(fields: list[Any]) -> Any:
     dtype, shape, data, big = fields
     if not isinstance(shape, list) or len(shape) > _MAX_NDIM or not all(type(d) is int and d >= 0 for d in shape):
         raise _bad(f"numpy.ndarray: shape must be at most {_MAX_NDIM} non-negative integers")
-    if not isinstance(big, bool) or (big and NUMPY_DTYPES.get(dtype) == 1):
-        raise _bad("numpy.ndarray: big_endian must be a bool, false for one-byte dtypes")
     np, little = _numpy_fields("numpy.ndarray", dtype, data, math.prod(shape))
+    if not isinstance(big, bool) or (big and little.itemsize == 1):
+        raise _bad("numpy.ndarray: big_endian must be a bool, false for one-byte dtypes")
     out = np.frombuffer(data, dtype=little).reshape(shape)
     return out.astype(little.newbyteorder(">") if big else np.dtype(dtype))  # a copy: writable, own memory
 
