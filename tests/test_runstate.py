@@ -119,7 +119,7 @@ class NoState:
             UnsupportedValue,
             "optimizer 'o': a NoState has no state_dict()/load_state_dict()",
         ),
-        (lambda rs: rs.add_model("m", _module_with_extra_state({1, 2})), UnsupportedValue, "model 'm'"),
+        (lambda rs: rs.add_model("m", _module_with_extra_state(object())), UnsupportedValue, "model 'm'"),
         (lambda rs: rs.add_value("v", get=lambda: {"when": object()}, set=print), UnsupportedValue, "value 'v'"),
         (lambda rs: rs.add_monitor("mon", _module_with_extra_state(None)), UnsupportedValue, "monitor 'mon'"),
         (
