@@ -483,3 +483,13 @@ def test_the_golden_files_hold_typed_values_that_load_as_the_generator_made_them
     dest = blank(dist)
     ckd.load(dest, ROOT / "fixtures" / "distributed" / "typed-values")
     assert same(dest, dist)
+
+
+def test_a_copy_of_a_state_keeps_its_ordered_dicts() -> None:
+    """``format.tree.clone`` (the guard's ring, RunState's copies) keeps an OrderedDict's type and order."""
+    from ckptkit.format.tree import clone
+
+    state = {"m": collections.OrderedDict([("b", torch.ones(1)), ("a", 1)])}
+    copied = clone(state)
+    assert type(copied["m"]) is collections.OrderedDict and list(copied["m"]) == ["b", "a"]
+    assert copied["m"]["b"] is not state["m"]["b"] and same(copied, state)

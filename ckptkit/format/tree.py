@@ -12,6 +12,7 @@ is. torch is imported lazily: ``import ckptkit`` stays torch-free.
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import struct
@@ -69,7 +70,8 @@ def _map(tree: Any, leaf: Any) -> Any:
     if isinstance(tree, torch.Tensor):
         return leaf(tree)
     if isinstance(tree, Mapping):
-        return {k: _map(v, leaf) for k, v in tree.items()}
+        out = {k: _map(v, leaf) for k, v in tree.items()}  # a state_dict (an OrderedDict) stays one
+        return collections.OrderedDict(out) if isinstance(tree, collections.OrderedDict) else out
     if isinstance(tree, list):
         return [_map(v, leaf) for v in tree]
     if isinstance(tree, tuple):
