@@ -291,8 +291,9 @@ def test_a_distributed_run_state_refuses_what_it_cannot_save_and_a_one_process_r
     one.save(2)  # a one-process run: step-00000002.ckpt
     scheduler = (
         "UnsupportedValue: scheduler 'tensorful'['scale']: a torch.Tensor cannot be stored (only tensors, None, "
-        "bool, int, float, str, bytes, lists, tuples and dicts); convert it to one of those; a distributed run "
-        "saves schedulers and scalers as plain values"
+        "bool, int, float, str, bytes, lists, tuples, dicts, sets, ordered dicts, numpy arrays and scalars, torch "
+        "dtypes, devices and sizes); convert it to one of those; a distributed run saves schedulers and scalers as "
+        "plain values"
     )
     one_process = (
         f"WorldSizeChanged: {run}: saved at one process (no process group), resumed at world size 2; a "

@@ -13,12 +13,14 @@ last batch with one extra batch in the next epoch, with its own TorchCheckpointI
 
 from __future__ import annotations
 
+import enum
 import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as L
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -71,7 +73,7 @@ def data() -> DataLoader:
 def trainer(root: Path, steps: int, **kw: Any) -> Any:
     return L.Trainer(
         max_steps=steps,
-        plugins=[CheckpointIO()],
+        plugins=kw.pop("plugins", [CheckpointIO()]),
         default_root_dir=str(root),
         accelerator="cpu",
         devices=1,
@@ -190,27 +192,80 @@ def test_an_object_in_hyper_parameters_is_refused_by_key_path_and_the_old_file_s
         bad.save_checkpoint(path)
     assert str(e.value) == (
         "checkpoint['hyper_parameters']['act']: a torch.nn.modules.activation.ReLU cannot be stored (only tensors, "
-        "None, bool, int, float, str, bytes, lists, tuples and dicts); convert it to one of those; exclude that "
-        "argument with self.save_hyperparameters(ignore=[...]) and rebuild it in __init__, or pass a plain value "
-        "(for omegaconf, OmegaConf.to_container(cfg))"
+        "None, bool, int, float, str, bytes, lists, tuples, dicts, sets, ordered dicts, numpy arrays and scalars, "
+        "torch dtypes, devices and sizes); convert it to one of those; exclude that argument with "
+        "self.save_hyperparameters(ignore=[...]) and rebuild it in __init__, or pass a plain value (for omegaconf, "
+        "OmegaConf.to_container(cfg, resolve=True))"
     )
     assert path.read_bytes() == good
     assert sorted(os.listdir(tmp_path)) == ["last.ckpt"]  # no temporary file left behind
 
 
+class Mode(enum.Enum):
+    FAST = 1
+
+
 class Keeps(L.Callback):
     def state_dict(self) -> dict[str, Any]:
-        return {"seen": {1, 2}}
+        return {"mode": Mode.FAST}
 
 
 def test_callback_state_that_is_not_plain_is_refused_with_advice(tmp_path: Path) -> None:
     _model, t = fit(tmp_path, 2, enable_checkpointing=False, callbacks=[Keeps()])
     with pytest.raises(
         UnsupportedValue,
-        match=r"^checkpoint\['callbacks'\]\['Keeps'\]\['seen'\]: a builtins\.set "
-        r"cannot be stored .*; a callback's state_dict\(\) must return plain",
+        match=r"^checkpoint\['callbacks'\]\['Keeps'\]\['mode'\]: a test_lightning\.Mode cannot be stored: an Enum "
+        r"member; store its \.value .*; a callback's state_dict\(\) must return plain",
     ):
         t.save_checkpoint(tmp_path / "x.ckpt")
+
+
+class Counted(Net):
+    """Counts its training steps; its ``mode`` hyper-parameter may be an Enum member."""
+
+    def __init__(self, mode: Any = "fast") -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.steps_run = 0
+
+    def training_step(self, batch: Any, i: int) -> torch.Tensor:
+        self.steps_run += 1
+        return super().training_step(batch, i)
+
+
+@pytest.mark.parametrize("where", ["hyper_parameters", "callbacks"])
+def test_the_plugin_as_a_callback_refuses_unstorable_state_when_fit_starts(where: str, tmp_path: Path) -> None:
+    io_ = CheckpointIO()
+    extra = [Keeps()] if where == "callbacks" else []
+    t = trainer(tmp_path, 2, plugins=[io_], callbacks=[io_, *extra])
+    model = Counted(mode=Mode.FAST if where == "hyper_parameters" else "fast")
+    with pytest.raises(UnsupportedValue, match=r"an Enum member; store its \.value") as e:
+        t.fit(model, data())
+    at = "['hyper_parameters']['mode']" if where == "hyper_parameters" else "['callbacks']['Keeps']['mode']"
+    assert str(e.value).startswith(f"checkpoint{at}: a test_lightning.Mode cannot be stored")
+    assert model.steps_run == 0 and not (tmp_path / "checkpoints").exists()  # before step 1, nothing written
+
+
+class RandomState(L.Callback):
+    """Saves the numpy RNG state, as a trainer does for an exact resume."""
+
+    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        checkpoint["numpy_rng"] = np.random.RandomState(5).get_state()
+        checkpoint["extras"] = {"seen": {1, 2}, "scale": np.float32(0.5), "dtype": torch.bfloat16}
+
+
+def test_typed_values_in_a_lightning_checkpoint_come_back_equal_and_of_the_same_type(tmp_path: Path) -> None:
+    io_ = CheckpointIO()
+    _model, t = fit(tmp_path, 2, enable_checkpointing=False, plugins=[io_], callbacks=[io_, RandomState()])
+    t.save_checkpoint(tmp_path / "r.ckpt")
+    back = io_.load_checkpoint(tmp_path / "r.ckpt")
+    want: Any = np.random.RandomState(5).get_state()
+    assert type(back["numpy_rng"]) is tuple and back["numpy_rng"][0] == "MT19937"
+    assert back["numpy_rng"][1].dtype == want[1].dtype and (back["numpy_rng"][1] == want[1]).all()
+    assert back["numpy_rng"][2:] == want[2:]
+    assert back["extras"] == {"seen": {1, 2}, "scale": np.float32(0.5), "dtype": torch.bfloat16}
+    assert type(back["extras"]["scale"]) is np.float32
+    np.random.RandomState().set_state(back["numpy_rng"])
 
 
 def test_a_container_not_written_by_the_plugin_is_refused(tmp_path: Path) -> None:

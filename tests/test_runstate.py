@@ -119,7 +119,7 @@ class NoState:
             UnsupportedValue,
             "optimizer 'o': a NoState has no state_dict()/load_state_dict()",
         ),
-        (lambda rs: rs.add_model("m", _module_with_extra_state({1, 2})), UnsupportedValue, "model 'm'"),
+        (lambda rs: rs.add_model("m", _module_with_extra_state(object())), UnsupportedValue, "model 'm'"),
         (lambda rs: rs.add_value("v", get=lambda: {"when": object()}, set=print), UnsupportedValue, "value 'v'"),
         (lambda rs: rs.add_monitor("mon", _module_with_extra_state(None)), UnsupportedValue, "monitor 'mon'"),
         (
@@ -364,3 +364,27 @@ def test_a_run_answers_what_a_guard_asks_of_it(tmp_path: Path) -> None:
     opt.step()
     sched.step()
     assert opt.param_groups[0]["lr"] == 0.05  # the closed-form schedule keeps the drop
+
+
+def test_the_numpy_rng_state_registered_with_add_value_resumes_as_the_object_set_state_takes(tmp_path: Path) -> None:
+    """``np.random.get_state()`` (a tuple holding a uint32 ndarray) is a typed value (spec/container.md §5.4)."""
+    import numpy as np
+
+    def run() -> RunState:
+        rs = RunState(tmp_path, config=Cfg())
+        rs.add_model("net", torch.nn.Linear(2, 2))
+        rs.add_value("numpy_rng", get=np.random.get_state, set=np.random.set_state)
+        return rs
+
+    np.random.seed(11)
+    np.random.standard_normal(3)
+    saving = run()
+    saving.start()
+    saving.save(1)
+    saving.close()
+    after = np.random.standard_normal(4)
+    np.random.seed(0)  # another stream: the resume must put the saved one back
+    resuming = run()
+    assert resuming.resume().step == 1
+    assert np.random.standard_normal(4).tobytes() == after.tobytes()
+    resuming.close()

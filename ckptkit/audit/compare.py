@@ -85,9 +85,14 @@ def _tensor_diff(name: str, a: Any, b: Any) -> TensorDiff | None:
 
 
 def _same_value(a: Any, b: Any) -> bool:
-    if isinstance(a, float) and isinstance(b, float):
+    """Same type and value; floats NaN-equal; numpy arrays by dtype, shape and bytes."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, float):
         return a == b or (math.isnan(a) and math.isnan(b))
-    return type(a) is type(b) and a == b
+    if type(a).__module__ == "numpy" and hasattr(a, "tobytes"):
+        return bool(a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes())
+    return bool(a == b)
 
 
 def compare_states(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[TensorDiff]:

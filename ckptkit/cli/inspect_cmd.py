@@ -13,6 +13,7 @@ from typing import Any
 from ..errors import CheckpointNotFound
 from ..format.container import Source, layout_report, read_layout
 from ..format.section import TensorRef
+from ..format.values import TypedValue
 from .verify import _size, report_json
 
 __all__ = ["add_parser", "run"]
@@ -53,6 +54,12 @@ def _plain(tree: Any) -> Any:
         return {str(k): _plain(v) for k, v in tree.items()}
     if isinstance(tree, bytes):
         return tree.hex()
+    if isinstance(tree, (set, frozenset)):  # no order of its own: shown in a fixed one
+        return sorted((_plain(v) for v in tree), key=lambda v: json.dumps(v, sort_keys=True))
+    if isinstance(tree, TypedValue):
+        return f"<{tree.name} {', '.join(map(str, tree.fields))}>"
+    if type(tree).__module__ == "numpy":  # a typed value (spec/container.md §5.4): its type and shape, not its data
+        return f"<numpy.{type(tree).__name__} {tree.dtype.str}{list(tree.shape)}>"
     return tree
 
 

@@ -34,13 +34,12 @@ import os
 import re
 import shutil
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import torch
 import xxhash
 from torch.distributed.checkpoint import DefaultLoadPlanner, StorageReader, StorageWriter
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -74,7 +73,7 @@ from ..errors import (
     UnsupportedVersion,
 )
 from ..format.atomic import exchange, fsync_dir
-from ..format.codec import check_tensor, dtype_name, tensor_bytes, torch_dtype
+from ..format.codec import check_tensor, decode_tree, dtype_name, tensor_bytes, torch_dtype
 from ..format.container import Source
 from ..format.section import check_plain
 from .format import (
@@ -716,7 +715,7 @@ def logical_state(directory: str | os.PathLike[str]) -> Iterator[tuple[str, Any]
     try:
         for fqn in sorted(set(md.tensors) | set(md.values)):
             if fqn in md.values:
-                yield fqn, md.values[fqn]
+                yield fqn, decode_tree(md.values[fqn], [])
                 continue
             t = md.tensors[fqn]
             full = torch.zeros(t.size, dtype=torch_dtype(t.dtype))
@@ -734,17 +733,47 @@ def logical_state(directory: str | os.PathLike[str]) -> Iterator[tuple[str, Any]
 
 
 def _set_value(planner: DCPLoadPlanner, req: Any, value: Any) -> None:
-    """Put a non-tensor leaf where DefaultLoadPlanner.load_bytes would (it would torch.load bytes)."""
+    """Put a non-tensor leaf where DefaultLoadPlanner.load_bytes would (it would torch.load bytes).
+
+    DCP's flattening names every dict key by ``str(key)``, so the key path of ``{0: "a"}``
+    is ``("0",)`` and ``set_element`` would add a key ``"0"`` beside the destination's
+    ``0``. A load is driven by the destination, whose keys are the real ones: each path
+    element is resolved against the destination's own keys (:func:`_put`).
+    """
     if not isinstance(planner, DefaultLoadPlanner):
         raise UnsupportedValue(
             f"{req.dest_index.fqn}: a non-tensor value, and the planner {type(planner).__name__} is not a "
             "DefaultLoadPlanner; ckptkit hands non-tensor leaves over as plain data, never as torch.load bytes"
         )
     fqn = req.dest_index.fqn
+    value = decode_tree(value, [])  # torch dtypes, devices and sizes back as torch objects
     if planner.flatten_state_dict:
-        set_element(planner.original_state_dict, planner.mappings[fqn], value)
+        _put(planner.original_state_dict, planner.mappings[fqn], value, fqn)
     else:
         planner.state_dict[fqn] = value
+
+
+def _put(root: Any, path: tuple[Any, ...], value: Any, fqn: str) -> None:
+    """Set ``value`` at DCP key ``path`` of the destination, each str element matched to the key it flattened.
+
+    Raises:
+        StateMismatch: a destination dict holds both ``k`` and ``str(k)``, which DCP flattens to one key.
+    """
+    node = root
+    for i, key in enumerate(path):
+        if isinstance(node, Mapping):
+            found = [k for k in node if str(k) == key]
+            if len(found) > 1:
+                raise StateMismatch(
+                    f"{fqn}: the destination dict holds the keys {found!r}, which DCP names alike ({key!r}); "
+                    "rename one of them",
+                    [f"{fqn}: keys {found!r} flatten to one DCP key"],
+                )
+            key = found[0] if found else key
+        if i == len(path) - 1:
+            node[key] = value
+        else:
+            node = node[key]
 
 
 class LoadPlanner(DefaultLoadPlanner, _Recorder):

@@ -37,6 +37,7 @@ from ._io import cpus, run_parallel
 from .checkpoint import Checkpoint, save
 from .container import SECTIONS
 from .section import ALIGN, align_up, check_plain
+from .values import TypedValue
 
 if TYPE_CHECKING:
     import torch
@@ -283,4 +284,6 @@ def _place(tree: Any) -> Any:
         return [_place(v) for v in tree]
     if isinstance(tree, dict):
         return {k: _place(v) for k, v in tree.items()}
+    if isinstance(tree, TypedValue):
+        return TypedValue(tree.name, tuple(_place(v) for v in tree.fields))
     return tree

@@ -8,7 +8,9 @@ reverse. Implements ``spec/container.md`` ("Tensor codec").
 
 Invariants:
     * No pickle, ever: a tree holds None, bool, int, float, str, bytes, lists,
-      tuples, dicts (str/int keys) and tensors; anything else is refused by name.
+      tuples, dicts (str/int keys), tensors and the typed values of
+      :mod:`ckptkit.format.values`; anything else is refused by name. The torch typed
+      values (dtype, device, Size) become torch objects again here (:func:`torch_value`).
     * Two names for one tensor (same object, or the same storage, offset, shape and
       strides) are stored once and load as one tensor object.
     * Tensor bytes are handed to the writer as views: no copy unless the tensor is
@@ -17,6 +19,7 @@ Invariants:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import sys
@@ -25,7 +28,7 @@ from typing import Any, TypeGuard
 
 import torch
 
-from ..errors import InsufficientMemory, StateMismatch, UnsupportedValue
+from ..errors import InsufficientMemory, MalformedIndex, StateMismatch, UnsupportedValue, UnsupportedVersion
 from .container import Source, read_tensors
 from .section import (
     CODECS,
@@ -38,6 +41,7 @@ from .section import (
     check_plain,
     plan_section,
 )
+from .values import TypedValue
 
 __all__ = [
     "check_tensor",
@@ -53,6 +57,7 @@ __all__ = [
     "storage_key",
     "tensor_bytes",
     "torch_dtype",
+    "torch_value",
 ]
 
 _TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -189,8 +194,40 @@ def decode_tree(tree: Any, tensors: list[torch.Tensor] | Mapping[int, torch.Tens
     if isinstance(tree, list):
         return list(map(one, tree))
     if isinstance(tree, dict):
-        return {k: one(v) for k, v in tree.items()}
+        out = {k: one(v) for k, v in tree.items()}
+        return out if type(tree) is dict else collections.OrderedDict(out)
+    if isinstance(tree, (set, frozenset)):
+        return type(tree)(map(one, tree))
+    if isinstance(tree, TypedValue):
+        return torch_value(tree)
     return tree
+
+
+def torch_value(value: TypedValue) -> Any:
+    """The torch object of a ``torch.*`` typed value read from a file (spec/container.md §5.4, R-018).
+
+    Raises:
+        UnsupportedVersion: a dtype this torch does not have (a newer torch wrote it).
+        MalformedIndex: a device string torch refuses.
+    """
+    (arg,) = value.fields[:1] or (None,)
+    if value.name == "torch.Size":
+        return torch.Size(value.fields)
+    if value.name == "torch.dtype":
+        dtype = getattr(torch, arg, None) if arg.isidentifier() and not arg.startswith("_") else None
+        if not isinstance(dtype, torch.dtype):
+            raise UnsupportedVersion(
+                f"torch.dtype {arg!r} is not a dtype of torch {torch.__version__}",
+                field="typed value",
+                hint="written with a newer torch? (R-018)",
+            )
+        return dtype
+    try:
+        return torch.device(arg)
+    except RuntimeError as e:
+        raise MalformedIndex(
+            f"torch.device {arg!r} is not a device ({str(e).splitlines()[0]})", field="typed value", hint="R-018"
+        ) from None
 
 
 _LEAVES = (type(None), bool, int, float, str, bytes)

@@ -1,11 +1,11 @@
 """One section of a container: a msgpack index followed by aligned tensor bytes.
 
 A section carries one state tree (a model's ``state_dict()``, an optimizer's nested
-state, monitor values...) as data, never code: the tree is msgpack with two
-extension types (a tensor reference and a tuple marker) and the tensors are raw
-little-endian bytes at 64-byte aligned offsets, so a reader can map them without
-copying. Each tensor carries its own xxh3-64 digest, so a lazy reader can check
-exactly the tensors it touches.
+state, monitor values...) as data, never code: the tree is msgpack with three
+extension types (a tensor reference, a tuple marker, a typed-value marker: §5.4 and
+:mod:`ckptkit.format.values`) and the tensors are raw little-endian bytes at 64-byte
+aligned offsets, so a reader can map them without copying. Each tensor carries its own
+xxh3-64 digest, so a lazy reader can check exactly the tensors it touches.
 
 This module is torch-free: tensors enter as byte buffers (``memoryview``) and leave
 as :class:`TensorRecord` extents. ``spec/container.md`` ("Section") is the contract;
@@ -20,6 +20,7 @@ Invariants:
 
 from __future__ import annotations
 
+import collections
 import math
 import reprlib
 import struct
@@ -30,6 +31,7 @@ from typing import Any
 import msgpack
 
 from ..errors import FormatError, MalformedIndex, TruncatedFile, UnsupportedValue, UnsupportedVersion
+from .values import CONTAINER_TYPES, EXT_TYPED, TypedValue, decode_leaf, encode_numpy, encode_torch, refusal
 
 __all__ = [
     "ALIGN",
@@ -41,6 +43,7 @@ __all__ = [
     "TensorRecord",
     "TensorRef",
     "align_up",
+    "canonical_bytes",
     "decode_index",
     "plan_section",
 ]
@@ -264,6 +267,8 @@ def _pack_tree(value: Any) -> Any:
         return [_pack_tree(v) for v in value]
     if isinstance(value, dict):
         return {k: _pack_tree(v) for k, v in value.items()}
+    if isinstance(value, TypedValue):
+        return [msgpack.ExtType(EXT_TYPED, value.name.encode()), *(_pack_tree(v) for v in value.fields)]
     return value
 
 
@@ -276,12 +281,16 @@ def check_plain(value: Any, where: str, depth: int = 0, on_leaf: Callable[[Any, 
     """Return ``value`` in canonical form, refusing what a section cannot carry.
 
     Allowed: None, bool, int (-2**63 .. 2**64-1), float, str, bytes, list, tuple,
-    dict with str or int keys. ``on_leaf(value, where)`` is asked first for every
-    value and may return a replacement (the torch codec turns tensors into refs);
-    it returns ``NotImplemented`` to decline.
+    dict with str or int keys, and the typed values of ``spec/container.md`` §5.4
+    (sets, frozensets, ordered dicts, numpy arrays and scalars; the codec adds torch
+    dtypes, devices and sizes). Types are matched exactly: a subclass of one of these
+    would load as the base type, so it is refused. ``on_leaf(value, where)`` is asked
+    first for every value and may return a replacement (the torch codec turns tensors
+    into refs); it returns ``NotImplemented`` to decline.
 
     Raises:
-        UnsupportedValue: naming ``where`` (e.g. ``optim['state'][3]['exp_avg']``).
+        UnsupportedValue: naming ``where`` (e.g. ``optim['state'][3]['exp_avg']``) and
+            the conversion to make.
     """
     if depth > MAX_DEPTH:
         raise UnsupportedValue(f"{where}: nested deeper than {MAX_DEPTH} levels")
@@ -289,37 +298,72 @@ def check_plain(value: Any, where: str, depth: int = 0, on_leaf: Callable[[Any, 
         got = on_leaf(value, where)
         if got is not NotImplemented:
             return got
-    if isinstance(value, str):
+    t = type(value)
+    if t is str:
         _check_utf8(value, where)
         return value
-    if value is None or isinstance(value, (bool, bytes)):
+    if value is None or t in (bool, bytes, float):
         return value
-    if isinstance(value, int):
+    if t is TypedValue:  # already canonical (a tree checked before, e.g. staged by an async save)
+        return TypedValue(value.name, tuple(check_plain(v, where, depth + 1, on_leaf) for v in value.fields))
+    if t is int:
         if not -(2**63) <= value < 2**64:
             raise UnsupportedValue(f"{where}: integer {value} does not fit in 64 bits")
-        return int(value)
-    if isinstance(value, float):
-        return float(value)
-    if isinstance(value, tuple):
+        return value
+    if t is tuple:
         return tuple(check_plain(v, f"{where}[{i}]", depth + 1, on_leaf) for i, v in enumerate(value))
-    if isinstance(value, list):
+    if t is list:
         return [check_plain(v, f"{where}[{i}]", depth + 1, on_leaf) for i, v in enumerate(value)]
-    if isinstance(value, dict):
+    if t is dict:
         for k in value:
-            if isinstance(k, bool) or not isinstance(k, (int, str)):
-                raise UnsupportedValue(
-                    f"{where}: map key {k!r} is a {type(k).__name__}; only str and int keys are stored"
-                )
-            if isinstance(k, str):
-                _check_utf8(k, where)
-            elif not -(2**63) <= k < 2**64:
-                raise UnsupportedValue(f"{where}: map key {k} does not fit in 64 bits")
+            _check_key(k, where)
         return {k: check_plain(value[k], f"{where}[{k!r}]", depth + 1, on_leaf) for k in sorted(value, key=sort_key)}
-    raise UnsupportedValue(
-        f"{where}: a {type(value).__module__}.{type(value).__qualname__} cannot be stored "
-        "(only tensors, None, bool, int, float, str, bytes, lists, tuples and dicts); "
-        "convert it to one of those"
-    )
+    if t is collections.OrderedDict:
+        pairs: list[Any] = []
+        for k, v in value.items():
+            _check_key(k, where)
+            pairs += [k, check_plain(v, f"{where}[{k!r}]", depth + 1, on_leaf)]
+        return TypedValue("collections.OrderedDict", tuple(pairs))
+    if t in (set, frozenset):
+        return _plain_set(value, where, depth, on_leaf)
+    typed = encode_numpy(value, where) or encode_torch(value)
+    if typed is None:
+        raise UnsupportedValue(refusal(value, where))
+    return typed
+
+
+def _check_key(k: Any, where: str) -> None:
+    """Refuse a map key other than a str or an int that fits in 64 bits (a bool is not an int key)."""
+    if type(k) is str:
+        _check_utf8(k, where)
+    elif type(k) is not int:
+        raise UnsupportedValue(f"{where}: map key {k!r} is a {type(k).__name__}; only str and int keys are stored")
+    elif not -(2**63) <= k < 2**64:
+        raise UnsupportedValue(f"{where}: map key {k} does not fit in 64 bits")
+
+
+def _plain_set(value: set[Any] | frozenset[Any], where: str, depth: int, on_leaf: Any) -> TypedValue:
+    """A set's typed value: its elements in canonical order (by their msgpack bytes), no tensors."""
+    items = [check_plain(v, f"{where}<element {v!r:.40}>", depth + 1, on_leaf) for v in value]
+    for v in items:
+        if any(True for _ in iter_refs(v)):
+            raise UnsupportedValue(f"{where}: a {type(value).__name__} holding a tensor cannot be stored; use a list")
+    packed = sorted((_packb(v), i) for i, v in enumerate(items))
+    return TypedValue(type(value).__name__, tuple(items[i] for _, i in packed))
+
+
+def _packb(plain: Any) -> bytes:
+    out: bytes = msgpack.packb(_pack_tree(plain), use_bin_type=True)
+    return out
+
+
+def canonical_bytes(value: Any, where: str) -> bytes:
+    """The canonical msgpack bytes of a tensor-free value, as a tree stores it (a typed value's, a set's).
+
+    Raises:
+        UnsupportedValue: a value a tree cannot hold, named by ``where``.
+    """
+    return _packb(check_plain(value, where))
 
 
 def _check_utf8(s: str, where: str) -> None:
@@ -591,7 +635,19 @@ class _Exts:
             return ref
         if code == _EXT_TUPLE and not data:
             return _TUPLE
+        if code == EXT_TYPED:
+            return _TypeMark(data)
         return _Ext(code)
+
+
+class _TypeMark(_Ext):
+    """The marker of a typed value (§5.4): its raw name, decoded where it is used."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: bytes) -> None:
+        super().__init__(EXT_TYPED)
+        self.name = name
 
 
 _LEAVES = (type(None), bool, int, float, str, bytes)
@@ -613,7 +669,8 @@ def _unpack_tree(v: Any, n_tensors: int, referenced: set[int], bad: Callable[...
         raise bad(v.problem, hint="R-016")
     if isinstance(v, (list, dict)):
         is_tuple = isinstance(v, list) and bool(v) and v[0] is _TUPLE
-        items = v[1:] if is_tuple else v
+        typed = isinstance(v, list) and bool(v) and type(v[0]) is _TypeMark
+        items = v[1:] if is_tuple or typed else v
         for k, x in items.items() if isinstance(items, dict) else enumerate(items):
             if type(x) is TensorRef:
                 if x.id >= n_tensors:
@@ -623,10 +680,50 @@ def _unpack_tree(v: Any, n_tensors: int, referenced: set[int], bad: Callable[...
                 items[k] = _unpack_tree(x, n_tensors, referenced, bad, depth + 1)
         if depth == MAX_DEPTH and items:
             raise bad(f"tree nested deeper than {MAX_DEPTH} levels", hint="R-016")
+        if typed:
+            assert isinstance(items, list)
+            return _typed(v[0].name, items, bad)
         return tuple(items) if is_tuple else items
     if isinstance(v, _Ext):
         raise bad(f"unexpected extension type {v.code} in the tree", hint="R-016")
     raise bad(f"unexpected value of type {type(v).__name__} in the tree (e.g. a msgpack timestamp)", hint="R-016")
+
+
+def _typed(raw_name: bytes, fields: list[Any], bad: Callable[..., FormatError]) -> Any:
+    """The value of a typed value whose fields are decoded (R-018)."""
+    try:
+        name = raw_name.decode("utf-8")
+    except UnicodeDecodeError:
+        raise bad(f"typed value name {_show(raw_name, 40)} is not UTF-8", hint="R-018") from None
+    if name in CONTAINER_TYPES:
+        return _typed_container(name, fields, bad)
+    if any(type(x) is TensorRef or any(True for _ in iter_refs(x)) for x in fields):
+        raise bad(f"{name}: a typed value's fields hold no tensor references", hint="R-018")
+    try:
+        return decode_leaf(name, fields)
+    except FormatError as e:  # raised without a place: give it the index's
+        where = bad(e.problem)
+        raise type(e)(e.problem, path=where.path, offset=where.offset, field=where.field, hint=e.hint) from None
+
+
+def _typed_container(name: str, fields: list[Any], bad: Callable[..., FormatError]) -> Any:
+    """A set, frozenset or ordered dict from its decoded fields: no element or key twice (R-018)."""
+    if name == "collections.OrderedDict":
+        if len(fields) % 2:
+            raise bad("collections.OrderedDict: fields must be key/value pairs (an even count)", hint="R-018")
+        made = _map(list(zip(fields[::2], fields[1::2], strict=True)))
+        if isinstance(made, _BadMap):
+            raise bad(f"collections.OrderedDict: {made.problem}", hint="R-018")
+        return collections.OrderedDict(made)
+    if any(isinstance(x, TensorRef) or any(True for _ in iter_refs(x)) for x in fields):
+        raise bad(f"{name}: a set holds no tensor references", hint="R-018")
+    try:
+        out = frozenset(fields) if name == "frozenset" else set(fields)
+    except TypeError:
+        raise bad(f"{name}: an element is not hashable (a list, map or array)", hint="R-018") from None
+    if len(out) != len(fields):
+        raise bad(f"{name}: an element appears twice", hint="R-018")
+    return out
 
 
 def iter_refs(tree: Any) -> Iterable[TensorRef]:
@@ -639,3 +736,5 @@ def iter_refs(tree: Any) -> Iterable[TensorRef]:
     elif isinstance(tree, dict):
         for v in tree.values():
             yield from iter_refs(v)
+    elif isinstance(tree, TypedValue):
+        yield from iter_refs(tree.fields)

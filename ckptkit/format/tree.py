@@ -12,6 +12,7 @@ is. torch is imported lazily: ``import ckptkit`` stays torch-free.
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import struct
@@ -22,7 +23,7 @@ import xxhash
 
 from .checkpoint import Checkpoint
 from .container import SECTIONS
-from .section import sort_key
+from .section import canonical_bytes, sort_key
 
 __all__ = [
     "Sidecars",
@@ -69,7 +70,8 @@ def _map(tree: Any, leaf: Any) -> Any:
     if isinstance(tree, torch.Tensor):
         return leaf(tree)
     if isinstance(tree, Mapping):
-        return {k: _map(v, leaf) for k, v in tree.items()}
+        out = {k: _map(v, leaf) for k, v in tree.items()}  # a state_dict (an OrderedDict) stays one
+        return collections.OrderedDict(out) if isinstance(tree, collections.OrderedDict) else out
     if isinstance(tree, list):
         return [_map(v, leaf) for v in tree]
     if isinstance(tree, tuple):
@@ -124,8 +126,9 @@ def _feed(h: Any, value: Any, path: str) -> None:
         h.update(b"S" + struct.pack("<Q", len(text)) + text)
     elif isinstance(value, bytes):
         h.update(b"Y" + struct.pack("<Q", len(value)) + value)
-    else:  # RunState.checkpoint only holds the above (add_* probes refuse the rest)
-        raise TypeError(f"{path}: cannot digest a {type(value).__name__}")
+    else:  # a typed value (numpy, set, torch dtype...): its canonical bytes; the rest is refused
+        typed = canonical_bytes(value, path)
+        h.update(b"X" + struct.pack("<Q", len(typed)) + typed)
 
 
 def tree_digest(tree: Any, where: str) -> int:

@@ -23,18 +23,22 @@ Layout: the checkpoint dict Lightning builds is stored in a v2 container
 * the container's step: ``global_step`` (0 when absent, as in Fabric's checkpoints).
 
 ``load_checkpoint`` returns the same dict (dicts come back as plain dicts, keys in
-sorted order; tuples stay tuples). So ``ckptkit verify`` and ``ckptkit inspect`` work
+sorted order; ordered dicts, such as the ``state_dict``, in their own order; tuples stay
+tuples). So ``ckptkit verify`` and ``ckptkit inspect`` work
 on these files as on any checkpoint, and ``ckptkit.load`` reads them without Lightning.
 
-What the container cannot carry: values other than tensors, None, bool, int, float,
-str, bytes, lists, tuples and dicts with str or int keys -- e.g. a module or an object
-passed to ``save_hyperparameters``, omegaconf containers, a callback whose
-``state_dict()`` returns an object. Saving such a checkpoint raises
-:class:`~ckptkit.errors.UnsupportedValue` naming the key path
+What the container carries besides tensors and plain values: the typed values of
+spec/container.md §5.4 (numpy arrays and scalars such as ``np.random.get_state()``,
+sets, ordered dicts, torch dtypes, devices and sizes), each back as the same type. What
+it cannot carry -- e.g. a module or an object passed to ``save_hyperparameters``, an
+Enum, omegaconf containers, a callback whose ``state_dict()`` returns an object -- is
+refused with :class:`~ckptkit.errors.UnsupportedValue` naming the key path
 (``checkpoint['hyper_parameters']['act']``) and what to do; nothing is written and a
-previous file at the path is untouched. No value is encoded lossily and none is
-pickled. The ``_metadata`` attribute of a state dict (module versions, which only old
-checkpoints of a few modules consult) is not stored, as with ``ckptkit.save``.
+previous file at the path is untouched. Passed in ``callbacks`` as well as ``plugins``,
+the plug-in refuses hyper-parameters and callback state when ``fit`` starts, before
+step 1 (spec/lightning.md R-L04). No value is encoded lossily and none is pickled. The
+``_metadata`` attribute of a state dict (module versions, which only old checkpoints of
+a few modules consult) is not stored, as with ``ckptkit.save``.
 
 Known limits: local paths only (no fsspec URLs); ``map_location`` is honoured when it
 is a device or a device string, anything else loads on the CPU (Lightning moves the
@@ -57,6 +61,7 @@ if TYPE_CHECKING:
 
 try:
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO as _LightningCheckpointIO
+    from lightning.pytorch.callbacks import Callback as _Callback
 except ModuleNotFoundError as e:  # tested in a process without lightning
     if (e.name or "").partition(".")[0] != "lightning":
         raise
@@ -73,9 +78,9 @@ _OPTIM_KEYS = ("optimizer_states", "lr_schedulers")
 # What to do when a top-level key holds a value the container cannot carry.
 _ADVICE = {
     "hyper_parameters": "exclude that argument with self.save_hyperparameters(ignore=[...]) and rebuild it in "
-    "__init__, or pass a plain value (for omegaconf, OmegaConf.to_container(cfg))",
+    "__init__, or pass a plain value (for omegaconf, OmegaConf.to_container(cfg, resolve=True))",
     "hparams_type": "omegaconf hyper-parameters are stored with their type; pass "
-    "OmegaConf.to_container(cfg) to save_hyperparameters instead",
+    "OmegaConf.to_container(cfg, resolve=True) to save_hyperparameters instead",
     "callbacks": "a callback's state_dict() must return plain values (tensors, numbers, strings, lists, dicts)",
 }
 _DEFAULT_ADVICE = "convert it to plain values in on_save_checkpoint (and back in on_load_checkpoint)"
@@ -166,8 +171,14 @@ def _local(path: str | os.PathLike[str]) -> str:
     return name
 
 
-class CheckpointIO(_LightningCheckpointIO):
+class CheckpointIO(_LightningCheckpointIO, _Callback):
     """Lightning ``CheckpointIO`` that writes and reads ckptkit containers.
+
+    It is also a Lightning ``Callback``: passed in ``callbacks`` too, it checks when
+    ``fit`` starts, before step 1, that the hyper-parameters (module and datamodule) and
+    every callback's ``state_dict()`` can be stored, so a refusal does not wait for the
+    first checkpoint, after training has started. Lightning gives a ``CheckpointIO`` no
+    hook of its own at ``fit`` start, hence the second role.
 
     Args:
         compression: ``"raw"`` (default) or ``"zstd"``, or ``{section: codec}`` (see :func:`ckptkit.save`).
@@ -175,7 +186,8 @@ class CheckpointIO(_LightningCheckpointIO):
 
     Example::
 
-        trainer = lightning.pytorch.Trainer(plugins=[CheckpointIO()])
+        io = CheckpointIO()
+        trainer = lightning.pytorch.Trainer(plugins=[io], callbacks=[io])
     """
 
     def __init__(self, compression: str | dict[str, str] = "raw", level: int = 3) -> None:
@@ -215,10 +227,38 @@ class CheckpointIO(_LightningCheckpointIO):
         device = map_location if isinstance(map_location, str) or _is_device(map_location) else "cpu"
         return from_container(load(name, map_location=device), name)
 
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """The callback hook: at ``fit`` start, refuse hyper-parameters and callback state that cannot be stored.
+
+        Raises:
+            UnsupportedValue: naming the key path as :meth:`save_checkpoint` would, before step 1.
+        """
+        if stage == "fit":
+            _check(_fit_state(trainer, pl_module))
+
+    def teardown(self, *args: Any, **kwargs: Any) -> None:
+        """Both roles' teardown: ``CheckpointIO.teardown()`` and the callback's ``teardown(trainer, module, stage)``.
+
+        Nothing to release.
+        """
+
     def remove_checkpoint(self, path: Any) -> None:
         """Delete the checkpoint at ``path`` (Lightning's top-k retention); a missing file is fine."""
         with contextlib.suppress(FileNotFoundError):
             os.remove(_local(path))
+
+
+def _fit_state(trainer: Any, pl_module: Any) -> dict[str, Any]:
+    """The parts of the checkpoint Lightning will build that are known when ``fit`` starts."""
+    state: dict[str, Any] = {}
+    holders = (("hyper_parameters", pl_module), ("datamodule_hyper_parameters", trainer.datamodule))
+    for key, holder in holders:
+        hparams = getattr(holder, "hparams", None) if holder is not None else None
+        if hparams:  # Lightning stores dict(hparams), or an omegaconf container as it is
+            is_omegaconf = type(hparams).__module__.partition(".")[0] == "omegaconf"
+            state[key] = hparams if is_omegaconf else dict(hparams)
+    state["callbacks"] = {cb.state_key: cb.state_dict() for cb in trainer.callbacks}
+    return state
 
 
 def _is_device(value: Any) -> TypeGuard[torch.device]:

@@ -122,7 +122,9 @@ class Registration:
         set: Callable[[Any], None],  # noqa: A002
         per_rank: bool = False,
     ) -> None:
-        """Register small run state (msgpack-able plain values: numbers, str, lists, dicts).
+        """Register small run state: plain values (numbers, str, lists, dicts) or typed values
+        (``np.random.get_state()``, numpy scalars, sets; spec/container.md §5.4), each restored
+        as the same type.
 
         Args:
             per_rank: each rank of a distributed run holds its own value (saved under
