@@ -231,3 +231,38 @@ def test_without_transformers_the_import_names_the_extra() -> None:
     env = {**os.environ, "PYTHONPATH": _ROOT}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout == "ckptkit.integrations.transformers needs transformers: pip install 'ckptkit[transformers]'\n"
+
+
+def test_inspect_shows_a_folders_files_and_an_output_dirs_folders(base: dict[str, Any], capsys: Any) -> None:
+    out = base["pristine"]
+    assert main(["inspect", str(out / "checkpoint-20")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"{out}/checkpoint-20: transformers checkpoint, step 20, commit {STATE_FILE} ")
+    assert [ln.split()[0] for ln in lines[1:6]] == sorted(
+        [CONFIG_FILE, "config.json", "generation_config.json", "model.safetensors", "trainer_state.json"]
+    )
+    assert main(["inspect", "--json", str(out)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["schema_version"] == 1
+    assert [(c["path"], c["step"], c["committed"]) for c in doc["checkpoints"]] == [
+        (str(out / "checkpoint-10"), 10, True),
+        (str(out / "checkpoint-20"), 20, True),
+    ]
+
+
+def test_diff_classes_a_trainer_runs_keys_with_the_trainers_exempt_class(
+    base: dict[str, Any], tmp_path: Path, capsys: Any
+) -> None:
+    other = tmp_path / "other" / "checkpoint-20"
+    other.mkdir(parents=True)
+    doc = json.loads((base["pristine"] / "checkpoint-20" / CONFIG_FILE).read_text())
+    doc["config"]["args"]["learning_rate"] = 0.5
+    doc["config"]["args"]["save_steps"] = 7
+    (other / CONFIG_FILE).write_text(json.dumps(doc, sort_keys=True, indent=2) + "\n")
+    assert main(["diff", str(base["pristine"]), str(other.parent)]) == 1
+    assert capsys.readouterr().out.splitlines()[2:] == [
+        "CLASS   KEY                 OLD   NEW  NOTE",
+        "strict  args.learning_rate  0.01  0.5",
+        "exempt  args.save_steps     10    7    exempt (decides when we look, not what the model computes)",
+        "2 differences: 1 strict, 1 exempt",
+    ]

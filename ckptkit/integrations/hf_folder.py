@@ -25,9 +25,12 @@ import xxhash
 
 from ..errors import CheckpointError, CheckpointNotFound, ChecksumMismatch, FormatError, IncompleteCheckpoint
 from ..format.container import Report, Source, read_layout, verify
+from ..run.drift import DEFAULT_EXEMPT
 
 __all__ = [
     "CONFIG_FILE",
+    "CONFIG_TYPE",
+    "EXEMPT",
     "LAYOUT",
     "STATE_FILE",
     "FolderCheck",
@@ -46,6 +49,28 @@ LAYOUT = "ckptkit.integrations.transformers/1"
 STATE_FILE = "ckptkit-state.ckpt"
 #: The run's config snapshot (spec/snapshot.md), one per checkpoint (R-HF04).
 CONFIG_FILE = "ckptkit.config.json"
+#: What the config snapshot says it holds (``config_type``, informational).
+CONFIG_TYPE = "ckptkit.integrations.transformers:{args: TrainingArguments, model: model.config}"
+#: Keys that may change on a resume: they decide when we look or where files go, never what a step
+#: computes (the design record's rule, spec/snapshot.md R-S08). ``transformers_version`` is the
+#: environment's business (it is compared there).
+EXEMPT: frozenset[str] = DEFAULT_EXEMPT | {
+    "max_steps",
+    "num_train_epochs",
+    "save_steps",
+    "save_strategy",
+    "save_total_limit",
+    "logging_steps",
+    "logging_strategy",
+    "logging_first_step",
+    "eval_steps",
+    "output_dir",
+    "logging_dir",
+    "run_name",
+    "report_to",
+    "resume_from_checkpoint",
+    "transformers_version",
+}
 _FOLDER_RE = re.compile(r"^checkpoint-(\d+)$")  # Trainer's PREFIX_CHECKPOINT_DIR-<global step>
 _SCRATCH = 1 << 20
 

@@ -55,9 +55,9 @@ from ..errors import CheckpointNotFound, ResumeRefused, UnsupportedValue
 from ..format.atomic import write_bytes_atomic
 from ..format.checkpoint import Checkpoint, load, save
 from ..format.snapshot import encode_snapshot, read_snapshot
-from ..run.drift import DEFAULT_EXEMPT, check_resume
+from ..run.drift import check_resume
 from ..run.environment import Fact, capture, check_environment
-from .hf_folder import CONFIG_FILE, LAYOUT, STATE_FILE, check_folder, file_record, newest_intact
+from .hf_folder import CONFIG_FILE, CONFIG_TYPE, EXEMPT, LAYOUT, STATE_FILE, check_folder, file_record, newest_intact
 
 try:
     import transformers
@@ -73,28 +73,6 @@ __all__ = ["CONFIG_TYPE", "EXEMPT", "Trainer", "TrainerMixin", "capture_rng", "e
 
 logger = logging.getLogger(__name__)
 
-#: What the config snapshot says it holds (``config_type``, informational).
-CONFIG_TYPE = "ckptkit.integrations.transformers:{args: TrainingArguments, model: model.config}"
-#: Keys that may change on a resume: they decide when we look or where files go, never what a step
-#: computes (the design record's rule, spec/snapshot.md R-S08). ``transformers_version`` is the
-#: environment's business (it is compared there).
-EXEMPT: frozenset[str] = DEFAULT_EXEMPT | {
-    "max_steps",
-    "num_train_epochs",
-    "save_steps",
-    "save_strategy",
-    "save_total_limit",
-    "logging_steps",
-    "logging_strategy",
-    "logging_first_step",
-    "eval_steps",
-    "output_dir",
-    "logging_dir",
-    "run_name",
-    "report_to",
-    "resume_from_checkpoint",
-    "transformers_version",
-}
 _TRAINING_ARGS_FILE = "training_args.bin"  # transformers' TRAINING_ARGS_NAME: the pickled TrainingArguments
 _PLAIN = (type(None), bool, int, float, str, enum.Enum)
 
