@@ -1,6 +1,7 @@
 """One Hugging Face ``Trainer`` run in its own process, for tests/test_transformers.py.
 
     python tests/_hf_worker.py OUT [--stop 25] [--resume] [--ga 2] [--lr 0.02] [--seed 2] [--save-steps 5]
+        [--save-only-model] [--scheduler-kwargs '{"a.b": 1}']
 
 A tiny GPT-2 built from a config (no download, ~4k parameters, dropout on, so the RNG
 matters), 48 sequences of 8 tokens, ``full_determinism``, CPU, 40 optimizer steps with a
@@ -68,6 +69,8 @@ def trainer(out: str, opts: argparse.Namespace) -> Trainer:
         use_cpu=True,
         disable_tqdm=True,
         log_level="error",
+        save_only_model=opts.save_only_model,
+        lr_scheduler_kwargs=json.loads(opts.scheduler_kwargs),
     )
     callbacks = [StopAt(opts.stop)] if opts.stop else []
     return Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=callbacks)
@@ -104,6 +107,8 @@ def main() -> int:
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--save-steps", type=int, default=10)
+    p.add_argument("--save-only-model", action="store_true")
+    p.add_argument("--scheduler-kwargs", default="{}", help="lr_scheduler_kwargs, as JSON")
     opts = p.parse_args()
     calls: list[str] = []
     try:

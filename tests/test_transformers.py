@@ -266,3 +266,24 @@ def test_diff_classes_a_trainer_runs_keys_with_the_trainers_exempt_class(
         "exempt  args.save_steps     10    7    exempt (decides when we look, not what the model computes)",
         "2 differences: 1 strict, 1 exempt",
     ]
+
+
+def test_a_checkpoint_saved_with_save_only_model_is_not_resumed(tmp_path: Path) -> None:
+    _run(tmp_path / "run", "--stop", "10", "--save-only-model")
+    assert sorted(os.listdir(tmp_path / "run" / "checkpoint-10")) == sorted(
+        [CONFIG_FILE, STATE_FILE, "config.json", "generation_config.json", "model.safetensors", "trainer_state.json"]
+    )
+    said = _run(tmp_path / "run", "--resume", "--save-only-model", code=3)
+    assert said.splitlines()[-1] == (
+        f"ResumeRefused: {tmp_path}/run/checkpoint-10: saved with save_only_model=True: it holds no optimizer, "
+        "scheduler or RNG state, so a resume would not continue the same run; start a new run from its weights instead"
+    )
+
+
+def test_a_training_argument_the_snapshot_cannot_carry_is_refused_when_the_trainer_is_built(tmp_path: Path) -> None:
+    said = _run(tmp_path / "run", "--scheduler-kwargs", '{"warmup.steps": 3}', code=3)
+    assert said.splitlines()[-1] == (
+        "UnsupportedValue: config field args.lr_scheduler_kwargs.'warmup.steps': cannot snapshot the key; "
+        "table keys are non-empty strings without '.'"
+    )
+    assert not list((tmp_path / "run").glob("checkpoint-*"))  # refused before any training

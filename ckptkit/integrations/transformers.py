@@ -57,17 +57,14 @@ from ..format.checkpoint import Checkpoint, load, save
 from ..format.snapshot import encode_snapshot, read_snapshot
 from ..run.drift import check_resume
 from ..run.environment import Fact, capture, check_environment
+from ._extra import missing_extra
 from .hf_folder import CONFIG_FILE, CONFIG_TYPE, EXEMPT, LAYOUT, STATE_FILE, check_folder, file_record, newest_intact
 
 try:
     import transformers
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 except ModuleNotFoundError as e:  # tested in a process without transformers
-    if (e.name or "").partition(".")[0] != "transformers":
-        raise
-    raise ModuleNotFoundError(
-        "ckptkit.integrations.transformers needs transformers: pip install 'ckptkit[transformers]'", name=e.name
-    ) from None
+    raise missing_extra(e, __name__, "transformers", "transformers") from None
 
 __all__ = ["CONFIG_TYPE", "EXEMPT", "Trainer", "TrainerMixin", "capture_rng", "environment", "restore_rng"]
 
