@@ -834,3 +834,9 @@ def test_check_resume_refuses_a_config_that_is_neither_a_dataclass_nor_a_table()
         UnsupportedValue, match=r"^check_resume needs the config as a dataclass instance or a table \(got list\)$"
     ):
         check_resume({"a": 1}, [1])
+
+
+def test_an_empty_table_is_not_filled_with_the_default_of_its_key():
+    # TrainingArguments(lr_scheduler_kwargs={}): the field's default is None, the run's value an empty table.
+    snapshot = {"args": {"kwargs": {}, "lr": 0.1}}
+    assert check_resume(snapshot, {"args": {"kwargs": {}, "lr": 0.1}}, defaults={"args.kwargs": None}) == []

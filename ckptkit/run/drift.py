@@ -322,8 +322,10 @@ def check_resume(
         raise UnsupportedValue(
             f"check_resume needs the config as a dataclass instance or a table (got {type(cfg).__name__})"
         )
-    old = _with_defaults(_as_flat(snapshot, "snapshot"), declared)
-    diffs = diff_flat(old, _as_flat(cfg, "cfg"), exempt_set(exempt))
+    new = _as_flat(cfg, "cfg")
+    # Only a key the config has is compared at its default: an empty table (kwargs={}) has no leaf.
+    old = _with_defaults(_as_flat(snapshot, "snapshot"), {k: v for k, v in declared.items() if k in new})
+    diffs = diff_flat(old, new, exempt_set(exempt))
     strict = [d for d in diffs if d.strict]
     if strict:
         raise ConfigDrift(_drift_message(strict, where), strict)
