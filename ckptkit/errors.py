@@ -15,7 +15,7 @@ around a load keeps working::
     │   ├── BadTensorValue                    tensor bytes that are no value of their dtype
     │   └── SidecarMismatch                   a sidecar does not belong to its checkpoint
     ├── CheckpointNotFound (FileNotFoundError) no checkpoint where one was expected
-    │   └── IncompleteCheckpoint              a distributed save that did not commit on every rank
+    │   └── IncompleteCheckpoint              a save that did not commit (a distributed one, a Trainer folder)
     ├── UnreadableFile (OSError)              a path that is there but is no readable file
     ├── InsufficientMemory (MemoryError)      a load would allocate more than is available
     ├── SaveFailed (OSError)                  a write failed; the previous file is intact
@@ -197,8 +197,9 @@ class CheckpointNotFound(CheckpointError, FileNotFoundError):
 
 
 class IncompleteCheckpoint(CheckpointNotFound):
-    """A distributed checkpoint directory whose save did not commit on every rank
-    (no metadata file, or a rank's data file missing); ``missing`` names the files."""
+    """A checkpoint whose save did not commit: a distributed checkpoint directory that did not
+    commit on every rank (no metadata file, or a rank's data file missing; ``missing`` names the
+    files), or a Trainer ``checkpoint-N/`` folder without its commit (spec/transformers.md R-HF03)."""
 
     def __init__(self, message: str, missing: tuple[str, ...] = ()) -> None:
         super().__init__(message)

@@ -774,3 +774,69 @@ def test_damaged_snapshot_bytes_raise_only_format_errors(data):
     # What still parses is a valid snapshot: the resume check runs to a verdict.
     with contextlib.suppress(ConfigDrift):
         check_resume(snap, Cfg())
+
+
+# --------------------------------------------------------------------------- a config given as a table
+
+
+def test_a_table_config_is_written_canonically_with_its_config_type():
+    table = {"args": {"lr": 0.01, "betas": (0.9, 0.95), "kwargs": {"warmup": 3}}, "model": {"id2label": {"0": "A"}}}
+    data = encode_snapshot(table, "my.Trainer")
+    doc = json.loads(data)
+    assert doc == {
+        "config": {
+            "args": {"betas": [0.9, 0.95], "kwargs": {"warmup": 3}, "lr": 0.01},
+            "model": {"id2label": {"0": "A"}},
+        },
+        "config_type": "my.Trainer",
+        "schema_version": 1,
+    }
+    assert data == encode_snapshot(dict(reversed(list(table.items()))), "my.Trainer")  # same config, same bytes
+
+
+@pytest.mark.parametrize(
+    ("table", "message"),
+    [
+        (
+            {"args": {"a.b": 1}},
+            "config field args.'a.b': cannot snapshot the key; table keys are non-empty strings without '.'",
+        ),
+        (
+            {"args": {0: 1}},
+            "config field args.0: cannot snapshot the key; table keys are non-empty strings without '.'",
+        ),
+        ({"args": {"x": object}}, "config field args.x: cannot snapshot a type"),
+    ],
+)
+def test_a_table_config_refuses_what_a_snapshot_cannot_carry_naming_the_key(table, message):
+    with pytest.raises(UnsupportedValue) as e:
+        encode_snapshot(table)
+    assert str(e.value).startswith(message)
+
+
+def test_check_resume_of_a_table_compares_missing_keys_at_the_defaults_given():
+    old = {"args": {"lr": 0.01}}  # written before args.seed existed
+    assert check_resume(old, {"args": {"lr": 0.01, "seed": 42}}, defaults={"args.seed": 42}) == []
+    with pytest.raises(ConfigDrift) as e:
+        check_resume(old, {"args": {"lr": 0.02, "seed": 7}}, defaults={"args.seed": 42})
+    assert str(e.value).splitlines() == [
+        "config drift: 2 strict differences from the run's snapshot:",
+        "  args.lr 0.01 -> 0.02",
+        "  args.seed 42 -> 7",
+        "resuming would continue a different run; restore these values, or start a new run in a new directory",
+    ]
+    with pytest.raises(ConfigDrift, match=r"args.seed \(absent\) -> 42: the snapshot never carried this key"):
+        check_resume(old, {"args": {"lr": 0.01, "seed": 42}})  # no defaults: a new key is strict
+
+
+def test_check_resume_refuses_a_config_that_is_neither_a_dataclass_nor_a_table():
+    with pytest.raises(
+        UnsupportedValue, match=r"^check_resume needs the config as a dataclass instance or a table \(got list\)$"
+    ):
+        check_resume({"a": 1}, [1])
+
+
+def test_an_empty_table_is_not_filled_with_the_default_of_its_key():
+    # TrainingArguments(lr_scheduler_kwargs={}): the field's default is None, the run's value an empty table.
+    snapshot = {"args": {"kwargs": {}, "lr": 0.1}}
+    assert check_resume(snapshot, {"args": {"kwargs": {}, "lr": 0.1}}, defaults={"args.kwargs": None}) == []

@@ -6,7 +6,9 @@
 
 A and B are snapshot files (``*.config.json``), checkpoints (the snapshot next
 to it, ``<ckpt>.config.json``) or run directories (the snapshot next to the
-newest ``step-XXXXXXXX.ckpt``, else ``config.json`` at the directory root).
+newest ``step-XXXXXXXX.ckpt``, else ``config.json`` at the directory root), or a
+Hugging Face Trainer ``checkpoint-N/`` folder or output directory (its newest
+folder's ``ckptkit.config.json``; spec/transformers.md).
 A is the old side, B the new one: the classes are the ones a resume of A with
 B's config would see (no declared defaults are filled in: what is written is
 compared). Exit codes as GNU diff: 0 no strict difference, 1 strict drift (or
@@ -26,7 +28,7 @@ from typing import Any
 
 from ..errors import CheckpointError, CheckpointNotFound
 from ..format.snapshot import SNAPSHOT_SUFFIX, Snapshot, read_snapshot, snapshot_path
-from ..run.drift import KeyDiff, diff_keys
+from ..run.drift import DEFAULT_EXEMPT, KeyDiff, diff_keys
 from ._paths import CKPT_RE
 
 __all__ = ["add_parser", "run"]
@@ -47,6 +49,8 @@ A and B may each be
   a checkpoint             runs/a/step-00000120.ckpt  (uses <ckpt>.config.json)
   a run directory          runs/a  (the snapshot of the newest step-*.ckpt,
                            else runs/a/config.json)
+  a Trainer folder         out/checkpoint-20, or out (its newest checkpoint-N/);
+                           the exempt class is then the Trainer's (spec/transformers.md)
 A is the old side, B the new one."""
 
 _EPILOG = """\
@@ -102,6 +106,11 @@ def _newest_checkpoint(directory: str) -> str | None:
 
 def _resolve(path: str) -> tuple[str, str | None]:
     """(snapshot file, checkpoint or None) for a command-line path."""
+    from . import _trainer
+
+    trainer = _trainer.snapshot_of(path)
+    if trainer is not None:
+        return trainer
     if os.path.isdir(path):
         ckpt = _newest_checkpoint(path)
         if ckpt is not None:
@@ -122,6 +131,13 @@ def _resolve(path: str) -> tuple[str, str | None]:
     if not os.path.isfile(snap):
         raise CheckpointNotFound(f"{path}: no config snapshot next to this checkpoint (expected {snap})")
     return snap, path
+
+
+def _exempt(a: Snapshot, b: Snapshot) -> frozenset[str]:
+    """The exempt class a resume would apply: a Trainer run's (spec/transformers.md R-HF04), else the default."""
+    from ..integrations.hf_folder import CONFIG_TYPE, EXEMPT
+
+    return EXEMPT if a.config_type == b.config_type == CONFIG_TYPE else DEFAULT_EXEMPT
 
 
 def _show(value: Any) -> str:
@@ -199,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
         snap_a, ckpt_a = _resolve(args.a)
         snap_b, ckpt_b = _resolve(args.b)
         a, b = read_snapshot(snap_a), read_snapshot(snap_b)
-        diffs = diff_keys(a, b)
+        diffs = diff_keys(a, b, exempt=_exempt(a, b))
         tensors = _tensor_diffs(ckpt_a, ckpt_b) if args.tensors else None
     except (CheckpointError, OSError, _Unavailable) as e:
         if getattr(args, "debug", False):

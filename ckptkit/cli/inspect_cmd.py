@@ -40,7 +40,9 @@ def add_parser(sub: Any) -> None:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("path", metavar="PATH", help="a checkpoint file")
+    p.add_argument(
+        "path", metavar="PATH", help="a checkpoint file, or a Trainer checkpoint-N/ folder or output directory"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object (schema_version 1)")
 
 
@@ -66,10 +68,12 @@ def _plain(tree: Any) -> Any:
 def run(args: argparse.Namespace) -> int:
     import os
 
-    from . import _distributed
+    from . import _distributed, _trainer
 
     if _distributed.is_distributed_dir(args.path):
         return _distributed.inspect_directory(args.path, args.json, _size)
+    if _trainer.is_trainer_path(args.path):
+        return _trainer.inspect(args.path, args.json, _size)
     if os.path.isdir(args.path):
         raise CheckpointNotFound(f"{args.path}: is a directory; inspect takes one checkpoint file")
     with Source(args.path) as src:

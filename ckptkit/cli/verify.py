@@ -111,15 +111,18 @@ def _verify_any(path: str) -> Report:
 
 
 def run(args: argparse.Namespace) -> int:
-    from . import _distributed
+    from . import _distributed, _trainer
 
-    dirs = [p for p in args.paths if _distributed.is_distributed_dir(p)]
+    # A Hugging Face Trainer output directory or checkpoint-N/ folder (spec/transformers.md).
+    trainer_folders, paths = _trainer.split(args.paths)
+    trainer_checks = _trainer.check_all(trainer_folders)
+    dirs = [p for p in paths if _distributed.is_distributed_dir(p)]
     # A distributed run directory: its step-N.dcp/ directories, and its sidecars as files.
-    runs = {p: _distributed.run_contents(p) for p in args.paths if os.path.isdir(p) and p not in dirs}
+    runs = {p: _distributed.run_contents(p) for p in paths if os.path.isdir(p) and p not in dirs}
     only_dcp = {p for p, (steps, _) in runs.items() if steps and not expand_checkpoints_or_none(p)}
     dir_reports = _distributed.verify_all(dirs + [d for steps, _ in runs.values() for d in steps])
     try:
-        files = expand_checkpoints([p for p in args.paths if p not in dirs and p not in only_dcp])
+        files = expand_checkpoints([p for p in paths if p not in dirs and p not in only_dcp])
         files += [s for p in only_dcp for s in runs[p][1]]
     except CheckpointNotFound as e:
         print(f"ckptkit verify: {e}", file=sys.stderr)
@@ -127,15 +130,19 @@ def run(args: argparse.Namespace) -> int:
     reports = _verify_files(files, quiet=args.quiet)
     if reports is None:
         return 2
-    companions = _companion_checks(reports, args.paths, dir_reports)
-    histories = _history_checks(args.paths)
+    companions = _companion_checks(reports, paths, dir_reports)
+    histories = _history_checks(paths)
     ok = all(r.ok for r in reports + dir_reports) and all(c["ok"] for c in companions) and all(h.ok for h in histories)
+    ok = ok and all(c.ok for c in trainer_checks)
     if args.json:
         files_json = [report_json(r) for r in reports] + [_distributed.report_json(r) for r in dir_reports]
         history_json = [_history_json(h) for h in histories]
         doc = {"schema_version": 1, "ok": ok, "files": files_json, "companions": companions, "history": history_json}
+        if trainer_checks:  # present only then, so the other outputs keep their shape
+            doc["trainer_checkpoints"] = [_trainer.folder_json(c) for c in trainer_checks]
         print(json.dumps(doc, sort_keys=True))
     else:
+        _trainer.print_checks(trainer_checks, _size)
         _distributed.print_reports(dir_reports, _size)
         for r in reports:
             _print_report(r)

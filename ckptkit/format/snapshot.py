@@ -24,6 +24,7 @@ import enum
 import json
 import math
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from ..errors import (
@@ -42,6 +43,7 @@ __all__ = [
     "read_snapshot",
     "snapshot_config",
     "snapshot_path",
+    "table_config",
     "write_snapshot",
 ]
 
@@ -178,14 +180,41 @@ def snapshot_config(cfg: Any) -> dict[str, Any]:
     return _table(cfg, "", ())
 
 
-def encode_snapshot(cfg: Any) -> bytes:
+def table_config(table: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Return a config given as a nested table (a mapping, not a dataclass), as JSON values.
+
+    For configs a trainer owns as dicts (a ``TrainingArguments.to_dict()``): every key
+    is a field name (R-S06) and every leaf a snapshot value (R-S04); a nested mapping
+    is a nested table.
+
+    Raises:
+        UnsupportedValue: a key that is not a field name (empty, not a string, with a
+            ``.``), or a leaf the snapshot cannot carry; the message names its dotted path.
+    """
+    out: dict[str, Any] = {}
+    for key, value in table.items():
+        if not isinstance(key, str) or not key or "." in key:
+            raise UnsupportedValue(
+                f"config field {prefix}{key!r}: cannot snapshot the key; table keys are non-empty strings without '.'"
+            )
+        path = prefix + key
+        out[key] = table_config(value, path + ".") if isinstance(value, Mapping) else normalize_value(value, path)
+    return out
+
+
+def encode_snapshot(cfg: Any, config_type: str | None = None) -> bytes:
     """Return the canonical snapshot file bytes for ``cfg`` (R-S02, R-S03).
 
     Same config, same bytes: UTF-8 (ASCII-only) JSON, keys sorted, 2-space
     indent, no trailing spaces, one trailing newline.
 
+    Args:
+        cfg: a dataclass instance, or a nested table (:func:`table_config`).
+        config_type: the ``config_type`` to write; default: the dataclass's qualified name
+            (a table's: ``"builtins.dict"``).
+
     Raises:
-        UnsupportedValue: as :func:`snapshot_config`.
+        UnsupportedValue: as :func:`snapshot_config` and :func:`table_config`.
 
     Example:
         >>> @dataclasses.dataclass
@@ -194,9 +223,10 @@ def encode_snapshot(cfg: Any) -> bytes:
         >>> encode_snapshot(Cfg()).decode().splitlines()[1]
         '  "config": {'
     """
+    table = table_config(cfg) if isinstance(cfg, Mapping) else snapshot_config(cfg)
     doc = {
-        "config": snapshot_config(cfg),
-        "config_type": _qualname(type(cfg)),
+        "config": table,
+        "config_type": config_type or _qualname(type(cfg)),
         "schema_version": SCHEMA_VERSION,
     }
     text = json.dumps(doc, sort_keys=True, indent=2, separators=(",", ": "), ensure_ascii=True, allow_nan=False)

@@ -2,6 +2,9 @@
 
 * :mod:`ckptkit.integrations.lightning` -- ``CheckpointIO`` for Lightning's ``Trainer``
   and ``Fabric`` (``pip install 'ckptkit[lightning]'``).
+* :mod:`ckptkit.integrations.transformers` -- a Hugging Face ``Trainer`` whose checkpoints
+  ckptkit commits, verifies and drift-checks (``pip install 'ckptkit[transformers]'``);
+  :mod:`ckptkit.integrations.hf_folder` is its folder check, torch-free (``ckptkit verify``).
 
 docs/integrations.md says how ckptkit is used with Lightning, torchtitan/DCP,
 Hugging Face and experiment trackers.

@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING, Any, TypeGuard
 from ..errors import FormatError, UnsupportedValue
 from ..format.checkpoint import Checkpoint, load, save
 from ..format.section import check_plain
+from ._extra import missing_extra
 
 if TYPE_CHECKING:
     import torch
@@ -63,11 +64,7 @@ try:
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO as _LightningCheckpointIO
     from lightning.pytorch.callbacks import Callback as _Callback
 except ModuleNotFoundError as e:  # tested in a process without lightning
-    if (e.name or "").partition(".")[0] != "lightning":
-        raise
-    raise ModuleNotFoundError(
-        "ckptkit.integrations.lightning needs Lightning: pip install 'ckptkit[lightning]'", name=e.name
-    ) from None
+    raise missing_extra(e, __name__, "lightning", "Lightning") from None
 
 __all__ = ["LAYOUT", "CheckpointIO", "from_container", "to_container"]
 

@@ -252,12 +252,12 @@ def prefixes(key: str) -> list[str]:
     return [".".join(parts[:i]) for i in range(1, len(parts))]
 
 
-def _with_defaults(old: dict[str, Any], cfg: Any) -> dict[str, Any]:
-    """Fill the keys an old snapshot lacks with the config type's declared defaults (R-S09)."""
+def _with_defaults(old: dict[str, Any], declared: dict[str, Any]) -> dict[str, Any]:
+    """Fill the keys an old snapshot lacks with the config's declared defaults (R-S09)."""
     present = set(old)
     ancestors = {p for key in old for p in prefixes(key)}
     filled = dict(old)
-    for key, value in _declared_defaults(cfg, "", {}).items():
+    for key, value in declared.items():
         # Only where the snapshot says nothing about this key, its table or its subtree.
         if key in present or key in ancestors or any(p in present for p in prefixes(key)):
             continue
@@ -274,7 +274,13 @@ def _drift_message(strict: list[KeyDiff], where: str | None) -> str:
     return "\n".join(lines)
 
 
-def check_resume(snapshot: Any, cfg: Any, *, exempt: Iterable[str] = DEFAULT_EXEMPT) -> list[KeyDiff]:
+def check_resume(
+    snapshot: Any,
+    cfg: Any,
+    *,
+    exempt: Iterable[str] = DEFAULT_EXEMPT,
+    defaults: Mapping[str, Any] | None = None,
+) -> list[KeyDiff]:
     """Refuse a resume whose config differs from the run's snapshot in any strict key.
 
     A key the snapshot lacks is compared at the field's declared default, so a
@@ -284,8 +290,11 @@ def check_resume(snapshot: Any, cfg: Any, *, exempt: Iterable[str] = DEFAULT_EXE
 
     Args:
         snapshot: a :class:`Snapshot`, a path to a snapshot file, or a table.
-        cfg: the resolved config of the run about to resume (a dataclass instance).
+        cfg: the resolved config of the run about to resume: a dataclass instance, or a
+            nested table (a mapping, as :func:`~ckptkit.format.snapshot.table_config`).
         exempt: as :func:`diff_keys`.
+        defaults: for a table ``cfg``, the declared defaults (dotted path -> value) of
+            the keys an older snapshot may lack; a dataclass declares its own.
 
     Returns:
         The exempt differences (all of them pass); log ``d.describe()`` for each,
@@ -305,10 +314,18 @@ def check_resume(snapshot: Any, cfg: Any, *, exempt: Iterable[str] = DEFAULT_EXE
     if isinstance(snapshot, (str, os.PathLike)):
         snapshot = read_snapshot(snapshot)
     where = snapshot.path if isinstance(snapshot, Snapshot) else None
-    if not is_config_instance(cfg):
-        raise UnsupportedValue(f"check_resume needs the config as a dataclass instance (got {type(cfg).__name__})")
-    old = _with_defaults(_as_flat(snapshot, "snapshot"), cfg)
-    diffs = diff_flat(old, _as_flat(cfg, "cfg"), exempt_set(exempt))
+    if isinstance(cfg, Mapping):
+        declared = flatten(defaults or {}, "", {})
+    elif is_config_instance(cfg):
+        declared = _declared_defaults(cfg, "", {})
+    else:
+        raise UnsupportedValue(
+            f"check_resume needs the config as a dataclass instance or a table (got {type(cfg).__name__})"
+        )
+    new = _as_flat(cfg, "cfg")
+    # Only a key the config has is compared at its default: an empty table (kwargs={}) has no leaf.
+    old = _with_defaults(_as_flat(snapshot, "snapshot"), {k: v for k, v in declared.items() if k in new})
+    diffs = diff_flat(old, new, exempt_set(exempt))
     strict = [d for d in diffs if d.strict]
     if strict:
         raise ConfigDrift(_drift_message(strict, where), strict)

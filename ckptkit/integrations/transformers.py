@@ -1,0 +1,334 @@
+"""Hugging Face ``Trainer`` runs that resume as the same run, or refuse (spec/transformers.md).
+
+    from ckptkit.integrations.transformers import Trainer     # instead of transformers.Trainer
+
+    trainer = Trainer(model=model, args=args, train_dataset=ds)
+    trainer.train()                                # checkpoint-N/: committed, every file digested
+    trainer.train(resume_from_checkpoint=True)     # the newest intact one, verified and drift-checked
+
+Install with ``pip install 'ckptkit[transformers]'``. ``Trainer`` is ``transformers.Trainer``
+with :class:`TrainerMixin` first; put the mixin first in your own subclass of a Trainer
+(``class MyTrainer(TrainerMixin, SFTTrainer)``) to get the same.
+
+What changes (spec/transformers.md):
+
+* ``checkpoint-N/`` keeps what Trainer writes (safetensors weights, model config,
+  ``trainer_state.json``), drops the pickled ``training_args.bin`` for the config snapshot
+  ``ckptkit.config.json``, and is committed by ``ckptkit-state.ckpt``, written last: a
+  container holding the optimizer, scheduler, scaler and RNG states (Python, NumPy, torch,
+  CUDA where present), the environment and the size and digest of every other file.
+  No ``torch.save`` file is written; a resume unpickles nothing.
+* ``train(resume_from_checkpoint=True)`` resumes the newest *intact* folder (a torn or
+  damaged one is skipped, with a log line naming each problem); a path given explicitly
+  must be intact. Then the resolved ``TrainingArguments`` and the model config are
+  compared with the snapshot: a changed strict key is :class:`~ckptkit.errors.ConfigDrift`
+  naming every one (:data:`EXEMPT` may change), and a changed environment is
+  :class:`~ckptkit.errors.EnvironmentDrift` unless ``allow_env_change=True``.
+
+Why a subclass and not a ``TrainerCallback``: a callback runs after ``_save_checkpoint``
+has written its ``torch.save`` files and rotated old checkpoints, and on a resume after
+Trainer has ``torch.load``-ed the optimizer, scheduler and RNG files; it can neither keep
+those states out of pickle nor commit before rotation. The overrides are Trainer's own
+save and load hooks (``_save_checkpoint``, ``_save_optimizer_and_scheduler``,
+``_save_scaler``, ``_save_rng_state`` and their ``_load_*`` twins), private names tested
+against the pinned release (``tests/test_transformers.py``).
+
+Known limits: one process (no DDP, FSDP or DeepSpeed: refused when the Trainer is built);
+``TrainingArguments`` values the snapshot cannot carry (an object inside ``fsdp_config``)
+are refused, naming the key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import json
+import logging
+import math
+import os
+import random
+import shutil
+from typing import Any
+
+from ..errors import CheckpointNotFound, ResumeRefused, UnsupportedValue
+from ..format.atomic import write_bytes_atomic
+from ..format.checkpoint import Checkpoint, load, save
+from ..format.snapshot import encode_snapshot, read_snapshot
+from ..run.drift import check_resume
+from ..run.environment import Fact, capture, check_environment
+from ._extra import missing_extra
+from .hf_folder import CONFIG_FILE, CONFIG_TYPE, EXEMPT, LAYOUT, STATE_FILE, check_folder, file_record, newest_intact
+
+try:
+    import transformers
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+except ModuleNotFoundError as e:  # tested in a process without transformers
+    raise missing_extra(e, __name__, "transformers", "transformers") from None
+
+__all__ = ["CONFIG_TYPE", "EXEMPT", "Trainer", "TrainerMixin", "capture_rng", "environment", "restore_rng"]
+
+logger = logging.getLogger(__name__)
+
+_TRAINING_ARGS_FILE = "training_args.bin"  # transformers' TRAINING_ARGS_NAME: the pickled TrainingArguments
+_PLAIN = (type(None), bool, int, float, str, enum.Enum)
+
+
+def environment() -> dict[str, Fact]:
+    """The run's environment (:func:`ckptkit.run.environment.capture`) plus the transformers and accelerate versions."""
+    from importlib.metadata import version
+
+    return dict(
+        sorted({**capture(), "transformers": transformers.__version__, "accelerate": version("accelerate")}.items())
+    )
+
+
+def capture_rng() -> dict[str, Any]:
+    """The global RNG states Trainer's own ``rng_state.pth`` holds, as container values (no objects).
+
+    Python's state is ``(version, 625 ints, gauss)``, NumPy's ``("MT19937", uint32[624], pos,
+    has_gauss, cached_gaussian)``; their arrays are stored as int64 tensors, the rest as plain values.
+    """
+    import numpy as np
+    import torch
+
+    version, keys, gauss = random.getstate()
+    np_state: Any = np.random.get_state()
+    kind, mt, pos, has_gauss, cached = np_state
+    out: dict[str, Any] = {
+        "python": {"version": version, "state": torch.tensor(keys, dtype=torch.int64), "gauss": gauss},
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(mt.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
+        "torch": torch.random.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        out["cuda"] = list(torch.cuda.get_rng_state_all())
+    return out
+
+
+def restore_rng(states: dict[str, Any]) -> None:
+    """Set the global RNGs to ``states`` (from :func:`capture_rng`), each as the exact object its setter takes."""
+    import numpy as np
+    import torch
+
+    py, npy = states["python"], states["numpy"]
+    random.setstate((py["version"], tuple(int(x) for x in py["state"].tolist()), py["gauss"]))
+    keys = npy["keys"].numpy().astype(np.uint32)
+    np.random.set_state((npy["kind"], keys, npy["pos"], npy["has_gauss"], npy["cached_gaussian"]))
+    torch.random.set_rng_state(states["torch"])
+    if "cuda" in states:
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def _model_table(config: Any) -> dict[str, Any]:
+    """A model config as its ``config.json`` holds it (id2label's int keys become strings there too)."""
+    return {} if config is None else dict(json.loads(config.to_json_string(use_diff=False)))
+
+
+def _defaults(args: Any, model: Any) -> dict[str, Any]:
+    """The declared defaults of TrainingArguments and of the model's config class (R-S09): a key a newer
+    transformers adds compares at its default."""
+    out = {f"args.{f.name}": f.default for f in dataclasses.fields(args) if f.init and _plain(f.default)}
+    config = getattr(model, "config", None)
+    if config is not None:
+        for key, value in _model_table(type(config)()).items():
+            out[f"model.{key}"] = value
+    return out
+
+
+def _plain(value: Any) -> bool:
+    return math.isfinite(value) if isinstance(value, float) else isinstance(value, _PLAIN)
+
+
+class TrainerMixin:
+    """Trainer save and load hooks that commit each ``checkpoint-N/`` with ckptkit and resume only the same run.
+
+    Args:
+        allow_env_change: resume although the environment changed (the differences are logged).
+        *args, **kwargs: the Trainer's own arguments.
+
+    Raises:
+        UnsupportedValue: a setup this mixin does not cover (more than one process, FSDP,
+            DeepSpeed), or a ``TrainingArguments`` / model config value the snapshot cannot carry.
+    """
+
+    def __init__(self, *args: Any, allow_env_change: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.allow_env_change = allow_env_change
+        self._ckptkit_resume: Checkpoint | None = None
+        #: The ``checkpoint-N/`` folder the last ``train()`` resumed from (None: it started).
+        self.resumed_from: str | None = None
+        self._ckptkit_config = self.run_config()
+        trainer: Any = self
+        if trainer.args.world_size > 1 or trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
+            raise UnsupportedValue(
+                "ckptkit.integrations.transformers covers one process without FSDP or DeepSpeed "
+                f"(got world_size {trainer.args.world_size}); for several processes use ckptkit.distributed"
+            )
+        encode_snapshot(self._ckptkit_config)  # a config the snapshot cannot carry is refused now, not at a save
+
+    def run_config(self) -> dict[str, Any]:
+        """The run's config: ``{"args": TrainingArguments.to_dict(), "model": model.config.to_dict()}``."""
+        trainer: Any = self
+        return {"args": trainer.args.to_dict(), "model": _model_table(getattr(trainer.model, "config", None))}
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.train``, resuming only an intact checkpoint of the same run.
+
+        Args:
+            resume_from_checkpoint: ``True`` for the newest intact ``checkpoint-N/`` of
+                ``output_dir`` (damaged and torn ones are skipped and logged), a folder
+                (which must be intact), or None/False to start.
+
+        Raises:
+            CheckpointNotFound: nothing intact to resume (every problem is in the message).
+            ConfigDrift: a strict key of the config differs from the snapshot (all are named).
+            EnvironmentDrift: the environment differs and ``allow_env_change`` is False.
+            FormatError: the folder named is damaged (the first problem; ``ckptkit verify`` lists all).
+        """
+        # Taken once, before any save: save_pretrained fills in bookkeeping (model.architectures, dtype).
+        self._ckptkit_config = self.run_config()
+        folder = self._resume_folder(resume_from_checkpoint)
+        self._ckptkit_resume = None if folder is None else self._check_resume(folder)
+        self.resumed_from = folder
+        try:
+            return super().train(folder, *args, **kwargs)  # type: ignore[misc]
+        finally:
+            self._ckptkit_resume = None
+
+    def _resume_folder(self, wanted: str | bool | None) -> str | None:
+        trainer: Any = self
+        if wanted is None or wanted is False:
+            return None
+        if wanted is True:
+            output_dir = str(trainer.args.output_dir)
+            folder, skipped = newest_intact(output_dir) if os.path.isdir(output_dir) else (None, [])
+            for check in skipped:
+                for problem in check.problems:
+                    logger.warning("skipping %s: %s", check.path, problem)
+            if folder is None:
+                lines = [f"{output_dir}: no intact checkpoint-N folder to resume from"]
+                lines += [f"  {p}" for c in skipped for p in c.problems]
+                raise CheckpointNotFound("\n".join(lines))
+            return folder
+        check = check_folder(os.fspath(wanted))
+        if check.problems:
+            raise check.problems[0]
+        return check.path
+
+    def _check_resume(self, folder: str) -> Checkpoint:
+        """Load the commit and refuse another run's config or environment."""
+        trainer: Any = self
+        state = load(os.path.join(folder, STATE_FILE))
+        if state.optim is None:
+            raise ResumeRefused(
+                f"{folder}: saved with save_only_model=True: it holds no optimizer, scheduler or RNG state, so "
+                "a resume would not continue the same run; start a new run from its weights instead"
+            )
+        snapshot = read_snapshot(os.path.join(folder, CONFIG_FILE))
+        for d in check_resume(
+            snapshot, self.run_config(), exempt=EXEMPT, defaults=_defaults(trainer.args, trainer.model)
+        ):
+            logger.info("resume %s: %s", folder, d.describe())
+        for e in check_environment(state.monitor["environment"], environment(), allow=self.allow_env_change):
+            logger.warning("resume %s: environment: %s", folder, e)
+        return state
+
+    # ------------------------------------------------------------------ save: Trainer's hooks
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        """Trainer's save, then the snapshot and the commit, then rotation (after the commit, not before)."""
+        trainer: Any = self
+        run_dir = trainer._get_output_dir(trial=trial)
+        folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}")
+        _discard(folder)
+        limit, trainer.args.save_total_limit = trainer.args.save_total_limit, None
+        try:
+            super()._save_checkpoint(model, trial)  # type: ignore[misc]
+        finally:
+            trainer.args.save_total_limit = limit
+        if not trainer.args.should_save:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(folder, _TRAINING_ARGS_FILE))  # a pickle; the snapshot says the same
+        write_bytes_atomic(os.path.join(folder, CONFIG_FILE), encode_snapshot(self._ckptkit_config, CONFIG_TYPE))
+        self._commit(folder)
+        rotate_checkpoints(
+            output_dir=run_dir,
+            save_total_limit=limit,
+            best_model_checkpoint=trainer.state.best_model_checkpoint,
+            use_mtime=True,
+        )
+
+    def _commit(self, folder: str) -> None:
+        """Write ``ckptkit-state.ckpt`` last: the states, the environment and every file's digest (R-HF02)."""
+        trainer: Any = self
+        optim = None
+        if not trainer.args.save_only_model:
+            optim = {"optimizers": {"optimizer": trainer.optimizer.state_dict()}}
+            optim["schedulers"] = {"lr_scheduler": trainer.lr_scheduler.state_dict()}
+            scaler = getattr(trainer.accelerator, "scaler", None)
+            optim["scalers"] = {} if scaler is None else {"scaler": scaler.state_dict()}
+        monitor = {
+            "layout": LAYOUT,
+            "files": file_record(folder, durable=True),
+            "rng": capture_rng(),
+            "environment": environment(),
+        }
+        save(os.path.join(folder, STATE_FILE), Checkpoint(step=trainer.state.global_step, optim=optim, monitor=monitor))
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """Nothing here: the optimizer and scheduler go into the commit, not into ``torch.save`` files."""
+
+    def _save_scaler(self, output_dir: str) -> None:
+        """Nothing here: the scaler goes into the commit."""
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        """Nothing here: the RNG states go into the commit."""
+
+    # ------------------------------------------------------------------ load: Trainer's hooks
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """Restore the optimizer and scheduler from the verified commit (no ``torch.load``)."""
+        trainer: Any = self
+        if checkpoint is None or self._ckptkit_resume is None:
+            return
+        optim = self._ckptkit_resume.optim
+        trainer.optimizer.load_state_dict(optim["optimizers"]["optimizer"])
+        trainer.lr_scheduler.load_state_dict(optim["schedulers"]["lr_scheduler"])
+
+    def _load_scaler(self, checkpoint: str | None) -> None:
+        """Restore the gradient scaler, when the run has one."""
+        trainer: Any = self
+        scaler = getattr(trainer.accelerator, "scaler", None)
+        if checkpoint is None or self._ckptkit_resume is None or scaler is None:
+            return
+        scaler.load_state_dict(self._ckptkit_resume.optim["scalers"]["scaler"])
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        """Restore the global RNGs where Trainer restores them (after skipping a resumed epoch's batches)."""
+        if checkpoint is not None and self._ckptkit_resume is not None:
+            restore_rng(self._ckptkit_resume.monitor["rng"])
+
+
+def _discard(folder: str) -> None:
+    """Remove a folder left at this step by a torn save or an abandoned branch: uncommit it first, so a crash
+    half-way through the removal leaves a torn folder, never a committed one with other files."""
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(folder, STATE_FILE))
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+class Trainer(TrainerMixin, transformers.Trainer):
+    """``transformers.Trainer`` whose checkpoints ckptkit commits, verifies and drift-checks (:class:`TrainerMixin`).
+
+    Example::
+
+        trainer = Trainer(model=model, args=TrainingArguments("out", seed=1, full_determinism=True), train_dataset=ds)
+        trainer.train(resume_from_checkpoint=True)
+    """
