@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import same
 from safetensors.torch import load_file
 
 import ckptkit
@@ -91,16 +92,6 @@ def base(built: Callable[[int], dict[str, Any]]) -> dict[str, Any]:
     return built(1)
 
 
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    return type(a) is type(b) and a == b
-
-
 def _losses(folder: Path) -> list[str]:
     rows = json.loads((folder / "trainer_state.json").read_text())["log_history"]
     return [float(r["loss"]).hex() for r in rows if "loss" in r]
@@ -115,8 +106,8 @@ def test_40_steps_straight_equal_20_steps_then_a_new_process_resumed_to_40(runs:
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     sa, sb = ckptkit.load(a / STATE_FILE), ckptkit.load(b / STATE_FILE)
     assert sa.step == sb.step == 40
-    assert _same(sa.optim, sb.optim)  # AdamW moments and step, the LR schedule
-    assert _same(sa.monitor["rng"], sb.monitor["rng"])  # Python, NumPy and torch generators
+    assert same(sa.optim, sb.optim)  # AdamW moments and step, the LR schedule
+    assert same(sa.monitor["rng"], sb.monitor["rng"])  # Python, NumPy and torch generators
     assert len(_losses(a)) == 40 and _losses(a) == _losses(b)  # every step's loss, as exact bits
 
 

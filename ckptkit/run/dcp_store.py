@@ -37,8 +37,6 @@ from ..format.atomic import clean_stale_temps
 from ..format.checkpoint import Checkpoint
 from ..format.companions import record_of
 from ..format.section import check_plain
-from ..format.sidecar import read_sidecar, sidecar_path
-from ..format.snapshot import snapshot_path
 from ..format.tree import clone, tree_digest
 from . import files
 from ._registry import Access, Registry
@@ -293,9 +291,7 @@ class DcpStore:
             os.unlink(os.path.join(path, METADATA_NAME))
         if os.path.isdir(path):
             shutil.rmtree(path)
-        for p in [snapshot_path(path)] + [sidecar_path(path, k) for k in self.reg.sidecars]:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(p)
+        files.remove_companions(path, self.reg.sidecars)
 
     # ------------------------------------------------------------------ resume
 
@@ -325,14 +321,14 @@ class DcpStore:
         resharded = saved != now
         if resharded and not reshard:
             raise world_size_changed(self.run_dir, saved, now)
-        sidecars = {k: read_sidecar(sidecar_path(path, k), expect_step=run["step"]) for k in self.reg.sidecars}
+        sidecars = files.restorable(files.read_sidecars(path, run["step"], self.reg.sidecars))
         ckpt, notes = self._plain_state(path, md, run, resharded)
         if resharded:
             notes.append(
                 f"resharded at step {run['step']} from {describe_world(saved)} to {describe_world(now)}: "
                 f"{RESHARD_NOTE} (the steps before it ran at another world size or layout)"
             )
-        return Opened(ckpt, {k: (sc.table_step, sc.tree) for k, sc in sidecars.items()}, resharded, notes)
+        return Opened(ckpt, sidecars, resharded, notes)
 
     def load(self, path: str, opened: Opened, *, copy: bool = False) -> Checkpoint:
         return self._load(path, opened.ckpt, copy=copy)

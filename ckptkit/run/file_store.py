@@ -22,8 +22,6 @@ from ..format.atomic import clean_stale_temps
 from ..format.checkpoint import Checkpoint, load, save
 from ..format.companions import COMPANIONS_KEY, record_of
 from ..format.container import SECTIONS
-from ..format.sidecar import read_sidecar, sidecar_path
-from ..format.snapshot import snapshot_path
 from ._registry import Registry
 from .files import (
     CKPT_SUFFIX,
@@ -33,6 +31,9 @@ from .files import (
     list_checkpoints,
     read_companions,
     read_environment,
+    read_sidecars,
+    remove_companions,
+    restorable,
     retain,
     write_companions,
 )
@@ -127,9 +128,9 @@ class FileStore:
     def delete(self, path: str) -> None:
         # Container first: a crash mid-delete leaves orphan companions (swept by
         # retention), never a container without its companions.
-        for p in [path, snapshot_path(path)] + [sidecar_path(path, k) for k in self.reg.sidecars]:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(p)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        remove_companions(path, self.reg.sidecars)
 
     def wait(self) -> None:
         if self._saver is not None:
@@ -149,7 +150,7 @@ class FileStore:
         ckpt = load(path)
         check_step(path, step, ckpt.step, field="step", what="header step", offset=8)
         sidecars = read_companions(path, step, self.reg.sidecars, ckpt.monitor)
-        self._checked = (path, ckpt, {k: (sc.table_step, sc.tree) for k, sc in sidecars.items()})
+        self._checked = (path, ckpt, restorable(sidecars))
         return record_of(ckpt.monitor)
 
     def open(self, path: str, *, reshard: bool) -> Opened:
@@ -157,16 +158,10 @@ class FileStore:
         if checked is not None and checked[0] == path:
             return Opened(checked[1], checked[2])
         ckpt = load(path)
-        return Opened(ckpt, self._sidecars(path, ckpt.step))
+        return Opened(ckpt, restorable(read_sidecars(path, ckpt.step, self.reg.sidecars)))
 
     def load(self, path: str, opened: Opened, *, copy: bool = False) -> Checkpoint:
         return opened.ckpt  # every tensor was read (and verified) into memory of its own by open()
-
-    def _sidecars(self, path: str, step: int) -> Sidecars:
-        return {
-            kind: (sc.table_step, sc.tree)
-            for kind, sc in ((k, read_sidecar(sidecar_path(path, k), expect_step=step)) for k in self.reg.sidecars)
-        }
 
 
 def bind(ckpt: Checkpoint, record: dict[str, Any]) -> Checkpoint:

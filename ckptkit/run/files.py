@@ -34,7 +34,10 @@ __all__ = [
     "newest_consistent",
     "read_companions",
     "read_environment",
+    "read_sidecars",
     "refuse_existing",
+    "remove_companions",
+    "restorable",
     "retain",
     "write_companions",
 ]
@@ -155,6 +158,30 @@ def check_step(path: str, named: int, stored: int, *, field: str, what: str, off
         )
 
 
+def remove_companions(path: str, kinds: Iterable[str]) -> None:
+    """Remove the snapshot and the sidecars of ``kinds`` beside the checkpoint at ``path`` (the
+    checkpoint itself goes first: a crash in between leaves orphans retention sweeps, never a
+    checkpoint without its companions)."""
+    for p in [snapshot_path(path), *(sidecar_path(path, k) for k in kinds)]:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(p)
+
+
+def read_sidecars(path: str, step: int, kinds: Iterable[str]) -> dict[str, Sidecar]:
+    """Each sidecar of ``kinds`` beside the checkpoint at ``path``, checked to be stamped ``step``.
+
+    Raises:
+        CheckpointNotFound: a sidecar is missing.
+        FormatError: one is damaged or belongs to another step (R-021).
+    """
+    return {kind: read_sidecar(sidecar_path(path, kind), expect_step=step) for kind in kinds}
+
+
+def restorable(sidecars: Mapping[str, Sidecar]) -> dict[str, tuple[int, Any]]:
+    """``kind -> (table_step, tree)``: read sidecars in the form ``RunState.restore`` takes."""
+    return {kind: (sc.table_step, sc.tree) for kind, sc in sidecars.items()}
+
+
 def read_companions(path: str, step: int, kinds: Iterable[str], tree: Any) -> dict[str, Sidecar]:
     """The companions of the checkpoint at ``path`` (its companion record in ``tree``, the
     checkpoint's monitor state), checked: the snapshot is there and parses, each sidecar of
@@ -171,7 +198,7 @@ def read_companions(path: str, step: int, kinds: Iterable[str], tree: Any) -> di
     """
     if not os.path.exists(snapshot_path(path)):
         raise CheckpointNotFound(f"{snapshot_path(path)}: config snapshot is missing")
-    sidecars = {kind: read_sidecar(sidecar_path(path, kind), expect_step=step) for kind in kinds}
+    sidecars = read_sidecars(path, step, kinds)
     check_companions(path, record_of(tree, path), sidecars=sidecars)
     read_snapshot(snapshot_path(path))
     return sidecars

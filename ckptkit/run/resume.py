@@ -30,7 +30,7 @@ from ..format.snapshot import read_snapshot, snapshot_path
 from ._registry import Registry
 from .drift import KeyDiff, check_resume
 from .environment import EnvDiff, capture, check_environment
-from .files import fallback_notes, newest_consistent, read_environment, refuse_existing
+from .files import fallback_notes, list_checkpoints, newest_consistent, read_environment, refuse_existing
 from .group import Group, world_of
 from .store import Opened, Sidecars, Store
 
@@ -100,8 +100,6 @@ def start(store: Store, group: Group, run_dir: str) -> int:
 
 def has_checkpoints(group: Group, run_dir: str, suffixes: Iterable[str]) -> bool:
     """Rank 0 looks: does ``run_dir`` hold a checkpoint of any store (``resume_or_start``)?"""
-    from .files import list_checkpoints
-
     return group.from_rank0(lambda: any(list_checkpoints(run_dir, s) for s in suffixes), "listing checkpoints")
 
 
