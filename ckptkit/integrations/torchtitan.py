@@ -1,0 +1,304 @@
+"""A torchtitan checkpoint manager whose checkpoints are ckptkit's: no pickle, all ranks commit or none,
+every byte verified, and a resume that is the same run or a hard error (spec/torchtitan.md).
+
+Select it in the job config (``pip install 'ckptkit[torchtitan]'``)::
+
+    from ckptkit.integrations.torchtitan import CheckpointManager
+
+    config = llama3_debugmodel()                       # any Trainer.Config
+    config.checkpoint = CheckpointManager.Config(enable=True, interval=500, async_mode="async")
+
+torchtitan's ``Trainer`` builds it through that nested ``Config`` (``config.checkpoint.build(...)``);
+nothing in torchtitan is patched. It is torchtitan's ``CheckpointManager`` with four hooks replaced:
+
+* ``dcp_save`` writes through :class:`ckptkit.distributed.Writer` -- synchronously, or with
+  ``async_mode="async"`` in the background on the manager's own gloo group (R-TT01, R-TT02);
+  ``async_with_pinned_mem`` is refused when the config is made (R-TT03);
+* ``dcp_load`` first compares the job config with the checkpoint's snapshot (R-TT06), then
+  reads through :class:`ckptkit.distributed.Reader` (every key, shape and dtype checked first);
+* ``_find_load_step`` finds ckptkit checkpoints (``step-N/metadata.ckdcp``), skips an
+  uncommitted one, and refuses a folder whose newest checkpoint is DCP's pickled format,
+  so ``load()`` never starts from step 0 beside a checkpoint it did not see (R-TT04);
+* the dataloader's state is stored as a plain tree, not the ``pickle.dumps`` bytes torchtitan's
+  ``ParallelAwareDataloader`` keeps, and restored without ``pickle.loads`` (R-TT08).
+
+The job config is ``Trainer.Config`` itself: the manager reads it from the ``train_state`` the
+trainer registers (the trainer, whose ``.config`` it is), or from ``job_config=`` for a loop of
+your own. Its table (``_torchtitan_config.job_table``) is stored in every checkpoint under
+:data:`SNAPSHOT_KEY` (R-TT05).
+
+Known limits: local folders only (``checkpoint.folder`` as a URL is refused by the Writer);
+``initial_load_path`` must be a ckptkit checkpoint or, with ``initial_load_in_hf``, Hugging Face
+safetensors (a DCP default-backend checkpoint is refused: it is pickle); a final
+``last_save_in_hf`` export is torchtitan's own safetensors writer, never a resume point.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.stateful import Stateful
+
+from ..distributed.format import METADATA_NAME, read_metadata
+from ..distributed.save_load import load as ckd_load
+from ..distributed.save_load import save as ckd_save
+from ..distributed.save_load import translate
+from ..distributed.storage import Writer
+from ..errors import MalformedIndex, ResumeRefused, StateMismatch, UnsupportedOption, UnsupportedValue
+from ..format.section import check_plain
+from ._extra import missing_extra
+from ._torchtitan_config import check_job, job_table
+
+try:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    from torchtitan.components.checkpoint import DATALOADER, MODEL, TRAIN_STATE, AsyncMode
+    from torchtitan.components.checkpoint import CheckpointManager as _TorchtitanManager
+    from torchtitan.components.dataloader import ParallelAwareDataloader
+    from torchtitan.tools.logging import logger
+except ModuleNotFoundError as e:  # tested in a process without torchtitan
+    raise missing_extra(e, __name__, "torchtitan", "torchtitan") from None
+
+__all__ = ["SNAPSHOT_KEY", "CheckpointManager", "DataLoaderState", "find_load_step"]
+
+#: The DCP key under which every checkpoint stores the job config's snapshot table (R-TT05).
+SNAPSHOT_KEY = "ckptkit_job_config"
+_STEP = re.compile(r"step-(\d+)")
+_DCP_DEFAULT = ".metadata"  # DCP's FileSystemWriter: pickled metadata
+_HF_INDEX = "model.safetensors.index.json"
+
+
+def find_load_step(folder: str, log: Callable[[str], None] = print) -> int:
+    """The newest committed ckptkit checkpoint ``step-N`` in ``folder``, or -1 when it has none (R-TT04).
+
+    A ``step-N`` directory without ``metadata.ckdcp`` did not commit (a save was killed) and is
+    skipped, said through ``log``; so is a final Hugging Face export.
+
+    Raises:
+        ResumeRefused: the newest checkpoint in ``folder`` is one torchtitan's default manager
+            wrote (DCP's pickled format, which ckptkit never reads).
+    """
+    if not os.path.isdir(folder):
+        return -1
+    ours: list[int] = []
+    foreign: list[int] = []
+    skipped: list[str] = []
+    for name in sorted(os.listdir(folder)):
+        m = _STEP.fullmatch(name)
+        if not m:
+            continue
+        path = os.path.join(folder, name)
+        if os.path.isfile(os.path.join(path, METADATA_NAME)):
+            ours.append(int(m.group(1)))
+        elif os.path.isfile(os.path.join(path, _DCP_DEFAULT)):
+            foreign.append(int(m.group(1)))
+        elif not os.path.isfile(os.path.join(path, _HF_INDEX)):
+            skipped.append(name)
+    newest = max(ours, default=-1)
+    if foreign and max(foreign) > newest:
+        raise ResumeRefused(
+            f"{os.path.join(folder, f'step-{max(foreign)}')}: a checkpoint in DCP's default (pickled) format, newer "
+            f"than any ckptkit checkpoint in {folder}; ckptkit's torchtitan manager never reads pickle and will not "
+            "silently resume from an older step or from step 0: resume it with torchtitan's own CheckpointManager, "
+            "or move it out of the folder"
+        )
+    for name in skipped:
+        log(f"ckptkit: {os.path.join(folder, name)} did not commit (no {METADATA_NAME}); not a resume point")
+    return newest
+
+
+class CheckpointManager(_TorchtitanManager):
+    """torchtitan's ``CheckpointManager``, storing through ckptkit (the module docstring)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(_TorchtitanManager.Config):
+        """torchtitan's checkpoint options, each meaning what it means there (R-TT03 refuses one value)."""
+
+        def __post_init__(self) -> None:
+            _TorchtitanManager.Config.__post_init__(self)
+            if self.async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM.value:
+                raise UnsupportedOption(
+                    "checkpoint.async_mode='async_with_pinned_mem': DCP runs that save in another process, which "
+                    "ckptkit's writer does not serve (R-TT03); use async_mode='async' (a background thread on the "
+                    "manager's own gloo group) or 'disabled'"
+                )
+
+    def __init__(self, config: Config, *, job_config: Any = None, **kwargs: Any) -> None:
+        super().__init__(config, **kwargs)
+        if not self.enable:
+            return
+        job = job_config if job_config is not None else getattr(self.states.get(TRAIN_STATE), "config", None)
+        if job is None:
+            raise UnsupportedOption(
+                "ckptkit's torchtitan CheckpointManager needs the job config, to store it with every checkpoint and "
+                "compare it on resume (R-TT05): torchtitan's Trainer passes itself as states['train_state'] (its "
+                ".config is the job config); a loop of your own passes job_config= to config.checkpoint.build(...)"
+            )
+        self.job_table = job_table(job)  # refused here, before step 1, when it cannot be stored
+        if self.states.get(DATALOADER) is not None:
+            self.states[DATALOADER] = DataLoaderState(self.states[DATALOADER])
+
+    def dcp_save(
+        self,
+        state_dict: dict[str, Any],
+        checkpoint_id: str,
+        async_mode: AsyncMode,
+        enable_garbage_collection: bool = False,
+        to_hf: bool = False,
+    ) -> Future[Any] | None:
+        """Save ``state_dict`` and the job config's table into the ckptkit checkpoint ``checkpoint_id``.
+
+        Returns:
+            For ``async_mode="async"``, the future of the background save (its failure is the
+            ckptkit error of the failing rank); else None, once every rank committed.
+
+        Raises:
+            CheckpointError: as :func:`ckptkit.distributed.save` (synchronous saves and staging).
+        """
+        if to_hf:  # the final model-only safetensors export: torchtitan's writer, no pickle either
+            return super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
+        state = {**state_dict, SNAPSHOT_KEY: (self.job_table,)}  # a tuple: one plain value, never flattened
+        result: Future[Any] | None = None
+        if async_mode == AsyncMode.ASYNC:
+            result = self._async_save(state, checkpoint_id)
+        else:
+            ckd_save(state, checkpoint_id, overwrite=True)
+        if enable_garbage_collection:
+            from torchtitan.tools.utils import GarbageCollection
+
+            GarbageCollection.collect("GC collection invoked by checkpointer.")
+        return result
+
+    def _async_save(self, state: dict[str, Any], checkpoint_id: str) -> Future[Any]:
+        writer = Writer(checkpoint_id, overwrite=True)
+        try:
+            pending = dcp.async_save(state, storage_writer=writer, process_group=self.pg)
+        except CheckpointException as e:
+            raise translate(e, writer) from None
+        assert isinstance(pending, Future), "dcp.async_save without a stager returns a Future"
+        done: Future[Any] = Future()
+
+        def settle(f: Future[Any]) -> None:
+            e = f.exception()
+            if e is None:
+                done.set_result(f.result())
+            else:
+                done.set_exception(translate(e, writer) if isinstance(e, CheckpointException) else e)
+
+        pending.add_done_callback(settle)
+        return done
+
+    def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
+        """Load the ckptkit checkpoint ``checkpoint_id`` into ``state_dict``; a resume from this
+        run's folder first compares the job config with the checkpoint's (R-TT06).
+
+        Raises:
+            ConfigDrift: a strict key differs (every one listed); nothing was loaded.
+            MalformedIndex: a checkpoint in this run's folder without a job config snapshot.
+            CheckpointError: as :func:`ckptkit.distributed.load`.
+        """
+        if from_hf:
+            super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
+            return
+        if os.path.normpath(os.path.dirname(os.path.normpath(checkpoint_id))) == os.path.normpath(self.folder):
+            self._check_job(checkpoint_id)
+        ckd_load(state_dict, checkpoint_id)
+        if MODEL in self.states:  # torchtitan flattens the model's keys into the state dict
+            self.states[MODEL].load_state_dict(state_dict)
+
+    def _check_job(self, checkpoint_id: str) -> None:
+        stored = read_metadata(checkpoint_id).values.get(SNAPSHOT_KEY)
+        if not (isinstance(stored, tuple) and len(stored) == 1 and isinstance(stored[0], dict)):
+            raise MalformedIndex(
+                "no job config snapshot",
+                path=checkpoint_id,
+                field=SNAPSHOT_KEY,
+                hint="not saved by ckptkit's torchtitan CheckpointManager; resume it as it was saved, or move it "
+                "out of the checkpoint folder (R-TT05)",
+            )
+        for d in check_job(stored[0], self.job_table, checkpoint_id):
+            logger.info(f"ckptkit: resuming {checkpoint_id} with {d.describe()}")
+
+    def _find_load_step(self, folder: str = "") -> int:
+        return find_load_step(folder or self.folder, logger.warning)
+
+
+def _native(dl: Any) -> bool:
+    """torchtitan's own ParallelAwareDataloader (its pickling state_dict and load_state_dict unchanged)."""
+    t = type(dl)
+    return (
+        isinstance(dl, ParallelAwareDataloader)
+        and t.state_dict is ParallelAwareDataloader.state_dict
+        and t.load_state_dict is ParallelAwareDataloader.load_state_dict
+    )
+
+
+class DataLoaderState(Stateful):
+    """The dataloader's state as a plain tree (R-TT08).
+
+    For torchtitan's ``ParallelAwareDataloader``: ``{"dp_rank_<r>": (tree,), "world_size": n}``, where
+    ``tree`` is ``StatefulDataLoader.state_dict()`` itself -- what torchtitan would ``pickle.dumps`` --
+    and it is restored through ``StatefulDataLoader.load_state_dict``, never ``pickle.loads``. Any other
+    dataloader's ``state_dict()`` is stored as it is, when it is plain data and holds no pickle.
+    """
+
+    def __init__(self, dataloader: Any) -> None:
+        self.dataloader = dataloader
+
+    def state_dict(self) -> dict[str, Any]:
+        """Raises:
+        UnsupportedValue: a value no checkpoint can carry, or pickle bytes (named by key path)."""
+        dl = self.dataloader
+        if _native(dl):
+            state = {dl._rank_id: (StatefulDataLoader.state_dict(dl),), "world_size": dl.dp_world_size}
+        else:
+            state = dl.state_dict()
+            _refuse_pickle(state, "dataloader")
+        try:
+            check_plain(state, "dataloader")
+        except UnsupportedValue as e:
+            raise UnsupportedValue(
+                f"{e}; the dataloader's state_dict() must be plain data to be stored without pickle (R-TT08)"
+            ) from None
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Raises:
+        StateMismatch: the state was saved at another data-parallel degree."""
+        dl = self.dataloader
+        if not _native(dl):
+            dl.load_state_dict(state_dict)
+            return
+        if not state_dict:
+            return
+        saved = state_dict.get("world_size")
+        if saved != dl.dp_world_size or dl._rank_id not in state_dict:
+            raise StateMismatch(
+                f"dataloader: saved at data-parallel degree {saved}, resumed at {dl.dp_world_size}; torchtitan's "
+                "dataloader cannot reshard its position, resume at the degree it was saved at",
+                [f"dataloader.world_size: {saved} -> {dl.dp_world_size}"],
+            )
+        StatefulDataLoader.load_state_dict(dl, state_dict[dl._rank_id][0])
+
+
+def _refuse_pickle(tree: Any, where: str) -> None:
+    """Raises UnsupportedValue at the first bytes value that is a pickle (protocol 2 or later)."""
+    if isinstance(tree, (bytes, bytearray)) and tree[:1] == b"\x80":
+        raise UnsupportedValue(
+            f"{where}: pickle bytes ({len(tree)} bytes); restoring them would run pickle.loads on resume, which "
+            "ckptkit never does: make this dataloader's state_dict() return its state as plain data (the tree it "
+            "pickles), and its load_state_dict() take that tree (R-TT08)"
+        )
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            _refuse_pickle(v, f"{where}[{k!r}]")
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            _refuse_pickle(v, f"{where}[{i}]")
+

@@ -1,0 +1,171 @@
+"""ckptkit's torchtitan CheckpointManager with the real package (spec/torchtitan.md).
+
+The end-to-end test runs torchtitan's llama3 debug model (smaller, through its config) on 2 gloo
+ranks with FSDP2 in real processes (tests/_torchtitan_worker.py): trained uninterrupted, trained
+again and SIGKILLed, resumed under a pickle trip-wire; the resumed run's state equals the
+uninterrupted run's bit for bit. The rest are the manager's refusals, in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers import same
+
+pytest.importorskip("torchtitan", reason="the torchtitan extra: pip install 'ckptkit[torchtitan]'")
+
+from torchtitan.components.dataloader import ParallelAwareDataloader  # noqa: E402
+
+from ckptkit.distributed.format import METADATA_NAME  # noqa: E402
+from ckptkit.errors import ResumeRefused, UnsupportedOption, UnsupportedValue  # noqa: E402
+from ckptkit.integrations.torchtitan import CheckpointManager, DataLoaderState, find_load_step  # noqa: E402
+
+# torchdata's StatefulDataLoader calls torch.set_vital, which torch 2.13 deprecates; not ours.
+pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
+
+WORKER = Path(__file__).with_name("_torchtitan_worker.py")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def ranks(phase: str, out: Path, world: int = 2, timeout: float = 240) -> list[int]:
+    """Run ``phase`` of the worker on ``world`` ranks; their exit codes."""
+    init = out / f"init-{phase}"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(WORKER.parent)])}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), phase, str(r), str(world), str(init), str(out)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for r in range(world)
+    ]
+    codes = []
+    for p in procs:
+        output, _ = p.communicate(timeout=timeout)
+        codes.append(p.returncode)
+        if p.returncode not in (0, -signal.SIGKILL):
+            print(output.decode(errors="replace")[-4000:])
+    return codes
+
+
+@pytest.mark.slow
+def test_killed_and_resumed_is_the_uninterrupted_run_bitwise_and_nothing_unpickles(tmp_path: Path) -> None:
+    assert ranks("first", tmp_path) == [-signal.SIGKILL, -signal.SIGKILL]
+    folder = tmp_path / "run" / "checkpoint"
+    assert sorted(os.listdir(folder)) == ["step-2", "step-4"]
+    (folder / "step-6").mkdir()  # a save killed before it committed: never a resume point
+    (folder / "step-6" / "__0_0.distcp").write_bytes(b"half a rank file")
+    assert ranks("resume", tmp_path) == [0, 0]
+    for rank in range(2):
+        report = json.loads((tmp_path / f"report-{rank}.json").read_text())
+        assert (report["resumed"], report["resumed_at"]) == (True, 4)
+        assert report["counts"] == {}  # not one call into pickle's or torch's unpickling, the whole resume
+        assert report["control"] == {"pickle.loads": 1}  # the trip-wire sees torchtitan's own pickle.loads
+        ref = torch.load(tmp_path / f"ref-{rank}.pt", weights_only=True)
+        got = torch.load(tmp_path / f"resumed-{rank}.pt", weights_only=True)
+        assert got["train"] == {"step": 8, "ntokens_seen": 8 * 2 * 16}
+        assert got["data"]["dataset_state"] == {"sample_idx": 8 * 2}
+        assert same(ref, got)
+        said = report["said"]
+        assert said["lr"].startswith("ConfigDrift: ") and said["lr"].endswith(
+            "config drift: 1 strict difference from the run's snapshot:\n"
+            "  optimizer.param_groups.0.optimizer_kwargs.lr 0.0008 -> 0.001\n"
+            "resuming would continue a different run; restore these values, or start a new run in a new directory"
+        )
+        assert "checkpoint/step-8: " in said["lr"]
+        assert said["steps"].endswith(
+            "  lr_scheduler.total_steps 8 -> 12\n"
+            "resuming would continue a different run; restore these values, or start a new run in a new directory\n"
+            "(lr_scheduler.total_steps is unset, so the LR schedule spans training.steps; to extend the run with the "
+            "schedule it trained on, pass --lr_scheduler.total_steps 8)"
+        )
+        assert said["exempt"] == "loaded: True"
+
+
+def test_finding_the_load_step(tmp_path: Path) -> None:
+    assert find_load_step(str(tmp_path / "none")) == -1
+    for name, marker in (("step-2", METADATA_NAME), ("step-10", METADATA_NAME), ("step-12", None), ("x-14", None)):
+        (tmp_path / name).mkdir()
+        if marker:
+            (tmp_path / name / marker).write_bytes(b"")
+    said: list[str] = []
+    assert find_load_step(str(tmp_path), said.append) == 10
+    assert said == [f"ckptkit: {tmp_path / 'step-12'} did not commit (no {METADATA_NAME}); not a resume point"]
+    (tmp_path / "step-1").mkdir()
+    (tmp_path / "step-1" / ".metadata").write_bytes(b"")
+    assert find_load_step(str(tmp_path), said.append) == 10  # an older pickled one is no resume point either
+    (tmp_path / "step-20").mkdir()
+    (tmp_path / "step-20" / ".metadata").write_bytes(b"")
+    with pytest.raises(ResumeRefused, match=r"step-20: a checkpoint in DCP's default \(pickled\) format, newer than"):
+        find_load_step(str(tmp_path))
+
+
+def test_pinned_memory_async_is_refused_when_the_config_is_made() -> None:
+    with pytest.raises(UnsupportedOption, match=r"async_mode='async_with_pinned_mem': DCP runs that save in another"):
+        CheckpointManager.Config(enable=True, async_mode="async_with_pinned_mem")
+
+
+def test_the_job_config_is_required() -> None:
+    config = CheckpointManager.Config(enable=True)
+    with pytest.raises(UnsupportedOption, match=r"needs the job config, to store it with every checkpoint"):
+        config.build(
+            dataloader=None,
+            model_parts=[torch.nn.Linear(2, 2)],
+            optimizers=None,
+            lr_schedulers=None,
+            states={},
+            sd_adapter=None,
+            base_folder="unused",
+        )
+
+
+class PickledState:
+    """A dataloader of a user's own that keeps its state as pickle bytes, as torchtitan's does."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"dp_rank_0": pickle.dumps({"i": 3}), "world_size": 1}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        raise AssertionError("never reached")
+
+
+def test_a_dataloader_state_holding_pickle_is_refused_by_key() -> None:
+    with pytest.raises(UnsupportedValue, match=r"^dataloader\['dp_rank_0'\]: pickle bytes \(\d+ bytes\); restoring"):
+        DataLoaderState(PickledState()).state_dict()
+
+
+def test_torchtitan_s_dataloader_state_is_its_tree_and_loads_without_pickle(monkeypatch: pytest.MonkeyPatch) -> None:
+    data = [({"input": torch.tensor([i])}, torch.tensor([i])) for i in range(6)]
+    dl = ParallelAwareDataloader(data, dp_rank=1, dp_world_size=2, batch_size=None)  # type: ignore[arg-type]
+    it = iter(dl)
+    next(it), next(it)
+    state = DataLoaderState(dl).state_dict()
+    assert set(state) == {"dp_rank_1", "world_size"} and state["world_size"] == 2
+    assert isinstance(state["dp_rank_1"], tuple) and state["dp_rank_1"][0]["_num_yielded"] == 2
+    fresh = ParallelAwareDataloader(data, dp_rank=1, dp_world_size=2, batch_size=None)  # type: ignore[arg-type]
+    monkeypatch.setattr(pickle, "loads", lambda *a, **k: pytest.fail("unpickled"))
+    DataLoaderState(fresh).load_state_dict(state)
+    assert int(next(iter(fresh))[1]) == 2
+    with pytest.raises(ResumeRefused, match=r"^dataloader: saved at data-parallel degree 4, resumed at 2; torchtitan"):
+        DataLoaderState(fresh).load_state_dict({**state, "world_size": 4})
+
+
+def test_without_torchtitan_the_import_names_the_extra() -> None:
+    code = (
+        "import sys; sys.modules['torchtitan'] = None\n"
+        "try:\n    import ckptkit.integrations.torchtitan\n"
+        "except ModuleNotFoundError as e:\n    print(e)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stderr) == (0, "")
+    assert proc.stdout == "ckptkit.integrations.torchtitan needs torchtitan: pip install 'ckptkit[torchtitan]'\n"
