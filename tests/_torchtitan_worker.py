@@ -33,7 +33,7 @@ STEPS, INTERVAL, SEQ, BATCH, VOCAB = 8, 2, 16, 2, 2048
 COUNTS: collections.Counter[str] = collections.Counter()
 
 
-class Tokens(IterableDataset, Stateful):  # type: ignore[type-arg]
+class Tokens(IterableDataset, Stateful):
     """Deterministic random tokens per rank, its position a plain int (as torchtitan's text datasets keep)."""
 
     def __init__(self, rank: int) -> None:
@@ -197,8 +197,14 @@ def install_tripwire() -> None:
             COUNTS["pickle.Unpickler"] += 1
             super().__init__(*a, **k)
 
-    pickle.loads, pickle.load, pickle.Unpickler = loads, load, Unpickler  # type: ignore[assignment, misc]
-    torch.load = torch.serialization.load = torch_load  # type: ignore[assignment]
+    pickle.loads, pickle.load, pickle.Unpickler = loads, load, Unpickler  # type: ignore[misc]
+    torch.load = torch.serialization.load = torch_load
+
+
+def extend(config: Any) -> None:
+    """Run 4 more steps on the schedule the run trained on; log and save at another cadence."""
+    config.training.steps, config.lr_scheduler.total_steps = 12, 8
+    config.checkpoint.interval, config.metrics.log_freq = 3, 5
 
 
 def drift_attempts(config_of: Any, parts: dict[str, Any]) -> dict[str, str]:
@@ -209,7 +215,7 @@ def drift_attempts(config_of: Any, parts: dict[str, Any]) -> dict[str, str]:
     for name, change in (
         ("lr", lambda c: c.optimizer.param_groups[0].optimizer_kwargs.update(lr=1e-3)),
         ("steps", lambda c: setattr(c.training, "steps", 12)),
-        ("exempt", lambda c: (setattr(c.training, "steps", 12), setattr(c.lr_scheduler, "total_steps", 8))),
+        ("exempt", extend),
     ):
         config = config_of()
         change(config)

@@ -15,19 +15,18 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 from helpers import same
+from torchtitan.components.dataloader import ParallelAwareDataloader  # the test extra installs torchtitan
 
-pytest.importorskip("torchtitan", reason="the torchtitan extra: pip install 'ckptkit[torchtitan]'")
-
-from torchtitan.components.dataloader import ParallelAwareDataloader  # noqa: E402
-
-from ckptkit.distributed.format import METADATA_NAME  # noqa: E402
-from ckptkit.errors import ResumeRefused, UnsupportedOption, UnsupportedValue  # noqa: E402
-from ckptkit.integrations.torchtitan import CheckpointManager, DataLoaderState, find_load_step  # noqa: E402
+import ckptkit.distributed as ckd
+from ckptkit.distributed.format import METADATA_NAME
+from ckptkit.errors import MalformedIndex, ResumeRefused, SaveFailed, UnsupportedOption, UnsupportedValue
+from ckptkit.integrations.torchtitan import CheckpointManager, DataLoaderState, find_load_step
 
 # torchdata's StatefulDataLoader calls torch.set_vital, which torch 2.13 deprecates; not ours.
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
@@ -100,7 +99,7 @@ def test_finding_the_load_step(tmp_path: Path) -> None:
             (tmp_path / name / marker).write_bytes(b"")
     said: list[str] = []
     assert find_load_step(str(tmp_path), said.append) == 10
-    assert said == [f"ckptkit: {tmp_path / 'step-12'} did not commit (no {METADATA_NAME}); not a resume point"]
+    assert said == [f"ckptkit: {tmp_path / 'step-12'} did not commit (no {METADATA_NAME}); not a resume point (R-TT04)"]
     (tmp_path / "step-1").mkdir()
     (tmp_path / "step-1" / ".metadata").write_bytes(b"")
     assert find_load_step(str(tmp_path), said.append) == 10  # an older pickled one is no resume point either
@@ -146,13 +145,13 @@ def test_a_dataloader_state_holding_pickle_is_refused_by_key() -> None:
 
 def test_torchtitan_s_dataloader_state_is_its_tree_and_loads_without_pickle(monkeypatch: pytest.MonkeyPatch) -> None:
     data = [({"input": torch.tensor([i])}, torch.tensor([i])) for i in range(6)]
-    dl = ParallelAwareDataloader(data, dp_rank=1, dp_world_size=2, batch_size=None)  # type: ignore[arg-type]
+    dl = ParallelAwareDataloader(data, dp_rank=1, dp_world_size=2, batch_size=None)
     it = iter(dl)
     next(it), next(it)
     state = DataLoaderState(dl).state_dict()
     assert set(state) == {"dp_rank_1", "world_size"} and state["world_size"] == 2
     assert isinstance(state["dp_rank_1"], tuple) and state["dp_rank_1"][0]["_num_yielded"] == 2
-    fresh = ParallelAwareDataloader(data, dp_rank=1, dp_world_size=2, batch_size=None)  # type: ignore[arg-type]
+    fresh = ParallelAwareDataloader(data, dp_rank=1, dp_world_size=2, batch_size=None)
     monkeypatch.setattr(pickle, "loads", lambda *a, **k: pytest.fail("unpickled"))
     DataLoaderState(fresh).load_state_dict(state)
     assert int(next(iter(fresh))[1]) == 2
@@ -169,3 +168,20 @@ def test_without_torchtitan_the_import_names_the_extra() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert (proc.returncode, proc.stderr) == (0, "")
     assert proc.stdout == "ckptkit.integrations.torchtitan needs torchtitan: pip install 'ckptkit[torchtitan]'\n"
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_a_failed_async_save_is_the_ckptkit_error_where_torchtitan_waits(tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_bytes(b"")
+    manager = SimpleNamespace(pg=None)  # what _async_save reads of the manager: its async process group
+    pending = CheckpointManager._async_save(manager, {"w": torch.ones(2)}, str(tmp_path / "a-file" / "step-2"))
+    with pytest.raises(SaveFailed, match=r"a-file/step-2: cannot create the checkpoint directory \(Not a directory\)"):
+        pending.result()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_a_checkpoint_in_the_run_folder_without_the_job_config_is_refused(tmp_path: Path) -> None:
+    path = str(tmp_path / "step-2")
+    ckd.save({"w": torch.ones(2)}, path)  # a plain ckptkit.distributed save, not the manager's
+    with pytest.raises(MalformedIndex, match=r"step-2: ckptkit_job_config: no job config snapshot; not saved by"):
+        CheckpointManager._check_job(SimpleNamespace(job_table={}), path)

@@ -54,7 +54,7 @@ from ..distributed.storage import Writer
 from ..errors import MalformedIndex, ResumeRefused, StateMismatch, UnsupportedOption, UnsupportedValue
 from ..format.section import check_plain
 from ._extra import missing_extra
-from ._torchtitan_config import check_job, job_table
+from ._torchtitan_config import EXEMPT_KEYS, EXEMPT_TABLES, STRICT_KEYS, check_job, job_table
 
 try:
     from torchdata.stateful_dataloader import StatefulDataLoader
@@ -65,7 +65,15 @@ try:
 except ModuleNotFoundError as e:  # tested in a process without torchtitan
     raise missing_extra(e, __name__, "torchtitan", "torchtitan") from None
 
-__all__ = ["SNAPSHOT_KEY", "CheckpointManager", "DataLoaderState", "find_load_step"]
+__all__ = [
+    "EXEMPT_KEYS",
+    "EXEMPT_TABLES",
+    "SNAPSHOT_KEY",
+    "STRICT_KEYS",
+    "CheckpointManager",
+    "DataLoaderState",
+    "find_load_step",
+]
 
 #: The DCP key under which every checkpoint stores the job config's snapshot table (R-TT05).
 SNAPSHOT_KEY = "ckptkit_job_config"
@@ -106,10 +114,10 @@ def find_load_step(folder: str, log: Callable[[str], None] = print) -> int:
             f"{os.path.join(folder, f'step-{max(foreign)}')}: a checkpoint in DCP's default (pickled) format, newer "
             f"than any ckptkit checkpoint in {folder}; ckptkit's torchtitan manager never reads pickle and will not "
             "silently resume from an older step or from step 0: resume it with torchtitan's own CheckpointManager, "
-            "or move it out of the folder"
+            "or move it out of the folder (R-TT04)"
         )
     for name in skipped:
-        log(f"ckptkit: {os.path.join(folder, name)} did not commit (no {METADATA_NAME}); not a resume point")
+        log(f"ckptkit: {os.path.join(folder, name)} did not commit (no {METADATA_NAME}); not a resume point (R-TT04)")
     return newest
 
 
@@ -162,7 +170,10 @@ class CheckpointManager(_TorchtitanManager):
             CheckpointError: as :func:`ckptkit.distributed.save` (synchronous saves and staging).
         """
         if to_hf:  # the final model-only safetensors export: torchtitan's writer, no pickle either
-            return super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
+            exported: Future[Any] | None = super().dcp_save(
+                state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf
+            )
+            return exported
         state = {**state_dict, SNAPSHOT_KEY: (self.job_table,)}  # a tuple: one plain value, never flattened
         result: Future[Any] | None = None
         if async_mode == AsyncMode.ASYNC:
@@ -281,7 +292,7 @@ class DataLoaderState(Stateful):
         if saved != dl.dp_world_size or dl._rank_id not in state_dict:
             raise StateMismatch(
                 f"dataloader: saved at data-parallel degree {saved}, resumed at {dl.dp_world_size}; torchtitan's "
-                "dataloader cannot reshard its position, resume at the degree it was saved at",
+                "dataloader cannot reshard its position, resume at the degree it was saved at (R-TT08)",
                 [f"dataloader.world_size: {saved} -> {dl.dp_world_size}"],
             )
         StatefulDataLoader.load_state_dict(dl, state_dict[dl._rank_id][0])
@@ -301,4 +312,3 @@ def _refuse_pickle(tree: Any, where: str) -> None:
     elif isinstance(tree, (list, tuple)):
         for i, v in enumerate(tree):
             _refuse_pickle(v, f"{where}[{i}]")
-
