@@ -8,6 +8,7 @@
 - load_script / fixture_generator / hostile_generator: scripts outside the package (the
   fixture writers, benches) imported by path, once per process.
 - examples: a property test's example count, as a share of the hypothesis profile's.
+- import_error_without: what importing an integration says in a process without its package.
 """
 
 from __future__ import annotations
@@ -282,3 +283,18 @@ def fixture_generator() -> Any:
 def hostile_generator() -> Any:
     """``fixtures/hostile/generate.py``: the independent writer of the hostile corpus (and its building blocks)."""
     return load_script("ckptkit_hostile_generate", ROOT / "fixtures" / "hostile" / "generate.py")
+
+
+def import_error_without(package: str, module: str) -> str:
+    """The ``ModuleNotFoundError`` that importing ``module`` prints in a real process in which
+    ``package`` cannot be imported (asserting that process printed nothing else)."""
+    import subprocess
+
+    code = (
+        f"import sys; sys.modules[{package!r}] = None\n"
+        f"try:\n    import {module}\n"
+        "except ModuleNotFoundError as e:\n    print(e)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stderr) == (0, "")
+    return proc.stdout

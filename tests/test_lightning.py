@@ -335,14 +335,7 @@ def _stepped(steps: int = 1) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 
 def test_without_lightning_the_import_names_the_extra() -> None:
     """A real process in which lightning cannot be imported."""
-    import subprocess
-    import sys
+    from helpers import import_error_without
 
-    code = (
-        "import sys; sys.modules['lightning'] = None\n"
-        "try:\n    import ckptkit.integrations.lightning\n"
-        "except ModuleNotFoundError as e:\n    print(e)"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert (proc.returncode, proc.stderr) == (0, "")
-    assert proc.stdout == "ckptkit.integrations.lightning needs Lightning: pip install 'ckptkit[lightning]'\n"
+    said = import_error_without("lightning", "ckptkit.integrations.lightning")
+    assert said == "ckptkit.integrations.lightning needs Lightning: pip install 'ckptkit[lightning]'\n"

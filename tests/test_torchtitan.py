@@ -16,11 +16,11 @@ import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
-from helpers import same
+from helpers import import_error_without, same
 from torchtitan.components.dataloader import ParallelAwareDataloader  # the test extra installs torchtitan
 
 import ckptkit.distributed as ckd
@@ -160,20 +160,14 @@ def test_torchtitan_s_dataloader_state_is_its_tree_and_loads_without_pickle(monk
 
 
 def test_without_torchtitan_the_import_names_the_extra() -> None:
-    code = (
-        "import sys; sys.modules['torchtitan'] = None\n"
-        "try:\n    import ckptkit.integrations.torchtitan\n"
-        "except ModuleNotFoundError as e:\n    print(e)"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert (proc.returncode, proc.stderr) == (0, "")
-    assert proc.stdout == "ckptkit.integrations.torchtitan needs torchtitan: pip install 'ckptkit[torchtitan]'\n"
+    said = import_error_without("torchtitan", "ckptkit.integrations.torchtitan")
+    assert said == "ckptkit.integrations.torchtitan needs torchtitan: pip install 'ckptkit[torchtitan]'\n"
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 def test_a_failed_async_save_is_the_ckptkit_error_where_torchtitan_waits(tmp_path: Path) -> None:
     (tmp_path / "a-file").write_bytes(b"")
-    manager = SimpleNamespace(pg=None)  # what _async_save reads of the manager: its async process group
+    manager = cast(CheckpointManager, SimpleNamespace(pg=None))  # what _async_save reads: its async process group
     pending = CheckpointManager._async_save(manager, {"w": torch.ones(2)}, str(tmp_path / "a-file" / "step-2"))
     with pytest.raises(SaveFailed, match=r"a-file/step-2: cannot create the checkpoint directory \(Not a directory\)"):
         pending.result()
@@ -184,4 +178,4 @@ def test_a_checkpoint_in_the_run_folder_without_the_job_config_is_refused(tmp_pa
     path = str(tmp_path / "step-2")
     ckd.save({"w": torch.ones(2)}, path)  # a plain ckptkit.distributed save, not the manager's
     with pytest.raises(MalformedIndex, match=r"step-2: ckptkit_job_config: no job config snapshot; not saved by"):
-        CheckpointManager._check_job(SimpleNamespace(job_table={}), path)
+        CheckpointManager._check_job(cast(CheckpointManager, SimpleNamespace(job_table={})), path)
