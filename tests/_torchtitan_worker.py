@@ -1,6 +1,8 @@
 """One rank of a torchtitan job whose job config selects ckptkit's CheckpointManager (tests/test_torchtitan.py).
 
-``python tests/_torchtitan_worker.py PHASE RANK WORLD INIT_FILE OUT`` on 2 gloo ranks. The model is
+``run(PHASE, RANK, WORLD, INIT_FILE, OUT)`` on 2 gloo ranks (the test forks them from a forkserver
+that imported torchtitan once; ``python tests/_torchtitan_worker.py PHASE RANK WORLD INIT_FILE OUT``
+runs one by hand). The model is
 torchtitan's llama3 debug model, made smaller through its own config (2 layers, SDPA inner attention,
 which trains on the CPU), sharded with FSDP2; the optimizer, LR schedule, dataloader and checkpoint
 manager are torchtitan's, built from the job config as its Trainer builds them, and the loop is
@@ -228,8 +230,8 @@ def drift_attempts(config_of: Any, parts: dict[str, Any]) -> dict[str, str]:
     return said
 
 
-def main() -> None:
-    phase, rank, world, init_file, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+def run(phase: str, rank: int, world: int, init_file: str, out: str) -> None:
+    """One rank of ``phase`` (the module docstring)."""
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     if phase == "first":
         parts = build(job_config(os.path.join(out, "ref"), "disabled"), rank, world)
@@ -265,4 +267,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])

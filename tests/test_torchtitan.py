@@ -2,7 +2,8 @@
 
 The end-to-end test runs torchtitan's llama3 debug model (smaller, through its config) on 2 gloo
 ranks with FSDP2 in real processes (tests/_torchtitan_worker.py): trained uninterrupted, trained
-again and SIGKILLed, resumed under a pickle trip-wire; the resumed run's state equals the
+again and SIGKILLed, resumed under a pickle trip-wire (the ranks are forked from a forkserver
+that imported torchtitan once); the resumed run's state equals the
 uninterrupted run's bit for bit. The rest are the manager's refusals, in this process.
 """
 
@@ -12,8 +13,6 @@ import json
 import os
 import pickle
 import signal
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
@@ -31,30 +30,30 @@ from ckptkit.integrations.torchtitan import CheckpointManager, DataLoaderState, 
 # torchdata's StatefulDataLoader calls torch.set_vital, which torch 2.13 deprecates; not ours.
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
 
-WORKER = Path(__file__).with_name("_torchtitan_worker.py")
-ROOT = Path(__file__).resolve().parent.parent
+#: What the ranks' forkserver imports before it forks them.
+PRELOAD = [
+    "torchtitan.models.llama3.config_registry",
+    "ckptkit.integrations.torchtitan",
+    "torchdata.stateful_dataloader",
+]
 
 
-def ranks(phase: str, out: Path, world: int = 2, timeout: float = 240) -> list[int]:
-    """Run ``phase`` of the worker on ``world`` ranks; their exit codes."""
-    init = out / f"init-{phase}"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(WORKER.parent)])}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), phase, str(r), str(world), str(init), str(out)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        for r in range(world)
-    ]
-    codes = []
+def ranks(phase: str, out: Path, world: int = 2, timeout: float = 240) -> list[int | None]:
+    """Run ``phase`` of the worker on ``world`` ranks; their exit codes. The ranks are forked from a
+    forkserver that imported torchtitan once (an import costs seconds of CPU per process)."""
+    import multiprocessing
+
+    import _torchtitan_worker
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["_torchtitan_worker", *PRELOAD])
+    init = str(out / f"init-{phase}")
+    procs = [ctx.Process(target=_torchtitan_worker.run, args=(phase, r, world, init, str(out))) for r in range(world)]
     for p in procs:
-        output, _ = p.communicate(timeout=timeout)
-        codes.append(p.returncode)
-        if p.returncode not in (0, -signal.SIGKILL):
-            print(output.decode(errors="replace")[-4000:])
-    return codes
+        p.start()
+    for p in procs:
+        p.join(timeout)
+    return [p.exitcode for p in procs]
 
 
 @pytest.mark.slow
