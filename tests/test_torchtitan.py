@@ -23,6 +23,7 @@ from helpers import import_error_without, same
 from torchtitan.components.dataloader import ParallelAwareDataloader  # the test extra installs torchtitan
 
 import ckptkit.distributed as ckd
+from ckptkit.cli import main
 from ckptkit.distributed.format import METADATA_NAME
 from ckptkit.errors import MalformedIndex, ResumeRefused, SaveFailed, UnsupportedOption, UnsupportedValue
 from ckptkit.integrations.torchtitan import CheckpointManager, DataLoaderState, find_load_step
@@ -64,6 +65,7 @@ def test_killed_and_resumed_is_the_uninterrupted_run_bitwise_and_nothing_unpickl
     (folder / "step-6").mkdir()  # a save killed before it committed: never a resume point
     (folder / "step-6" / "__0_0.distcp").write_bytes(b"half a rank file")
     assert ranks("resume", tmp_path) == [0, 0]
+    assert main(["verify", str(folder / "step-8")]) == 0  # a ckptkit.distributed checkpoint, every chunk verified
     for rank in range(2):
         report = json.loads((tmp_path / f"report-{rank}.json").read_text())
         assert (report["resumed"], report["resumed_at"]) == (True, 4)

@@ -263,8 +263,11 @@ class DataLoaderState(Stateful):
         self.dataloader = dataloader
 
     def state_dict(self) -> dict[str, Any]:
-        """Raises:
-        UnsupportedValue: a value no checkpoint can carry, or pickle bytes (named by key path)."""
+        """The dataloader's state as plain data.
+
+        Raises:
+            UnsupportedValue: a value no checkpoint can carry, or pickle bytes (named by key path).
+        """
         dl = self.dataloader
         if _native(dl):
             state = {dl._rank_id: (StatefulDataLoader.state_dict(dl),), "world_size": dl.dp_world_size}
@@ -280,8 +283,11 @@ class DataLoaderState(Stateful):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Raises:
-        StateMismatch: the state was saved at another data-parallel degree."""
+        """Restore the dataloader's position from :meth:`state_dict`'s tree, unpickling nothing.
+
+        Raises:
+            StateMismatch: the state was saved at another data-parallel degree.
+        """
         dl = self.dataloader
         if not _native(dl):
             dl.load_state_dict(state_dict)
