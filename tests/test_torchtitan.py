@@ -9,6 +9,9 @@ uninterrupted run's bit for bit. The rest are the manager's refusals, in this pr
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+import functools
 import json
 import os
 import pickle
@@ -25,7 +28,8 @@ from torchtitan.components.dataloader import ParallelAwareDataloader  # the test
 import ckptkit.distributed as ckd
 from ckptkit.cli import main
 from ckptkit.distributed.format import METADATA_NAME
-from ckptkit.errors import MalformedIndex, ResumeRefused, SaveFailed, UnsupportedOption, UnsupportedValue
+from ckptkit.errors import ConfigDrift, MalformedIndex, ResumeRefused, SaveFailed, UnsupportedOption, UnsupportedValue
+from ckptkit.integrations._torchtitan_config import check_job, job_table
 from ckptkit.integrations.torchtitan import CheckpointManager, DataLoaderState, find_load_step
 
 # torchdata's StatefulDataLoader calls torch.set_vital, which torch 2.13 deprecates; not ours.
@@ -180,3 +184,55 @@ def test_a_checkpoint_in_the_run_folder_without_the_job_config_is_refused(tmp_pa
     ckd.save({"w": torch.ones(2)}, path)  # a plain ckptkit.distributed save, not the manager's
     with pytest.raises(MalformedIndex, match=r"step-2: ckptkit_job_config: no job config snapshot; not saved by"):
         CheckpointManager._check_job(cast(CheckpointManager, SimpleNamespace(job_table={})), path)
+
+
+@dataclasses.dataclass
+class Inner:
+    init: Any = dataclasses.field(default_factory=lambda: functools.partial(torch.nn.init.trunc_normal_, 0.5, std=0.02))
+    kinds: dict[Any, Any] = dataclasses.field(default_factory=lambda: {Mode.DP: 1})
+    dtype: Any = torch.bfloat16
+
+
+class Mode(str, enum.Enum):
+    DP = "dp"
+
+
+@dataclasses.dataclass
+class Job:
+    layers: list[Inner] = dataclasses.field(default_factory=lambda: [Inner(), Inner()])
+    act: Any = torch.nn.init.zeros_
+    exclude_from_loading: list[str] = dataclasses.field(default_factory=list)
+
+
+def test_the_job_config_table_names_callables_without_addresses_and_lists_of_tables_by_index() -> None:
+    assert job_table(Job(layers=[Inner()])) == {
+        "layers": {
+            "0": {
+                "init": "functools.partial(torch.nn.init.trunc_normal_, 0.5, std=0.02)",
+                "kinds": {"dp": 1},
+                "dtype": "torch.bfloat16",
+            }
+        },
+        "act": "torch.nn.init.zeros_",
+        "exclude_from_loading": [],
+    }
+    with pytest.raises(
+        UnsupportedValue, match=r"^config field layers\.0\.kinds: cannot snapshot the key 'a\.b'; table"
+    ):
+        job_table(Job(layers=[Inner(kinds={"a.b": 1})]))
+    with pytest.raises(UnsupportedValue, match=r"^config field act: cannot snapshot a object <object object at"):
+        job_table(Job(act=object()))
+
+
+def test_the_checkpoint_table_is_exempt_but_what_a_resume_restores() -> None:
+    old = {"checkpoint": {"interval": 10, "exclude_from_loading": []}, "training": {"steps": 10}}
+    new = {"checkpoint": {"interval": 5, "exclude_from_loading": ["optimizer"]}, "training": {"steps": 20}}
+    with pytest.raises(ConfigDrift) as info:
+        check_job(old, new, "ck/step-10")
+    assert [d.key for d in info.value.differences] == ["checkpoint.exclude_from_loading"]
+    assert str(info.value).startswith("ck/step-10: config drift: 1 strict difference from the run's snapshot:\n")
+    new["checkpoint"]["exclude_from_loading"] = []
+    assert [d.describe() for d in check_job(old, new, "ck/step-10")] == [
+        "checkpoint.interval 10 -> 5: exempt (decides when we look, not what the model computes)",
+        "training.steps 10 -> 20: extending the run",
+    ]
