@@ -188,7 +188,7 @@ def test_a_checkpoint_in_the_run_folder_without_the_job_config_is_refused(tmp_pa
 
 @dataclasses.dataclass
 class Inner:
-    init: Any = dataclasses.field(default_factory=lambda: functools.partial(torch.nn.init.trunc_normal_, 0.5, std=0.02))
+    init: Any = dataclasses.field(default_factory=lambda: functools.partial(round, 0.5, ndigits=1))
     kinds: dict[Any, Any] = dataclasses.field(default_factory=lambda: {Mode.DP: 1})
     dtype: Any = torch.bfloat16
 
@@ -208,7 +208,7 @@ def test_the_job_config_table_names_callables_without_addresses_and_lists_of_tab
     assert job_table(Job(layers=[Inner()])) == {
         "layers": {
             "0": {
-                "init": "functools.partial(torch.nn.init.trunc_normal_, 0.5, std=0.02)",
+                "init": "functools.partial(builtins.round, 0.5, ndigits=1)",
                 "kinds": {"dp": 1},
                 "dtype": "torch.bfloat16",
             }
@@ -225,8 +225,11 @@ def test_the_job_config_table_names_callables_without_addresses_and_lists_of_tab
 
 
 def test_the_checkpoint_table_is_exempt_but_what_a_resume_restores() -> None:
-    old = {"checkpoint": {"interval": 10, "exclude_from_loading": []}, "training": {"steps": 10}}
-    new = {"checkpoint": {"interval": 5, "exclude_from_loading": ["optimizer"]}, "training": {"steps": 20}}
+    old: dict[str, Any] = {"checkpoint": {"interval": 10, "exclude_from_loading": []}, "training": {"steps": 10}}
+    new: dict[str, Any] = {
+        "checkpoint": {"interval": 5, "exclude_from_loading": ["optimizer"]},
+        "training": {"steps": 20},
+    }
     with pytest.raises(ConfigDrift) as info:
         check_job(old, new, "ck/step-10")
     assert [d.key for d in info.value.differences] == ["checkpoint.exclude_from_loading"]
