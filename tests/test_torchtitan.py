@@ -143,8 +143,32 @@ class PickledState:
         raise AssertionError("never reached")
 
 
+class PlainState:
+    """A dataloader of a user's own whose state is plain data."""
+
+    def __init__(self) -> None:
+        self.position = {"epoch": 1, "seen": [3, 4]}
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.position)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.position = state_dict
+
+
+def test_another_dataloader_s_plain_state_is_stored_under_its_rank_and_given_back() -> None:
+    state = DataLoaderState(PlainState()).state_dict()
+    assert state == {"rank_0": ({"epoch": 1, "seen": [3, 4]},)}
+    fresh = PlainState()
+    fresh.position = {}
+    DataLoaderState(fresh).load_state_dict(state)
+    assert fresh.position == {"epoch": 1, "seen": [3, 4]}
+
+
 def test_a_dataloader_state_holding_pickle_is_refused_by_key() -> None:
-    with pytest.raises(UnsupportedValue, match=r"^dataloader\['dp_rank_0'\]: pickle bytes \(\d+ bytes\); restoring"):
+    with pytest.raises(
+        UnsupportedValue, match=r"^dataloader\['rank_0'\]\[0\]\['dp_rank_0'\]: pickle bytes \(\d+ bytes\); restoring"
+    ):
         DataLoaderState(PickledState()).state_dict()
 
 

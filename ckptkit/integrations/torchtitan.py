@@ -256,7 +256,8 @@ class DataLoaderState(Stateful):
     For torchtitan's ``ParallelAwareDataloader``: ``{"dp_rank_<r>": (tree,), "world_size": n}``, where
     ``tree`` is ``StatefulDataLoader.state_dict()`` itself -- what torchtitan would ``pickle.dumps`` --
     and it is restored through ``StatefulDataLoader.load_state_dict``, never ``pickle.loads``. Any other
-    dataloader's ``state_dict()`` is stored as it is, when it is plain data and holds no pickle.
+    dataloader's ``state_dict()`` is stored as ``{"rank_<global rank>": (state,)}``, when it is plain
+    data and holds no pickle.
     """
 
     def __init__(self, dataloader: Any) -> None:
@@ -271,8 +272,8 @@ class DataLoaderState(Stateful):
         dl = self.dataloader
         if _native(dl):
             state = {dl._rank_id: (StatefulDataLoader.state_dict(dl),), "world_size": dl.dp_world_size}
-        else:
-            state = dl.state_dict()
+        else:  # one plain value under a key of this rank's: DCP keeps one copy of a key all ranks share
+            state = {_own_key(): (dl.state_dict(),)}
             _refuse_pickle(state, "dataloader")
         try:
             check_plain(state, "dataloader")
@@ -290,7 +291,7 @@ class DataLoaderState(Stateful):
         """
         dl = self.dataloader
         if not _native(dl):
-            dl.load_state_dict(state_dict)
+            dl.load_state_dict(state_dict[_own_key()][0])
             return
         if not state_dict:
             return
@@ -302,6 +303,12 @@ class DataLoaderState(Stateful):
                 [f"dataloader.world_size: {saved} -> {dl.dp_world_size}"],
             )
         StatefulDataLoader.load_state_dict(dl, state_dict[dl._rank_id][0])
+
+
+def _own_key() -> str:
+    import torch.distributed as dist
+
+    return f"rank_{dist.get_rank() if dist.is_available() and dist.is_initialized() else 0}"
 
 
 def _refuse_pickle(tree: Any, where: str) -> None:
