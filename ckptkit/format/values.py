@@ -136,15 +136,23 @@ _ADVICE: tuple[tuple[type, str], ...] = (
 )
 
 
-def refusal(value: Any, where: str) -> str:
+def refusal(value: Any, where: str, *, tensors: bool = True) -> str:
     """Why ``value`` cannot be stored, and the conversion to make, as an error message.
 
     Nothing here imports the value's class by name: a value that would need its class
-    (or a module) to come back is refused with what to store instead.
+    (or a module) to come back is refused with what to store instead. ``tensors``: whether
+    the place asked about carries tensors (a section does; a plain value, such as an
+    ``add_value`` value or a distributed run's replicated state, does not).
     """
     t = type(value)
     name = f"{t.__module__}.{t.__qualname__}"
     cls = t.__qualname__
+    if not tensors and _is_tensor(value):
+        return (
+            f"{where}: a {name} cannot be stored here: this is a plain value (None, bool, int, float, str, bytes, "
+            "lists, tuples, dicts, sets, numpy arrays and scalars), which holds no tensors; register an object "
+            "whose state holds tensors with add_stateful (or add_scheduler), or store value.tolist()"
+        )
     for base, advice in _ADVICE:
         if isinstance(value, base):
             return f"{where}: a {name} cannot be stored: {advice.format(cls=cls)}"
@@ -164,11 +172,18 @@ def refusal(value: Any, where: str) -> str:
                 f"{where}: a {name} cannot be stored: a subclass of {plain}, which would load as a plain {plain}; "
                 f"store {plain}(value)"
             )
+    kinds = "tensors, None" if tensors else "None"
     return (
-        f"{where}: a {name} cannot be stored (only tensors, None, bool, int, float, str, bytes, lists, tuples, "
+        f"{where}: a {name} cannot be stored (only {kinds}, bool, int, float, str, bytes, lists, tuples, "
         "dicts, sets, ordered dicts, numpy arrays and scalars, torch dtypes, devices and sizes); convert it to one "
         "of those"
     )
+
+
+def _is_tensor(value: Any) -> bool:
+    """A ``torch.Tensor`` (or subclass), told without importing torch."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
 
 
 # ---------------------------------------------------------------------------- reading
