@@ -21,6 +21,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Mapping
 from typing import Any
 
 __all__ = ["add_knobs", "add_parser", "config_from_args", "run"]
@@ -68,12 +69,14 @@ legacy checkpoint) or a corrupt file, 2 usage error or unreadable path, 3 traini
 """
 
 
-def add_knobs(p: argparse.ArgumentParser) -> None:
+def add_knobs(p: argparse.ArgumentParser, shown: Mapping[str, Any] | None = None) -> None:
+    """The trainer's flags, one per config key; ``shown``: the default a command uses instead of
+    the config's for some keys (``ckptkit audit``'s), as its ``--help`` states it."""
     # Imported here: `ckptkit verify` builds every subparser's flags only when
     # its command is chosen, but keep the trainer's import cost out of the rest.
     from ..trainer.config import TrainerConfig, flag_name, help_text, knobs
 
-    defaults = TrainerConfig()
+    defaults, shown = TrainerConfig(), shown or {}
     groups: dict[str, Any] = {}
     titles = {"model": "model", "data": "data", "train": "training", "monitor": "spike monitor (see --auto-rollback)"}
     for key, f in knobs():
@@ -81,8 +84,8 @@ def add_knobs(p: argparse.ArgumentParser) -> None:
         group = groups.setdefault(table, p.add_argument_group(titles[table]))
         default = getattr(getattr(defaults, table), f.name)
         flag = flag_name(key, f)
-        shown = default.value if isinstance(default, enum.Enum) else default
-        text = f"{help_text(key, f)} (default: {shown!r}; config key {key})".replace("%", "%%")
+        said = str(shown[key]) if key in shown else repr(default.value if isinstance(default, enum.Enum) else default)
+        text = f"{help_text(key, f)} (default: {said}; config key {key})".replace("%", "%%")
         kind = type(default) if default is not None else int  # the Optional knobs are ints
         if kind is bool:
             group.add_argument(flag, dest=key, action=argparse.BooleanOptionalAction, default=None, help=text)

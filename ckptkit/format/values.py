@@ -21,6 +21,7 @@ conversion to make (:func:`refusal`).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import enum
 import io
@@ -130,6 +131,7 @@ def encode_torch(value: Any) -> TypedValue | None:
 
 
 _ADVICE: tuple[tuple[type, str], ...] = (
+    (argparse.Namespace, "an argparse Namespace; store vars(ns) (a dict) and rebuild it with argparse.Namespace(**d)"),
     (enum.Enum, "an Enum member; store its .value (or .name) and rebuild the member with {cls}(value) on load"),
     (pathlib.PurePath, "a path; store str(path) and rebuild it with pathlib.Path(text) on load"),
     (io.BytesIO, "an in-memory file; store buf.getvalue() (bytes) and rebuild it with io.BytesIO(data) on load"),
