@@ -217,15 +217,23 @@ def _train(args: argparse.Namespace, cfg: Any, speak: bool) -> int:
                 )
     except RunStopped as stop:  # Ctrl-C / SIGTERM: the step in progress was saved (after the bar closed)
         if speak:
-            print(
-                f"ckptkit train: stopped at step {stop.step} ({stop.reason}): saved {stop.path}\n"
-                f"resume with: {_resume_command(args, cfg)}",
-                file=sys.stderr,
-                flush=True,
-            )
+            _print_stop(args, cfg, stop, threads, seconds=time.monotonic() - began)
         return stop.code  # type: ignore[return-value]
     _print_result(args, cfg, result, threads, seconds=time.monotonic() - began)
     return 0
+
+
+def _print_stop(args: argparse.Namespace, cfg: Any, stop: Any, threads: int, *, seconds: float) -> None:
+    """After a stop: on stderr what was saved and the resume command; on stdout the summary (R-T15)."""
+    from ._width import fit, fit_command, terminal_width
+
+    width = terminal_width(sys.stderr)
+    lines = fit(f"ckptkit train: stopped at step {stop.step} ({stop.reason}): saved {stop.path}", width, 15)
+    lines += fit_command("resume with: ", _resume_command(args, cfg), width, 2)
+    print("\n".join(lines), file=sys.stderr, flush=True)
+    if not args.json:
+        summary = _summary(args, cfg, stop.step, threads, seconds, resume=True)
+        print("\n".join(summary.lines(terminal_width(sys.stdout))), flush=True)
 
 
 def _usage_problem(args: argparse.Namespace, cfg: Any) -> str | None:
@@ -260,15 +268,20 @@ def _print_result(args: argparse.Namespace, cfg: Any, result: Any, threads: int,
             )
         )
     else:
+        from ._width import terminal_width
+
         print(f"step {result.step}: {result.checkpoint or '(no new checkpoint)'}")
-        print("\n".join(_summary(args, cfg, result.step, threads, seconds).lines()))
+        print("\n".join(_summary(args, cfg, result.step, threads, seconds).lines(terminal_width(sys.stdout))))
 
 
-def _summary(args: argparse.Namespace, cfg: Any, step: int, threads: int, seconds: float) -> Any:
+def _summary(
+    args: argparse.Namespace, cfg: Any, step: int, threads: int, seconds: float, *, resume: bool = False
+) -> Any:
     """The end-of-run summary, read back from the run directory (``_summary``).
 
     Its extend command repeats what this call ran under: every config flag that
     differs from its default, the thread count, and --allow-env-change if given.
+    ``resume``: the run was stopped; the last row is the command that resumes it.
     """
     from ..trainer.audit import knob_flags
     from ._summary import extend_command, summarize
@@ -277,6 +290,10 @@ def _summary(args: argparse.Namespace, cfg: Any, step: int, threads: int, second
     flags = [*knob_flags(cfg.replace(**{"train.steps": default_steps})), "--threads", str(threads)]
     if args.allow_env_change:  # environment.json keeps the facts the run started with
         flags.append("--allow-env-change")
+    if resume:
+        return summarize(
+            args.run_dir, seconds=seconds, keep=cfg.train.keep, extend=_resume_command(args, cfg), next_step="resume"
+        )
     extend = extend_command(args.run_dir, max(2 * step, step + 1), flags, _launcher())
     return summarize(args.run_dir, seconds=seconds, keep=cfg.train.keep, extend=extend)
 
