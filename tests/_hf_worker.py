@@ -60,7 +60,7 @@ def tiny_gpt2() -> GPT2LMHeadModel:
     return GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_layer=1, n_head=2))
 
 
-def trainer(out: str, opts: argparse.Namespace) -> Trainer:
+def trainer(out: str, opts: argparse.Namespace) -> transformers.Trainer:
     model = tiny_gpt2()
     args = TrainingArguments(
         out,
@@ -79,9 +79,9 @@ def trainer(out: str, opts: argparse.Namespace) -> Trainer:
         save_only_model=opts.save_only_model,
         lr_scheduler_kwargs=json.loads(opts.scheduler_kwargs),
     )
-    callbacks = [StopAt(opts.stop)] if opts.stop else []
+    callbacks: list[TrainerCallback] = [StopAt(opts.stop)] if opts.stop else []
     cls = transformers.Trainer if opts.plain else Trainer
-    return cls(model=model, args=args, train_dataset=Tokens(), callbacks=callbacks)  # type: ignore[no-any-return]
+    return cls(model=model, args=args, train_dataset=Tokens(), callbacks=callbacks)
 
 
 def tripwire(calls: list[str]) -> None:

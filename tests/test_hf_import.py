@@ -52,8 +52,7 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @dataclasses.dataclass
 class Cfg:
-    seed: int = 1
-    steps: int = 30
+    seed: int = 1  # the dropout draws of step k come from (seed, k)
 
 
 @dataclasses.dataclass
@@ -67,7 +66,8 @@ class Loop:
 def _loop(run_dir: Path, folder: Path) -> tuple[Loop, int]:
     """The user's loop: its objects built as the Trainer built them, registered, then resume or import."""
     model = tiny_gpt2()
-    decay = set(transformers.Trainer.get_decay_parameter_names(None, model))  # the Trainer's two groups
+    # the Trainer's two parameter groups (the method uses no state of its Trainer)
+    decay = set(transformers.Trainer.get_decay_parameter_names(None, model))  # type: ignore[arg-type]
     named = list(model.named_parameters())
     groups = [{"params": [p for n, p in named if n in decay]}, {"params": [p for n, p in named if n not in decay]}]
     opt = torch.optim.AdamW(groups, lr=0.01)
@@ -81,6 +81,7 @@ def _loop(run_dir: Path, folder: Path) -> tuple[Loop, int]:
         old = import_trainer_folder(folder)
         missing = model.load_state_dict(old.model, strict=False).missing_keys
         assert missing == ["lm_head.weight"]  # tied to the input embedding: stored once
+        assert old.optimizer is not None and old.scheduler is not None
         opt.load_state_dict(old.optimizer)
         sched.load_state_dict(old.scheduler)
         step = old.step

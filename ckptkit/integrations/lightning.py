@@ -316,6 +316,28 @@ def load_from_checkpoint(
     return obj if device is None or not hasattr(obj, "to") else obj.to(device)
 
 
+def _load_classmethod(
+    cls: type[Any],
+    checkpoint_path: str | os.PathLike[str],
+    map_location: Any | None = None,
+    hparams_file: Any | None = None,
+    strict: bool | None = None,
+    weights_only: bool | None = None,
+    **kwargs: Any,
+) -> Any:
+    """Build the module from a plug-in checkpoint (:func:`load_from_checkpoint`).
+
+    Raises:
+        UnsupportedValue: ``hparams_file`` was given.
+    """
+    if hparams_file is not None:
+        raise UnsupportedValue(
+            f"hparams_file={hparams_file!r}: not read by {cls.__name__}.load_from_checkpoint (a YAML file is "
+            "not verified with the checkpoint); pass the hyper-parameters to override as keyword arguments"
+        )
+    return load_from_checkpoint(cls, checkpoint_path, map_location, strict, **kwargs)
+
+
 class LoadsContainers:
     """Mix in before ``LightningModule`` so ``Module.load_from_checkpoint(path)`` reads plug-in files.
 
@@ -330,24 +352,6 @@ class LoadsContainers:
     ``weights_only`` (nothing is unpickled). A ``torch.save`` file is refused, not read.
     """
 
-    @classmethod
-    def load_from_checkpoint(
-        cls,
-        checkpoint_path: str | os.PathLike[str],
-        map_location: Any | None = None,
-        hparams_file: Any | None = None,
-        strict: bool | None = None,
-        weights_only: bool | None = None,
-        **kwargs: Any,
-    ) -> Any:
-        """Build the module from a plug-in checkpoint (:func:`load_from_checkpoint`).
-
-        Raises:
-            UnsupportedValue: ``hparams_file`` was given.
-        """
-        if hparams_file is not None:
-            raise UnsupportedValue(
-                f"hparams_file={hparams_file!r}: not read by {cls.__name__}.load_from_checkpoint (a YAML file is "
-                "not verified with the checkpoint); pass the hyper-parameters to override as keyword arguments"
-            )
-        return load_from_checkpoint(cls, checkpoint_path, map_location, strict, **kwargs)
+    # Typed Any: Lightning's is a restricted classmethod descriptor, which a type checker
+    # would otherwise call incompatible with this one in the user's class.
+    load_from_checkpoint: Any = classmethod(_load_classmethod)
