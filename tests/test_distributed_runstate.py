@@ -314,9 +314,9 @@ def test_a_distributed_run_state_refuses_what_it_cannot_save_and_a_one_process_r
     one.start()
     one.save(2)  # a one-process run: step-00000002.ckpt
     scheduler = (
-        "UnsupportedValue: scheduler 'tensorful'['scale']: a torch.Tensor cannot be stored (only tensors, None, "
-        "bool, int, float, str, bytes, lists, tuples, dicts, sets, ordered dicts, numpy arrays and scalars, torch "
-        "dtypes, devices and sizes); convert it to one of those; a distributed run saves schedulers and scalers as "
+        "UnsupportedValue: scheduler 'tensorful'['scale']: a torch.Tensor cannot be stored here: this is a plain "
+        "value (None, bool, int, float, str, bytes, lists, tuples, dicts, sets, numpy arrays and scalars), which "
+        "holds no tensors; store value.tolist(); a distributed run saves schedulers, scalers and statefuls as "
         "plain values"
     )
     one_process = (
@@ -329,6 +329,7 @@ def test_a_distributed_run_state_refuses_what_it_cannot_save_and_a_one_process_r
             "ValueError: compression must be 'raw' in a distributed run (got 'zstd')",
             "ValueError: optimizer 'adamw': name its model (model=...): 2 are registered",
             scheduler,
+            scheduler.replace("scheduler 'tensorful'", "stateful 'loader'"),
             one_process,
         ]
 

@@ -137,9 +137,8 @@ def test_add_value_refuses_a_tensor_with_a_message_that_does_not_contradict_itse
         state.add_value("g", get=lambda: {"generator": torch.zeros(3, dtype=torch.uint8)}, set=lambda _v: None)
     assert str(err.value) == (
         "value 'g'['generator']: a torch.Tensor cannot be stored here: this is a plain value (None, bool, int, "
-        "float, str, bytes, lists, tuples, dicts, sets, numpy arrays and scalars), which holds no tensors; "
-        "register an object whose state holds tensors with add_stateful (or add_scheduler), or store "
-        "value.tolist()"
+        "float, str, bytes, lists, tuples, dicts, sets, numpy arrays and scalars), which holds no tensors; store "
+        "value.tolist(), or register the object whose state it is with add_stateful"
     )
     state.add_stateful("g", _Holder({"generator": torch.zeros(3, dtype=torch.uint8), "n": 2}))
     with pytest.raises(ckptkit.UnsupportedValue, match=r"stateful 'h'\['p'\]: a pathlib.PosixPath cannot be stored"):

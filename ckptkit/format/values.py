@@ -130,6 +130,9 @@ def encode_torch(value: Any) -> TypedValue | None:
     return None
 
 
+#: What :func:`refusal` says of a tensor where only plain values go (a caller may add its own route).
+NO_TENSORS = "which holds no tensors"
+
 _ADVICE: tuple[tuple[type, str], ...] = (
     (argparse.Namespace, "an argparse Namespace; store vars(ns) (a dict) and rebuild it with argparse.Namespace(**d)"),
     (enum.Enum, "an Enum member; store its .value (or .name) and rebuild the member with {cls}(value) on load"),
@@ -152,8 +155,7 @@ def refusal(value: Any, where: str, *, tensors: bool = True) -> str:
     if not tensors and _is_tensor(value):
         return (
             f"{where}: a {name} cannot be stored here: this is a plain value (None, bool, int, float, str, bytes, "
-            "lists, tuples, dicts, sets, numpy arrays and scalars), which holds no tensors; register an object "
-            "whose state holds tensors with add_stateful (or add_scheduler), or store value.tolist()"
+            f"lists, tuples, dicts, sets, numpy arrays and scalars), {NO_TENSORS}; store value.tolist()"
         )
     for base, advice in _ADVICE:
         if isinstance(value, base):

@@ -318,6 +318,7 @@ def load_from_checkpoint(
 
 def _load_classmethod(
     cls: type[Any],
+    /,
     checkpoint_path: str | os.PathLike[str],
     map_location: Any | None = None,
     hparams_file: Any | None = None,

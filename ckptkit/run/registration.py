@@ -15,6 +15,7 @@ from typing import Any
 from ..errors import UnsupportedValue
 from ..format.container import FLAG_NAMES
 from ..format.section import check_plain
+from ..format.values import NO_TENSORS
 from ..format.sidecar import sidecar_path
 from ._registry import Entry, Registry, has_state_dict
 from .store import Store
@@ -132,7 +133,12 @@ class Registration:
                 whose copies differ. No effect in one process.
         """
         self._reg.check_name("value", name, self._reg.values)
-        check_plain(get(), f"value {name!r}")
+        try:
+            check_plain(get(), f"value {name!r}")
+        except UnsupportedValue as e:
+            if NO_TENSORS not in str(e):
+                raise
+            raise UnsupportedValue(f"{e}, or register the object whose state it is with add_stateful") from None
         self._reg.values[name] = Entry(get, set, per_rank=per_rank)
 
     def add_stateful(self, name: str, obj: Any) -> None:
