@@ -15,8 +15,8 @@ from typing import Any
 from ..errors import UnsupportedValue
 from ..format.container import FLAG_NAMES
 from ..format.section import check_plain
-from ..format.values import NO_TENSORS
 from ..format.sidecar import sidecar_path
+from ..format.values import NO_TENSORS
 from ._registry import Entry, Registry, has_state_dict
 from .store import Store
 
