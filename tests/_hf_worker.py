@@ -1,7 +1,7 @@
 """One Hugging Face ``Trainer`` run in its own process, for tests/test_transformers.py.
 
     python tests/_hf_worker.py OUT [--stop 25] [--resume] [--ga 2] [--lr 0.02] [--seed 2] [--save-steps 5]
-        [--save-only-model] [--scheduler-kwargs '{"a.b": 1}']
+        [--save-only-model] [--scheduler-kwargs '{"a.b": 1}'] [--plain]
 
 A tiny GPT-2 built from a config (no download, ~4k parameters, dropout on, so the RNG
 matters), 48 sequences of 8 tokens, ``full_determinism``, CPU, 40 optimizer steps with a
@@ -9,7 +9,8 @@ checkpoint every 10. ``--stop N`` ends the process after step N (the checkpoint 
 committed, steps 21..N are lost as in a crash); ``--resume`` calls
 ``train(resume_from_checkpoint=True)`` with a pickle trip-wire around it. Writes
 ``OUT/result.json``: the folder resumed from and the pickle calls counted; a ckptkit
-error is printed as ``TYPE: message`` and exits 3.
+error is printed as ``TYPE: message`` and exits 3. ``--plain`` trains with transformers' own
+``Trainer`` (its pickled ``checkpoint-N/`` folders: what a user imports into ckptkit).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import sys
 from typing import Any
 
 import torch
+import transformers
 from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments
 
 from ckptkit.errors import CheckpointError
@@ -52,9 +54,14 @@ class StopAt(TrainerCallback):
             control.should_training_stop = True
 
 
-def trainer(out: str, opts: argparse.Namespace) -> Trainer:
+def tiny_gpt2() -> GPT2LMHeadModel:
+    """~4k parameters, dropout on; its weights drawn from seed 0."""
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_layer=1, n_head=2))
+    return GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_layer=1, n_head=2))
+
+
+def trainer(out: str, opts: argparse.Namespace) -> transformers.Trainer:
+    model = tiny_gpt2()
     args = TrainingArguments(
         out,
         max_steps=40,
@@ -72,8 +79,9 @@ def trainer(out: str, opts: argparse.Namespace) -> Trainer:
         save_only_model=opts.save_only_model,
         lr_scheduler_kwargs=json.loads(opts.scheduler_kwargs),
     )
-    callbacks = [StopAt(opts.stop)] if opts.stop else []
-    return Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=callbacks)
+    callbacks: list[TrainerCallback] = [StopAt(opts.stop)] if opts.stop else []
+    cls = transformers.Trainer if opts.plain else Trainer
+    return cls(model=model, args=args, train_dataset=Tokens(), callbacks=callbacks)
 
 
 def tripwire(calls: list[str]) -> None:
@@ -109,6 +117,7 @@ def main() -> int:
     p.add_argument("--save-steps", type=int, default=10)
     p.add_argument("--save-only-model", action="store_true")
     p.add_argument("--scheduler-kwargs", default="{}", help="lr_scheduler_kwargs, as JSON")
+    p.add_argument("--plain", action="store_true", help="transformers' own Trainer, not ckptkit's")
     opts = p.parse_args()
     calls: list[str] = []
     try:
@@ -119,7 +128,7 @@ def main() -> int:
     except CheckpointError as e:
         print(f"{type(e).__name__}: {e}")
         return 3
-    result = {"pickle_calls": calls, "resumed_from": t.resumed_from}
+    result = {"pickle_calls": calls, "resumed_from": getattr(t, "resumed_from", None)}
     with open(os.path.join(opts.out, "result.json"), "w") as f:
         json.dump(result, f)
     return 0

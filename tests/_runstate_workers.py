@@ -272,6 +272,7 @@ def refusals(run_dir: str) -> list[str]:
         lambda: ckptkit.RunState(run_dir, config=LoopConfig(), compression="zstd"),
         lambda: _two_models().add_optimizer("adamw", torch.optim.AdamW(tiny_model(0).parameters())),
         lambda: _two_models().add_scheduler("tensorful", _TensorState()),
+        lambda: _two_models().add_stateful("loader", _TensorState()),  # a StatefulDataLoader's generator state
         lambda: ckptkit.RunState(run_dir, config=LoopConfig()).resume(),
     ):
         try:

@@ -269,6 +269,30 @@ def test_verify_checks_a_distributed_run_directory_with_its_companions(ddp_run, 
     assert f"FAIL  {snapshot}: damaged: its xxh3-64 does not match the digest step-00000006.dcp records" in out
 
 
+def test_diff_tensors_compares_two_distributed_run_directories(ddp_run, tmp_path, capsys):
+    """`ckptkit diff runs/d_ref runs/d --tensors`: each run's newest step-N.dcp/, its snapshot and its tensors."""
+    ref, run = str(tmp_path / "d_ref"), str(tmp_path / "d")
+    shutil.copytree(ddp_run[0], ref)
+    shutil.copytree(ddp_run[0], run)
+    assert main(["diff", ref, run, "--tensors"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out == [
+        f"a: {ref}/step-00000006.dcp.config.json",
+        f"b: {run}/step-00000006.dcp.config.json",
+        "no differences",
+        "tensors: bitwise identical",
+    ]
+    for name in ("step-00000006.dcp", "step-00000006.dcp.config.json"):  # d's newest is now step 4
+        path = os.path.join(run, name)
+        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    assert main(["diff", ref, run, "--tensors"]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == f"b: {run}/step-00000004.dcp.config.json" and out[2] == "no differences"
+    assert out[3].startswith("tensors: ") and any(line.startswith("changed  model.") for line in out[4:])
+    assert main(["diff", ref, os.path.join(run, "step-00000004.dcp")]) == 0  # a step directory with its snapshot
+    capsys.readouterr()
+
+
 def test_a_guarded_run_interrupted_after_its_rollback_resumes_to_the_same_state(pool, tmp_path):
     straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
     want = pool.run(W + "guarded", straight, "ddp", 10, 6)
@@ -290,9 +314,9 @@ def test_a_distributed_run_state_refuses_what_it_cannot_save_and_a_one_process_r
     one.start()
     one.save(2)  # a one-process run: step-00000002.ckpt
     scheduler = (
-        "UnsupportedValue: scheduler 'tensorful'['scale']: a torch.Tensor cannot be stored (only tensors, None, "
-        "bool, int, float, str, bytes, lists, tuples, dicts, sets, ordered dicts, numpy arrays and scalars, torch "
-        "dtypes, devices and sizes); convert it to one of those; a distributed run saves schedulers and scalers as "
+        "UnsupportedValue: scheduler 'tensorful'['scale']: a torch.Tensor cannot be stored here: this is a plain "
+        "value (None, bool, int, float, str, bytes, lists, tuples, dicts, sets, numpy arrays and scalars), which "
+        "holds no tensors; store value.tolist(); a distributed run saves schedulers, scalers and statefuls as "
         "plain values"
     )
     one_process = (
@@ -305,6 +329,7 @@ def test_a_distributed_run_state_refuses_what_it_cannot_save_and_a_one_process_r
             "ValueError: compression must be 'raw' in a distributed run (got 'zstd')",
             "ValueError: optimizer 'adamw': name its model (model=...): 2 are registered",
             scheduler,
+            scheduler.replace("scheduler 'tensorful'", "stateful 'loader'"),
             one_process,
         ]
 

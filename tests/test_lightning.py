@@ -13,6 +13,7 @@ last batch with one extra batch in the next epoch, with its own TorchCheckpointI
 
 from __future__ import annotations
 
+import argparse
 import enum
 import os
 import shutil
@@ -29,7 +30,7 @@ import ckptkit
 from ckptkit.cli import main
 from ckptkit.errors import ChecksumMismatch, FormatError, UnsupportedValue
 from ckptkit.format.container import MAGIC
-from ckptkit.integrations.lightning import LAYOUT, CheckpointIO
+from ckptkit.integrations.lightning import LAYOUT, CheckpointIO, LoadsContainers, load_from_checkpoint
 
 pytestmark = [
     pytest.mark.slow,
@@ -195,7 +196,8 @@ def test_an_object_in_hyper_parameters_is_refused_by_key_path_and_the_old_file_s
         "None, bool, int, float, str, bytes, lists, tuples, dicts, sets, ordered dicts, numpy arrays and scalars, "
         "torch dtypes, devices and sizes); convert it to one of those; exclude that argument with "
         "self.save_hyperparameters(ignore=[...]) and rebuild it in __init__, or pass a plain value (for omegaconf, "
-        "OmegaConf.to_container(cfg, resolve=True))"
+        "OmegaConf.to_container(cfg, resolve=True)) (to have this refused when fit starts, before step 1, pass the "
+        "plug-in in callbacks too: io = CheckpointIO(); Trainer(plugins=[io], callbacks=[io]))"
     )
     assert path.read_bytes() == good
     assert sorted(os.listdir(tmp_path)) == ["last.ckpt"]  # no temporary file left behind
@@ -339,3 +341,121 @@ def test_without_lightning_the_import_names_the_extra() -> None:
 
     said = import_error_without("lightning", "ckptkit.integrations.lightning")
     assert said == "ckptkit.integrations.lightning needs Lightning: pip install 'ckptkit[lightning]'\n"
+
+
+# --- load_from_checkpoint, hyper-parameters at fit start, diff (issue 26) ------------------------
+
+
+class Loadable(LoadsContainers, Net):
+    """The user's module with the mix-in: ``Loadable.load_from_checkpoint(path)`` reads plug-in files."""
+
+
+def _no_unpickling(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """A trip-wire: every way to unpickle raises (and is counted)."""
+    import pickle
+
+    calls: list[str] = []
+
+    def tripped(name: str) -> Any:
+        def fail(*_a: Any, **_k: Any) -> Any:
+            calls.append(name)
+            raise AssertionError(f"{name} was called")
+
+        return fail
+
+    for name in ("load", "loads", "Unpickler"):
+        monkeypatch.setattr(pickle, name, tripped(f"pickle.{name}"))
+    monkeypatch.setattr(torch, "load", tripped("torch.load"))
+    return calls
+
+
+def test_load_from_checkpoint_builds_the_module_from_a_plugin_file_and_never_unpickles(
+    runs: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    straight, _t = runs["straight"]
+    last = runs["root"] / "straight" / "checkpoints" / "epoch=3-step=40.ckpt"
+    calls = _no_unpickling(monkeypatch)
+    net = Loadable.load_from_checkpoint(last)
+    assert isinstance(net, Loadable) and dict(net.hparams) == {"lr": 0.05, "hidden": 16, "act": "tanh"}
+    assert_bitwise(straight.state_dict(), net.state_dict(), "state_dict")
+    wider = load_from_checkpoint(Net, str(runs["ckpt"]), map_location="cpu", lr=0.5)  # the function, any class
+    assert type(wider) is Net and wider.hparams["lr"] == 0.5
+    assert calls == []
+
+
+def test_lightnings_own_load_from_checkpoint_unpickles_and_the_mix_in_refuses_what_it_cannot_verify(
+    runs: dict[str, Any], tmp_path: Path
+) -> None:
+    import pickle
+
+    with pytest.raises(pickle.UnpicklingError):  # why the mix-in exists: Lightning reads with torch.load
+        Net.load_from_checkpoint(runs["ckpt"])
+    with pytest.raises(UnsupportedValue) as e:
+        Loadable.load_from_checkpoint(runs["ckpt"], hparams_file="h.yaml")
+    assert str(e.value) == (
+        "hparams_file='h.yaml': not read by Loadable.load_from_checkpoint (a YAML file is not verified with the "
+        "checkpoint); pass the hyper-parameters to override as keyword arguments"
+    )
+    torch_file = tmp_path / "torch.ckpt"
+    torch.save({"state_dict": Net().state_dict()}, torch_file)
+    with pytest.raises(
+        FormatError, match=r"torch\.ckpt: .*torch\.save .*import it once with ckptkit\.import_torch_checkpoint"
+    ):
+        Loadable.load_from_checkpoint(torch_file)
+
+
+class Hparam(Net):
+    """A module whose hyper-parameter ``h`` is whatever the test passes."""
+
+    def __init__(self, h: Any = None) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+
+
+@pytest.mark.parametrize(
+    ("value", "said"),
+    [
+        (Path("data/train"), "a pathlib.PosixPath cannot be stored: a path; store str(path)"),
+        (argparse.Namespace(depth=2), "a argparse.Namespace cannot be stored: an argparse Namespace; store vars(ns)"),
+        (Mode.FAST, "a test_lightning.Mode cannot be stored: an Enum member; store its .value"),
+    ],
+)
+def test_an_unstorable_hparam_is_refused_when_fit_starts_naming_it_and_the_conversion(
+    value: Any, said: str, tmp_path: Path
+) -> None:
+    io_ = CheckpointIO()
+    model = Hparam(h=value)
+    with pytest.raises(UnsupportedValue) as e:
+        trainer(tmp_path, 2, plugins=[io_], callbacks=[io_]).fit(model, data())
+    assert str(e.value).startswith(f"checkpoint['hyper_parameters']['h']: {said}")
+    assert model.global_step == 0 and not (tmp_path / "checkpoints").exists()
+
+
+def test_a_set_hparam_is_stored_and_comes_back_a_set(tmp_path: Path) -> None:
+    io_ = CheckpointIO()
+    t = trainer(tmp_path, 1, plugins=[io_], callbacks=[io_], enable_checkpointing=False)
+    t.fit(Hparam(h={"a", "b"}), data())
+    t.save_checkpoint(tmp_path / "s.ckpt")
+    assert load_from_checkpoint(Hparam, tmp_path / "s.ckpt").hparams["h"] == {"a", "b"}
+
+
+def test_diff_compares_two_lightning_files_hparams_as_the_config_and_tensors_bitwise(
+    runs: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    half = runs["ckpt"]
+    assert main(["diff", str(half), str(half), "--tensors"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"a: {half} (Lightning hyper_parameters)"
+    assert out[2:] == ["no differences", "tensors: bitwise identical"]
+    t = trainer(tmp_path, 20, enable_checkpointing=False)
+    t.fit(Net(lr=0.07), data())
+    other = tmp_path / "lr.ckpt"
+    t.save_checkpoint(other)
+    assert main(["diff", str(half), str(other), "--tensors"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2:5] == [
+        "CLASS   KEY  OLD   NEW   NOTE",
+        "strict  lr   0.05  0.07",
+        "1 difference: 1 strict, 0 exempt",
+    ]
+    assert lines[5].startswith("tensors: ") and "model:state_dict.fc1.weight" in "\n".join(lines[6:])

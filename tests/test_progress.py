@@ -264,7 +264,11 @@ def test_a_terminal_shows_the_bar_with_rate_and_eta_and_the_summary_ends_the_out
     after = pieces[pieces.index(final.string) + 1 :]
     assert after[0] == f"step 40: {tmp_path / 'run' / 'step-00000040.ckpt'}"
     assert after[1] == "summary:"
-    assert after[-1].startswith(f"extend       ckptkit train --run-dir {tmp_path / 'run'} --steps 80 --resume ")
+    # A row wider than the terminal's 120 columns continues on the next lines; a command with " \\".
+    extend = next(i for i, p in enumerate(after) if p.startswith("extend "))
+    command = " ".join(p.removesuffix(" \\") for p in after[extend:])
+    assert command.startswith(f"extend       ckptkit train --run-dir {tmp_path / 'run'} --steps 80 --resume ")
+    assert all(len(p) <= 120 - 2 for p in after)  # stripped of their indent: no row wider than the terminal
 
 
 def test_replay_and_verify_show_their_bars_in_a_terminal(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -105,5 +105,5 @@ def test_any_object_with_a_plain_state_dict_is_registered_and_restored(tmp_path:
     assert fresh.resume().step == 5 and again.state_dict() == {"epoch": 2, "batch": 7}
     with pytest.raises(ckptkit.UnsupportedValue, match="stateful 'x': a int has no state_dict"):
         fresh.add_stateful("x", 3)
-    with pytest.raises(ckptkit.UnsupportedValue):
-        fresh.add_stateful("net", torch.nn.Linear(2, 2))  # tensors: not plain values
+    with pytest.raises(ValueError, match="value 'loader' is already registered"):
+        fresh.add_stateful("loader", Cursor())

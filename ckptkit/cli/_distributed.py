@@ -26,6 +26,7 @@ from ..errors import CheckpointError, CheckpointNotFound
 
 __all__ = [
     "diff_directories",
+    "directory_tensor_diffs",
     "inspect_directory",
     "is_distributed_dir",
     "print_reports",
@@ -201,7 +202,7 @@ def diff_directories(args: Any, tensor_lines: Callable[[list[dict[str, Any]]], l
             raise CheckpointError(
                 "distributed checkpoints carry no config snapshot; compare their tensors with --tensors"
             )
-        tensors = _tensor_diffs(args.a, args.b)
+        tensors = directory_tensor_diffs(args.a, args.b)
     except (CheckpointError, OSError) as e:
         if getattr(args, "debug", False):
             raise
@@ -221,7 +222,8 @@ def diff_directories(args: Any, tensor_lines: Callable[[list[dict[str, Any]]], l
     return 1 if tensors else 0
 
 
-def _tensor_diffs(a: str, b: str) -> list[dict[str, Any]]:
+def directory_tensor_diffs(a: str, b: str) -> list[dict[str, Any]]:
+    """The logical tensors of two distributed checkpoint directories that differ, bitwise."""
     from ..audit.compare import compare_states  # imports torch: only here
     from ..distributed.storage import logical_state
 

@@ -3,8 +3,9 @@
 The mode is chosen once, from the stream progress goes to (stderr; spec/cli.md):
 
 * ``bar``: the stream is a terminal. A tqdm bar at the bottom (position,
-  rate, ETA, the latest loss), every log line printed above it, and the final
-  bar left on screen when the work ends;
+  rate, ETA, the latest loss), every log line printed above it (broken at its
+  ``" | "`` fields to the terminal's width, ``_width``), and the final bar left
+  on screen when the work ends;
 * ``lines``: a file or a pipe (CI, ``2>train.log``). The log lines only,
   ``ckptkit COMMAND: ...``, one per message: a log file gains no carriage
   returns and no escape codes;
@@ -19,6 +20,8 @@ from __future__ import annotations
 
 import sys
 from typing import IO, Any
+
+from ._width import fit, terminal_width
 
 __all__ = ["Progress"]
 
@@ -55,11 +58,12 @@ class Progress:
         """
         if self.mode == "quiet" and not always:
             return
-        line = f"ckptkit {self.command}: {msg}"
-        if self._bar is not None:
-            self._bar.write(line, file=self.stream)
-        else:
-            print(line, file=self.stream, flush=True)
+        head = f"ckptkit {self.command}: "
+        for line in fit(head + msg, terminal_width(self.stream), len(head)):  # unbroken in a file or pipe
+            if self._bar is not None:
+                self._bar.write(line, file=self.stream)
+            else:
+                print(line, file=self.stream, flush=True)
 
     def at(self, done: int, total: int, **postfix: str) -> None:
         """The work stands at ``done`` of ``total`` (bar mode only; lines mode logs its own lines).
@@ -79,15 +83,22 @@ class Progress:
                 unit=self.unit,
                 desc=self.command,
                 file=self.stream,
-                dynamic_ncols=True,
+                ncols=self._columns(),
                 leave=True,
                 unit_scale=self.unit == "B",
                 unit_divisor=1024,
             )  # bytes: KiB, MiB, GiB
         self._bar.total = total
+        self._bar.ncols = self._columns()  # follows a resized terminal, as tqdm's dynamic_ncols would
         if postfix:
             self._bar.set_postfix(postfix, refresh=False)
         self._bar.update(done - self._bar.n)  # negative after a rollback: the bar goes back too
+
+    def _columns(self) -> int | None:
+        """The bar's width: the terminal's less 3 columns, where the terminal echoes a Ctrl-C
+        (``^C``) without wrapping it onto a line of its own."""
+        width = terminal_width(self.stream)
+        return None if width is None else max(width - 3, 20)
 
     def close(self) -> None:
         """Leave the final bar on screen and move below it; safe to call twice."""

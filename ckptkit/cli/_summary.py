@@ -19,8 +19,11 @@ from typing import Any
 
 from ..run import DCP_SUFFIX, list_checkpoints
 from ..run.history import HISTORY_FILE, read_rows
+from ._width import fit, fit_command
 
 __all__ = ["TrainSummary", "extend_command", "summarize"]
+
+_TEXT_AT = 15  # the column a row's text starts at: "  " + a 12-wide name + " "
 
 
 @dataclass(frozen=True)
@@ -43,9 +46,14 @@ class TrainSummary:
     history: str  # the history file
     step_rows: int  # step rows in the whole history
     extend: str  # the command that extends (or resumes) the run
+    next_step: str = "extend"  # how the last row names that command: "resume" after a stop
 
-    def lines(self) -> list[str]:
-        """The summary as a user reads it (README "What you see" explains each line)."""
+    def lines(self, width: int | None = None) -> list[str]:
+        """The summary as a user reads it (README "What you see" explains each line).
+
+        ``width``: the terminal's columns; a longer row continues on the next line under its
+        text, and the command is broken between arguments with ``" \\"`` (``_width``).
+        """
         rate = f", {self.steps_run / self.seconds:.1f} steps/s" if self.seconds > 0 and self.steps_run else ""
         span = f"resumed at step {self.began}, now at {self.done}" if self.resumed else f"0 -> {self.done}"
         rows = [("trained", f"{self.steps_run} step(s) ({span}) in {_duration(self.seconds)}{rate}")]
@@ -83,18 +91,21 @@ class TrainSummary:
                 (f"{self.history}: one row per step (loss, grad norm, lr, spike verdict), {self.step_rows} step rows"),
             )
         )
-        rows.append(("extend", self.extend))
-        return ["summary:"] + [f"  {name:<12} {text}" for name, text in rows]
+        out = ["summary:"]
+        for name, text in rows:
+            out += fit(f"  {name:<12} {text}", width, _TEXT_AT)
+        return out + fit_command(f"  {self.next_step:<12} ", self.extend, width, _TEXT_AT + 2)
 
 
-def summarize(run_dir: str, *, seconds: float, keep: int, extend: str) -> TrainSummary:
+def summarize(run_dir: str, *, seconds: float, keep: int, extend: str, next_step: str = "extend") -> TrainSummary:
     """Read ``run_dir`` after a ``train`` call and say what the call did.
 
     Args:
         run_dir: the run directory, as the user spelled it.
         seconds: the call's wall time.
         keep: the run's ``--keep``.
-        extend: the command line that extends the run (:func:`extend_command`).
+        extend: the command line that extends the run (:func:`extend_command`), or resumes it.
+        next_step: the last row's name for that command (``resume`` after a stop).
 
     Raises:
         FormatError: a complete line of ``history.jsonl`` is not a history row.
@@ -125,6 +136,7 @@ def summarize(run_dir: str, *, seconds: float, keep: int, extend: str) -> TrainS
         history=history,
         step_rows=len(steps),
         extend=extend,
+        next_step=next_step,
     )
 
 

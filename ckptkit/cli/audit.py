@@ -101,7 +101,9 @@ def add_parser(sub: Any) -> None:
         metavar="SECONDS",
         help="with -- CMD: the most each process may take (default 600)",
     )
-    add_knobs(p)
+    from ..trainer.audit import AUDIT_DEFAULTS
+
+    add_knobs(p, shown={**AUDIT_DEFAULTS, "train.keep": "steps+1"})
 
 
 def config_for_audit(args: argparse.Namespace) -> Any:

@@ -6,9 +6,10 @@
 
 A and B are snapshot files (``*.config.json``), checkpoints (the snapshot next
 to it, ``<ckpt>.config.json``) or run directories (the snapshot next to the
-newest ``step-XXXXXXXX.ckpt``, else ``config.json`` at the directory root), or a
-Hugging Face Trainer ``checkpoint-N/`` folder or output directory (its newest
-folder's ``ckptkit.config.json``; spec/transformers.md).
+newest ``step-XXXXXXXX.ckpt`` or ``step-XXXXXXXX.dcp/``, else ``config.json`` at the
+directory root), or a Hugging Face Trainer ``checkpoint-N/`` folder or output directory
+(its newest folder's ``ckptkit.config.json``; spec/transformers.md), or a file the
+Lightning plug-in wrote (its hyper-parameters are the config; spec/lightning.md R-L05).
 A is the old side, B the new one: the classes are the ones a resume of A with
 B's config would see (no declared defaults are filled in: what is written is
 compared). Exit codes as GNU diff: 0 no strict difference, 1 strict drift (or
@@ -26,7 +27,7 @@ import os
 import sys
 from typing import Any
 
-from ..errors import CheckpointError, CheckpointNotFound
+from ..errors import CheckpointError, CheckpointNotFound, FormatError
 from ..format.snapshot import SNAPSHOT_SUFFIX, Snapshot, read_snapshot, snapshot_path
 from ..run.drift import DEFAULT_EXEMPT, KeyDiff, diff_keys
 from ._paths import CKPT_RE
@@ -47,8 +48,10 @@ computes).
 A and B may each be
   a snapshot file          runs/a/step-00000120.ckpt.config.json
   a checkpoint             runs/a/step-00000120.ckpt  (uses <ckpt>.config.json)
-  a run directory          runs/a  (the snapshot of the newest step-*.ckpt,
-                           else runs/a/config.json)
+  a run directory          runs/a  (the snapshot of the newest step-*.ckpt
+                           or step-*.dcp/, else runs/a/config.json)
+  a Lightning file         epoch=1-step=20.ckpt written by ckptkit's plug-in
+                           (its hyper_parameters are compared as the config)
   a Trainer folder         out/checkpoint-20, or out (its newest checkpoint-N/);
                            the exempt class is then the Trainer's (spec/transformers.md)
 A is the old side, B the new one."""
@@ -104,11 +107,48 @@ def _newest_checkpoint(directory: str) -> str | None:
     return None if best is None else os.path.join(directory, best[1])
 
 
+def _side(path: str) -> tuple[Snapshot, str | None]:
+    """(the config snapshot, the checkpoint or None) of one side: a Lightning plug-in file's
+    hyper-parameters stand for its config (spec/lightning.md R-L05)."""
+    named_config = path.endswith(SNAPSHOT_SUFFIX) or os.path.basename(path) == _RUN_CONFIG
+    if os.path.isfile(path) and not named_config and not os.path.isfile(snapshot_path(path)):
+        from ..integrations.lightning_file import hyper_parameters
+        from .inspect_cmd import _plain
+
+        try:
+            hparams = hyper_parameters(path)
+        except FormatError:  # not a container: said below as a missing snapshot
+            hparams = None
+        if hparams is not None:
+            return Snapshot(
+                _plain(hparams), "lightning hyper_parameters", path=f"{path} (Lightning hyper_parameters)"
+            ), path
+    snap, ckpt = _resolve(path)
+    return read_snapshot(snap), ckpt
+
+
+def _newest_dcp(path: str) -> tuple[str, str | None] | None:
+    """(snapshot, step directory) for a distributed run directory (its newest ``step-N.dcp/``) or a
+    step directory with a snapshot beside it; None for anything else."""
+    from . import _distributed
+
+    if _distributed.is_distributed_dir(path):
+        snap = snapshot_path(path.rstrip(os.sep))
+        return (snap, path) if os.path.isfile(snap) else None
+    steps = _distributed.run_contents(path)[0] if os.path.isdir(path) else []
+    if not steps:
+        return None
+    snap = snapshot_path(steps[-1])
+    if not os.path.isfile(snap):
+        raise CheckpointNotFound(f"{steps[-1]}: the newest checkpoint has no config snapshot (expected {snap})")
+    return snap, steps[-1]
+
+
 def _resolve(path: str) -> tuple[str, str | None]:
     """(snapshot file, checkpoint or None) for a command-line path."""
     from . import _trainer
 
-    trainer = _trainer.snapshot_of(path)
+    trainer = _trainer.snapshot_of(path) or _newest_dcp(path)
     if trainer is not None:
         return trainer
     if os.path.isdir(path):
@@ -188,6 +228,15 @@ def _diff_json(d: KeyDiff) -> dict[str, Any]:
 def _tensor_diffs(ckpt_a: str | None, ckpt_b: str | None) -> list[dict[str, Any]]:
     if ckpt_a is None or ckpt_b is None:
         raise _Unavailable("--tensors needs two checkpoints (or run directories that hold one), not bare snapshots")
+    if os.path.isdir(ckpt_a) or os.path.isdir(ckpt_b):
+        from . import _distributed
+
+        if not (os.path.isdir(ckpt_a) and os.path.isdir(ckpt_b)):
+            raise _Unavailable(
+                f"--tensors compares two of a kind: {ckpt_a if os.path.isdir(ckpt_a) else ckpt_b} is a distributed "
+                "checkpoint directory and the other side a checkpoint file"
+            )
+        return _distributed.directory_tensor_diffs(ckpt_a, ckpt_b)
     from ..audit.compare import compare_checkpoints  # imports torch: only when asked
 
     return [dataclasses.asdict(d) for d in compare_checkpoints(ckpt_a, ckpt_b)]
@@ -209,12 +258,12 @@ def run(args: argparse.Namespace) -> int:
     """
     from . import _distributed
 
-    if _distributed.is_distributed_dir(args.a) or _distributed.is_distributed_dir(args.b):
+    bare = [p for p in (args.a, args.b) if _distributed.is_distributed_dir(p) and _newest_dcp(p) is None]
+    if bare:  # a ckptkit.distributed.save directory: no config snapshot, tensors only
         return _distributed.diff_directories(args, _tensor_lines)
     try:
-        snap_a, ckpt_a = _resolve(args.a)
-        snap_b, ckpt_b = _resolve(args.b)
-        a, b = read_snapshot(snap_a), read_snapshot(snap_b)
+        a, ckpt_a = _side(args.a)
+        b, ckpt_b = _side(args.b)
         diffs = diff_keys(a, b, exempt=_exempt(a, b))
         tensors = _tensor_diffs(ckpt_a, ckpt_b) if args.tensors else None
     except (CheckpointError, OSError, _Unavailable) as e:

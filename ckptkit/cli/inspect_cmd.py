@@ -98,10 +98,37 @@ def run(args: argparse.Namespace) -> int:
         codec = s.codec or "-"
         status = "" if s.present else "  (absent)"
         print(f"{s.name:<9} {s.offset:>10} {s.length:>12}  {codec:<5} {s.tensors:>8}{status}")
-    for line in _rollback_lines(run_state):
+    for line in _run_state_lines(run_state):
         print(line)
     print("digests: not checked here (ckptkit verify checks every byte)")
     return 0
+
+
+def _names(group: Any) -> str:
+    return ", ".join(map(str, group)) if isinstance(group, dict) and group else "-"
+
+
+def _run_state_lines(run_state: Any) -> list[str]:
+    """The monitor section in words: data positions, monitors, values, companions, the rollback record.
+
+    Shown as found (inspect shows damaged files too); other keys (a Lightning file's) are named.
+    """
+    if not isinstance(run_state, dict):
+        return ["run state: none (no monitor section)"]
+    data = run_state.get("data")
+    lines = [
+        "run state (monitor section):",
+        "  data positions  "
+        + (", ".join(f"{k}={v}" for k, v in data.items()) if isinstance(data, dict) and data else "-"),
+        f"  monitors        {_names(run_state.get('monitors'))}",
+        f"  values          {_names(run_state.get('values'))}",
+        f"  companions      {_names(run_state.get('companions'))}",
+    ]
+    other = [str(k) for k in run_state if k not in ("data", "monitors", "values", "companions")]
+    if other:
+        lines.append(f"  other keys      {', '.join(other)}")
+    rollback = _rollback_lines(run_state)
+    return lines + (rollback or ["rollback: none recorded"])
 
 
 def _rollback_record(run_state: Any) -> Any:

@@ -21,6 +21,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Mapping
 from typing import Any
 
 __all__ = ["add_knobs", "add_parser", "config_from_args", "run"]
@@ -68,12 +69,14 @@ legacy checkpoint) or a corrupt file, 2 usage error or unreadable path, 3 traini
 """
 
 
-def add_knobs(p: argparse.ArgumentParser) -> None:
+def add_knobs(p: argparse.ArgumentParser, shown: Mapping[str, Any] | None = None) -> None:
+    """The trainer's flags, one per config key; ``shown``: the default a command uses instead of
+    the config's for some keys (``ckptkit audit``'s), as its ``--help`` states it."""
     # Imported here: `ckptkit verify` builds every subparser's flags only when
     # its command is chosen, but keep the trainer's import cost out of the rest.
     from ..trainer.config import TrainerConfig, flag_name, help_text, knobs
 
-    defaults = TrainerConfig()
+    defaults, shown = TrainerConfig(), shown or {}
     groups: dict[str, Any] = {}
     titles = {"model": "model", "data": "data", "train": "training", "monitor": "spike monitor (see --auto-rollback)"}
     for key, f in knobs():
@@ -81,8 +84,8 @@ def add_knobs(p: argparse.ArgumentParser) -> None:
         group = groups.setdefault(table, p.add_argument_group(titles[table]))
         default = getattr(getattr(defaults, table), f.name)
         flag = flag_name(key, f)
-        shown = default.value if isinstance(default, enum.Enum) else default
-        text = f"{help_text(key, f)} (default: {shown!r}; config key {key})".replace("%", "%%")
+        said = str(shown[key]) if key in shown else repr(default.value if isinstance(default, enum.Enum) else default)
+        text = f"{help_text(key, f)} (default: {said}; config key {key})".replace("%", "%%")
         kind = type(default) if default is not None else int  # the Optional knobs are ints
         if kind is bool:
             group.add_argument(flag, dest=key, action=argparse.BooleanOptionalAction, default=None, help=text)
@@ -214,15 +217,23 @@ def _train(args: argparse.Namespace, cfg: Any, speak: bool) -> int:
                 )
     except RunStopped as stop:  # Ctrl-C / SIGTERM: the step in progress was saved (after the bar closed)
         if speak:
-            print(
-                f"ckptkit train: stopped at step {stop.step} ({stop.reason}): saved {stop.path}\n"
-                f"resume with: {_resume_command(args, cfg)}",
-                file=sys.stderr,
-                flush=True,
-            )
+            _print_stop(args, cfg, stop, threads, seconds=time.monotonic() - began)
         return stop.code  # type: ignore[return-value]
     _print_result(args, cfg, result, threads, seconds=time.monotonic() - began)
     return 0
+
+
+def _print_stop(args: argparse.Namespace, cfg: Any, stop: Any, threads: int, *, seconds: float) -> None:
+    """After a stop: on stderr what was saved and the resume command; on stdout the summary (R-T15)."""
+    from ._width import fit, fit_command, terminal_width
+
+    width = terminal_width(sys.stderr)
+    lines = fit(f"ckptkit train: stopped at step {stop.step} ({stop.reason}): saved {stop.path}", width, 15)
+    lines += fit_command("resume with: ", _resume_command(args, cfg), width, 2)
+    print("\n".join(lines), file=sys.stderr, flush=True)
+    if not args.json:
+        summary = _summary(args, cfg, stop.step, threads, seconds, resume=True)
+        print("\n".join(summary.lines(terminal_width(sys.stdout))), flush=True)
 
 
 def _usage_problem(args: argparse.Namespace, cfg: Any) -> str | None:
@@ -257,15 +268,20 @@ def _print_result(args: argparse.Namespace, cfg: Any, result: Any, threads: int,
             )
         )
     else:
+        from ._width import terminal_width
+
         print(f"step {result.step}: {result.checkpoint or '(no new checkpoint)'}")
-        print("\n".join(_summary(args, cfg, result.step, threads, seconds).lines()))
+        print("\n".join(_summary(args, cfg, result.step, threads, seconds).lines(terminal_width(sys.stdout))))
 
 
-def _summary(args: argparse.Namespace, cfg: Any, step: int, threads: int, seconds: float) -> Any:
+def _summary(
+    args: argparse.Namespace, cfg: Any, step: int, threads: int, seconds: float, *, resume: bool = False
+) -> Any:
     """The end-of-run summary, read back from the run directory (``_summary``).
 
     Its extend command repeats what this call ran under: every config flag that
     differs from its default, the thread count, and --allow-env-change if given.
+    ``resume``: the run was stopped; the last row is the command that resumes it.
     """
     from ..trainer.audit import knob_flags
     from ._summary import extend_command, summarize
@@ -274,6 +290,10 @@ def _summary(args: argparse.Namespace, cfg: Any, step: int, threads: int, second
     flags = [*knob_flags(cfg.replace(**{"train.steps": default_steps})), "--threads", str(threads)]
     if args.allow_env_change:  # environment.json keeps the facts the run started with
         flags.append("--allow-env-change")
+    if resume:
+        return summarize(
+            args.run_dir, seconds=seconds, keep=cfg.train.keep, extend=_resume_command(args, cfg), next_step="resume"
+        )
     extend = extend_command(args.run_dir, max(2 * step, step + 1), flags, _launcher())
     return summarize(args.run_dir, seconds=seconds, keep=cfg.train.keep, extend=extend)
 

@@ -51,6 +51,15 @@ def _temp_file(path: str) -> Iterator[tuple[BinaryIO, str]]:
     tmp = _temp_name(path)
     try:
         f = open(tmp, "xb")  # noqa: SIM115 - closed below, on every path
+    except FileNotFoundError as e:
+        folder = os.path.dirname(path) or "."
+        raise SaveFailed(
+            f"{path}: the folder {folder} does not exist; create it first (os.makedirs({folder!r}, exist_ok=True)): "
+            "ckptkit does not create it, so that a mistyped or unmounted path is an error, not checkpoints on the "
+            "wrong disk",
+            cause=e,
+            path=path,
+        ) from e
     except OSError as e:
         raise SaveFailed(f"{path}: cannot create temporary file: {e.strerror}", cause=e, path=path) from e
     try:

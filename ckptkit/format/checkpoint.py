@@ -251,10 +251,25 @@ def import_torch_checkpoint(path: str | os.PathLike[str], *, map_location: str |
     except FileNotFoundError:
         raise CheckpointNotFound(f"{path}: no such file") from None
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UnsupportedValue(
-            f"{path}: torch.load(weights_only=True) refused it ({first}); only tensors and plain "
+            f"{path}: torch.load(weights_only=True) refused it ({_refusal_reason(e)}); only tensors and plain "
             "containers are imported, never arbitrary pickle"
         ) from None
     encode_tree(obj, path)
     return obj
+
+
+def _refusal_reason(e: BaseException) -> str:
+    """The line of torch's refusal that says what the file holds, as plain text.
+
+    torch's weights-only message opens with advice to load with ``weights_only=False``
+    (which would run the file's code) in terminal bold; the line that names the
+    refused object is ``WeightsUnpickler error: Unsupported global: ...``.
+    """
+    import re
+
+    text = re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", str(e))
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    named = [line for line in lines if line.startswith("WeightsUnpickler error:")]
+    reason = (named or lines or [type(e).__name__])[0]
+    return reason.split(" Please use ", 1)[0].removeprefix("WeightsUnpickler error: ")

@@ -328,7 +328,7 @@ def check_plain(value: Any, where: str, depth: int = 0, on_leaf: Callable[[Any, 
         return _plain_set(value, where, depth, on_leaf)
     typed = encode_numpy(value, where) or encode_torch(value)
     if typed is None:
-        raise UnsupportedValue(refusal(value, where))
+        raise UnsupportedValue(refusal(value, where, tensors=on_leaf is not None))
     return typed
 
 

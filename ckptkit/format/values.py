@@ -21,6 +21,7 @@ conversion to make (:func:`refusal`).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import enum
 import io
@@ -129,22 +130,33 @@ def encode_torch(value: Any) -> TypedValue | None:
     return None
 
 
+#: What :func:`refusal` says of a tensor where only plain values go (a caller may add its own route).
+NO_TENSORS = "which holds no tensors"
+
 _ADVICE: tuple[tuple[type, str], ...] = (
+    (argparse.Namespace, "an argparse Namespace; store vars(ns) (a dict) and rebuild it with argparse.Namespace(**d)"),
     (enum.Enum, "an Enum member; store its .value (or .name) and rebuild the member with {cls}(value) on load"),
     (pathlib.PurePath, "a path; store str(path) and rebuild it with pathlib.Path(text) on load"),
     (io.BytesIO, "an in-memory file; store buf.getvalue() (bytes) and rebuild it with io.BytesIO(data) on load"),
 )
 
 
-def refusal(value: Any, where: str) -> str:
+def refusal(value: Any, where: str, *, tensors: bool = True) -> str:
     """Why ``value`` cannot be stored, and the conversion to make, as an error message.
 
     Nothing here imports the value's class by name: a value that would need its class
-    (or a module) to come back is refused with what to store instead.
+    (or a module) to come back is refused with what to store instead. ``tensors``: whether
+    the place asked about carries tensors (a section does; a plain value, such as an
+    ``add_value`` value or a distributed run's replicated state, does not).
     """
     t = type(value)
     name = f"{t.__module__}.{t.__qualname__}"
     cls = t.__qualname__
+    if not tensors and _is_tensor(value):
+        return (
+            f"{where}: a {name} cannot be stored here: this is a plain value (None, bool, int, float, str, bytes, "
+            f"lists, tuples, dicts, sets, numpy arrays and scalars), {NO_TENSORS}; store value.tolist()"
+        )
     for base, advice in _ADVICE:
         if isinstance(value, base):
             return f"{where}: a {name} cannot be stored: {advice.format(cls=cls)}"
@@ -164,11 +176,18 @@ def refusal(value: Any, where: str) -> str:
                 f"{where}: a {name} cannot be stored: a subclass of {plain}, which would load as a plain {plain}; "
                 f"store {plain}(value)"
             )
+    kinds = "tensors, None" if tensors else "None"
     return (
-        f"{where}: a {name} cannot be stored (only tensors, None, bool, int, float, str, bytes, lists, tuples, "
+        f"{where}: a {name} cannot be stored (only {kinds}, bool, int, float, str, bytes, lists, tuples, "
         "dicts, sets, ordered dicts, numpy arrays and scalars, torch dtypes, devices and sizes); convert it to one "
         "of those"
     )
+
+
+def _is_tensor(value: Any) -> bool:
+    """A ``torch.Tensor`` (or subclass), told without importing torch."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
 
 
 # ---------------------------------------------------------------------------- reading

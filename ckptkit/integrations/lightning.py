@@ -56,6 +56,7 @@ from ..errors import FormatError, UnsupportedValue
 from ..format.checkpoint import Checkpoint, load, save
 from ..format.section import check_plain
 from ._extra import missing_extra
+from .lightning_file import LAYOUT
 
 if TYPE_CHECKING:
     import torch
@@ -66,10 +67,8 @@ try:
 except ModuleNotFoundError as e:  # tested in a process without lightning
     raise missing_extra(e, __name__, "lightning", "Lightning") from None
 
-__all__ = ["LAYOUT", "CheckpointIO", "from_container", "to_container"]
+__all__ = ["LAYOUT", "CheckpointIO", "LoadsContainers", "from_container", "load_from_checkpoint", "to_container"]
 
-#: The monitor section's ``layout`` value; another value is refused on load.
-LAYOUT = "ckptkit.integrations.lightning/1"
 _MODEL_KEYS = ("state_dict",)
 _OPTIM_KEYS = ("optimizer_states", "lr_schedulers")
 # What to do when a top-level key holds a value the container cannot carry.
@@ -81,6 +80,11 @@ _ADVICE = {
     "callbacks": "a callback's state_dict() must return plain values (tensors, numbers, strings, lists, dicts)",
 }
 _DEFAULT_ADVICE = "convert it to plain values in on_save_checkpoint (and back in on_load_checkpoint)"
+# Said when a save refuses what the callback role would have refused before step 1.
+_AT_FIT_START = (
+    "to have this refused when fit starts, before step 1, pass the plug-in in callbacks too: "
+    "io = CheckpointIO(); Trainer(plugins=[io], callbacks=[io])"
+)
 
 
 def _check(checkpoint: dict[str, Any]) -> None:
@@ -191,6 +195,7 @@ class CheckpointIO(_LightningCheckpointIO, _Callback):
         super().__init__()
         self.compression = compression
         self.level = level
+        self._fit_checked = False  # set by the callback role's setup: the refusal then came before step 1
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         """Write ``checkpoint`` to ``path`` atomically and durably, as a v2 container.
@@ -206,7 +211,12 @@ class CheckpointIO(_LightningCheckpointIO, _Callback):
                 f"(got {storage_options!r}); pass compression= to the plug-in instead"
             )
         name = _local(path)
-        ckpt = to_container(checkpoint)
+        try:
+            ckpt = to_container(checkpoint)
+        except UnsupportedValue as e:
+            if self._fit_checked:
+                raise
+            raise UnsupportedValue(f"{e} ({_AT_FIT_START})") from None
         os.makedirs(os.path.dirname(name) or ".", exist_ok=True)
         save(name, ckpt, compression=self.compression, level=self.level)
 
@@ -232,6 +242,7 @@ class CheckpointIO(_LightningCheckpointIO, _Callback):
         """
         if stage == "fit":
             _check(_fit_state(trainer, pl_module))
+            self._fit_checked = True
 
     def teardown(self, *args: Any, **kwargs: Any) -> None:
         """Both roles' teardown: ``CheckpointIO.teardown()`` and the callback's ``teardown(trainer, module, stage)``.
@@ -262,3 +273,86 @@ def _is_device(value: Any) -> TypeGuard[torch.device]:
     import torch
 
     return isinstance(value, torch.device)
+
+
+def load_from_checkpoint(
+    cls: type[Any],
+    checkpoint_path: str | os.PathLike[str],
+    map_location: Any | None = None,
+    strict: bool | None = None,
+    **kwargs: Any,
+) -> Any:
+    """``cls.load_from_checkpoint(path)`` for a file the plug-in wrote: verified, never unpickled.
+
+    Lightning's own ``load_from_checkpoint`` reads with ``torch.load`` whatever the
+    trainer's plug-in, so on a ckptkit container it fails with torch's "Unsupported
+    operand" (and its advice, ``weights_only=False``, would not help: the file is no
+    pickle). This reads through :class:`CheckpointIO` (every digest checked), then builds
+    the module as Lightning does: Lightning's checkpoint migration, the saved
+    hyper-parameters updated with ``kwargs``, ``cls(**hparams)``, ``on_load_checkpoint``,
+    ``load_state_dict(strict=strict)``, and the module moved to the weights' device.
+
+    Args:
+        cls: the ``LightningModule`` (or ``LightningDataModule``) class.
+        map_location: a device or device string (anything else: the CPU).
+        kwargs: hyper-parameters that override the saved ones.
+
+    Raises:
+        CheckpointNotFound: no file at the path.
+        FormatError: damaged bytes, or a file this plug-in did not write (a ``torch.save``
+            checkpoint: import it once with ``ckptkit.import_torch_checkpoint``).
+    """
+    from lightning.pytorch.core.saving import _load_state
+    from lightning.pytorch.utilities.migration.utils import _pl_migrate_checkpoint
+
+    name = _local(checkpoint_path)
+    checkpoint = CheckpointIO().load_checkpoint(name, map_location=map_location)
+    checkpoint = _pl_migrate_checkpoint(checkpoint, checkpoint_path=name)
+    hparams = checkpoint.setdefault(cls.CHECKPOINT_HYPER_PARAMS_KEY, {})
+    hparams.update(kwargs)
+    obj = _load_state(cls, checkpoint, strict=strict, **kwargs)
+    weights = checkpoint.get("state_dict") or {}
+    device = next((t.device for t in weights.values() if hasattr(t, "device")), None)
+    return obj if device is None or not hasattr(obj, "to") else obj.to(device)
+
+
+def _load_classmethod(
+    cls: type[Any],
+    /,
+    checkpoint_path: str | os.PathLike[str],
+    map_location: Any | None = None,
+    hparams_file: Any | None = None,
+    strict: bool | None = None,
+    weights_only: bool | None = None,
+    **kwargs: Any,
+) -> Any:
+    """Build the module from a plug-in checkpoint (:func:`load_from_checkpoint`).
+
+    Raises:
+        UnsupportedValue: ``hparams_file`` was given.
+    """
+    if hparams_file is not None:
+        raise UnsupportedValue(
+            f"hparams_file={hparams_file!r}: not read by {cls.__name__}.load_from_checkpoint (a YAML file is "
+            "not verified with the checkpoint); pass the hyper-parameters to override as keyword arguments"
+        )
+    return load_from_checkpoint(cls, checkpoint_path, map_location, strict, **kwargs)
+
+
+class LoadsContainers:
+    """Mix in before ``LightningModule`` so ``Module.load_from_checkpoint(path)`` reads plug-in files.
+
+    Example::
+
+        class Net(LoadsContainers, lightning.pytorch.LightningModule): ...
+
+        net = Net.load_from_checkpoint("checkpoints/epoch=1-step=20.ckpt")  # verified, never unpickled
+
+    It replaces Lightning's classmethod with :func:`load_from_checkpoint`: the same
+    arguments, less ``hparams_file`` (pass overrides as keyword arguments) and
+    ``weights_only`` (nothing is unpickled). A ``torch.save`` file is refused, not read.
+    """
+
+    # Typed Any: Lightning's is a restricted classmethod descriptor, which a type checker
+    # would otherwise call incompatible with this one in the user's class.
+    load_from_checkpoint: Any = classmethod(_load_classmethod)

@@ -156,12 +156,14 @@ class DcpStore:
             raise world_size_changed(self.run_dir, {}, self.facts())
 
     def refuse_unstorable(self, kind: str, name: str, obj: Any) -> None:
-        """Schedulers and scalers are replicated plain state; modules and optimizers go through DCP."""
-        if kind in ("scheduler", "scaler"):
+        """Schedulers, scalers and statefuls are replicated plain state; modules and optimizers go through DCP."""
+        if kind in ("scheduler", "scaler", "stateful"):
             try:
                 check_plain(obj.state_dict(), f"{kind} {name!r}")
             except UnsupportedValue as e:
-                raise UnsupportedValue(f"{e}; a distributed run saves schedulers and scalers as plain values") from None
+                raise UnsupportedValue(
+                    f"{e}; a distributed run saves schedulers, scalers and statefuls as plain values"
+                ) from None
 
     # ------------------------------------------------------------------ save
 

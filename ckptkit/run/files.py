@@ -197,6 +197,13 @@ def read_companions(path: str, step: int, kinds: Iterable[str], tree: Any) -> di
         FormatError: a companion is damaged or does not match the record.
     """
     if not os.path.exists(snapshot_path(path)):
+        if record_of(tree, path) is None:  # no companions ever: a ckptkit.save file, not a run's checkpoint
+            raise CheckpointNotFound(
+                f"{snapshot_path(path)}: config snapshot is missing, and {os.path.basename(path)} records no "
+                "companions: a file written by ckptkit.save, not RunState.save, has no config or environment to "
+                "resume; move it out of the run directory, load it into the registered objects and let "
+                "state.save(step) write the run's first checkpoint (docs/adopting.md section 5)"
+            )
         raise CheckpointNotFound(f"{snapshot_path(path)}: config snapshot is missing")
     sidecars = read_sidecars(path, step, kinds)
     check_companions(path, record_of(tree, path), sidecars=sidecars)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shlex
+import shutil
 import signal
 import sys
 from collections.abc import Callable, Iterable, Iterator
@@ -71,9 +72,7 @@ class StopRequests:
             sys.stderr.flush()
             os._exit(128 + signum)
         self.signal = signum
-        sys.stderr.write(
-            f"ckptkit: {name}: finishing the current step, then saving it (send {name} again to abort at once)\n"
-        )
+        sys.stderr.write(_on_a_fresh_line(f"ckptkit: {name}: finishing the current step, then saving it", name))
         sys.stderr.flush()
 
     def reason(self, steps_done: int) -> str | None:
@@ -157,3 +156,14 @@ class Stopping:
             flush=True,
         )
         raise RunStopped(steps_done, path, why)
+
+
+def _on_a_fresh_line(said: str, name: str) -> str:
+    """The first signal's message. On a terminal it starts on a line of its own (the terminal
+    has echoed ``^C`` after the progress bar) and its advice goes on a second line when one
+    line would be wider than the terminal; in a log file it is one line."""
+    advice = f"(send {name} again to abort at once)"
+    if not sys.stderr.isatty():
+        return f"{said} {advice}\n"
+    columns = shutil.get_terminal_size((0, 0)).columns or len(said) + 1 + len(advice)  # 0: a size never set
+    return f"\n{said}{' ' if len(said) + 1 + len(advice) <= columns else chr(10)}{advice}\n"

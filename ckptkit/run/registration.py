@@ -16,6 +16,7 @@ from ..errors import UnsupportedValue
 from ..format.container import FLAG_NAMES
 from ..format.section import check_plain
 from ..format.sidecar import sidecar_path
+from ..format.values import NO_TENSORS
 from ._registry import Entry, Registry, has_state_dict
 from .store import Store
 
@@ -132,23 +133,31 @@ class Registration:
                 whose copies differ. No effect in one process.
         """
         self._reg.check_name("value", name, self._reg.values)
-        check_plain(get(), f"value {name!r}")
+        try:
+            check_plain(get(), f"value {name!r}")
+        except UnsupportedValue as e:
+            if NO_TENSORS not in str(e):
+                raise
+            raise UnsupportedValue(f"{e}, or register the object whose state it is with add_stateful") from None
         self._reg.values[name] = Entry(get, set, per_rank=per_rank)
 
     def add_stateful(self, name: str, obj: Any) -> None:
-        """Register any object with ``state_dict()`` / ``load_state_dict()`` whose state is
-        plain values: torchdata's ``StatefulDataLoader``, a resumable sampler, a counter.
-        It is stored like :meth:`add_value` (``values.<name>`` in the monitor section) and
-        restored with ``load_state_dict``.
+        """Register any object with ``state_dict()`` / ``load_state_dict()``: torchdata's
+        ``StatefulDataLoader``, a resumable sampler, a counter. Its state may hold tensors
+        (a ``torch.Generator`` state is a ``uint8`` tensor) as well as plain values; it is
+        stored as the value ``name`` (``values.<name>`` in the monitor section, its tensors
+        in that section's data) and restored with ``load_state_dict``.
 
         Raises:
             UnsupportedValue: the object has no ``state_dict``/``load_state_dict``, or its
-                state holds something other than plain values (tensors: register the
-                object with :meth:`add_scheduler`, whose section carries tensors).
+                state holds something the container cannot carry (named by path); in a
+                distributed run, a state holding tensors (replicated values are plain).
         """
         if not has_state_dict(obj):
             raise UnsupportedValue(f"stateful {name!r}: a {type(obj).__name__} has no state_dict()/load_state_dict()")
-        self.add_value(name, get=obj.state_dict, set=obj.load_state_dict)
+        self._reg.check_name("value", name, self._reg.values)
+        self._store.refuse_unstorable("stateful", name, obj)  # refused at registration, not at the first save
+        self._reg.values[name] = Entry(obj.state_dict, obj.load_state_dict)
 
     def add_flag(self, name: str, *, get: Callable[[], bool], set: Callable[[bool], None]) -> None:  # noqa: A002
         """Register a container flag bit by name (``fp32_fallback`` = bit 0)."""
