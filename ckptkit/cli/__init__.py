@@ -22,7 +22,14 @@ import os
 import sys
 from collections.abc import Sequence
 
-from ..errors import CheckpointError, FormatError, ReplayDivergence, ResumeRefused, TrainingUnstable
+from ..errors import (
+    CheckpointError,
+    FormatError,
+    NoConsistentCheckpoint,
+    ReplayDivergence,
+    ResumeRefused,
+    TrainingUnstable,
+)
 
 __all__ = ["EXIT_OK", "EXIT_PROBLEMS", "EXIT_TROUBLE", "EXIT_UNSTABLE", "main"]
 
@@ -73,7 +80,7 @@ def _build_parser(only: str | None) -> argparse.ArgumentParser:
 def _exit_code(e: CheckpointError) -> int:
     if isinstance(e, TrainingUnstable):
         return EXIT_UNSTABLE
-    if isinstance(e, (FormatError, ResumeRefused, ReplayDivergence)):
+    if isinstance(e, (FormatError, ResumeRefused, ReplayDivergence, NoConsistentCheckpoint)):
         return EXIT_PROBLEMS
     return EXIT_TROUBLE
 

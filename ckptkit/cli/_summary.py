@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..run import DCP_SUFFIX, list_checkpoints
+from ..run.files import is_fallback_note
 from ..run.history import HISTORY_FILE, read_rows
 
 __all__ = ["TrainSummary", "extend_command", "summarize"]
@@ -43,12 +44,14 @@ class TrainSummary:
     history: str  # the history file
     step_rows: int  # step rows in the whole history
     extend: str  # the command that extends (or resumes) the run
+    passed_over: tuple[str, ...] = ()  # the resume's lines about damaged checkpoints it skipped
 
     def lines(self) -> list[str]:
         """The summary as a user reads it (README "What you see" explains each line)."""
         rate = f", {self.steps_run / self.seconds:.1f} steps/s" if self.seconds > 0 and self.steps_run else ""
         span = f"resumed at step {self.began}, now at {self.done}" if self.resumed else f"0 -> {self.done}"
         rows = [("trained", f"{self.steps_run} step(s) ({span}) in {_duration(self.seconds)}{rate}")]
+        rows += [("resume", note) for note in self.passed_over]
         if self.final is not None:
             f = self.final
             parts = [f"lm {_num(f.get('lm_loss'))}"]
@@ -125,6 +128,7 @@ def summarize(run_dir: str, *, seconds: float, keep: int, extend: str) -> TrainS
         history=history,
         step_rows=len(steps),
         extend=extend,
+        passed_over=tuple(n for n in (mine[0].get("notes", []) if mine else []) if is_fallback_note(str(n))),
     )
 
 

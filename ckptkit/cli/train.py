@@ -186,6 +186,7 @@ def run(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace, cfg: Any, speak: bool) -> int:
     from torch import get_num_threads as torch_threads
 
+    from ..run.files import is_fallback_note
     from ..run.preemption import RunStopped
     from ..trainer.loop import intra_op_threads, train
     from ._progress import Progress
@@ -208,7 +209,7 @@ def _train(args: argparse.Namespace, cfg: Any, speak: bool) -> int:
                     reshard=args.reshard,
                     allow_legacy=args.allow_legacy,
                     allow_env_change=args.allow_env_change,
-                    log=progress.log,
+                    log=lambda line: progress.log(line, always=is_fallback_note(line)),
                     on_step=on_step,
                     preemptible=True,
                 )

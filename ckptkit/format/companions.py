@@ -234,7 +234,11 @@ def check_companions(
 
 
 def companion_checks(
-    ckpt_path: str | os.PathLike[str], record: Mapping[str, Any] | None, *, missing_ok: bool = False
+    ckpt_path: str | os.PathLike[str],
+    record: Mapping[str, Any] | None,
+    *,
+    missing_ok: bool = False,
+    sidecars: Iterable[str] = (),
 ) -> list[CompanionCheck]:
     """Every companion of a checkpoint with its verdict, for ``ckptkit verify``.
 
@@ -244,6 +248,8 @@ def companion_checks(
             listed as unprotected, parsed only.
         missing_ok: a recorded companion that is absent is left out rather than
             failed (a checkpoint verified on its own, away from its run).
+        sidecars: sidecar kinds a resume of it would read (those beside it in its run, those
+            the run's other checkpoints record); one the record lacks fails (R-C04).
     """
     ckpt_path = os.fspath(ckpt_path)
     out = []
@@ -257,7 +263,7 @@ def companion_checks(
                 error = e
             out.append(CompanionCheck(snap, "snapshot", ckpt_path, False, error))
         return out
-    for kind, path, want, rule in _companions(ckpt_path, record, ()):
+    for kind, path, want, rule in _companions(ckpt_path, record, sidecars):
         if missing_ok and not os.path.lexists(path):
             continue
         try:
