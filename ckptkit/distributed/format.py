@@ -38,6 +38,7 @@ from ..errors import (
     FormatError,
     IncompleteCheckpoint,
     MalformedIndex,
+    UnreadableFile,
     UnsupportedVersion,
 )
 from ..format.atomic import atomic_write
@@ -264,7 +265,7 @@ def check_directory(directory: str) -> str:
         IncompleteCheckpoint: rank files but no metadata: a save that did not commit.
     """
     meta = os.path.join(directory, METADATA_NAME)
-    if os.path.isfile(meta):
+    if os.path.lexists(meta):  # a FIFO or a directory there is refused by the reader, unread (R-025)
         return meta
     if not os.path.isdir(directory):
         raise CheckpointNotFound(f"{directory}: no such checkpoint directory")
@@ -545,7 +546,7 @@ def verify_directory(directory: str | os.PathLike[str]) -> DirReport:
         if not os.path.isdir(directory):
             raise
         return DirReport(directory, False, e, None, 0, 0, 0, size, hashed)
-    except FormatError as e:
+    except (FormatError, UnreadableFile) as e:
         return DirReport(directory, False, e, None if md is None else md.world_size, 0, 0, 0, size, hashed)
     n_chunks = sum(len(t.chunks) for t in md.tensors.values())
     return DirReport(directory, True, None, md.world_size, len(md.tensors), n_chunks, len(md.values), size, hashed)
