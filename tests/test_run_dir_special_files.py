@@ -31,7 +31,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import examples
+from helpers import examples, linear_run
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -45,19 +45,8 @@ NOBODY = 65534
 ROOT_USER = os.geteuid() == 0
 
 
-@dataclasses.dataclass(frozen=True)
-class Cfg:
-    lr: float = 0.5
-
-
 def _make(run_dir: Path) -> tuple[RunState, torch.nn.Linear]:
-    torch.manual_seed(0)
-    net = torch.nn.Linear(3, 2)
-    table = {"t": torch.zeros(4, dtype=torch.int64)}
-    rs = RunState(run_dir, config=Cfg(), keep=5)
-    rs.add_model("net", net)
-    rs.add_sidecar("ngram", get=lambda: (0, table), set=lambda ts, tree: table.update(tree))
-    return rs, net
+    return linear_run(run_dir)
 
 
 def _saved(run_dir: Path, steps: int = 2) -> Path:
@@ -355,7 +344,7 @@ def _crash_in_save(rs: RunState, step: int, at: int) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             real(src, dst, **kw)
 
-        os.replace = replace  # type: ignore[assignment]
+        os.replace = replace
         try:
             rs.save(step)
         finally:

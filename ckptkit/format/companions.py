@@ -23,6 +23,7 @@ This module imports no torch: it is part of the format core.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -204,6 +205,27 @@ def _check_one(kind: str, path: str, want: int | None, rule: str, ckpt_path: str
     got = _sidecar_digest(path) if kind == "sidecar" else file_digest(path, what)
     if got != want:
         raise _damaged(path, ckpt_path, want, got, rule)
+    if kind == "environment":
+        _check_environment(path)
+
+
+def _check_environment(path: str) -> None:
+    """An environment record bound as it is must still be one: a JSON object (a resume reads it).
+    A save after the file was damaged binds the damage; this catches it (R-C03)."""
+    data = read_small_file(path, "environment record", missing="environment record is missing", hint="R-C03")
+    try:
+        facts = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise FormatError(
+            f"not valid JSON ({e})",
+            path=path,
+            field="environment",
+            hint="the run's environment record is damaged (R-C03)",
+        ) from None
+    if not isinstance(facts, dict):
+        raise FormatError(
+            "not a JSON object", path=path, field="environment", actual=type(facts).__name__, hint="R-C03"
+        )
 
 
 def check_companions(
