@@ -429,8 +429,8 @@ class RunDirectory(RuleBasedStateMachine):
 
 
 RunDirectory.TestCase.settings = settings(
-    max_examples=examples(0.4),
-    stateful_step_count=8,
+    max_examples=examples(1.5),
+    stateful_step_count=10,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )

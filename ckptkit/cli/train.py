@@ -62,7 +62,8 @@ resume is printed (exit 75); a second Ctrl-C aborts at once, leaving every check
   resume with: ckptkit train --run-dir runs/a --steps 100 --quant int8 --resume
 
 exit codes: 0 trained, 1 resume refused (config drift, environment drift, stream offset,
-legacy checkpoint) or a corrupt file, 2 usage error or unreadable path, 3 training unstable
+legacy checkpoint), a corrupt file, or no consistent checkpoint to resume from (each one
+damaged or unreadable, listed), 2 usage error or unreadable path, 3 training unstable
 (--auto-rollback on: --rollback-bound consecutive spikes, or more than --rollback-cap rollbacks),
 75 stopped on request (SIGINT, SIGTERM, CKPTKIT_STOP_AT): resumable
 """
