@@ -15,7 +15,8 @@ around a load keeps working::
     │   ├── BadTensorValue                    tensor bytes that are no value of their dtype
     │   └── SidecarMismatch                   a sidecar does not belong to its checkpoint
     ├── CheckpointNotFound (FileNotFoundError) no checkpoint where one was expected
-    │   └── IncompleteCheckpoint              a save that did not commit (a distributed one, a Trainer folder)
+    │   ├── IncompleteCheckpoint              a save that did not commit (a distributed one, a Trainer folder)
+    │   └── NoConsistentCheckpoint            every checkpoint of a run is damaged or unreadable
     ├── UnreadableFile (OSError)              a path that is there but is no readable file
     ├── InsufficientMemory (MemoryError)      a load would allocate more than is available
     ├── SaveFailed (OSError)                  a write failed; the previous file is intact
@@ -67,6 +68,7 @@ __all__ = [
     "InsufficientMemory",
     "LegacyCheckpoint",
     "MalformedIndex",
+    "NoConsistentCheckpoint",
     "ReplayDivergence",
     "ReplayError",
     "ReplicaDivergence",
@@ -207,6 +209,12 @@ class IncompleteCheckpoint(CheckpointNotFound):
 
     def __reduce__(self) -> Any:  # crosses processes inside DCP's exception gather
         return (type(self), (str(self), self.missing))
+
+
+class NoConsistentCheckpoint(CheckpointNotFound):
+    """A resume found checkpoints, and every one of them damaged or unreadable (each is
+    named, with why, in the message): a problem found, like an invalid file (``ckptkit``
+    exits 1), where an empty run directory is a path with nothing to resume (exit 2)."""
 
 
 class UnreadableFile(CheckpointError, OSError):

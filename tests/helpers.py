@@ -147,6 +147,22 @@ def record_environment(run_dir: Path, facts: dict[str, object]) -> None:
         rebind(path)
 
 
+@dataclasses.dataclass(frozen=True)
+class HalfLr:
+    lr: float = 0.5  # learning rate
+
+
+def linear_run(run_dir: Path) -> tuple[RunState, torch.nn.Linear]:
+    """The smallest run with every companion: one ``Linear(3, 2)`` (seed 0) and an ``ngram`` sidecar."""
+    torch.manual_seed(0)
+    net = torch.nn.Linear(3, 2)
+    table = {"t": torch.zeros(4, dtype=torch.int64)}
+    rs = RunState(run_dir, config=HalfLr(), keep=5)
+    rs.add_model("net", net)
+    rs.add_sidecar("ngram", get=lambda: (0, table), set=lambda ts, tree: table.update(tree))
+    return rs, net
+
+
 @dataclasses.dataclass
 class Cfg:
     lr: float = 0.01

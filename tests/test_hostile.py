@@ -25,7 +25,7 @@ from pathlib import Path
 import msgpack
 import pytest
 import torch
-from helpers import examples, hostile_generator, load_script
+from helpers import examples, hostile_generator, linear_run, load_script
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -161,23 +161,7 @@ def test_readers_never_reach_for_pickle(tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def valid_run(tmp_path_factory):
     """A run directory with valid checkpoints at steps 1 and 2 (model + ngram sidecar)."""
-    import dataclasses
-
-    from ckptkit.run import RunState
-
-    @dataclasses.dataclass(frozen=True)
-    class Cfg:
-        lr: float = 0.5  # learning rate
-
-    def make(run_dir):
-        torch.manual_seed(0)
-        net = torch.nn.Linear(3, 2)
-        table = {"t": torch.zeros(4, dtype=torch.int64)}
-        rs = RunState(run_dir, config=Cfg(), keep=5)
-        rs.add_model("net", net)
-        rs.add_sidecar("ngram", get=lambda: (0, table), set=lambda ts, tree: table.update(tree))
-        return rs, net
-
+    make = linear_run
     d = tmp_path_factory.mktemp("run") / "run"
     rs, net = make(d)
     rs.start()

@@ -35,6 +35,7 @@ PUBLIC = [
     "LazyCheckpoint",
     "LegacyCheckpoint",
     "MalformedIndex",
+    "NoConsistentCheckpoint",
     "ReplayDivergence",
     "ReplayError",
     "ReplicaDivergence",

@@ -16,11 +16,20 @@ stderr; a ckptkit error prints one line, never a traceback (``--debug`` re-raise
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
-from ..errors import CheckpointError, FormatError, ReplayDivergence, ResumeRefused, TrainingUnstable
+from ..errors import (
+    CheckpointError,
+    FormatError,
+    NoConsistentCheckpoint,
+    ReplayDivergence,
+    ResumeRefused,
+    TrainingUnstable,
+)
 
 __all__ = ["EXIT_OK", "EXIT_PROBLEMS", "EXIT_TROUBLE", "EXIT_UNSTABLE", "main"]
 
@@ -71,13 +80,30 @@ def _build_parser(only: str | None) -> argparse.ArgumentParser:
 def _exit_code(e: CheckpointError) -> int:
     if isinstance(e, TrainingUnstable):
         return EXIT_UNSTABLE
-    if isinstance(e, (FormatError, ResumeRefused, ReplayDivergence)):
+    if isinstance(e, (FormatError, ResumeRefused, ReplayDivergence, NoConsistentCheckpoint)):
         return EXIT_PROBLEMS
     return EXIT_TROUBLE
 
 
+def _reader_left() -> int:
+    """The reader of our output went away (``ckptkit inspect DIR | head``): stop quietly, as a
+    Unix tool killed by SIGPIPE does, with its exit status (128 + SIGPIPE)."""
+    # the interpreter flushes stdout at exit, into the closed pipe: point it at /dev/null
+    # (no file descriptor to point: a test's captured stdout)
+    with contextlib.suppress(OSError, ValueError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 128 + 13  # SIGPIPE
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``ckptkit`` command line; returns the exit code."""
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        return _reader_left()
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     # `audit` and `replay` take the user's command after `--` (ckptkit audit -- python train.py ...):
     # split it off before argparse, which would read its flags as ours.
@@ -108,6 +134,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"ckptkit {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        raise  # not an error of ours: main() stops quietly
     except Exception as e:
         if args.debug:
             raise

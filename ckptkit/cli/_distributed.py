@@ -23,6 +23,7 @@ from ..distributed.format import (
     verify_directory,
 )
 from ..errors import CheckpointError, CheckpointNotFound
+from ..run.files import list_run_dir
 
 __all__ = [
     "diff_directories",
@@ -42,7 +43,7 @@ def is_distributed_dir(path: str) -> bool:
     """True for a directory that is (or was meant to be) a distributed checkpoint."""
     if not os.path.isdir(path):
         return False
-    names = os.listdir(path)
+    names = list_run_dir(path)
     return (
         METADATA_NAME in names
         or DCP_DEFAULT_METADATA in names
@@ -54,7 +55,7 @@ def run_contents(run_dir: str) -> tuple[list[str], list[str]]:
     """A run directory's distributed checkpoints (``step-N.dcp/``) and their sidecars
     (``step-N.dcp.<kind>``), each sorted; ``([], [])`` for a one-process run."""
     steps, sidecars = [], []
-    for name in sorted(os.listdir(run_dir)):
+    for name in sorted(list_run_dir(run_dir)):
         path = os.path.join(run_dir, name)
         stem, sep, kind = name.rpartition(_DCP + ".")
         if name.startswith("step-") and name.endswith(_DCP) and os.path.isdir(path):

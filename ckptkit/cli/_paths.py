@@ -6,6 +6,7 @@ import os
 import re
 
 from ..errors import CheckpointNotFound
+from ..run.files import list_run_dir
 
 __all__ = ["CKPT_RE", "expand_checkpoints"]
 
@@ -31,7 +32,7 @@ def expand_checkpoints(paths: list[str]) -> list[str]:
     out: list[str] = []
     for p in paths:
         if os.path.isdir(p):
-            found = sorted(os.path.join(p, n) for n in os.listdir(p) if _is_checkpoint_or_sidecar(n))
+            found = sorted(os.path.join(p, n) for n in list_run_dir(p) if _is_checkpoint_or_sidecar(n))
             if not found:
                 raise CheckpointNotFound(f"{p}: no *.ckpt files in this directory")
             out.extend(found)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..run import DCP_SUFFIX, list_checkpoints
+from ..run.files import is_fallback_note
 from ..run.history import HISTORY_FILE, read_rows
 from ._width import fit, fit_command
 
@@ -47,6 +48,7 @@ class TrainSummary:
     step_rows: int  # step rows in the whole history
     extend: str  # the command that extends (or resumes) the run
     next_step: str = "extend"  # how the last row names that command: "resume" after a stop
+    passed_over: tuple[str, ...] = ()  # the resume's lines about damaged checkpoints it skipped
 
     def lines(self, width: int | None = None) -> list[str]:
         """The summary as a user reads it (README "What you see" explains each line).
@@ -57,6 +59,7 @@ class TrainSummary:
         rate = f", {self.steps_run / self.seconds:.1f} steps/s" if self.seconds > 0 and self.steps_run else ""
         span = f"resumed at step {self.began}, now at {self.done}" if self.resumed else f"0 -> {self.done}"
         rows = [("trained", f"{self.steps_run} step(s) ({span}) in {_duration(self.seconds)}{rate}")]
+        rows += [("resume", note) for note in self.passed_over]
         if self.final is not None:
             f = self.final
             parts = [f"lm {_num(f.get('lm_loss'))}"]
@@ -137,6 +140,7 @@ def summarize(run_dir: str, *, seconds: float, keep: int, extend: str, next_step
         step_rows=len(steps),
         extend=extend,
         next_step=next_step,
+        passed_over=tuple(n for n in (mine[0].get("notes", []) if mine else []) if is_fallback_note(str(n))),
     )
 
 

@@ -63,7 +63,8 @@ resume is printed (exit 75); a second Ctrl-C aborts at once, leaving every check
   resume with: ckptkit train --run-dir runs/a --steps 100 --quant int8 --resume
 
 exit codes: 0 trained, 1 resume refused (config drift, environment drift, stream offset,
-legacy checkpoint) or a corrupt file, 2 usage error or unreadable path, 3 training unstable
+legacy checkpoint), a corrupt file, or no consistent checkpoint to resume from (each one
+damaged or unreadable, listed), 2 usage error or unreadable path, 3 training unstable
 (--auto-rollback on: --rollback-bound consecutive spikes, or more than --rollback-cap rollbacks),
 75 stopped on request (SIGINT, SIGTERM, CKPTKIT_STOP_AT): resumable
 """
@@ -189,6 +190,7 @@ def run(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace, cfg: Any, speak: bool) -> int:
     from torch import get_num_threads as torch_threads
 
+    from ..run.files import is_fallback_note
     from ..run.preemption import RunStopped
     from ..trainer.loop import intra_op_threads, train
     from ._progress import Progress
@@ -211,7 +213,7 @@ def _train(args: argparse.Namespace, cfg: Any, speak: bool) -> int:
                     reshard=args.reshard,
                     allow_legacy=args.allow_legacy,
                     allow_env_change=args.allow_env_change,
-                    log=progress.log,
+                    log=lambda line: progress.log(line, always=is_fallback_note(line)),
                     on_step=on_step,
                     preemptible=True,
                 )

@@ -200,10 +200,18 @@ def _history_json(h: Any) -> dict[str, Any]:
 def _history_checks(paths: list[str]) -> list[Any]:
     """``history.jsonl`` of each run directory given: no checksum, so what can be
     checked is (spec/trainer.md R-T13)."""
-    from ..run.history import HISTORY_FILE, check_history
+    from ..run.history import HISTORY_FILE, HistoryCheck, check_history
 
     found = sorted({os.path.join(p, HISTORY_FILE) for p in paths if os.path.isdir(p)})
-    return [check_history(h) for h in found if os.path.isfile(h)]
+    out = []
+    for h in (h for h in found if os.path.lexists(h)):
+        try:
+            out.append(check_history(h))
+        except UnreadableFile as e:  # a FIFO, a directory, /dev/zero: FAIL, never waited on or read (R-025)
+            out.append(HistoryCheck(h, 0, None, False, (str(e).removeprefix(f"{h}: "),)))
+        except CheckpointNotFound:  # a dangling symlink: a history that is gone
+            out.append(HistoryCheck(h, 0, None, False, ("a symlink to nothing",)))
+    return out
 
 
 def _print_history(h: Any) -> None:
@@ -242,10 +250,10 @@ def _companion_checks(reports: list[Report], paths: list[str], dir_reports: list
     targets: list[tuple[str, Callable[[str], dict[str, Any] | None]]]
     targets = [(r.path, read_record) for r in reports if r.ok and r.kind == "container"]
     targets += [(d.path, _distributed.read_run_record) for d in dir_reports if d.ok]
+    records: dict[str, Any] = {}
     for path, read in targets:
-        in_run = os.path.normpath(os.path.dirname(path) or ".") in run_dirs
         try:
-            record = read(path)
+            records[path] = read(path)
         except CheckpointNotFound:  # deleted since it verified (retention in a live run)
             continue
         except CheckpointError as e:  # a record this reader cannot trust checks nothing (R-C01)
@@ -257,8 +265,12 @@ def _companion_checks(reports: list[Report], paths: list[str], dir_reports: list
                 "protected": True,
                 "error": {"type": type(e).__name__, "message": str(e)},
             }
-            continue
-        checks = companion_checks(path, record, missing_ok=not in_run)
+    kinds = _run_sidecar_kinds(records, run_dirs)
+    for path, record in records.items():
+        run_dir = os.path.normpath(os.path.dirname(path) or ".")
+        in_run = run_dir in run_dirs
+        wanted = kinds.get(run_dir, set()) | _sidecars_beside(path) if in_run else set()
+        checks = companion_checks(path, record, missing_ok=not in_run, sidecars=sorted(wanted))
         if any(isinstance(c.error, CheckpointNotFound) for c in checks) and not os.path.exists(path):
             continue  # retention deleted the checkpoint, then its companions, while we read (G-31)
         _merge(merged, path, checks, in_run)
@@ -268,6 +280,26 @@ def _companion_checks(reports: list[Report], paths: list[str], dir_reports: list
         for _, e in sorted(merged.items())
         if not (e["kind"] == "sidecar" and e["ok"] and os.path.normpath(os.path.dirname(e["path"])) in run_dirs)
     ]
+
+
+def _run_sidecar_kinds(records: dict[str, Any], run_dirs: set[str]) -> dict[str, set[str]]:
+    """Per run directory, the sidecar kinds its checkpoints record: what its resume reads (R-C04)."""
+    kinds: dict[str, set[str]] = {}
+    for path, record in records.items():
+        run_dir = os.path.normpath(os.path.dirname(path) or ".")
+        if run_dir in run_dirs and record is not None:
+            kinds.setdefault(run_dir, set()).update(record["sidecars"])
+    return kinds
+
+
+def _sidecars_beside(path: str) -> set[str]:
+    """The kinds of the sidecar files ``<checkpoint>.<kind>`` beside a checkpoint of a run directory."""
+    from ..format.snapshot import SNAPSHOT_SUFFIX
+    from ..run.files import list_run_dir
+
+    head = os.path.basename(path) + "."
+    names = list_run_dir(os.path.dirname(path) or ".")
+    return {n[len(head) :] for n in names if n.startswith(head) and n != os.path.basename(path) + SNAPSHOT_SUFFIX}
 
 
 def _merge(merged: dict[str, dict[str, Any]], ckpt_path: str, checks: list[Any], in_run: bool) -> None:

@@ -20,6 +20,7 @@ storage classes in :mod:`ckptkit.distributed.storage` use it.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import struct
@@ -37,6 +38,7 @@ from ..errors import (
     FormatError,
     IncompleteCheckpoint,
     MalformedIndex,
+    UnreadableFile,
     UnsupportedVersion,
 )
 from ..format.atomic import atomic_write
@@ -263,7 +265,7 @@ def check_directory(directory: str) -> str:
         IncompleteCheckpoint: rank files but no metadata: a save that did not commit.
     """
     meta = os.path.join(directory, METADATA_NAME)
-    if os.path.isfile(meta):
+    if os.path.lexists(meta):  # a FIFO or a directory there is refused by the reader, unread (R-025)
         return meta
     if not os.path.isdir(directory):
         raise CheckpointNotFound(f"{directory}: no such checkpoint directory")
@@ -320,14 +322,14 @@ def read_metadata(directory: str, *, check_files: bool = True) -> DirMetadata:
 def _decode(tree: Any, path: str | None, sec: SectionIndex | None, header_world: int) -> DirMetadata:
     at = None if sec is None else sec.start + 8
 
-    def bad(problem: str, actual: Any = None) -> FormatError:
+    def bad(problem: str, actual: Any = None, rule: str = "R-DC05") -> FormatError:
         return MalformedIndex(
             problem,
             path=path,
             offset=at,
             field="metadata",
             actual=actual,
-            hint="the metadata is damaged or was not written by ckptkit (R-DC05)",
+            hint=f"the metadata is damaged or was not written by ckptkit ({rule})",
         )
 
     if not isinstance(tree, dict) or sorted(tree) != list(_META_KEYS):
@@ -358,6 +360,7 @@ def _decode(tree: Any, path: str | None, sec: SectionIndex | None, header_world:
     out_tensors = {}
     for fqn, t in tensors.items():
         out_tensors[fqn] = _decode_tensor(fqn, t, out_files, bad)
+    _check_extents(out_tensors, bad)
     return DirMetadata(world, version, tuple(out_files), out_tensors, values, tree["planner_data"])
 
 
@@ -393,7 +396,69 @@ def _decode_tensor(fqn: Any, t: Any, files: list[RankFile], bad: Callable[..., F
         if rank >= len(files) or offset + nbytes > files[rank].size:
             raise bad(f"{fqn}: chunk extent [{offset}, {offset + nbytes}) is outside rank {rank}'s data file")
         out.append(Chunk(tuple(offsets), tuple(sizes), rank, offset, nbytes, _U64.unpack(c[5])[0], transforms))
+    _check_tiling(fqn, tuple(size), out, bad)
     return TensorEntry(dtype, tuple(size), tuple(out))
+
+
+#: Most chunk corners R-DC20 sums for one tensor: chunks x 2^(dimensions the chunks split).
+MAX_CORNERS = 1 << 22
+
+
+def _check_tiling(fqn: str, size: tuple[int, ...], chunks: list[Chunk], bad: Callable[..., FormatError]) -> None:
+    """R-DC20: the chunks tile the tensor: every element in exactly one chunk, no chunk listed twice.
+
+    Bounded by the metadata, never by the tensor: the signed corners of every chunk
+    (a box's corner carries ``(-1)^(upper coordinates)``) sum to the tensor's own corners
+    exactly when the chunks cover every element once (the mixed difference of the
+    coverage count). Only dimensions some chunk splits are counted; the smallest
+    point where the sums differ is an element covered by 0 or by 2+ chunks.
+    """
+    starts: set[tuple[int, ...]] = set()
+    for c in chunks:
+        if c.offsets in starts:
+            raise bad(f"{fqn}: two chunks start at {list(c.offsets)} (a chunk listed twice)", rule="R-DC20")
+        starts.add(c.offsets)
+    if math.prod(size) == 0:
+        return  # no element to cover; each chunk lies inside the bounds (R-DC05)
+    boxes = [c for c in chunks if math.prod(c.sizes)]
+    split = [d for d in range(len(size)) if any(c.offsets[d] or c.sizes[d] != size[d] for c in boxes)]
+    if len(boxes) == 1 and not split:
+        return
+    if len(boxes) << len(split) > MAX_CORNERS:
+        raise bad(f"{fqn}: {len(boxes)} chunks splitting {len(split)} dimensions are too many to check", rule="R-DC20")
+    sums: dict[tuple[int, ...], int] = {}
+    whole = [(tuple(0 for _ in size), size, -1)]
+    for lo, extent, weight in whole + [(c.offsets, c.sizes, 1) for c in boxes]:
+        for mask in range(1 << len(split)):
+            point = tuple(lo[d] + extent[d] if mask >> i & 1 else lo[d] for i, d in enumerate(split))
+            sums[point] = sums.get(point, 0) + (-weight if mask.bit_count() & 1 else weight)
+    wrong = [p for p, v in sums.items() if v]
+    if not wrong:
+        return
+    element = [0] * len(size)
+    for d, v in zip(split, min(wrong), strict=True):
+        element[d] = v
+    n = sum(all(o <= e < o + s for o, s, e in zip(c.offsets, c.sizes, element, strict=True)) for c in boxes)
+    held = sum(math.prod(c.sizes) for c in boxes)
+    raise bad(
+        f"{fqn}: the chunks do not tile the tensor's size {list(size)}: element {element} is in {n} chunks, "
+        f"not 1 ({'a gap' if n == 0 else 'an overlap'}; the chunks hold {held} of its {math.prod(size)} elements)",
+        rule="R-DC20",
+    )
+
+
+def _check_extents(tensors: dict[str, TensorEntry], bad: Callable[..., FormatError]) -> None:
+    """R-DC21: no two chunks share a byte of a data file, so the tensors' stored bytes are bytes present."""
+    extents = sorted(
+        (c.rank, c.offset, c.nbytes, fqn, list(c.offsets)) for fqn, t in tensors.items() for c in t.chunks if c.nbytes
+    )
+    for (rank, offset, nbytes, fqn, at), (rank2, offset2, _, fqn2, at2) in itertools.pairwise(extents):
+        if rank == rank2 and offset2 < offset + nbytes:
+            raise bad(
+                f"the chunk of {fqn} at {at} (bytes [{offset}, {offset + nbytes}) of rank {rank}'s data file) and "
+                f"the chunk of {fqn2} at {at2} (from byte {offset2}) share bytes",
+                rule="R-DC21",
+            )
 
 
 def _transforms(v: Any, fqn: str, bad: Callable[..., FormatError]) -> tuple[str, ...]:
@@ -481,7 +546,7 @@ def verify_directory(directory: str | os.PathLike[str]) -> DirReport:
         if not os.path.isdir(directory):
             raise
         return DirReport(directory, False, e, None, 0, 0, 0, size, hashed)
-    except FormatError as e:
+    except (FormatError, UnreadableFile) as e:
         return DirReport(directory, False, e, None if md is None else md.world_size, 0, 0, 0, size, hashed)
     n_chunks = sum(len(t.chunks) for t in md.tensors.values())
     return DirReport(directory, True, None, md.world_size, len(md.tensors), n_chunks, len(md.values), size, hashed)

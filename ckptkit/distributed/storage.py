@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import math
 import os
 import re
 import shutil
@@ -65,6 +66,7 @@ from torch.futures import Future
 from ..errors import (
     CheckpointError,
     CheckpointNotFound,
+    InsufficientMemory,
     MalformedIndex,
     SaveFailed,
     StateMismatch,
@@ -73,9 +75,9 @@ from ..errors import (
     UnsupportedVersion,
 )
 from ..format.atomic import exchange, fsync_dir
-from ..format.codec import check_tensor, decode_tree, dtype_name, tensor_bytes, torch_dtype
+from ..format.codec import check_tensor, decode_tree, dtype_name, memory_available, tensor_bytes, torch_dtype
 from ..format.container import Source
-from ..format.section import check_plain
+from ..format.section import DTYPE_SIZES, check_plain
 from .format import (
     METADATA_NAME,
     Chunk,
@@ -718,6 +720,7 @@ def logical_state(directory: str | os.PathLike[str]) -> Iterator[tuple[str, Any]
                 yield fqn, decode_tree(md.values[fqn], [])
                 continue
             t = md.tensors[fqn]
+            _check_room(directory, fqn, t)
             full = torch.zeros(t.size, dtype=torch_dtype(t.dtype))
             for c in t.chunks:
                 src = files.get(c.rank)
@@ -730,6 +733,26 @@ def logical_state(directory: str | os.PathLike[str]) -> Iterator[tuple[str, Any]
     finally:
         for src in files.values():
             src.close()
+
+
+def _check_room(directory: str, fqn: str, t: TensorEntry) -> None:
+    """Refuse, before allocating, a tensor (and its largest chunk) that would not fit in memory.
+
+    Untransformed chunks are bytes present in the data files (R-DC20, R-DC21); a transformed
+    chunk's size is what it declares it decodes to, known only once decoded.
+
+    Raises:
+        InsufficientMemory: naming the tensor, what it needs and what is available.
+    """
+    item = DTYPE_SIZES[t.dtype]
+    need = math.prod(t.size) * item + max((math.prod(c.sizes) * item for c in t.chunks), default=0)
+    found = memory_available()
+    if found is None or need <= found[0]:
+        return
+    raise InsufficientMemory(
+        f"{directory}: tensor {fqn!r} ({t.dtype}{list(t.size)}) needs {need} bytes to assemble but only "
+        f"{found[0]} are available ({found[1]}); nothing was allocated. Free memory, or compare on a larger machine"
+    )
 
 
 def _set_value(planner: DCPLoadPlanner, req: Any, value: Any) -> None:

@@ -21,7 +21,17 @@ from typing import Any, TypeVar
 
 from ..errors import CheckpointNotFound, TruncatedFile, UnreadableFile
 
-__all__ = ["ZEROS", "Source", "WriteBehind", "cpus", "run_keyed", "run_parallel", "write_all", "write_zeros"]
+__all__ = [
+    "ZEROS",
+    "Source",
+    "open_regular",
+    "WriteBehind",
+    "cpus",
+    "run_keyed",
+    "run_parallel",
+    "write_all",
+    "write_zeros",
+]
 
 T = TypeVar("T")
 
@@ -48,7 +58,7 @@ class Source:
         self._fd = -1
         if data is None:
             assert self.path is not None
-            self._fd, self.size = _open_regular(self.path, kind)
+            self._fd, self.size = open_regular(self.path, kind)
         else:
             self.size = len(data)
 
@@ -156,7 +166,7 @@ class Source:
             pos = stop
 
 
-def _open_regular(path: str, kind: str) -> tuple[int, int]:
+def open_regular(path: str, kind: str) -> tuple[int, int]:
     """Open ``path`` for reading if it is a regular file: ``(fd, size)``.
 
     Raises:
@@ -180,7 +190,8 @@ def _open_regular(path: str, kind: str) -> tuple[int, int]:
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
         what = next((name for test, name in _FILE_KINDS if test(st.st_mode)), "not a regular file")
-        raise UnreadableFile(f"{path}: is {what}, not a {kind} file (a {kind} is a regular file)", path=path)
+        a = "an" if kind[:1] in "aeiou" else "a"
+        raise UnreadableFile(f"{path}: is {what}, not {a} {kind} file ({a} {kind} is a regular file)", path=path)
     os.set_blocking(fd, True)
     return fd, st.st_size
 

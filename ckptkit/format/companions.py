@@ -23,6 +23,7 @@ This module imports no torch: it is part of the format core.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -204,6 +205,27 @@ def _check_one(kind: str, path: str, want: int | None, rule: str, ckpt_path: str
     got = _sidecar_digest(path) if kind == "sidecar" else file_digest(path, what)
     if got != want:
         raise _damaged(path, ckpt_path, want, got, rule)
+    if kind == "environment":
+        _check_environment(path)
+
+
+def _check_environment(path: str) -> None:
+    """An environment record bound as it is must still be one: a JSON object (a resume reads it).
+    A save after the file was damaged binds the damage; this catches it (R-C03)."""
+    data = read_small_file(path, "environment record", missing="environment record is missing", hint="R-C03")
+    try:
+        facts = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise FormatError(
+            f"not valid JSON ({e})",
+            path=path,
+            field="environment",
+            hint="the run's environment record is damaged (R-C03)",
+        ) from None
+    if not isinstance(facts, dict):
+        raise FormatError(
+            "not a JSON object", path=path, field="environment", actual=type(facts).__name__, hint="R-C03"
+        )
 
 
 def check_companions(
@@ -234,7 +256,11 @@ def check_companions(
 
 
 def companion_checks(
-    ckpt_path: str | os.PathLike[str], record: Mapping[str, Any] | None, *, missing_ok: bool = False
+    ckpt_path: str | os.PathLike[str],
+    record: Mapping[str, Any] | None,
+    *,
+    missing_ok: bool = False,
+    sidecars: Iterable[str] = (),
 ) -> list[CompanionCheck]:
     """Every companion of a checkpoint with its verdict, for ``ckptkit verify``.
 
@@ -244,6 +270,8 @@ def companion_checks(
             listed as unprotected, parsed only.
         missing_ok: a recorded companion that is absent is left out rather than
             failed (a checkpoint verified on its own, away from its run).
+        sidecars: sidecar kinds a resume of it would read (those beside it in its run, those
+            the run's other checkpoints record); one the record lacks fails (R-C04).
     """
     ckpt_path = os.fspath(ckpt_path)
     out = []
@@ -257,7 +285,7 @@ def companion_checks(
                 error = e
             out.append(CompanionCheck(snap, "snapshot", ckpt_path, False, error))
         return out
-    for kind, path, want, rule in _companions(ckpt_path, record, ()):
+    for kind, path, want, rule in _companions(ckpt_path, record, sidecars):
         if missing_ok and not os.path.lexists(path):
             continue
         try:

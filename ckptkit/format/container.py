@@ -46,7 +46,7 @@ from ..errors import (
     UnreadableFile,
     UnsupportedVersion,
 )
-from ._io import ZEROS, Source, WriteBehind, cpus, run_keyed, write_all, write_zeros
+from ._io import ZEROS, Source, WriteBehind, cpus, open_regular, run_keyed, write_all, write_zeros
 from .section import SectionIndex, SectionPlan, decode_index
 
 __all__ = [
@@ -61,6 +61,7 @@ __all__ = [
     "Report",
     "SectionInfo",
     "Source",
+    "open_regular",
     "read_layout",
     "verify",
     "write_container",

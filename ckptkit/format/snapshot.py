@@ -33,6 +33,7 @@ from ..errors import (
     UnsupportedValue,
     UnsupportedVersion,
 )
+from ._io import open_regular
 from .atomic import write_bytes_atomic
 
 __all__ = [
@@ -397,18 +398,21 @@ def read_small_file(path: str, what: str, *, missing: str, hint: str) -> bytes:
     """The bytes of a JSON file that is a few kilobytes (a snapshot, an environment
     record), refused unread beyond 16 MiB (R-S13).
 
+    Opened without blocking and checked to be a regular file before a byte is read
+    (R-025): a FIFO, a directory or a device in its place is refused, never waited on.
+
     Raises:
         CheckpointNotFound: no file at ``path`` (message: ``"<path>: <missing>"``).
-        FormatError: over 16 MiB, or unreadable (permissions, a directory...).
+        UnreadableFile: something is there but is no readable regular file.
+        FormatError: over 16 MiB.
     """
     try:
-        with open(path, "rb") as f:
-            data = f.read(_MAX_SNAPSHOT_BYTES + 1)
-    except FileNotFoundError:
+        fd, size = open_regular(path, what)
+    except CheckpointNotFound:
         raise CheckpointNotFound(f"{path}: {missing}") from None
-    except OSError as e:
-        raise FormatError(f"cannot read the {what} ({e.strerror})", path=path) from None
-    if len(data) > _MAX_SNAPSHOT_BYTES:
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(_MAX_SNAPSHOT_BYTES + 1) if size <= _MAX_SNAPSHOT_BYTES else b""
+    if size > _MAX_SNAPSHOT_BYTES or len(data) > _MAX_SNAPSHOT_BYTES:
         raise FormatError(
             f"file too large for a {what}",
             path=path,

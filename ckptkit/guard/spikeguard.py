@@ -48,7 +48,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..errors import CheckpointNotFound, FormatError, ReplayDivergence, StreamOffsetMismatch, TrainingUnstable
+from ..errors import (
+    CheckpointNotFound,
+    FormatError,
+    ReplayDivergence,
+    StreamOffsetMismatch,
+    TrainingUnstable,
+    UnreadableFile,
+)
 from ..format.tree import checkpoint_state, clone, digests, localized
 from ..run import RunState
 from ..run.fingerprint import leaf_digests
@@ -626,8 +633,8 @@ class SpikeGuard:
                 continue
             try:
                 ckpt, sidecars = self.state.load_checkpoint(step)
-            except (FormatError, CheckpointNotFound):
-                continue  # as resume does: a damaged older checkpoint is passed over
+            except (FormatError, CheckpointNotFound, UnreadableFile):
+                continue  # as resume does: a damaged or unreadable older checkpoint is passed over
             return Kept(step, ckpt, sidecars), os.path.basename(path)
         return None, "step 0 (the state the guard was built with)"
 

@@ -26,6 +26,7 @@ import xxhash
 from ..errors import CheckpointError, CheckpointNotFound, ChecksumMismatch, FormatError, IncompleteCheckpoint
 from ..format.container import Report, Source, read_layout, verify
 from ..run.drift import DEFAULT_EXEMPT
+from ..run.files import list_run_dir
 
 __all__ = [
     "CONFIG_FILE",
@@ -88,7 +89,7 @@ def is_checkpoint_folder(path: str) -> bool:
 
 def checkpoint_folders(output_dir: str) -> list[str]:
     """The ``checkpoint-N/`` folders of a Trainer output directory, oldest step first."""
-    found = [os.path.join(output_dir, n) for n in os.listdir(output_dir)]
+    found = [os.path.join(output_dir, n) for n in list_run_dir(output_dir)]
     return sorted((p for p in found if is_checkpoint_folder(p)), key=lambda p: folder_step(p) or 0)
 
 

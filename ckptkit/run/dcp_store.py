@@ -88,7 +88,7 @@ def _sweep_aside(run_dir: str) -> list[str]:
     staging directory ``.step-N.dcp.new`` (``storage.staging_path``), and ``.old`` ones
     that ckptkit versions before the atomic swap left."""
     gone = []
-    for name in sorted(os.listdir(run_dir)):
+    for name in sorted(files.list_run_dir(run_dir)):
         if name.startswith(".step-") and name.endswith((f"{files.DCP_SUFFIX}.old", f"{files.DCP_SUFFIX}.new")):
             shutil.rmtree(os.path.join(run_dir, name), ignore_errors=True)
             gone.append(name)

@@ -10,6 +10,7 @@ public through :mod:`ckptkit.run` (spec/runstate.md "Files in the run directory"
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 from collections.abc import Callable, Iterable, Mapping
@@ -17,11 +18,11 @@ from typing import Any, TypeVar
 
 import xxhash
 
-from ..errors import CheckpointNotFound, FormatError, ResumeRefused
+from ..errors import CheckpointNotFound, FormatError, NoConsistentCheckpoint, ResumeRefused, UnreadableFile
 from ..format.atomic import write_bytes_atomic
 from ..format.companions import ENVIRONMENT_FILE, check_companions, file_digest, make_record, record_of
 from ..format.sidecar import Sidecar, read_sidecar, sidecar_path, write_sidecar
-from ..format.snapshot import read_snapshot, snapshot_path
+from ..format.snapshot import read_small_file, read_snapshot, snapshot_path
 
 __all__ = [
     "CKPT_SUFFIX",
@@ -30,7 +31,9 @@ __all__ = [
     "check_step",
     "checkpoint_name",
     "fallback_notes",
+    "is_fallback_note",
     "list_checkpoints",
+    "list_run_dir",
     "newest_consistent",
     "read_companions",
     "read_environment",
@@ -60,17 +63,20 @@ def read_environment(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
 
     Raises:
         CheckpointNotFound: the record is missing.
-        FormatError: it is not valid JSON.
+        UnreadableFile: it is no readable regular file (R-025).
+        FormatError: it is not valid JSON, or over 16 MiB.
     """
     env_path = os.path.join(os.fspath(run_dir), ENVIRONMENT_FILE)
+    data = read_small_file(
+        env_path, "environment record", missing="the run's environment record is missing", hint="R-025"
+    )
     try:
-        with open(env_path, encoding="utf-8") as f:
-            facts: dict[str, Any] = json.load(f)
-            return facts
-    except FileNotFoundError:
-        raise CheckpointNotFound(f"{env_path}: the run's environment record is missing") from None
+        facts = json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise FormatError(f"not valid JSON: {e}", path=env_path, field="environment") from None
+    if not isinstance(facts, dict):
+        raise FormatError("not a JSON object", path=env_path, field="environment", actual=type(facts).__name__)
+    return facts
 
 
 def list_checkpoints(run_dir: str | os.PathLike[str], suffix: str = CKPT_SUFFIX) -> list[tuple[int, str]]:
@@ -78,12 +84,31 @@ def list_checkpoints(run_dir: str | os.PathLike[str], suffix: str = CKPT_SUFFIX)
     (``suffix=DCP_SUFFIX``: every distributed checkpoint directory, committed or not)."""
     run_dir = os.fspath(run_dir)
     out = []
-    with contextlib.suppress(FileNotFoundError):
-        for name in os.listdir(run_dir):
-            digits = name[len(_PREFIX) : -len(suffix)]
-            if name.startswith(_PREFIX) and name.endswith(suffix) and digits.isdigit() and len(digits) >= 8:
-                out.append((int(digits), os.path.join(run_dir, name)))
+    for name in list_run_dir(run_dir):
+        digits = name[len(_PREFIX) : -len(suffix)]
+        if name.startswith(_PREFIX) and name.endswith(suffix) and digits.isdigit() and len(digits) >= 8:
+            out.append((int(digits), os.path.join(run_dir, name)))
     return sorted(out)
+
+
+def list_run_dir(run_dir: str) -> list[str]:
+    """The names in ``run_dir`` (none when it does not exist).
+
+    Raises:
+        UnreadableFile: it cannot be listed (no permission, not a directory) (R-025).
+    """
+    try:
+        return os.listdir(run_dir)
+    except FileNotFoundError:
+        return []
+    except OSError as e:
+        code = errno.errorcode.get(e.errno or 0, "error")
+        raise UnreadableFile(
+            f"{run_dir}: cannot list the run directory ({code}: {e.strerror}); "
+            "check its permissions, or run as its owner",
+            errno=e.errno,
+            path=run_dir,
+        ) from None
 
 
 def retain(
@@ -229,10 +254,12 @@ def newest_consistent(
 ) -> tuple[T, str, list[tuple[str, str]]]:
     """The newest of ``candidates`` that ``check(step, path)`` accepts: ``(what check returned,
     its path, (path, why) for each newer one it refused)``. A refusal is a
-    :class:`FormatError` or :class:`CheckpointNotFound` (damage, never drift).
+    :class:`FormatError`, :class:`CheckpointNotFound` or :class:`UnreadableFile` (damage or a
+    piece that cannot be read, never drift).
 
     Raises:
-        CheckpointNotFound: no candidates, or none accepted (each refusal listed).
+        CheckpointNotFound: no candidates.
+        NoConsistentCheckpoint: none accepted (each refusal listed).
     """
     if not candidates:
         raise CheckpointNotFound(f"{run_dir}: no checkpoints to resume from")
@@ -240,15 +267,23 @@ def newest_consistent(
     for named_step, path in reversed(candidates):
         try:
             return check(named_step, path), path, skipped
-        except (FormatError, CheckpointNotFound) as e:
+        except (FormatError, CheckpointNotFound, UnreadableFile) as e:  # damaged or unreadable: the same (R-026)
             skipped.append((path, str(e)))
     detail = "; ".join(f"{os.path.basename(p)}: {why}" for p, why in skipped)
-    raise CheckpointNotFound(f"{run_dir}: no consistent checkpoint to resume from ({detail})")
+    raise NoConsistentCheckpoint(f"{run_dir}: no consistent checkpoint to resume from ({detail})")
 
 
 def fallback_notes(skipped: list[tuple[str, str]], path: str, step: int) -> list[str]:
-    """The lines a resume says for the checkpoints it passed over."""
-    notes = [f"skipped {os.path.basename(p)}: {why}" for p, why in skipped]
+    """The lines a resume says for the checkpoints it passed over (:func:`is_fallback_note`)."""
+    notes = [f"{_SKIPPED}{os.path.basename(p)}: {why}" for p, why in skipped]
     if skipped:
-        notes.append(f"falling back to {os.path.basename(path)} (step {step})")
+        notes.append(f"{_FELL_BACK}{os.path.basename(path)} (step {step})")
     return notes
+
+
+_SKIPPED, _FELL_BACK = "skipped ", "falling back to "
+
+
+def is_fallback_note(note: str) -> bool:
+    """Whether a resume note says a checkpoint was passed over: a diagnostic no ``--quiet`` silences."""
+    return note.startswith((_SKIPPED, _FELL_BACK))

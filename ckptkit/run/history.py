@@ -37,12 +37,13 @@ import math
 import os
 import re
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import IO, Any
 
-from ..errors import FormatError
+from ..errors import CheckpointNotFound, FormatError
 from ..format.atomic import write_bytes_atomic
+from ..format.container import open_regular
 from .fingerprint import float_bits
 
 __all__ = [
@@ -101,36 +102,75 @@ def read_rows(path: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], bool]
     Returns ``([], False)`` for a missing file.
 
     Raises:
-        FormatError: a complete line is not a JSON object with ``kind`` and ``step``.
+        UnreadableFile: the path is no readable regular file (R-025).
+        FormatError: a complete line is not a JSON object with ``kind`` and ``step``, or
+            longer than :data:`MAX_LINE` (R-027).
     """
     path = os.fspath(path)
+    rows: list[dict[str, Any]] = []
+    torn = False
     try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
+        lines = _lines(path)
+        for i, (offset, line, complete) in enumerate(lines):
+            if not complete:
+                torn = True  # the last write did not finish its line
+                break
+            if line is None:
+                raise FormatError(
+                    f"line {i + 1} is longer than {MAX_LINE} bytes (a history row is a few hundred)",
+                    path=path,
+                    offset=offset,
+                    field="history",
+                    hint="history.jsonl is written by ckptkit train; do not edit it (R-027)",
+                )
+            rows.append(_row(line, i, offset, path))
+    except CheckpointNotFound:
         return [], False
-    lines = data.split(b"\n")
-    torn = lines[-1] != b""  # the last write did not finish its line
-    rows = []
-    offset = 0
-    for i, line in enumerate(lines[:-1]):
-        try:
-            row = json.loads(line)
-        except (UnicodeDecodeError, ValueError) as e:
-            raise FormatError(
-                f"line {i + 1} is not JSON ({e})",
-                path=path,
-                offset=offset,
-                field="history",
-                hint="history.jsonl is written by ckptkit train; do not edit it",
-            ) from None
-        if not isinstance(row, dict) or not isinstance(row.get("kind"), str) or not isinstance(row.get("step"), int):
-            raise FormatError(
-                f"line {i + 1} is not a history row (needs kind and step)", path=path, offset=offset, field="history"
-            )
-        rows.append(row)
-        offset += len(line) + 1
     return rows, torn
+
+
+def _row(line: bytes, i: int, offset: int, path: str) -> dict[str, Any]:
+    try:
+        row = json.loads(line)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise FormatError(
+            f"line {i + 1} is not JSON ({e})",
+            path=path,
+            offset=offset,
+            field="history",
+            hint="history.jsonl is written by ckptkit train; do not edit it",
+        ) from None
+    if not isinstance(row, dict) or not isinstance(row.get("kind"), str) or not isinstance(row.get("step"), int):
+        raise FormatError(
+            f"line {i + 1} is not a history row (needs kind and step)", path=path, offset=offset, field="history"
+        )
+    return row
+
+
+#: The longest line a history row may take (R-027): a row is a few hundred bytes, so a
+#: longer line is damage, refused before it is held in memory whole.
+MAX_LINE = 1 << 20
+
+
+def _lines(path: str) -> Iterator[tuple[int, bytes | None, bool]]:
+    """``(offset, line, complete)`` of each line of ``path`` without its newline; ``line`` is
+    None for one longer than :data:`MAX_LINE` (read past, never held). Memory: one line.
+
+    Raises:
+        CheckpointNotFound: no file at ``path``.
+        UnreadableFile: it is no readable regular file: a FIFO is not waited on (R-025).
+    """
+    fd, _ = open_regular(path, "history")
+    with os.fdopen(fd, "rb") as f:
+        offset = 0
+        while line := f.readline(MAX_LINE + 1):
+            start, offset = offset, offset + len(line)
+            if len(line) > MAX_LINE:
+                while not line.endswith(b"\n") and (line := f.readline(MAX_LINE + 1)):
+                    offset += len(line)
+                yield start, None, line.endswith(b"\n")
+            else:
+                yield start, line.rstrip(b"\n"), line.endswith(b"\n")
 
 
 def append_rows(path: str | os.PathLike[str], rows: Iterable[dict[str, Any]]) -> None:
@@ -332,24 +372,24 @@ def check_history(path: str | os.PathLike[str]) -> HistoryCheck:
 
     Raises:
         CheckpointNotFound: no file at ``path``.
+        UnreadableFile: it is no readable regular file (R-025).
     """
-    from ..errors import CheckpointNotFound
 
     path = os.fspath(path)
     try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
+        lines = list(_lines(path))
+    except CheckpointNotFound:
         raise CheckpointNotFound(f"{path}: no history here") from None
-    lines = data.split(b"\n")
-    problems: list[str] = []
-    rows, offset = 0, 0
+    torn, problems, rows = bool(lines) and not lines[-1][2], list[str](), 0
     expected: int | None = None
     last: int | None = None
     steps: list[int] = []
-    for i, line in enumerate(lines[:-1]):
+    for i, (offset, line, _) in enumerate(lines[:-1] if torn else lines):
         where = f"line {i + 1} (offset {offset})"
-        offset += len(line) + 1
+        if line is None:
+            problems.append(f"{where}: longer than {MAX_LINE} bytes (R-027)")
+            expected = None
+            continue
         try:
             row = json.loads(line)
         except (UnicodeDecodeError, ValueError) as e:
@@ -383,7 +423,7 @@ def check_history(path: str | os.PathLike[str]) -> HistoryCheck:
                 problems.append(f"{where}: resume at step {step}, but the step rows before it end at {expected - 1}")
             expected = step
     first_last = (min(steps), max(steps)) if steps else None
-    return HistoryCheck(path, rows, first_last, lines[-1] != b"", tuple(problems))
+    return HistoryCheck(path, rows, first_last, torn, tuple(problems))
 
 
 # ---------------------------------------------------------------------------- the rows a loop records
