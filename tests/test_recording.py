@@ -57,7 +57,7 @@ def test_the_first_difference_names_the_step_the_fields_and_the_tensor(tmp_path:
     _loop(tmp_path / "b", 6, nudge_at=3)
     d = first_difference(RunRecording(tmp_path / "a"), RunRecording(tmp_path / "b"))
     assert d is not None and (d.step, d.kind) == (3, "step")
-    assert d.fields == ("loss", "loss_bits") and d.tensors == ("model:net.weight",)
+    assert d.field_names == ("loss", "loss_bits") and d.tensor_names == ("model:net.weight",)
 
 
 @pytest.mark.parametrize(

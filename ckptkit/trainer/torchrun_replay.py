@@ -24,9 +24,10 @@ import tempfile
 from collections.abc import Callable
 
 from ..audit.commands import CommandReport, _workdir  # the same work directory rule as `replay -- CMD`
-from ..audit.recording import Difference, RunRecording, first_difference
+from ..audit.recording import RunRecording, first_difference, tensor_reports
 from ..errors import AuditError, CheckpointError, CheckpointNotFound, ReplayError
 from ..run import ENVIRONMENT_FILE, read_environment
+from ..run.difference import Difference
 from ..run.history import HISTORY_FILE
 from .audit import knob_flags
 from .parallel import launcher, stop_job
@@ -125,10 +126,11 @@ def _checkpoint_difference(run_dir: str, work: str, steps: list[int]) -> Differe
     if differ is None:
         return None
     step, diffs = differ
+    name = os.path.basename(run_checkpoints(run_dir)[step])
     return Difference(
-        step,
         "checkpoint",
-        tensors=tuple(d.name for d in diffs),
-        file=os.path.basename(run_checkpoints(run_dir)[step]),
-        details=tuple(f"{d.name}: {d.detail}" for d in diffs),
+        step,
+        tensors=tuple(tensor_reports(diffs, {})),
+        file=name,
+        values=f"both runs' {name}, compared as ckptkit diff --tensors does",
     )
