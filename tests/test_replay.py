@@ -22,6 +22,7 @@ from ckptkit.cli import main
 from ckptkit.format.snapshot import encode_snapshot
 from ckptkit.format.tree import checkpoint_state
 from ckptkit.run import checkpoint_name
+from ckptkit.run.difference import Difference, FieldDiff, Rerun
 from ckptkit.run.fingerprint import (
     combine,
     differing_names,
@@ -34,7 +35,6 @@ from ckptkit.run.fingerprint import (
 from ckptkit.trainer import TrainerConfig
 from ckptkit.trainer.config import knobs
 from ckptkit.trainer.replay import replay
-from ckptkit.run.difference import Difference, FieldDiff, Rerun
 from ckptkit.trainer.replay_report import ReplayReport
 
 pytestmark = pytest.mark.slow

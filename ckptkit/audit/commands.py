@@ -131,14 +131,7 @@ def _difference_lines(d: Difference, a: str, b: str, limit: int = 12) -> list[st
         lines = [f"DIFFERS at step {d.step}: {a} and {b} recorded different rows there"]
     else:
         lines = [f"DIFFERS at step {d.step}: the {d.kind} row"]
-    if d.fields:
-        lines.append(f"  fields: {', '.join(d.field_names)}")
-    names = d.tensor_names
-    if names:
-        more = " ..." if len(names) > limit else ""
-        lines.append(f"  tensors that differ ({len(names)}): " + ", ".join(names[:limit]) + more)
-    if d.kind == "checkpoint":
-        lines += [f"  {t.name}: {t.detail}" for t in d.tensors[:limit]]
+    lines += d.lines(a, b, limit=limit)
     return lines
 
 

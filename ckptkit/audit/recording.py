@@ -20,16 +20,18 @@ from typing import Any
 from ..errors import CheckpointNotFound, FormatError
 from ..format.companions import same_checkpoint
 from ..run.difference import Difference, FieldDiff, TensorReport
-from ..run.files import checkpoint_name, list_checkpoints
+from ..run.files import DCP_SUFFIX, list_checkpoints
 from ..run.fingerprint import FINGERPRINT_FIELDS, differing_names
 from ..run.history import COMPARED_KINDS, HISTORY_FILE, WALL_FIELDS, read_rows
-from .compare import TensorDiff
+from .compare import TensorDiff, compare_checkpoints, compare_states
 
 __all__ = [
     "RunRecording",
+    "checkpoint_difference",
     "first_difference",
     "named_reports",
     "row_difference",
+    "run_checkpoints",
     "row_fields",
     "step_fields",
     "tensor_reports",
@@ -66,7 +68,7 @@ class RunRecording:
         self.rows = [
             {k: v for k, v in r.items() if k not in WALL_FIELDS} for r in self.all_rows if r["kind"] in COMPARED_KINDS
         ]
-        self.checkpoints = dict(list_checkpoints(self.run_dir))
+        self.checkpoints = run_checkpoints(self.run_dir)
         self.steps: dict[int, dict[str, Any]] = {}
         self.digests: dict[int, Mapping[str, int]] = {}  # the ``digests`` rows' tensors, by steps done
         self.checkpoint_digests: dict[int, Mapping[str, int]] = {}  # the ``checkpoint`` rows' tensors
@@ -144,22 +146,52 @@ def row_difference(rows_a: Sequence[Mapping[str, Any]], rows_b: Sequence[Mapping
 
 
 def _first_checkpoint_difference(a: RunRecording, b: RunRecording, from_step: int) -> Difference | None:
-    from .compare import compare_checkpoints
-
     for step in sorted(set(a.checkpoints) & set(b.checkpoints)):
-        if step < from_step:
-            continue
-        pa, pb = a.checkpoints[step], b.checkpoints[step]
-        if same_checkpoint(pa, pb):  # the one rule (its companion record set aside)
-            continue
+        if step >= from_step:
+            d = checkpoint_difference(step, a.checkpoints[step], b.checkpoints[step])
+            if d is not None:
+                return d
+    return None
+
+
+def checkpoint_difference(step: int, path_a: str, path_b: str) -> Difference | None:
+    """Two runs' checkpoints at ``step`` by the one rule for "the same checkpoint"
+    (:func:`~ckptkit.format.companions.same_checkpoint`), or how they differ: the tensors
+    and values as ``ckptkit diff --tensors`` lists them (side a first) -- or, when every
+    one is equal and only the bytes differ, that the writer is not canonical.
+
+    Raises:
+        FormatError: a checkpoint that differs does not verify.
+    """
+    if same_checkpoint(path_a, path_b):
+        return None
+    if os.path.isdir(path_a):  # a distributed checkpoint: its logical tensors, whatever the world size
+        from ..distributed.storage import logical_state
+
+        diffs = compare_states(dict(logical_state(path_a)), dict(logical_state(path_b)))
+    else:
+        diffs = compare_checkpoints(path_a, path_b)
+    name = os.path.basename(path_a)
+    if not diffs:
         return Difference(
             "checkpoint",
             step,
-            tensors=tuple(tensor_reports(compare_checkpoints(pa, pb), {})),
-            file=checkpoint_name(step),
-            values=f"both runs' {checkpoint_name(step)}, compared as ckptkit diff --tensors does",
+            file=name,
+            values=f"both runs' {name}: every tensor and value is bitwise equal, only the bytes differ",
+            hints=("the states are equal but the bytes are not: the writer is not canonical (a ckptkit bug)",),
         )
-    return None
+    return Difference(
+        "checkpoint",
+        step,
+        tensors=tuple(tensor_reports(diffs, {})),
+        file=name,
+        values=f"both runs' {name}, compared as ckptkit diff --tensors does",
+    )
+
+
+def run_checkpoints(run_dir: str | os.PathLike[str]) -> dict[int, str]:
+    """Step -> path of every checkpoint in ``run_dir``: ``.ckpt`` files, or a torchrun run's ``.dcp`` directories."""
+    return dict(list_checkpoints(run_dir) + list_checkpoints(run_dir, DCP_SUFFIX))
 
 
 def _rank(name: str) -> tuple[int, str]:

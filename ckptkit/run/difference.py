@@ -11,10 +11,12 @@ they answer it with one type: :class:`Difference`. Reports (``ckptkit replay``,
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["Difference", "FieldDiff", "Rerun", "TensorReport"]
+__all__ = ["Difference", "FieldDiff", "Rerun", "TensorReport", "show"]
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,29 @@ class Difference:
             f"step {self.step}: " + ("; ".join(parts) or f"the {self.kind} differs") + (f" ({names})" if names else "")
         )
 
+    def lines(self, a: str = "recorded", b: str = "replayed", *, against: str = "", limit: int = 12) -> list[str]:
+        """What every report prints under its headline: each field (side ``a`` against side
+        ``b``), the tensors that differ ``against`` what (first computed first), where the
+        values came from, the step re-run twice, the hints."""
+        out = [f"  {f.field}: {a} {show(f.recorded)}, {b} {show(f.replayed)}" for f in self.fields]
+        if self.tensors:
+            out.append(f"  tensors that differ{against} ({len(self.tensors)}), first computed first:")
+            out += _tensor_lines(self.tensors, limit)
+        if self.values:
+            out.append(f"  values: {self.values}")
+        if self.rerun is not None:
+            out += self._rerun_lines(limit)
+        return out + [f"  hint: {h}" for h in self.hints]
+
+    def _rerun_lines(self, limit: int) -> list[str]:
+        assert self.rerun is not None
+        step = self.step if self.kind == "step" else self.step - 1  # a state/checkpoint difference counts steps done
+        if self.rerun.identical:
+            return [f"  re-run of step {step} twice here: identical (deterministic in this process)"]
+        out = [f"  re-run of step {step} twice here: DIFFERS (nondeterministic in this process):"]
+        out += [f"    {f.field}: first {show(f.recorded)}, second {show(f.replayed)}" for f in self.rerun.fields]
+        return out + ["  " + s for s in _tensor_lines(self.rerun.tensors, limit)]
+
     def to_json(self, a: str = "recorded", b: str = "replayed") -> dict[str, Any]:
         """The ``--json`` object; ``a``/``b`` label the two sides of each field."""
         return {
@@ -121,6 +146,21 @@ class Difference:
             },
             "hints": list(self.hints),
         }
+
+
+def show(v: Any) -> str:
+    """A field's value as a report prints it: a string as is, anything else as JSON; a long
+    one (a whole row, a digests map) cut at 120 characters (``--json`` has it whole)."""
+    text = v if isinstance(v, str) else json.dumps(v, sort_keys=True)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def _tensor_lines(tensors: Sequence[TensorReport], limit: int) -> list[str]:
+    width = max((len(t.name) for t in tensors[:limit]), default=0)  # a re-run may differ in no tensor
+    out = [f"    {t.name.ljust(width)}  {t.detail}" for t in tensors[:limit]]
+    if len(tensors) > limit:
+        out.append(f"    ... and {len(tensors) - limit} more (--json lists all)")
+    return out
 
 
 def _field_json(f: FieldDiff, a: str, b: str) -> dict[str, Any]:

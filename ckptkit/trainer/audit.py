@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import json
 import os
 import subprocess
 import tempfile
@@ -30,7 +29,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..audit.compare import compare_checkpoints
-from ..audit.recording import named_reports, row_fields, step_fields, tensor_reports
+from ..audit.recording import (
+    checkpoint_difference,
+    named_reports,
+    row_fields,
+    run_checkpoints,
+    step_fields,
+    tensor_reports,
+)
 from ..errors import AuditError, CheckpointError
 from ..format.snapshot import read_snapshot, snapshot_path
 from ..run import checkpoint_name, list_checkpoints, read_environment
@@ -41,7 +47,7 @@ from ..run.fingerprint import differing_names, first_divergence, step_rows
 from ..run.history import HISTORY_FILE, compared_rows, read_rows
 from .config import TrainerConfig, flag_name, knobs
 from .parallel import launcher
-from .replay import config_of, first_differing_checkpoint, rerun_step, run_checkpoints
+from .replay import config_of, rerun_step
 
 __all__ = ["AUDIT_DEFAULTS", "AuditError", "AuditReport", "audit", "compare_runs", "knob_flags"]
 
@@ -133,26 +139,8 @@ class AuditReport:
             lines.append(f"DIVERGED at step {d.step}: {d.file} differs between the runs (every history row matched)")
         else:
             lines.append(f"DIVERGED at {where or f'step {d.step}'}")
-        lines += [f"  {f.field}: a {_show(f.recorded)}, b {_show(f.replayed)}" for f in d.fields]
-        if d.tensors:
-            width = max(len(t.name) for t in d.tensors[:limit])
-            lines.append(f"  tensors that differ ({len(d.tensors)}), first computed first:")
-            lines += [f"    {t.name.ljust(width)}  {t.detail}" for t in d.tensors[:limit]]
-            if len(d.tensors) > limit:
-                lines.append(f"    ... and {len(d.tensors) - limit} more (--json lists all)")
-        if d.values:
-            lines.append(f"  values: {d.values}")
-        if d.rerun is not None:
-            verdict = "identical (deterministic in one process)" if d.rerun.identical else "DIFFERS"
-            lines.append(f"  step {d.step} re-run twice in this process: {verdict}")
-            for t in d.rerun.tensors[:limit]:
-                lines.append(f"    {t.name}  {t.detail}")
-        lines += [f"  hint: {h}" for h in d.hints]
+        lines += d.lines("a", "b", limit=limit)
         return "\n".join(lines)
-
-
-def _show(v: Any) -> str:
-    return v if isinstance(v, str) else json.dumps(v, sort_keys=True)
 
 
 # ----------------------------------------------------------------------------- running
@@ -373,33 +361,20 @@ def _with_drift_hint(a: str, b: str, div: Difference) -> Difference:
 
 
 def _checkpoint_divergence(a: str, b: str) -> tuple[Difference | None, int]:
-    """The first checkpoint both runs wrote whose bytes differ, and how many they share."""
-    ckpts = run_checkpoints(a)
-    common = sorted(set(ckpts) & set(run_checkpoints(b)))
-    differ = first_differing_checkpoint(a, b, common)
-    if differ is None:
-        return None, len(common)
-    s, diffs = differ
-    name = os.path.basename(ckpts[s])
-    hint = (
-        (
-            "the container bytes differ while every fingerprint matched: state outside the "
-            "fingerprints (see the tensors) was not reproduced"
-        )
-        if diffs
-        else "the states are equal but the bytes are not: the writer is not canonical (a bug)"
-    )
-    return (
-        Difference(
-            "checkpoint",
-            s,
-            file=name,
-            tensors=tuple(tensor_reports(diffs, {})),
-            values=f"both runs' {name}, compared as ckptkit diff --tensors does",
-            hints=(hint,),
-        ),
-        len(common),
-    )
+    """The first checkpoint both runs wrote that is not the same checkpoint, and how many they share."""
+    ca, cb = run_checkpoints(a), run_checkpoints(b)
+    common = sorted(set(ca) & set(cb))
+    for s in common:
+        d = checkpoint_difference(s, ca[s], cb[s])
+        if d is not None and d.tensors:
+            hint = (
+                "the container bytes differ while every fingerprint matched: state outside the "
+                "fingerprints (see the tensors) was not reproduced"
+            )
+            return dataclasses.replace(d, hints=(hint, *d.hints)), len(common)
+        if d is not None:
+            return d, len(common)
+    return None, len(common)
 
 
 def _config_drift(a: str, b: str) -> list[str]:

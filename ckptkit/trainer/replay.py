@@ -46,8 +46,16 @@ from typing import Any
 
 import torch
 
-from ..audit.compare import TensorDiff, compare_checkpoints, compare_states
-from ..audit.recording import RunRecording, named_reports, row_difference, step_fields, tensor_reports
+from ..audit.compare import compare_states
+from ..audit.recording import (
+    RunRecording,
+    checkpoint_difference,
+    named_reports,
+    row_difference,
+    run_checkpoints,
+    step_fields,
+    tensor_reports,
+)
 from ..errors import (
     CheckpointNotFound,
     EnvironmentDrift,
@@ -56,10 +64,10 @@ from ..errors import (
     TrainingUnstable,
 )
 from ..format.checkpoint import load
-from ..format.companions import rebind, same_checkpoint
+from ..format.companions import rebind
 from ..format.snapshot import read_snapshot, snapshot_path, write_snapshot
 from ..format.tree import checkpoint_state
-from ..run import DCP_SUFFIX, ENVIRONMENT_FILE, RunState, checkpoint_name, list_checkpoints, read_environment
+from ..run import ENVIRONMENT_FILE, RunState, checkpoint_name, list_checkpoints, read_environment
 from ..run.difference import Difference, FieldDiff, Rerun, TensorReport
 from ..run.drift import DEFAULT_EXEMPT
 from ..run.environment import EnvDiff, capture, diff_environment
@@ -87,10 +95,8 @@ __all__ = [
     "ReplayError",
     "ReplayReport",
     "config_of",
-    "first_differing_checkpoint",
     "replay",
     "rerun_step",
-    "run_checkpoints",
 ]
 
 Log = Callable[[str], None]
@@ -576,65 +582,26 @@ def _compare_guarded(rec: RunRecording, run_dir: str, start: int, to: int, work:
     return None
 
 
+_ALTERED = (
+    "every history row matched, yet the file differs from the replay's: it was altered "
+    "after the fact, or state outside the fingerprints was not reproduced"
+)
+
+
 def _guarded_file_divergence(run_dir: str, start: int, work: str) -> Difference | None:
-    """The first checkpoint after ``start`` that RUN and the replay both hold and that differs in bytes."""
-    mine = {s for s, _ in list_checkpoints(work)}
-    differ = first_differing_checkpoint(
-        work, run_dir, [s for s, _ in list_checkpoints(run_dir) if s > start and s in mine]
-    )
-    if differ is None:
-        return None
-    s, diffs = differ
-    return Difference(
-        "checkpoint",
-        s,
-        file=os.path.join(run_dir, checkpoint_name(s)),
-        tensors=tuple(tensor_reports(diffs, {})),
-        values=f"the replayed {checkpoint_name(s)}, compared as ckptkit diff --tensors does",
-        hints=(
-            (
-                "every history row matched, yet the file differs from the replay's: it was altered "
-                "after the fact, or state outside the fingerprints was not reproduced"
-            ),
-        ),
-    )
-
-
-def run_checkpoints(run_dir: str) -> dict[int, str]:
-    """Step -> path of every checkpoint in ``run_dir``: ``.ckpt`` files, or a torchrun run's ``.dcp`` directories."""
-    return dict(list_checkpoints(run_dir) + list_checkpoints(run_dir, DCP_SUFFIX))
-
-
-def first_differing_checkpoint(a: str, b: str, steps: Sequence[int]) -> tuple[int, list[TensorDiff]] | None:
-    """The first of ``steps`` whose checkpoint files in run directories ``a`` and ``b``
-    differ in bytes (their companion records set aside), with the differences as ``ckptkit diff --tensors`` lists them
-    (``a`` first); None when every one is byte-identical. A torchrun run's checkpoint directories
-    are compared file by file, and their logical tensors when a byte differs."""
-    ca, cb = run_checkpoints(a), run_checkpoints(b)
-    for s in steps:
-        pa, pb = ca[s], cb[s]
-        if os.path.isdir(pa):
-            if _tree_bytes(pa) != _tree_bytes(pb):
-                return s, _logical_diffs(pa, pb)
+    """The first checkpoint after ``start`` that RUN and the replay both hold and that is not the same checkpoint."""
+    mine, theirs = run_checkpoints(work), run_checkpoints(run_dir)
+    for s in sorted(set(mine) & set(theirs)):
+        d = checkpoint_difference(s, mine[s], theirs[s]) if s > start else None
+        if d is None:
             continue
-        if not same_checkpoint(pa, pb):
-            return s, compare_checkpoints(pa, pb)
+        return dataclasses.replace(
+            d,
+            file=theirs[s],
+            values=f"the replayed {os.path.basename(theirs[s])}, compared as ckptkit diff --tensors does",
+            hints=d.hints or (_ALTERED,),
+        )
     return None
-
-
-def _tree_bytes(directory: str) -> dict[str, bytes]:
-    out = {}
-    for name in sorted(os.listdir(directory)):
-        with open(os.path.join(directory, name), "rb") as f:
-            out[name] = f.read()
-    return out
-
-
-def _logical_diffs(a: str, b: str) -> list[TensorDiff]:
-    """What ``ckptkit diff --tensors`` lists for two distributed checkpoint directories."""
-    from ..distributed.storage import logical_state
-
-    return compare_states(dict(logical_state(a)), dict(logical_state(b)))
 
 
 def _explain_step(

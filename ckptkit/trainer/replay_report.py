@@ -10,13 +10,11 @@ one listed is where to look.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ReplayDivergence
-from ..run.difference import Difference, FieldDiff, Rerun, TensorReport
+from ..run.difference import Difference, FieldDiff, show
 from ..run.environment import EnvDiff
 
 __all__ = ["ReplayReport"]
@@ -77,7 +75,7 @@ class ReplayReport:
         """The human report (what ``ckptkit replay`` prints on stdout)."""
         lines = [f"replay: {self.checkpoint} (step {self.start}) -> step {self.to}"]
         for o in self.overrides:
-            lines.append(f"override: {o.field}: snapshot {_show(o.recorded)}, replay {_show(o.replayed)}")
+            lines.append(f"override: {o.field}: snapshot {show(o.recorded)}, replay {show(o.replayed)}")
         fatal = [e for e in self.environment if e.fatal]
         if fatal:
             lines.append(f"environment: differs from the recording in {len(fatal)} fact(s):")
@@ -96,16 +94,7 @@ class ReplayReport:
             lines.append(f"IDENTICAL: {self.replayed} {what} ({span}), every fingerprint bit for bit")
             return "\n".join(lines)
         lines.append(self._divergence_headline(d))
-        for f in d.fields:
-            lines.append(f"  {f.field}: recorded {_show(f.recorded)}, replayed {_show(f.replayed)}")
-        if d.tensors:
-            lines.append(f"  tensors that differ from the recording ({len(d.tensors)}), first computed first:")
-            lines += _tensor_lines(d.tensors, limit)
-        if d.values:
-            lines.append(f"  values: {d.values}")
-        if d.rerun is not None:
-            lines += _rerun_lines(d, d.rerun, limit)
-        lines += [f"  hint: {h}" for h in d.hints]
+        lines += d.lines(against=" from the recording", limit=limit)
         return "\n".join(lines)
 
     def _divergence_headline(self, d: Difference) -> str:
@@ -128,26 +117,3 @@ class ReplayReport:
                 "checkpoint digests"
             )
         return f"DIVERGED at step {d.step} (history row step={d.step}; {self.replayed - 1} step(s) before it matched)"
-
-
-def _rerun_lines(d: Difference, rerun: Rerun, limit: int) -> list[str]:
-    """The diverging step run twice here: identical, or what the two runs disagree on."""
-    step = d.step if d.kind == "step" else d.step - 1  # a state/checkpoint divergence counts steps done
-    if rerun.identical:
-        return [f"  re-run of step {step} twice here: identical (deterministic in this process)"]
-    lines = [f"  re-run of step {step} twice here: DIFFERS (nondeterministic in this process):"]
-    for f in rerun.fields:
-        lines.append(f"    {f.field}: first {_show(f.recorded)}, second {_show(f.replayed)}")
-    return lines + ["  " + s for s in _tensor_lines(rerun.tensors, limit)]
-
-
-def _show(v: Any) -> str:
-    return json.dumps(v, sort_keys=True) if not isinstance(v, str) else v
-
-
-def _tensor_lines(tensors: Sequence[TensorReport], limit: int) -> list[str]:
-    width = max((len(t.name) for t in tensors[:limit]), default=0)  # a re-run may differ in no tensor
-    out = [f"    {t.name.ljust(width)}  {t.detail}" for t in tensors[:limit]]
-    if len(tensors) > limit:
-        out.append(f"    ... and {len(tensors) - limit} more (--json lists all)")
-    return out

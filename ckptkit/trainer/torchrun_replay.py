@@ -24,14 +24,14 @@ import tempfile
 from collections.abc import Callable
 
 from ..audit.commands import CommandReport, _workdir  # the same work directory rule as `replay -- CMD`
-from ..audit.recording import RunRecording, first_difference, tensor_reports
+from ..audit.recording import RunRecording, checkpoint_difference, first_difference, run_checkpoints
 from ..errors import AuditError, CheckpointError, CheckpointNotFound, ReplayError
 from ..run import ENVIRONMENT_FILE, read_environment
 from ..run.difference import Difference
 from ..run.history import HISTORY_FILE
 from .audit import knob_flags
 from .parallel import launcher, stop_job
-from .replay import config_of, first_differing_checkpoint, run_checkpoints
+from .replay import config_of
 
 __all__ = ["recorded_world", "replay_ranks"]
 
@@ -122,15 +122,5 @@ def replay_ranks(
 
 
 def _checkpoint_difference(run_dir: str, work: str, steps: list[int]) -> Difference | None:
-    differ = first_differing_checkpoint(run_dir, work, steps)
-    if differ is None:
-        return None
-    step, diffs = differ
-    name = os.path.basename(run_checkpoints(run_dir)[step])
-    return Difference(
-        "checkpoint",
-        step,
-        tensors=tuple(tensor_reports(diffs, {})),
-        file=name,
-        values=f"both runs' {name}, compared as ckptkit diff --tensors does",
-    )
+    ca, cb = run_checkpoints(run_dir), run_checkpoints(work)
+    return next((d for s in steps if (d := checkpoint_difference(s, ca[s], cb[s])) is not None), None)
