@@ -364,7 +364,7 @@ def test_the_same_checkpoint_is_one_rule_the_record_set_aside_and_every_other_by
     ckptkit.save(b, ckpt)
     assert not same_checkpoint(a, b)
     d = first_difference(RunRecording(tmp_path / "a"), RunRecording(tmp_path / "b"))
-    assert d is not None and d.kind == "checkpoint" and d.tensors == ("model:body.weight",)
+    assert d is not None and d.kind == "checkpoint" and d.tensor_names == ("model:body.weight",)
 
 
 def test_verifying_a_run_and_its_companions_does_not_import_torch(tmp_path: Path) -> None:

@@ -49,5 +49,5 @@ def test_first_divergence_names_the_first_differing_step_and_field():
     rep[3]["params_digest"] = 99
     rep[4]["loss_bits"] = "0xff"
     d = first_divergence(rec, rep)
-    assert (d.step, d.fields) == (4, ("params_digest",))
+    assert (d.step, d.field_names) == (4, ("params_digest",))
     assert d.describe() == "step 4: params_digest: recorded 4, replayed 99"

@@ -57,7 +57,7 @@ def test_the_first_difference_names_the_step_the_fields_and_the_tensor(tmp_path:
     _loop(tmp_path / "b", 6, nudge_at=3)
     d = first_difference(RunRecording(tmp_path / "a"), RunRecording(tmp_path / "b"))
     assert d is not None and (d.step, d.kind) == (3, "step")
-    assert d.fields == ("loss", "loss_bits") and d.tensors == ("model:net.weight",)
+    assert d.field_names == ("loss", "loss_bits") and d.tensor_names == ("model:net.weight",)
 
 
 @pytest.mark.parametrize(
@@ -74,3 +74,34 @@ def test_a_scalar_that_cannot_be_recorded_is_named(tmp_path: Path, scalars: dict
     state.start()
     with pytest.raises(TypeError, match=re.escape(message)):
         state.record(0, **scalars)
+
+
+def test_one_rule_for_the_same_checkpoint_sets_the_encoding_aside_and_names_a_difference_of_bytes_alone(
+    tmp_path: Path,
+) -> None:
+    """A container is compared as its state re-encoded (compression is not state); a distributed
+    checkpoint file by file -- and when only its bytes differ, the difference says every tensor
+    is equal (a writer that is not canonical), not which tensor differs."""
+    import shutil
+
+    import ckptkit.distributed
+    from ckptkit.audit.recording import checkpoint_difference
+    from ckptkit.format.companions import same_checkpoint
+
+    _loop(tmp_path / "run", 2)
+    path = tmp_path / "run" / "step-00000002.ckpt"
+    ckptkit.save(tmp_path / "zstd.ckpt", ckptkit.load(path), compression="zstd")
+    assert path.read_bytes() != (tmp_path / "zstd.ckpt").read_bytes() and same_checkpoint(path, tmp_path / "zstd.ckpt")
+
+    ckptkit.distributed.save({"w": torch.arange(6.0)}, tmp_path / "a")
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    ckptkit.distributed.save({"w": torch.arange(6.0) + 1}, tmp_path / "c")
+    assert same_checkpoint(tmp_path / "a", tmp_path / "b") and not same_checkpoint(tmp_path / "a", tmp_path / "c")
+    d = checkpoint_difference(4, str(tmp_path / "a"), str(tmp_path / "c"))
+    assert d is not None and d.tensor_names == ("w",) and d.tensors[0].n_diff == 6
+    (tmp_path / "b" / "notes.txt").write_bytes(b"")  # a file the other lacks: the same state, not the same bytes
+    assert not same_checkpoint(tmp_path / "a", tmp_path / "b")
+    d = checkpoint_difference(4, str(tmp_path / "a"), str(tmp_path / "b"))
+    assert d is not None and (d.kind, d.step, d.file, d.tensors) == ("checkpoint", 4, "a", ())
+    assert d.values == "both runs' a: every tensor and value is bitwise equal, only the bytes differ"
+    assert d.hints == ("the states are equal but the bytes are not: the writer is not canonical (a ckptkit bug)",)

@@ -22,6 +22,7 @@ from ckptkit.cli import main
 from ckptkit.format.snapshot import encode_snapshot
 from ckptkit.format.tree import checkpoint_state
 from ckptkit.run import checkpoint_name
+from ckptkit.run.difference import Difference, FieldDiff, Rerun
 from ckptkit.run.fingerprint import (
     combine,
     differing_names,
@@ -34,7 +35,7 @@ from ckptkit.run.fingerprint import (
 from ckptkit.trainer import TrainerConfig
 from ckptkit.trainer.config import knobs
 from ckptkit.trainer.replay import replay
-from ckptkit.trainer.replay_report import FieldDiff, ReplayReport, Rerun, StepDivergence
+from ckptkit.trainer.replay_report import ReplayReport
 
 pytestmark = pytest.mark.slow
 
@@ -284,20 +285,20 @@ def test_first_divergence_in_files_works_on_any_jsonl_history(tmp_path: Path) ->
     changed.append({"step": 3, "params_digest": 103, "loss_bits": "0x00000003"})  # a re-run supersedes row 3
     changed[4]["loss_bits"] = "0xbad"
     d = first_divergence_in_files(a, write("b.jsonl", changed))
-    assert d is not None and (d.step, d.fields) == (4, ("loss_bits",))
+    assert d is not None and (d.step, d.field_names) == (4, ("loss_bits",))
 
 
 def test_first_divergence_in_files_on_two_trainer_histories(perturbed: Path, tmp_path: Path) -> None:
     run(tiny(**{"train.ckpt_every": 2}), tmp_path, 6)
     d = first_divergence_in_files(tmp_path / "history.jsonl", perturbed / "history.jsonl")
-    assert d is not None and (d.step, d.fields) == (3, ("params_digest",))
+    assert d is not None and (d.step, d.field_names) == (3, ("params_digest",))
 
 
 def test_a_rerun_that_differs_in_its_row_but_in_no_tensor_is_described_not_crashed() -> None:
     """A nondeterministic re-run can disagree on a row field (the loss) while every captured
     tensor matches; the report names the field and no tensor (it raised ValueError before)."""
     rerun = Rerun(False, fields=(FieldDiff("loss_bits", "0x40a00000", "0x40a00001"),))
-    d = StepDivergence("step", 7, fields=(FieldDiff("loss_bits", "0x40a00000", "0x40a00002"),), rerun=rerun)
+    d = Difference("step", 7, fields=(FieldDiff("loss_bits", "0x40a00000", "0x40a00002"),), rerun=rerun)
     text = ReplayReport("run", "step-00000005.ckpt", 5, 10, 3, divergence=d).describe()
     assert text.splitlines()[-2:] == [
         "  re-run of step 7 twice here: DIFFERS (nondeterministic in this process):",

@@ -37,9 +37,10 @@ from typing import Any
 
 from ..errors import AuditError, CheckpointNotFound, ReplayDivergence, ReplayError
 from ..run import ENVIRONMENT_FILE, checkpoint_name
+from ..run.difference import Difference
 from ..run.history import HISTORY_FILE
 from ..run.preemption import EXIT_STOPPED, STOP_AT_ENV
-from .recording import Difference, RunRecording, first_difference
+from .recording import RunRecording, first_difference
 
 __all__ = ["PLACEHOLDER", "CommandReport", "audit_command", "replay_command"]
 
@@ -80,7 +81,7 @@ class CommandReport:
             "rows_compared": self.rows_compared,
             "checkpoints_compared": self.checkpoints_compared,
             "kept": self.kept,
-            "difference": None if self.difference is None else self.difference.to_json(),
+            "difference": None if self.difference is None else _difference_json(self.difference),
         }
 
     def describe(self) -> str:
@@ -107,13 +108,42 @@ class CommandReport:
                 "checkpoint(s) bit for bit"
             )
         else:
-            lines += self.difference.describe(*sides)
+            lines += _difference_lines(self.difference, *sides)
             lines.append(
                 "  usual causes: a draw from the global generator in the step (wrap it in ckptkit.step_rng), "
                 "a data position or scheduler not registered, nondeterministic kernels "
                 "(see ckptkit.ReplayDivergence)"
             )
         return "\n".join(lines)
+
+
+def _difference_lines(d: Difference, a: str, b: str, limit: int = 12) -> list[str]:
+    """The difference as the command report prints it: the step, what differs, the tensors."""
+    if d.kind == "checkpoint":
+        lines = [f"DIFFERS at step {d.step}: {d.file} differs between {a} and {b} (every recorded row matched)"]
+    elif d.kind == "rows":
+        counts = [f for f in d.fields if f.field == "rows"]
+        if counts:
+            return [
+                f"DIFFERS after step {d.step}: {a} and {b} recorded a different number of rows",
+                f"  {a}: {counts[0].recorded} rows, {b}: {counts[0].replayed} rows",
+            ]
+        lines = [f"DIFFERS at step {d.step}: {a} and {b} recorded different rows there"]
+    else:
+        lines = [f"DIFFERS at step {d.step}: the {d.kind} row"]
+    lines += d.lines(a, b, limit=limit)
+    return lines
+
+
+def _difference_json(d: Difference) -> dict[str, Any]:
+    """The command report's ``difference`` object: what differs, by name (spec/replay.md "Any loop")."""
+    return {
+        "step": d.step,
+        "kind": d.kind,
+        "fields": list(d.field_names),
+        "tensors": list(d.tensor_names),
+        "file": d.file,
+    }
 
 
 def _substitute(argv: Sequence[str], run_dir: str, error: type[Exception]) -> list[str]:

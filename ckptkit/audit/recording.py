@@ -1,93 +1,100 @@
-"""A loop's recording, and the first place two recorded runs differ (spec/replay.md "Any loop").
+"""A run's recording read back, and the first place two recorded runs differ (spec/replay.md).
 
-Writing is the run's: :meth:`RunState.record` (one call per step) appends to the
-run's ``history.jsonl`` a ``step`` row and a ``digests`` row
-(:func:`ckptkit.run.history.step_row`, :func:`~ckptkit.run.history.digests_row`).
+Writing is the run's: every row goes through the run's one history
+(:class:`ckptkit.run.history.History`; :meth:`RunState.record` adds ``step`` and
+``digests`` rows, the guard its ``spike`` and ``rollback`` rows, the trainer its own).
 
-Reading: :class:`RunRecording` is a run directory's rows and checkpoints;
-:func:`first_difference` walks two of them in order and returns the first step at
-which they differ, with the fields and tensors that differ, or None. ``ckptkit
-audit -- CMD`` and ``ckptkit replay RUN --from S -- CMD`` report it.
+Reading is here, once, for every comparison: :class:`RunRecording` is a run
+directory's rows, indexed by step, and its checkpoints; :func:`first_difference` walks
+two of them in order and returns the first step at which they differ as the one
+:class:`~ckptkit.run.difference.Difference` type, or None. ``ckptkit audit`` and
+``ckptkit replay`` (of the trainer and of any loop's command) report it.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ..errors import CheckpointNotFound, FormatError
 from ..format.companions import same_checkpoint
-from ..run.files import checkpoint_name, list_checkpoints
-from ..run.fingerprint import differing_names
-from ..run.history import HISTORY_FILE, WALL_FIELDS, read_rows
+from ..run.difference import Difference, FieldDiff, TensorReport
+from ..run.files import DCP_SUFFIX, list_checkpoints
+from ..run.fingerprint import FINGERPRINT_FIELDS, differing_names
+from ..run.history import COMPARED_KINDS, HISTORY_FILE, WALL_FIELDS, read_rows
+from .compare import TensorDiff, compare_checkpoints, compare_states
 
-__all__ = ["Difference", "RunRecording", "first_difference"]
+__all__ = [
+    "RunRecording",
+    "checkpoint_difference",
+    "first_difference",
+    "named_reports",
+    "row_difference",
+    "run_checkpoints",
+    "row_fields",
+    "step_fields",
+    "tensor_reports",
+]
 
-#: The rows two runs of the same loop must agree on (``resume`` and wall time may differ).
-COMPARED = frozenset({"step", "digests", "spike", "rollback"})
-
-
-@dataclass(frozen=True)
-class Difference:
-    """Where two recorded runs first differ.
-
-    Attributes:
-        step: for a row, its ``step``; for a checkpoint, the steps done.
-        kind: the row kind (``step``, ``digests``, ...), ``rows`` (one run has more
-            rows), or ``checkpoint``.
-        fields: the row fields that differ (``loss_bits``, ...).
-        tensors: the tensors and values whose digests or contents differ, by name.
-        file: the checkpoint's file name, for ``checkpoint``.
-    """
-
-    step: int
-    kind: str
-    fields: tuple[str, ...] = ()
-    tensors: tuple[str, ...] = ()
-    file: str | None = None
-    details: tuple[str, ...] = field(default=(), compare=False)
-
-    def describe(self, a: str = "a", b: str = "b", limit: int = 12) -> list[str]:
-        if self.kind == "checkpoint":
-            head = f"DIFFERS at step {self.step}: {self.file} differs between {a} and {b} (every recorded row matched)"
-        elif self.kind == "rows":
-            head = f"DIFFERS after step {self.step}: {a} and {b} recorded a different number of rows"
-        else:
-            head = f"DIFFERS at step {self.step}: the {self.kind} row"
-        lines = [head]
-        if self.fields:
-            lines.append(f"  fields: {', '.join(self.fields)}")
-        if self.tensors:
-            lines.append(
-                f"  tensors that differ ({len(self.tensors)}): "
-                + ", ".join(self.tensors[:limit])
-                + (" ..." if len(self.tensors) > limit else "")
-            )
-        lines += [f"  {d}" for d in self.details[:limit]]
-        return lines
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "kind": self.kind,
-            "fields": list(self.fields),
-            "tensors": list(self.tensors),
-            "file": self.file,
-        }
+#: The order in which a step computes things: the first category that differs is where to look.
+_ORDER = ("grad", "model", "optim", "teacher", "monitor", "header")
 
 
 class RunRecording:
-    """A run directory as recorded: its compared rows and its checkpoints.
+    """A run directory as recorded: its rows, indexed by step, and its checkpoints.
+
+    After a spike rollback step numbers repeat: in the indexes the later row replaces
+    the earlier one (the abandoned timeline stays in :attr:`all_rows` as a record).
 
     Args:
         run_dir: the run directory.
+        required: raise :class:`CheckpointNotFound` when the run has no history
+            (a replay has nothing to compare with).
+
+    Raises:
+        CheckpointNotFound: ``required`` and no ``history.jsonl``.
+        FormatError: a line is not a history row, or a ``digests``/``checkpoint`` row
+            has no tensors map.
     """
 
-    def __init__(self, run_dir: str | os.PathLike[str]) -> None:
+    def __init__(self, run_dir: str | os.PathLike[str], *, required: bool = False) -> None:
         self.run_dir = os.fspath(run_dir)
-        rows, _torn = read_rows(os.path.join(self.run_dir, HISTORY_FILE))
-        self.rows = [{k: v for k, v in r.items() if k not in WALL_FIELDS} for r in rows if r["kind"] in COMPARED]
-        self.checkpoints = dict(list_checkpoints(self.run_dir))
+        path = os.path.join(self.run_dir, HISTORY_FILE)
+        if required and not os.path.isfile(path):
+            raise CheckpointNotFound(f"{path}: no history; replay compares a re-run with the run's history.jsonl")
+        self.all_rows: list[dict[str, Any]] = read_rows(path)[0]  # every row, in file order
+        #: the rows two runs of the same loop must agree on, without wall time, in order
+        self.rows = [
+            {k: v for k, v in r.items() if k not in WALL_FIELDS} for r in self.all_rows if r["kind"] in COMPARED_KINDS
+        ]
+        self.checkpoints = run_checkpoints(self.run_dir)
+        self.steps: dict[int, dict[str, Any]] = {}
+        self.digests: dict[int, Mapping[str, int]] = {}  # the ``digests`` rows' tensors, by steps done
+        self.checkpoint_digests: dict[int, Mapping[str, int]] = {}  # the ``checkpoint`` rows' tensors
+        self.rollbacks: list[int] = []  # steps the loop re-ran or rolled back (spec/rollback.md)
+        self.env_overrides: list[tuple[int, tuple[str, ...]]] = []  # resumes under another environment
+        for r in self.all_rows:
+            self._index(path, r)
+
+    def _index(self, path: str, r: dict[str, Any]) -> None:
+        kind, step = r["kind"], r["step"]
+        if kind == "step":
+            self.steps[step] = r
+        elif kind in ("digests", "checkpoint"):
+            tensors = r.get("tensors")
+            if not isinstance(tensors, dict):
+                raise FormatError(f"a {kind} row at step {step} has no tensors map", path=path, field="history")
+            (self.digests if kind == "digests" else self.checkpoint_digests)[step] = tensors
+        elif kind == "rollback" or (kind == "spike" and r.get("action") not in (None, "warn")):
+            self.rollbacks.append(step)
+        elif kind == "resume" and r.get("env_overrides"):
+            self.env_overrides.append((step, tuple(r["env_overrides"])))
+
+    @property
+    def last(self) -> int:
+        """Steps done at the end of the recording (by its step rows)."""
+        return max(self.steps) + 1 if self.steps else 0
 
     @property
     def last_step(self) -> int | None:
@@ -97,7 +104,8 @@ class RunRecording:
 
 def first_difference(a: RunRecording, b: RunRecording, *, from_step: int = 0) -> Difference | None:
     """The first step at which two recordings differ: rows first (in order), then the
-    checkpoints both runs saved at the same step (bytes; tensors named by
+    checkpoints both runs saved at the same step (bytes, by the one rule of
+    :func:`~ckptkit.format.companions.same_checkpoint`; tensors named by
     :func:`ckptkit.audit.compare.compare_checkpoints`). Rows and checkpoints before
     ``from_step`` are not compared (a replay starts there).
 
@@ -106,56 +114,131 @@ def first_difference(a: RunRecording, b: RunRecording, *, from_step: int = 0) ->
     """
     rows_a = [r for r in a.rows if r["step"] >= from_step]
     rows_b = [r for r in b.rows if r["step"] >= from_step]
-    for ra, rb in zip(rows_a, rows_b, strict=False):
-        if ra == rb:
-            continue
-        if ra["kind"] != rb["kind"] or ra["step"] != rb["step"]:
-            return Difference(
-                min(ra["step"], rb["step"]),
-                "rows",
-                details=(f"a: {ra['kind']} row of step {ra['step']}, b: {rb['kind']} row of step {rb['step']}",),
-            )
-        if ra["kind"] == "digests":
-            return Difference(ra["step"], "digests", tensors=tuple(differing_names(ra["tensors"], rb["tensors"])))
-        fields = tuple(sorted(k for k in ra.keys() | rb.keys() if ra.get(k) != rb.get(k)))
-        tensors: tuple[str, ...] = ()
-        nxt = _next_digests(rows_a, rows_b, ra)  # the state after this step, by tensor
-        if nxt is not None:
-            tensors = tuple(differing_names(*nxt))
-        return Difference(ra["step"], ra["kind"], fields=fields, tensors=tensors)
+    for i, (ra, rb) in enumerate(zip(rows_a, rows_b, strict=False)):
+        if ra != rb:
+            return row_difference(rows_a, rows_b, i)
     if len(rows_a) != len(rows_b):
         last = (rows_a or rows_b)[min(len(rows_a), len(rows_b)) - 1]["step"] if min(len(rows_a), len(rows_b)) else 0
-        return Difference(last, "rows", details=(f"a: {len(rows_a)} rows, b: {len(rows_b)} rows",))
+        return Difference("rows", last, fields=(FieldDiff("rows", len(rows_a), len(rows_b)),))
     return _first_checkpoint_difference(a, b, from_step)
 
 
-def _next_digests(
-    rows_a: list[dict[str, Any]], rows_b: list[dict[str, Any]], row: dict[str, Any]
-) -> tuple[dict[str, int], dict[str, int]] | None:
-    i = rows_a.index(row)
-    for j in range(i + 1, min(len(rows_a), len(rows_b))):
-        if rows_a[j]["kind"] == "digests" and rows_b[j]["kind"] == "digests":
-            return rows_a[j]["tensors"], rows_b[j]["tensors"]
-        if rows_a[j]["kind"] == "step":
-            return None
-    return None
+def row_difference(rows_a: Sequence[Mapping[str, Any]], rows_b: Sequence[Mapping[str, Any]], i: int) -> Difference:
+    """The difference at row ``i`` (which differs), with the tensors named by the next
+    ``digests`` rows of both runs (the state after that step), when both have one."""
+    ra, rb = rows_a[i], rows_b[i]
+    if ra["kind"] != rb["kind"] or ra["step"] != rb["step"]:  # not the same row: every field differs
+        return Difference("rows", min(ra["step"], rb["step"]), row_fields(ra, rb))
+    if ra["kind"] == "digests":
+        bad = differing_names(ra["tensors"], rb["tensors"])
+        return Difference(
+            "digests", ra["step"], tensors=tuple(named_reports(bad, ra["tensors"], rb["tensors"], "values unavailable"))
+        )
+    da = next((r for r in rows_a[i:] if r["kind"] == "digests"), None)
+    db = next((r for r in rows_b[i:] if r["kind"] == "digests"), None)
+    tensors: list[TensorReport] = []
+    values = "the recording keeps digests, not values"
+    if da is not None and db is not None and da["step"] == db["step"]:
+        bad = differing_names(da["tensors"], db["tensors"])
+        tensors = named_reports(bad, da["tensors"], db["tensors"], "values unavailable")
+        values += f"; tensors named from the digests after {da['step']} steps"
+    return Difference(ra["kind"], ra["step"], row_fields(ra, rb), tuple(tensors), values)
 
 
 def _first_checkpoint_difference(a: RunRecording, b: RunRecording, from_step: int) -> Difference | None:
-    from .compare import compare_checkpoints
-
     for step in sorted(set(a.checkpoints) & set(b.checkpoints)):
-        if step < from_step:
-            continue
-        pa, pb = a.checkpoints[step], b.checkpoints[step]
-        if same_checkpoint(pa, pb):  # the one rule (its companion record set aside)
-            continue
-        diffs = compare_checkpoints(pa, pb)
-        return Difference(
-            step,
-            "checkpoint",
-            tensors=tuple(d.name for d in diffs),
-            file=checkpoint_name(step),
-            details=tuple(f"{d.name}: {d.detail}" for d in diffs),
-        )
+        if step >= from_step:
+            d = checkpoint_difference(step, a.checkpoints[step], b.checkpoints[step])
+            if d is not None:
+                return d
     return None
+
+
+def checkpoint_difference(step: int, path_a: str, path_b: str) -> Difference | None:
+    """Two runs' checkpoints at ``step`` by the one rule for "the same checkpoint"
+    (:func:`~ckptkit.format.companions.same_checkpoint`), or how they differ: the tensors
+    and values as ``ckptkit diff --tensors`` lists them (side a first) -- or, when every
+    one is equal and only the bytes differ, that the writer is not canonical.
+
+    Raises:
+        FormatError: a checkpoint that differs does not verify.
+    """
+    if same_checkpoint(path_a, path_b):
+        return None
+    if os.path.isdir(path_a):  # a distributed checkpoint: its logical tensors, whatever the world size
+        from ..distributed.storage import logical_state
+
+        diffs = compare_states(dict(logical_state(path_a)), dict(logical_state(path_b)))
+    else:
+        diffs = compare_checkpoints(path_a, path_b)
+    name = os.path.basename(path_a)
+    if not diffs:
+        return Difference(
+            "checkpoint",
+            step,
+            file=name,
+            values=f"both runs' {name}: every tensor and value is bitwise equal, only the bytes differ",
+            hints=("the states are equal but the bytes are not: the writer is not canonical (a ckptkit bug)",),
+        )
+    return Difference(
+        "checkpoint",
+        step,
+        tensors=tuple(tensor_reports(diffs, {})),
+        file=name,
+        values=f"both runs' {name}, compared as ckptkit diff --tensors does",
+    )
+
+
+def run_checkpoints(run_dir: str | os.PathLike[str]) -> dict[int, str]:
+    """Step -> path of every checkpoint in ``run_dir``: ``.ckpt`` files, or a torchrun run's ``.dcp`` directories."""
+    return dict(list_checkpoints(run_dir) + list_checkpoints(run_dir, DCP_SUFFIX))
+
+
+def _rank(name: str) -> tuple[int, str]:
+    head = name.partition(":")[0]
+    return (_ORDER.index(head) if head in _ORDER else len(_ORDER), name)
+
+
+def step_fields(recorded: Mapping[str, Any]) -> list[str]:
+    """A step row's compared fields: the fingerprints first, then the rest, sorted (not wall time)."""
+    skip = WALL_FIELDS | {"kind", "step"}
+    first = [f for f in FINGERPRINT_FIELDS if f in recorded]
+    return first + sorted(k for k in recorded if k not in skip and k not in first)
+
+
+def tensor_reports(
+    diffs: Sequence[TensorDiff], digests: Mapping[str, tuple[int | None, int | None]]
+) -> list[TensorReport]:
+    """:func:`ckptkit.audit.compare.compare_states` differences as reports, in compute order."""
+    out = []
+    for t in diffs:
+        rec, rep = digests.get(t.name, (None, None))
+        out.append(
+            TensorReport(
+                t.name, t.detail, rec, rep, t.n_diff if t.kind == "changed" else None, t.numel or None, t.max_abs_diff
+            )
+        )
+    return sorted(out, key=lambda t: _rank(t.name))
+
+
+def named_reports(
+    names: Sequence[str], recorded: Mapping[str, int], replayed: Mapping[str, int], why: str
+) -> list[TensorReport]:
+    """Tensors known only by digest (no values on one side), in compute order; ``why`` ends each detail."""
+    out = []
+    for n in names:
+        rec, rep = recorded.get(n), replayed.get(n)
+        detail = (
+            "only in the recording"
+            if rep is None
+            else "not in the recording"
+            if rec is None
+            else f"digest differs; {why}"
+        )
+        out.append(TensorReport(n, detail, rec, rep))
+    return sorted(out, key=lambda t: _rank(t.name))
+
+
+def row_fields(a: Mapping[str, Any], b: Mapping[str, Any]) -> tuple[FieldDiff, ...]:
+    """Every key whose value differs between two history rows, sorted (``a`` recorded, ``b`` replayed)."""
+    return tuple(FieldDiff(k, a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k))

@@ -335,11 +335,18 @@ def same_checkpoint(path_a: str | os.PathLike[str], path_b: str | os.PathLike[st
     and any loop's): the same bytes, or the same bytes once each file's companion record is
     set aside (:func:`unbound_bytes`). The record holds digests of the files beside the
     checkpoint, not state of the run: two runs of one experiment may bind snapshots that
-    differ in exempt keys (``steps``) or in informational fields (``config_type``).
+    differ in exempt keys (``steps``) or in informational fields (``config_type``). A
+    distributed checkpoint (a directory) is the same when it holds the same file names
+    with the same bytes (its record is a file of its own, compared like the rest).
 
     Raises:
         CheckpointNotFound, FormatError: a file that differs cannot be loaded.
     """
+    if os.path.isdir(path_a) or os.path.isdir(path_b):
+        names = sorted(os.listdir(path_a)) if os.path.isdir(path_a) else None
+        if not os.path.isdir(path_b) or names != sorted(os.listdir(path_b)):
+            return False
+        return all(_same_file_bytes(os.path.join(path_a, n), os.path.join(path_b, n)) for n in names)
     if _same_file_bytes(path_a, path_b):
         return True
     return unbound_bytes(path_a) == unbound_bytes(path_b)

@@ -259,6 +259,7 @@ class SpikeGuard:
         if self.on:
             # Per rank: a rollback's skipped data positions are each rank's own (the rest is the same on every rank).
             state.add_value(VALUE_NAME, get=lambda: self.record.state(), set=self._load_record, per_rank=True)
+            state.use_timeline(lambda: self.record.count)  # a resumed history keeps the restored timeline's rows
             self._keeps.add(f"value:{VALUE_NAME}")
         if inject is not None:
             state.add_value(INJECTION_VALUE, get=inject.state, set=inject.load)

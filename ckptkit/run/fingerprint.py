@@ -2,7 +2,8 @@
 
 Two runs that should be the same are compared by fingerprints, not by eye:
 
-* :func:`float_bits` — a loss or grad-norm as the hex of its exact bit pattern;
+* :func:`float_bits` — a loss or grad-norm as the hex of its exact bit pattern (the
+  history's own, :mod:`ckptkit.history`);
 * :func:`tensor_digest` — xxh3-64 over a tensor's name, dtype, shape and exact bytes,
   so a single flipped bit, a reshape or a renamed tensor all change it;
 * :func:`state_digest` — an order-independent digest of many named tensors: the
@@ -14,7 +15,8 @@ Two runs that should be the same are compared by fingerprints, not by eye:
   names it;
 * :func:`combine` — the order-independent sum behind :func:`state_digest`;
 * :func:`first_divergence` — the first step at which two histories differ, and in
-  which field; :func:`first_divergence_in_files` does it for two JSON Lines files;
+  which field, as the one :class:`~ckptkit.run.difference.Difference` type;
+  :func:`first_divergence_in_files` does it for two JSON Lines files;
 * :func:`differing_names` — which named digests differ between two digest maps.
 
 Implements ``spec/replay.md``. Usable by any trainer: only ``tensor_digest`` and
@@ -23,22 +25,21 @@ Implements ``spec/replay.md``. Usable by any trainer: only ``tensor_digest`` and
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import struct
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import xxhash
 
-from ..errors import FormatError, UnsupportedValue
+from ..errors import CheckpointNotFound, UnsupportedValue
+from .difference import Difference, FieldDiff
+from .history import float_bits, read_rows
 from .rng import mix64
 
 __all__ = [
     "FINGERPRINT_FIELDS",
-    "Divergence",
     "combine",
     "differing_names",
     "first_divergence",
@@ -46,7 +47,6 @@ __all__ = [
     "float_bits",
     "leaf_digest",
     "leaf_digests",
-    "read_jsonl",
     "state_digest",
     "step_rows",
     "tensor_digest",
@@ -56,24 +56,6 @@ _MASK64 = (1 << 64) - 1
 
 #: The history fields that must match bit for bit between a run and its replay.
 FINGERPRINT_FIELDS = ("loss_bits", "grad_norm_bits", "lr_bits", "params_digest")
-
-
-def float_bits(x: Any) -> str:
-    """The exact bit pattern of a float as hex: float32 for 0-d float32 tensors, else float64.
-
-    Example:
-        >>> float_bits(1.0)
-        '0x3ff0000000000000'
-    """
-    if hasattr(x, "dtype") and hasattr(x, "numel"):  # a torch tensor: its own width
-        import torch
-
-        t = x.detach().cpu().reshape(-1).contiguous()
-        if t.numel() != 1:
-            raise ValueError(f"float_bits takes one value (got a tensor of {t.numel()} elements)")
-        raw: bytes = t.view(torch.uint8).numpy().tobytes()
-        return "0x" + raw[::-1].hex()
-    return "0x" + struct.pack(">d", float(x)).hex()
 
 
 def tensor_digest(name: str, tensor: Any) -> int:
@@ -171,33 +153,19 @@ def differing_names(recorded: Mapping[str, Any], replayed: Mapping[str, Any]) ->
     return sorted(n for n in set(recorded) | set(replayed) if recorded.get(n) != replayed.get(n))
 
 
-@dataclass(frozen=True)
-class Divergence:
-    """Where two histories part: the first step, and each field that differs there."""
-
-    step: int
-    fields: tuple[str, ...]
-    expected: Mapping[str, Any]
-    actual: Mapping[str, Any]
-
-    def describe(self) -> str:
-        parts = [f"{f}: recorded {self.expected.get(f)!r}, replayed {self.actual.get(f)!r}" for f in self.fields]
-        return f"step {self.step}: " + "; ".join(parts)
-
-
 def first_divergence(
     recorded: Sequence[Mapping[str, Any]],
     replayed: Sequence[Mapping[str, Any]],
     fields: Sequence[str] = FINGERPRINT_FIELDS,
-) -> Divergence | None:
+) -> Difference | None:
     """The first step whose fingerprints differ between two histories, or None.
 
     Rows are matched by their ``step`` key; only steps present in both are compared,
     in ascending order. A field present in one row and absent in the other differs.
 
     Example:
-        >>> first_divergence([{"step": 1, "x": "0x1"}], [{"step": 1, "x": "0x2"}], ["x"])
-        Divergence(step=1, fields=('x',), expected={'step': 1, 'x': '0x1'}, actual={'step': 1, 'x': '0x2'})
+        >>> first_divergence([{"step": 1, "x": "0x1"}], [{"step": 1, "x": "0x2"}], ["x"]).describe()
+        "step 1: x: recorded '0x1', replayed '0x2'"
     """
     by_step = {r["step"]: r for r in replayed}
     for row in sorted(recorded, key=lambda r: r["step"]):
@@ -206,7 +174,7 @@ def first_divergence(
             continue
         bad = tuple(f for f in fields if (f in row or f in other) and not _same(row.get(f), other.get(f)))
         if bad:
-            return Divergence(row["step"], bad, row, other)
+            return Difference("step", row["step"], tuple(FieldDiff(f, row.get(f), other.get(f)) for f in bad))
     return None
 
 
@@ -214,29 +182,6 @@ def _same(a: Any, b: Any) -> bool:
     if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
         return True
     return type(a) is type(b) and a == b
-
-
-def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """The complete rows of a JSON Lines file (a torn last line, without ``\\n``, is ignored).
-
-    Raises:
-        FileNotFoundError: the file does not exist.
-        FormatError: a complete line is not a JSON object.
-    """
-    path = os.fspath(path)
-    with open(path, "rb") as f:
-        lines = f.read().split(b"\n")[:-1]
-    rows, offset = [], 0
-    for i, line in enumerate(lines):
-        try:
-            row = json.loads(line)
-        except (UnicodeDecodeError, ValueError) as e:
-            raise FormatError(f"line {i + 1} is not JSON ({e})", path=path, offset=offset, field="history") from None
-        if not isinstance(row, dict):
-            raise FormatError(f"line {i + 1} is not a JSON object", path=path, offset=offset, field="history")
-        rows.append(row)
-        offset += len(line) + 1
-    return rows
 
 
 def step_rows(rows: Iterable[Mapping[str, Any]], kind: str = "step") -> list[Mapping[str, Any]]:
@@ -254,21 +199,27 @@ def first_divergence_in_files(
     path_a: str | os.PathLike[str],
     path_b: str | os.PathLike[str],
     fields: Sequence[str] = FINGERPRINT_FIELDS,
-) -> Divergence | None:
+) -> Difference | None:
     """The first step whose fingerprints differ between two history files, or None.
 
     Works on any JSON Lines history whose step rows carry ``step`` and the
-    fingerprint ``fields`` (no reference trainer needed): ``a`` is the recording,
-    ``b`` the run compared with it. Rows are taken as :func:`step_rows` does; only
-    steps both files hold are compared.
+    fingerprint ``fields`` (no reference trainer needed; a row without ``kind`` is a
+    step row): ``a`` is the recording, ``b`` the run compared with it. Rows are read
+    as every history is (:func:`ckptkit.history.read_rows`: a torn last line is
+    dropped) and taken as :func:`step_rows` does; only steps both files hold are compared.
 
     Raises:
-        FileNotFoundError: a file does not exist.
-        FormatError: a line is not a JSON object.
+        CheckpointNotFound: a file does not exist.
+        FormatError: a line is not a JSON object with an integer ``step``.
 
     Example::
 
         d = first_divergence_in_files("runs/a/history.jsonl", "runs/b/history.jsonl")
         print("identical" if d is None else d.describe())
     """
-    return first_divergence(step_rows(read_jsonl(path_a)), step_rows(read_jsonl(path_b)), fields)
+    rows = []
+    for path in (os.fspath(path_a), os.fspath(path_b)):
+        if not os.path.isfile(path):
+            raise CheckpointNotFound(f"{path}: no such history file (compare two JSON Lines histories)")
+        rows.append(step_rows(read_rows(path, any_kind=True)[0]))
+    return first_divergence(rows[0], rows[1], fields)

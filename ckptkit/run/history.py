@@ -44,7 +44,6 @@ from typing import IO, Any
 from ..errors import CheckpointNotFound, FormatError
 from ..format.atomic import write_bytes_atomic
 from ..format.container import open_regular
-from .fingerprint import float_bits
 
 __all__ = [
     "COMPARED_KINDS",
@@ -58,6 +57,7 @@ __all__ = [
     "digests_row",
     "f32_bits",
     "f64_bits",
+    "float_bits",
     "json_float",
     "kept_rows",
     "read_rows",
@@ -84,6 +84,24 @@ def f64_bits(x: float) -> str:
     return f"0x{struct.unpack('<Q', struct.pack('<d', x))[0]:016x}"
 
 
+def float_bits(x: Any) -> str:
+    """The exact bit pattern of a float as hex: float32 for 0-d float32 tensors, else float64.
+
+    Example:
+        >>> float_bits(1.0)
+        '0x3ff0000000000000'
+    """
+    if hasattr(x, "dtype") and hasattr(x, "numel"):  # a torch tensor: its own width
+        import torch
+
+        t = x.detach().cpu().reshape(-1).contiguous()
+        if t.numel() != 1:
+            raise ValueError(f"float_bits takes one value (got a tensor of {t.numel()} elements)")
+        raw: bytes = t.view(torch.uint8).numpy().tobytes()
+        return "0x" + raw[::-1].hex()
+    return "0x" + struct.pack(">d", float(x)).hex()
+
+
 def json_float(x: float) -> float | str:
     """``x`` as a JSON value: a number, or ``"NaN"`` / ``"Infinity"`` / ``"-Infinity"``
     (strict JSON has no non-finite numbers)."""
@@ -96,10 +114,11 @@ def _encode(row: dict[str, Any]) -> bytes:
     return (json.dumps(row, sort_keys=True, separators=(",", ":"), allow_nan=False) + "\n").encode()
 
 
-def read_rows(path: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], bool]:
+def read_rows(path: str | os.PathLike[str], *, any_kind: bool = False) -> tuple[list[dict[str, Any]], bool]:
     """Every complete row of a history file, and whether a torn last line was dropped.
 
-    Returns ``([], False)`` for a missing file.
+    Returns ``([], False)`` for a missing file. ``any_kind``: a row may lack ``kind``
+    (another trainer's JSON Lines history, compared by its step rows).
 
     Raises:
         UnreadableFile: the path is no readable regular file (R-025).
@@ -123,13 +142,13 @@ def read_rows(path: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], bool]
                     field="history",
                     hint="history.jsonl is written by ckptkit train; do not edit it (R-027)",
                 )
-            rows.append(_row(line, i, offset, path))
+            rows.append(_row(line, i, offset, path, any_kind))
     except CheckpointNotFound:
         return [], False
     return rows, torn
 
 
-def _row(line: bytes, i: int, offset: int, path: str) -> dict[str, Any]:
+def _row(line: bytes, i: int, offset: int, path: str, any_kind: bool) -> dict[str, Any]:
     try:
         row = json.loads(line)
     except (UnicodeDecodeError, ValueError) as e:
@@ -140,7 +159,8 @@ def _row(line: bytes, i: int, offset: int, path: str) -> dict[str, Any]:
             field="history",
             hint="history.jsonl is written by ckptkit train; do not edit it",
         ) from None
-    if not isinstance(row, dict) or not isinstance(row.get("kind"), str) or not isinstance(row.get("step"), int):
+    kind = row.get("kind", "step" if any_kind else None) if isinstance(row, dict) else None
+    if not isinstance(row, dict) or not isinstance(kind, str) or not isinstance(row.get("step"), int):
         raise FormatError(
             f"line {i + 1} is not a history row (needs kind and step)", path=path, offset=offset, field="history"
         )

@@ -117,6 +117,7 @@ class RunState(Registration, Stopping):
         self._resume_hint: str | None = None
         self._history: History | None = None  # the run's history.jsonl, opened by its first writer
         self._began: int | None = None  # the step start() or resume() began this process at
+        self._timeline: Callable[[], int] | None = None  # rollbacks the restored state lives after (the guard's)
         self._replaying: str | None = None  # inside replaying(): "replay" or "rerun"
         self._group = group_of(process_group)
         self._store = self._open_store(async_save)
@@ -404,6 +405,12 @@ class RunState(Registration, Stopping):
             raise ValueError(f"use_history: {mine.path} is already open as this run's history; pass that one")
         self._history = history
 
+    def use_timeline(self, get: Callable[[], int]) -> None:
+        """The history's timeline after a resume is ``get()`` (the number of rollbacks the
+        restored state lives after): a resumed history keeps that timeline's rows. The spike
+        guard sets it; without one the timeline is 0 (spec/rollback.md R-R10)."""
+        self._timeline = get
+
     def _history_at(self, step: int | None) -> History:
         """The run's history, made the run's at the step this process began at (else ``step``)."""
         history = self._history = self._history or History(self.run_dir)
@@ -412,8 +419,8 @@ class RunState(Registration, Stopping):
             if began is None:
                 raise ValueError(f"{history.path}: the run's history opens at start() or resume(); call one first")
             os.makedirs(self.run_dir, exist_ok=True)
-            rollback = self._reg.values.get("rollback")  # the guard's record: the timeline resumed in
-            for note in history.begin(began, rollback.get()["count"] if began and rollback is not None else 0):
+            timeline = self._timeline() if began and self._timeline is not None else 0
+            for note in history.begin(began, timeline):
                 self._log(note)
         return history
 

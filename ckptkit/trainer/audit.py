@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import json
 import os
 import subprocess
 import tempfile
@@ -30,26 +29,25 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..audit.compare import compare_checkpoints
+from ..audit.recording import (
+    checkpoint_difference,
+    named_reports,
+    row_fields,
+    run_checkpoints,
+    step_fields,
+    tensor_reports,
+)
 from ..errors import AuditError, CheckpointError
 from ..format.snapshot import read_snapshot, snapshot_path
 from ..run import checkpoint_name, list_checkpoints, read_environment
+from ..run.difference import Difference, FieldDiff
 from ..run.drift import DEFAULT_EXEMPT, diff_keys
 from ..run.environment import EnvDiff, diff_environment
 from ..run.fingerprint import differing_names, first_divergence, step_rows
 from ..run.history import HISTORY_FILE, compared_rows, read_rows
 from .config import TrainerConfig, flag_name, knobs
 from .parallel import launcher
-from .replay import config_of, first_differing_checkpoint, rerun_step, run_checkpoints
-from .replay_report import (
-    FieldDiff,
-    StepDivergence,
-    divergence_fields,
-    divergence_json,
-    named_reports,
-    row_fields,
-    step_fields,
-    tensor_reports,
-)
+from .replay import config_of, rerun_step
 
 __all__ = ["AUDIT_DEFAULTS", "AuditError", "AuditReport", "audit", "compare_runs", "knob_flags"]
 
@@ -85,7 +83,7 @@ class AuditReport:
     environment: Mapping[str, Any]
     environment_differences: tuple[EnvDiff, ...]
     checkpoints_compared: int
-    divergence: StepDivergence | None = None
+    divergence: Difference | None = None
     fresh_processes: bool = False  # each run trained in its own process (audit), or given (compare_runs)
 
     @property
@@ -107,7 +105,7 @@ class AuditReport:
                 {"key": d.key, "a": d.recorded, "b": d.current} for d in self.environment_differences
             ],
             "checkpoints_compared": self.checkpoints_compared,
-            "divergence": None if self.divergence is None else divergence_json(self.divergence, "a", "b"),
+            "divergence": None if self.divergence is None else self.divergence.to_json("a", "b"),
         }
 
     def describe(self, limit: int = 12) -> str:
@@ -141,26 +139,8 @@ class AuditReport:
             lines.append(f"DIVERGED at step {d.step}: {d.file} differs between the runs (every history row matched)")
         else:
             lines.append(f"DIVERGED at {where or f'step {d.step}'}")
-        lines += [f"  {f.field}: a {_show(f.recorded)}, b {_show(f.replayed)}" for f in d.fields]
-        if d.tensors:
-            width = max(len(t.name) for t in d.tensors[:limit])
-            lines.append(f"  tensors that differ ({len(d.tensors)}), first computed first:")
-            lines += [f"    {t.name.ljust(width)}  {t.detail}" for t in d.tensors[:limit]]
-            if len(d.tensors) > limit:
-                lines.append(f"    ... and {len(d.tensors) - limit} more (--json lists all)")
-        if d.values:
-            lines.append(f"  values: {d.values}")
-        if d.rerun is not None:
-            verdict = "identical (deterministic in one process)" if d.rerun.identical else "DIFFERS"
-            lines.append(f"  step {d.step} re-run twice in this process: {verdict}")
-            for t in d.rerun.tensors[:limit]:
-                lines.append(f"    {t.name}  {t.detail}")
-        lines += [f"  hint: {h}" for h in d.hints]
+        lines += d.lines("a", "b", limit=limit)
         return "\n".join(lines)
-
-
-def _show(v: Any) -> str:
-    return v if isinstance(v, str) else json.dumps(v, sort_keys=True)
 
 
 # ----------------------------------------------------------------------------- running
@@ -310,16 +290,14 @@ def _environment(run_dir: str) -> dict[str, Any]:
     return facts if isinstance(facts, dict) else {}
 
 
-def _first_row_difference(
-    rows_a: list[dict[str, Any]], rows_b: list[dict[str, Any]], kind: str
-) -> StepDivergence | None:
+def _first_row_difference(rows_a: list[dict[str, Any]], rows_b: list[dict[str, Any]], kind: str) -> Difference | None:
     a = [r for r in compared_rows(rows_a) if r["kind"] == kind]
     b = [r for r in compared_rows(rows_b) if r["kind"] == kind]
     for ra, rb in zip(a, b, strict=False):
         if ra != rb:
-            return StepDivergence(kind, ra["step"], fields=row_fields(ra, rb))
+            return Difference(kind, ra["step"], fields=row_fields(ra, rb))
     if len(a) != len(b):
-        return StepDivergence(kind, 0, fields=(FieldDiff(f"{kind} rows", len(a), len(b)),))
+        return Difference(kind, 0, fields=(FieldDiff(f"{kind} rows", len(a), len(b)),))
     return None
 
 
@@ -354,7 +332,7 @@ def compare_runs(
 
 def _history_divergence(
     a: str, b: str, rows_a: list[dict[str, Any]], rows_b: list[dict[str, Any]], rerun: bool, log: Log
-) -> StepDivergence | None:
+) -> Difference | None:
     """The first history difference: ``start`` and ``probe`` rows, then step rows (explained)."""
     for kind in ("start", "probe"):
         div = _first_row_difference(rows_a, rows_b, kind)
@@ -364,15 +342,15 @@ def _history_divergence(
     fields = step_fields(steps_a[0]) if steps_a else []
     d = first_divergence(steps_a, steps_b, fields)
     if d is None and len(steps_a) != len(steps_b):
-        return StepDivergence(
+        return Difference(
             "step", min(len(steps_a), len(steps_b)), fields=(FieldDiff("step rows", len(steps_a), len(steps_b)),)
         )
     if d is None:
         return None
-    return _with_drift_hint(a, b, _explain(a, b, rows_a, rows_b, d.step, divergence_fields(d), rerun, log))
+    return _with_drift_hint(a, b, _explain(a, b, rows_a, rows_b, d.step, d.fields, rerun, log))
 
 
-def _with_drift_hint(a: str, b: str, div: StepDivergence) -> StepDivergence:
+def _with_drift_hint(a: str, b: str, div: Difference) -> Difference:
     """``div`` with the runs' differing config keys named first among its hints (when they differ)."""
     drift = _config_drift(a, b)
     if not drift:
@@ -382,34 +360,21 @@ def _with_drift_hint(a: str, b: str, div: StepDivergence) -> StepDivergence:
     )
 
 
-def _checkpoint_divergence(a: str, b: str) -> tuple[StepDivergence | None, int]:
-    """The first checkpoint both runs wrote whose bytes differ, and how many they share."""
-    ckpts = run_checkpoints(a)
-    common = sorted(set(ckpts) & set(run_checkpoints(b)))
-    differ = first_differing_checkpoint(a, b, common)
-    if differ is None:
-        return None, len(common)
-    s, diffs = differ
-    name = os.path.basename(ckpts[s])
-    hint = (
-        (
-            "the container bytes differ while every fingerprint matched: state outside the "
-            "fingerprints (see the tensors) was not reproduced"
-        )
-        if diffs
-        else "the states are equal but the bytes are not: the writer is not canonical (a bug)"
-    )
-    return (
-        StepDivergence(
-            "checkpoint",
-            s,
-            file=name,
-            tensors=tuple(tensor_reports(diffs, {})),
-            values=f"both runs' {name}, compared as ckptkit diff --tensors does",
-            hints=(hint,),
-        ),
-        len(common),
-    )
+def _checkpoint_divergence(a: str, b: str) -> tuple[Difference | None, int]:
+    """The first checkpoint both runs wrote that is not the same checkpoint, and how many they share."""
+    ca, cb = run_checkpoints(a), run_checkpoints(b)
+    common = sorted(set(ca) & set(cb))
+    for s in common:
+        d = checkpoint_difference(s, ca[s], cb[s])
+        if d is not None and d.tensors:
+            hint = (
+                "the container bytes differ while every fingerprint matched: state outside the "
+                "fingerprints (see the tensors) was not reproduced"
+            )
+            return dataclasses.replace(d, hints=(hint, *d.hints)), len(common)
+        if d is not None:
+            return d, len(common)
+    return None, len(common)
 
 
 def _config_drift(a: str, b: str) -> list[str]:
@@ -438,7 +403,7 @@ def _explain(
     fields: tuple[FieldDiff, ...],
     rerun: bool,
     log: Log,
-) -> StepDivergence:
+) -> Difference:
     done = step + 1
     da = {**_digests(rows_a, "digests", done), **_digests(rows_a, "checkpoint", done)}
     db = {**_digests(rows_b, "digests", done), **_digests(rows_b, "checkpoint", done)}
@@ -473,6 +438,6 @@ def _explain(
                 else "the step is not deterministic even within one process: see ReplayDivergence's "
                 "docstring for the usual causes"
             )
-    return StepDivergence(
+    return Difference(
         "step", step, fields=fields, tensors=tuple(tensors), values=values, rerun=again, hints=tuple(hints)
     )

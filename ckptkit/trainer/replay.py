@@ -37,6 +37,7 @@ function behind ``ckptkit diff --tensors``, so the two always agree.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -45,7 +46,16 @@ from typing import Any
 
 import torch
 
-from ..audit.compare import TensorDiff, compare_checkpoints, compare_states
+from ..audit.compare import compare_states
+from ..audit.recording import (
+    RunRecording,
+    checkpoint_difference,
+    named_reports,
+    row_difference,
+    run_checkpoints,
+    step_fields,
+    tensor_reports,
+)
 from ..errors import (
     CheckpointNotFound,
     EnvironmentDrift,
@@ -54,13 +64,14 @@ from ..errors import (
     TrainingUnstable,
 )
 from ..format.checkpoint import load
-from ..format.companions import rebind, same_checkpoint
+from ..format.companions import rebind
 from ..format.snapshot import read_snapshot, snapshot_path, write_snapshot
 from ..format.tree import checkpoint_state
-from ..run import DCP_SUFFIX, ENVIRONMENT_FILE, RunState, checkpoint_name, list_checkpoints, read_environment
+from ..run import ENVIRONMENT_FILE, RunState, checkpoint_name, list_checkpoints, read_environment
+from ..run.difference import Difference, FieldDiff, Rerun, TensorReport
 from ..run.drift import DEFAULT_EXEMPT
 from ..run.environment import EnvDiff, capture, diff_environment
-from ..run.fingerprint import Divergence, differing_names, first_divergence, leaf_digests
+from ..run.fingerprint import differing_names, first_divergence, leaf_digests
 from ..run.history import HISTORY_FILE, compared_rows, read_rows
 from .config import TrainerConfig
 from .data import data_fingerprint, load_bytes
@@ -76,30 +87,16 @@ from .loop import (
     spike_guard,
     train,
 )
-from .recording import Recording, load_recording
-from .replay_report import (
-    FieldDiff,
-    ReplayReport,
-    Rerun,
-    StepDivergence,
-    TensorReport,
-    divergence_fields,
-    named_reports,
-    row_fields,
-    step_fields,
-    tensor_reports,
-)
+from .replay_report import ReplayReport
 
 # The replayer; what it finds is a :class:`ReplayReport` (``replay_report.py``), what it
-# compares with is a :class:`Recording` (``recording.py``).
+# compares with is a :class:`~ckptkit.audit.recording.RunRecording`.
 __all__ = [
     "ReplayError",
     "ReplayReport",
     "config_of",
-    "first_differing_checkpoint",
     "replay",
     "rerun_step",
-    "run_checkpoints",
 ]
 
 Log = Callable[[str], None]
@@ -157,7 +154,7 @@ def _capture(run: Run, rs: RunState, steps_done: int) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- comparing
 
 
-def _verified_file_state(run_dir: str, steps_done: int, rec: Recording) -> tuple[dict[str, Any] | None, str]:
+def _verified_file_state(run_dir: str, steps_done: int, rec: RunRecording) -> tuple[dict[str, Any] | None, str]:
     """RUN's checkpoint at ``steps_done`` as a state, if it exists and matches its recorded digests."""
     path = os.path.join(run_dir, checkpoint_name(steps_done))
     if not os.path.isfile(path):
@@ -166,7 +163,7 @@ def _verified_file_state(run_dir: str, steps_done: int, rec: Recording) -> tuple
         state = checkpoint_state(load(path))
     except FormatError as e:
         return None, f"{path} does not verify ({e})"
-    recorded = rec.checkpoints.get(steps_done)
+    recorded = rec.checkpoint_digests.get(steps_done)
     if recorded is not None and differing_names(recorded, leaf_digests(state)):
         return None, f"{path} itself differs from its recorded digests, so it cannot stand for the recording"
     return state, f"recorded values from {path} (its digests match the recording)"
@@ -192,7 +189,7 @@ def rerun_step(
         captures.append(_capture(run, rs, step + 1))
     d = first_divergence([rows[0]], [rows[1]], step_fields(rows[0]))
     diffs = compare_states(captures[0], captures[1])
-    return Rerun(d is None and not diffs, divergence_fields(d) if d else (), tuple(tensor_reports(diffs, {})))
+    return Rerun(d is None and not diffs, d.fields if d else (), tuple(tensor_reports(diffs, {})))
 
 
 # ----------------------------------------------------------------------------- replay
@@ -302,7 +299,7 @@ def replay(
     log = log or (lambda _m: None)
     step_done = on_step or (lambda _done, _to: None)
     run_dir = os.fspath(run_dir)
-    rec = load_recording(run_dir)
+    rec = RunRecording(run_dir, required=True)
     start, ckpt_path = _choose(run_dir, from_step)
     to = rec.last if to_step is None else to_step
     out_dir = _check_request(run_dir, rec, start, to, out_dir)
@@ -345,7 +342,7 @@ _ALTERED = (
 
 
 def _check_request(
-    run_dir: str, rec: Recording, start: int, to: int, out_dir: str | os.PathLike[str] | None
+    run_dir: str, rec: RunRecording, start: int, to: int, out_dir: str | os.PathLike[str] | None
 ) -> str | None:
     """``--to`` inside the recording, ``--out`` empty and outside RUN; returns ``--out`` made absolute.
 
@@ -367,9 +364,9 @@ def _check_request(
     return out
 
 
-def _check_start(rec: Recording, ckpt_path: str, start: int, notes: list[str]) -> StepDivergence | None:
+def _check_start(rec: RunRecording, ckpt_path: str, start: int, notes: list[str]) -> Difference | None:
     """R-P06: the starting checkpoint against the digests recorded when it was written."""
-    recorded = rec.checkpoints.get(start)
+    recorded = rec.checkpoint_digests.get(start)
     if recorded is None:
         notes.append(
             f"the recording holds no digests for {os.path.basename(ckpt_path)} (an older ckptkit wrote "
@@ -380,7 +377,7 @@ def _check_start(rec: Recording, ckpt_path: str, start: int, notes: list[str]) -
     bad = differing_names(recorded, file_digests)
     if not bad:
         return None
-    return StepDivergence(
+    return Difference(
         "checkpoint",
         start,
         file=ckpt_path,
@@ -393,7 +390,7 @@ def _check_start(rec: Recording, ckpt_path: str, start: int, notes: list[str]) -
 
 def _replay_plain(
     cfg: TrainerConfig,
-    rec: Recording,
+    rec: RunRecording,
     origin: tuple[int, str],
     to: int,
     work: str,
@@ -429,7 +426,7 @@ def _replay_plain(
             return report.done(
                 replayed, _explain_step(cfg, rec, run_dir, origin, exempt, log, run, rs, step, d, out_dir)
             )
-        rec_state = rec.checkpoints.get(done)
+        rec_state = rec.checkpoint_digests.get(done)
         if rec_state is None:
             continue
         state = {k: v for k, v in _capture(run, rs, done).items() if not k.startswith("grad:")}
@@ -444,8 +441,8 @@ def _replay_plain(
 
 
 def _state_divergence(
-    run_dir: str, rec: Recording, done: int, rec_state: Mapping[str, int], state: dict[str, Any]
-) -> StepDivergence | None:
+    run_dir: str, rec: RunRecording, done: int, rec_state: Mapping[str, int], state: dict[str, Any]
+) -> Difference | None:
     """The replayed state after ``done`` steps against the recorded checkpoint digests."""
     digests = leaf_digests(state)
     bad = differing_names(rec_state, digests)
@@ -460,7 +457,7 @@ def _state_divergence(
         if values is not None
         else named_reports(bad, rec_state, digests, "values unavailable")
     )
-    return StepDivergence(
+    return Difference(
         "state",
         done,
         tensors=tuple(tensors),
@@ -476,7 +473,7 @@ def _state_divergence(
 
 def _file_divergence(
     run_dir: str, done: int, rec_state: Mapping[str, int], state: dict[str, Any], notes: list[str]
-) -> StepDivergence | None:
+) -> Difference | None:
     """R-P07: the file RUN still holds at this step, against the same recording."""
     file = os.path.join(run_dir, checkpoint_name(done))
     if not os.path.isfile(file):
@@ -493,7 +490,7 @@ def _file_divergence(
     tensors = tensor_reports(
         [t for t in compare_states(state, fstate) if t.name in fbad], {n: (rec_state.get(n), fdig.get(n)) for n in fbad}
     )
-    return StepDivergence(
+    return Difference(
         "checkpoint",
         done,
         file=file,
@@ -505,7 +502,7 @@ def _file_divergence(
 
 def _replay_guarded(
     cfg: TrainerConfig,
-    rec: Recording,
+    rec: RunRecording,
     run_dir: str,
     ckpt_path: str,
     start: int,
@@ -556,17 +553,17 @@ def _private_copy(cfg: TrainerConfig, run_dir: str, ckpt_path: str, start: int, 
     shutil.copyfile(os.path.join(run_dir, HISTORY_FILE), os.path.join(work, HISTORY_FILE))
 
 
-def _compare_guarded(rec: Recording, run_dir: str, start: int, to: int, work: str) -> StepDivergence | None:
+def _compare_guarded(rec: RunRecording, run_dir: str, start: int, to: int, work: str) -> Difference | None:
     """The guarded replay in ``work`` against the recording: the compared rows in order,
     then, over the same timeline to the end, RUN's checkpoint files against the replay's."""
-    recorded = compared_rows(rec.rows)
+    recorded = rec.rows
     replayed = compared_rows(read_rows(os.path.join(work, HISTORY_FILE))[0])
     for i, (a, b) in enumerate(zip(recorded, replayed, strict=False)):
         if a != b:
-            return _row_divergence(recorded, replayed, i)
+            return row_difference(recorded, replayed, i)
     if len(replayed) > len(recorded):
         extra = replayed[len(recorded)]
-        return StepDivergence(
+        return Difference(
             "rows",
             extra["step"],
             fields=(FieldDiff("row", None, extra),),
@@ -574,7 +571,7 @@ def _compare_guarded(rec: Recording, run_dir: str, start: int, to: int, work: st
         )
     if to == rec.last and len(replayed) < len(recorded):
         missing = recorded[len(replayed)]
-        return StepDivergence(
+        return Difference(
             "rows",
             missing["step"],
             fields=(FieldDiff("row", missing, None),),
@@ -585,85 +582,31 @@ def _compare_guarded(rec: Recording, run_dir: str, start: int, to: int, work: st
     return None
 
 
-def _guarded_file_divergence(run_dir: str, start: int, work: str) -> StepDivergence | None:
-    """The first checkpoint after ``start`` that RUN and the replay both hold and that differs in bytes."""
-    mine = {s for s, _ in list_checkpoints(work)}
-    differ = first_differing_checkpoint(
-        work, run_dir, [s for s, _ in list_checkpoints(run_dir) if s > start and s in mine]
-    )
-    if differ is None:
-        return None
-    s, diffs = differ
-    return StepDivergence(
-        "checkpoint",
-        s,
-        file=os.path.join(run_dir, checkpoint_name(s)),
-        tensors=tuple(tensor_reports(diffs, {})),
-        values=f"the replayed {checkpoint_name(s)}, compared as ckptkit diff --tensors does",
-        hints=(
-            (
-                "every history row matched, yet the file differs from the replay's: it was altered "
-                "after the fact, or state outside the fingerprints was not reproduced"
-            ),
-        ),
-    )
+_ALTERED = (
+    "every history row matched, yet the file differs from the replay's: it was altered "
+    "after the fact, or state outside the fingerprints was not reproduced"
+)
 
 
-def run_checkpoints(run_dir: str) -> dict[int, str]:
-    """Step -> path of every checkpoint in ``run_dir``: ``.ckpt`` files, or a torchrun run's ``.dcp`` directories."""
-    return dict(list_checkpoints(run_dir) + list_checkpoints(run_dir, DCP_SUFFIX))
-
-
-def first_differing_checkpoint(a: str, b: str, steps: Sequence[int]) -> tuple[int, list[TensorDiff]] | None:
-    """The first of ``steps`` whose checkpoint files in run directories ``a`` and ``b``
-    differ in bytes (their companion records set aside), with the differences as ``ckptkit diff --tensors`` lists them
-    (``a`` first); None when every one is byte-identical. A torchrun run's checkpoint directories
-    are compared file by file, and their logical tensors when a byte differs."""
-    ca, cb = run_checkpoints(a), run_checkpoints(b)
-    for s in steps:
-        pa, pb = ca[s], cb[s]
-        if os.path.isdir(pa):
-            if _tree_bytes(pa) != _tree_bytes(pb):
-                return s, _logical_diffs(pa, pb)
+def _guarded_file_divergence(run_dir: str, start: int, work: str) -> Difference | None:
+    """The first checkpoint after ``start`` that RUN and the replay both hold and that is not the same checkpoint."""
+    mine, theirs = run_checkpoints(work), run_checkpoints(run_dir)
+    for s in sorted(set(mine) & set(theirs)):
+        d = checkpoint_difference(s, mine[s], theirs[s]) if s > start else None
+        if d is None:
             continue
-        if not same_checkpoint(pa, pb):
-            return s, compare_checkpoints(pa, pb)
+        return dataclasses.replace(
+            d,
+            file=theirs[s],
+            values=f"the replayed {os.path.basename(theirs[s])}, compared as ckptkit diff --tensors does",
+            hints=d.hints or (_ALTERED,),
+        )
     return None
-
-
-def _tree_bytes(directory: str) -> dict[str, bytes]:
-    out = {}
-    for name in sorted(os.listdir(directory)):
-        with open(os.path.join(directory, name), "rb") as f:
-            out[name] = f.read()
-    return out
-
-
-def _logical_diffs(a: str, b: str) -> list[TensorDiff]:
-    """What ``ckptkit diff --tensors`` lists for two distributed checkpoint directories."""
-    from ..distributed.storage import logical_state
-
-    return compare_states(dict(logical_state(a)), dict(logical_state(b)))
-
-
-def _row_divergence(recorded: list[dict[str, Any]], replayed: list[dict[str, Any]], i: int) -> StepDivergence:
-    """The first differing history row, and the tensors named by the next digests rows."""
-    a, b = recorded[i], replayed[i]
-    fields = row_fields(a, b)
-    da = next((r for r in recorded[i:] if r["kind"] == "digests"), None)
-    db = next((r for r in replayed[i:] if r["kind"] == "digests"), None)
-    tensors: list[TensorReport] = []
-    values = "the recording keeps digests, not values (inside a rollback range the ring holds the states)"
-    if da is not None and db is not None and da["step"] == db["step"]:
-        bad = differing_names(da["tensors"], db["tensors"])
-        tensors = named_reports(bad, da["tensors"], db["tensors"], "values unavailable")
-        values += f"; tensors named from the digests after {da['step']} steps"
-    return StepDivergence(a["kind"] if a["kind"] == b["kind"] else "rows", a["step"], fields, tuple(tensors), values)
 
 
 def _explain_step(
     cfg: TrainerConfig,
-    rec: Recording,
+    rec: RunRecording,
     run_dir: str,
     origin: tuple[int, str],
     exempt: frozenset[str],
@@ -671,9 +614,9 @@ def _explain_step(
     run: Run,
     rs: RunState,
     step: int,
-    d: Divergence | None,
+    d: Difference | None,
     out_dir: str | None,
-) -> StepDivergence:
+) -> Difference:
     """Explain a step divergence: tensors vs the recording, then the step re-run twice here."""
     done = step + 1
     state = _capture(run, rs, done)
@@ -695,10 +638,10 @@ def _explain_step(
             "the step is deterministic here, so the recording ran something else: another config, "
             "environment, code version, or a run that was itself nondeterministic"
         )
-    return StepDivergence(
+    return Difference(
         "step",
         step,
-        fields=divergence_fields(d) if d is not None else (),
+        fields=d.fields if d is not None else (),
         tensors=tuple(tensors),
         values=values,
         rerun=rerun,
@@ -707,14 +650,14 @@ def _explain_step(
 
 
 def _tensors_against_recording(
-    rec: Recording, run_dir: str, step: int, model_state: dict[str, Any]
+    rec: RunRecording, run_dir: str, step: int, model_state: dict[str, Any]
 ) -> tuple[list[TensorReport], str]:
     """The tensors of the state after ``step`` that differ from the recording's digests, and
     where their values came from (RUN's verified checkpoint there) or why there are none."""
     done = step + 1
     digests = leaf_digests(model_state)
     recorded = dict(rec.digests.get(done) or {})
-    recorded.update(rec.checkpoints.get(done) or {})
+    recorded.update(rec.checkpoint_digests.get(done) or {})
     if not recorded:
         return [], (
             f"the recording holds no digests after step {step}, so the tensors cannot be named "
@@ -742,14 +685,14 @@ class _Builder:
         overrides: tuple[FieldDiff, ...],
         env: tuple[EnvDiff, ...],
         notes: list[str],
-        recorded_env_overrides: tuple[tuple[int, tuple[str, ...]], ...],
+        recorded_env_overrides: Sequence[tuple[int, tuple[str, ...]]],
     ) -> None:
         self.args = (run_dir, ckpt, start, to)
         self.run_dir = run_dir
         self.overrides, self.env, self.notes = overrides, env, notes
         self.recorded_env_overrides = recorded_env_overrides
 
-    def done(self, replayed: int, divergence: StepDivergence | None, *, guarded: bool = False) -> ReplayReport:
+    def done(self, replayed: int, divergence: Difference | None, *, guarded: bool = False) -> ReplayReport:
         run_dir, ckpt, start, to = self.args
         d = divergence
         recorded_env = [(s, e) for s, e in self.recorded_env_overrides if d is not None and s <= d.step]
@@ -767,5 +710,5 @@ class _Builder:
                 )
             if any(e.fatal for e in self.env):
                 extra.append("the environment differs from the recording (listed above): a likely cause")
-            d = StepDivergence(d.kind, d.step, d.fields, d.tensors, d.values, d.rerun, d.file, tuple(extra) + d.hints)
+            d = dataclasses.replace(d, hints=tuple(extra) + d.hints)
         return ReplayReport(run_dir, ckpt, start, to, replayed, self.overrides, self.env, tuple(self.notes), d, guarded)

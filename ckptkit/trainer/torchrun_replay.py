@@ -24,13 +24,14 @@ import tempfile
 from collections.abc import Callable
 
 from ..audit.commands import CommandReport, _workdir  # the same work directory rule as `replay -- CMD`
-from ..audit.recording import Difference, RunRecording, first_difference
+from ..audit.recording import RunRecording, checkpoint_difference, first_difference, run_checkpoints
 from ..errors import AuditError, CheckpointError, CheckpointNotFound, ReplayError
 from ..run import ENVIRONMENT_FILE, read_environment
+from ..run.difference import Difference
 from ..run.history import HISTORY_FILE
 from .audit import knob_flags
 from .parallel import launcher, stop_job
-from .replay import config_of, first_differing_checkpoint, run_checkpoints
+from .replay import config_of
 
 __all__ = ["recorded_world", "replay_ranks"]
 
@@ -121,14 +122,5 @@ def replay_ranks(
 
 
 def _checkpoint_difference(run_dir: str, work: str, steps: list[int]) -> Difference | None:
-    differ = first_differing_checkpoint(run_dir, work, steps)
-    if differ is None:
-        return None
-    step, diffs = differ
-    return Difference(
-        step,
-        "checkpoint",
-        tensors=tuple(d.name for d in diffs),
-        file=os.path.basename(run_checkpoints(run_dir)[step]),
-        details=tuple(f"{d.name}: {d.detail}" for d in diffs),
-    )
+    ca, cb = run_checkpoints(run_dir), run_checkpoints(work)
+    return next((d for s in steps if (d := checkpoint_difference(s, ca[s], cb[s])) is not None), None)
