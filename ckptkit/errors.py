@@ -19,6 +19,7 @@ around a load keeps working::
     ├── UnreadableFile (OSError)              a path that is there but is no readable file
     ├── InsufficientMemory (MemoryError)      a load would allocate more than is available
     ├── SaveFailed (OSError)                  a write failed; the previous file is intact
+    │   └── CommitConflict                    another writer committed that checkpoint first (object storage)
     ├── UnsupportedValue (TypeError)          state the container cannot carry
     ├── UnsupportedOption (ValueError)        a storage option or checkpoint id ckptkit does not serve
     ├── ResumeRefused (RuntimeError)          a resume would continue a different run
@@ -59,6 +60,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointNotFound",
     "ChecksumMismatch",
+    "CommitConflict",
     "ConfigDrift",
     "DistributedFailure",
     "EnvironmentDrift",
@@ -254,6 +256,13 @@ class SaveFailed(CheckpointError, OSError):
 
     def __str__(self) -> str:  # OSError would render "[Errno 28] ..." instead of our sentence
         return self.message
+
+
+class CommitConflict(SaveFailed):
+    """A checkpoint on object storage was committed by another writer first: its commit record
+    (or one of its objects) already exists, and a conditional put creates an object only once
+    (spec/objectstore.md R-O11). Nothing of the other writer's is overwritten; this save wrote
+    no commit."""
 
 
 class UnsupportedValue(CheckpointError, TypeError):

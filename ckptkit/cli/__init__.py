@@ -21,6 +21,7 @@ import sys
 from collections.abc import Sequence
 
 from ..errors import CheckpointError, FormatError, ReplayDivergence, ResumeRefused, TrainingUnstable
+from ._paths import refuse_urls
 
 __all__ = ["EXIT_OK", "EXIT_PROBLEMS", "EXIT_TROUBLE", "EXIT_UNSTABLE", "main"]
 
@@ -99,6 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.cmd = trailing
     module = importlib.import_module(f"{__name__}.{_COMMANDS[args.command]}")
     try:
+        refuse_urls(args, served=getattr(module, "URL_ARGS", ()))
         return int(module.run(args))
     except CheckpointError as e:
         if args.debug:
