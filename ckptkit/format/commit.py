@@ -68,12 +68,15 @@ def decode_record(data: bytes, where: str, name: str) -> list[Entry]:
     """
 
     def bad(field: str, expected: object, actual: object) -> FormatError:
-        return FormatError("not a valid commit record", path=where, field=field, expected=expected, actual=actual)
+        rule = "R-O12" if field in ("json", "bytes") else "R-O13"
+        return FormatError(
+            "not a valid commit record", path=where, field=field, expected=expected, actual=actual, hint=rule
+        )
 
     try:
         doc = json.loads(data.decode("ascii"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise bad("json", "canonical ASCII JSON (R-O12)", type(e).__name__) from None
+        raise bad("json", "canonical ASCII JSON", type(e).__name__) from None
     if not isinstance(doc, dict) or doc.get("format") != RECORD_FORMAT:
         raise bad("format", RECORD_FORMAT, doc.get("format") if isinstance(doc, dict) else type(doc).__name__)
     if doc.get("version") != _VERSION:
@@ -87,7 +90,7 @@ def decode_record(data: bytes, where: str, name: str) -> list[Entry]:
     if [e.key for e in entries] != sorted({e.key for e in entries}) or entries[0].key != name:
         raise bad("objects", f"distinct keys, sorted, the first {name!r}", [e.key for e in entries])
     if encode_record(name, entries) != data:
-        raise bad("bytes", "the canonical encoding of its contents (R-O12)", "other bytes")
+        raise bad("bytes", "the canonical encoding of its contents", "other bytes")
     return entries
 
 

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
-from ..errors import CheckpointNotFound, CommitConflict, SaveFailed, UnreadableFile
+from ..errors import CheckpointError, CheckpointNotFound, CommitConflict, SaveFailed, UnreadableFile
 from .urls import StorageURL, require_client
 
 __all__ = [
@@ -119,7 +119,7 @@ class S3Backend:
 
         self.bucket = bucket
         # One attempt per call: ObjectStore retries, so that a test's injected fault is retried the same way.
-        config = Config(retries={"max_attempts": 1, "mode": "standard"}, max_pool_connections=2 * _THREADS)
+        config = Config(retries={"total_max_attempts": 1, "mode": "standard"}, max_pool_connections=2 * _THREADS)
         self.client = boto3.session.Session().client("s3", config=config)
 
     def _call(self, fn: Callable[..., T], **kw: Any) -> T:
@@ -250,10 +250,42 @@ class ObjectStore:
     # ------------------------------------------------------------------ writes
 
     def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> None:
-        """Create (``if_absent``: only create, R-O11) the object ``key`` holding ``data``."""
+        """Create (``if_absent``: only create, R-O11) the object ``key`` holding ``data``.
+
+        A conditional put retried after a transient failure may meet its own first attempt,
+        which the store carried out before the connection dropped: a conflict is then ours
+        when the object there holds exactly ``data`` (R-O20).
+        """
+        tried = [False]
+
+        def attempt(fn: Callable[[], None]) -> None:
+            try:
+                fn()
+            except Conflict:
+                if tried[0] and self._holds(key, data):
+                    return
+                raise
+            finally:
+                tried[0] = True
+
         if len(data) <= self.part_size:
-            self._retry("put", key, lambda: self.backend.put(key, bytes(data), if_absent=if_absent), writing=True)
+            body = bytes(data)
+            self._retry(
+                "put", key, lambda: attempt(lambda: self.backend.put(key, body, if_absent=if_absent)), writing=True
+            )
             return
+        self._put_parts(key, data, if_absent, attempt)
+
+    def _holds(self, key: str, data: bytes | memoryview) -> bool:
+        try:
+            return self.backend.head(key) == len(data) and self.get(key, len(data)) == bytes(data)
+        except (Transient, Missing, Refused, CheckpointError):
+            return False
+
+    def _put_parts(
+        self, key: str, data: bytes | memoryview, if_absent: bool, attempt: Callable[[Callable[[], None]], None]
+    ) -> None:
+        """A multipart upload of ``data``, its parts in parallel, completed conditionally."""
         view = memoryview(data)
         upload = self._retry("start upload", key, lambda: self.backend.start_multipart(key), writing=True)
         try:
@@ -268,7 +300,7 @@ class ObjectStore:
 
             etags = _parallel(part, len(spans))
             finish = lambda: self.backend.finish_multipart(key, upload, etags, if_absent=if_absent)  # noqa: E731
-            self._retry("complete upload", key, finish, writing=True)
+            self._retry("complete upload", key, lambda: attempt(finish), writing=True)
         except Exception:
             with contextlib.suppress(Exception):
                 self.backend.abort_multipart(key, upload)

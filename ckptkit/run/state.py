@@ -42,6 +42,7 @@ from typing import Any
 
 from ..format.checkpoint import Checkpoint
 from ..format.snapshot import encode_snapshot
+from ..format.urls import local_only
 from . import resume as protocol
 from ._registry import Registry
 from .dcp_store import DcpStore
@@ -105,7 +106,7 @@ class RunState(Registration, Stopping):
         if not isinstance(async_save, bool):
             raise ValueError(f"async_save must be True or False (got {async_save!r})")
         encode_snapshot(config)  # a config the snapshot cannot hold is refused now, not at the first save
-        self.run_dir = os.fspath(run_dir)
+        self.run_dir = local_only(run_dir, "RunState")  # never a local folder named s3: (R-O01)
         self.config = config
         self.keep = keep
         self.exempt = frozenset(exempt)
