@@ -48,7 +48,12 @@ def _bucket(s3: str) -> str:
 def test_a_url_is_parsed_into_bucket_and_key_and_other_schemes_are_refused_by_name() -> None:
     """R-O02."""
     url = parse("s3://bkt/run//demo/")
-    assert (url.scheme, url.bucket, url.key, str(url.child("x.ckpt"))) == ("s3", "bkt", "run//demo", "s3://bkt/run//demo/x.ckpt")
+    assert (url.scheme, url.bucket, url.key, str(url.child("x.ckpt"))) == (
+        "s3",
+        "bkt",
+        "run//demo",
+        "s3://bkt/run//demo/x.ckpt",
+    )
     with pytest.raises(UnsupportedOption, match=r"^gs://b/k: the gs:// scheme is not supported; ckptkit serves s3://"):
         parse("gs://b/k")
     with pytest.raises(UnsupportedOption, match=r"^s3:///k: no bucket \(expected s3://bucket/prefix\)$"):
@@ -128,7 +133,9 @@ def test_a_committed_checkpoint_is_written_once_and_a_second_save_is_a_commit_co
     """R-O11."""
     url = f"{s3}/model.ckpt"
     ckptkit.save(url, _state(0))
-    with pytest.raises(CommitConflict, match=r"model.ckpt.commit.json: step already committed; .* written once \(R-O11\)"):
+    with pytest.raises(
+        CommitConflict, match=r"model.ckpt.commit.json: step already committed; .* written once \(R-O11\)"
+    ):
         ckptkit.save(url, _state(1))
     assert same(ckptkit.load(url).model, _state(0).model)
 
@@ -203,7 +210,10 @@ def test_cli_verify_and_inspect_read_a_run_prefix_and_a_checkpoint_object(s3, ca
         ckptkit.save(f"{s3}/run/step-{step:08d}.ckpt", _state(step - 10))
     assert main(["verify", f"{s3}/run"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert [ln.split()[:2] for ln in lines] == [["OK", f"{s3}/run/step-00000010.ckpt"], ["OK", f"{s3}/run/step-00000020.ckpt"]]
+    assert [ln.split()[:2] for ln in lines] == [
+        ["OK", f"{s3}/run/step-00000010.ckpt"],
+        ["OK", f"{s3}/run/step-00000020.ckpt"],
+    ]
     assert main(["inspect", f"{s3}/run/step-00000020.ckpt"]) == 0
     assert capsys.readouterr().out.startswith(f"{s3}/run/step-00000020.ckpt: container v2, step 20,")
     assert main(["verify", f"{s3}/empty"]) == 2
@@ -287,7 +297,9 @@ def test_a_retried_conditional_put_that_meets_its_own_first_attempt_succeeded(s3
 def test_a_refused_request_is_not_retried_and_names_the_object(s3) -> None:
     """R-O20."""
     store = ObjectStore(S3Backend("no-such-bucket-ckptkit"), backoff=0.001)
-    with pytest.raises(ckptkit.SaveFailed, match=r"^s3://no-such-bucket-ckptkit/k: put refused: NoSuchBucket \(HTTP 404\)$"):
+    with pytest.raises(
+        ckptkit.SaveFailed, match=r"^s3://no-such-bucket-ckptkit/k: put refused: NoSuchBucket \(HTTP 404\)$"
+    ):
         store.put("k", b"x")
 
 
@@ -307,7 +319,9 @@ def test_a_large_object_goes_up_in_parallel_parts_and_comes_down_in_parallel_ran
 def test_the_s3_extra_and_the_test_server_are_in_the_packaging() -> None:
     import tomllib
 
-    extras = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    extras = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
     assert any(d.startswith("boto3") for d in extras["s3"])
     assert "ckptkit[s3]" in " ".join(extras["test"]) and any(d.startswith("moto[server]") for d in extras["test"])
 

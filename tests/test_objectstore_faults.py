@@ -85,12 +85,15 @@ def _under(k: int | None, mode: str, fn: Callable[[], Any]) -> tuple[Any, BaseEx
 
 def _loads_whole_or_is_refused(url: str, ckpt: ckptkit.Checkpoint) -> bool:
     """The checkpoint at ``url`` loads to exactly ``ckpt``, or is refused as not there; True: it loaded."""
+    refused: CheckpointNotFound | None = None
     try:
         got = ckptkit.load(url)
     except CheckpointNotFound as e:  # IncompleteCheckpoint included: no record, no checkpoint (R-O15)
+        refused = e
+    if refused is not None:
         name = url.rpartition("/")[2]
         # Refused as uncommitted, never as a committed checkpoint with an object gone (R-O17).
-        assert not isinstance(e, IncompleteCheckpoint) or e.missing == (name + RECORD_SUFFIX,), e
+        assert not isinstance(refused, IncompleteCheckpoint) or refused.missing == (name + RECORD_SUFFIX,), refused
         assert not ckptkit.verify(url).ok if _exists(url) else True
         return False
     assert got.step == ckpt.step and same(got.model, ckpt.model)

@@ -52,7 +52,9 @@ def test_each_broken_record_is_refused_with_the_manifest_error(name: str) -> Non
     assert name.split("-")[0] + "-" + name.split("-")[1] in str(e.value)  # the rule it is named after
 
 
-def test_the_valid_objects_uploaded_under_any_prefix_load_and_the_container_is_the_local_save(s3: str, tmp_path) -> None:
+def test_the_valid_objects_uploaded_under_any_prefix_load_and_the_container_is_the_local_save(
+    s3: str, tmp_path
+) -> None:
     client = boto3.client("s3")
     for p in (FIXTURES / "valid").iterdir():
         client.put_object(Bucket=parse(s3).bucket, Key=f"some/where/{p.name}", Body=p.read_bytes())

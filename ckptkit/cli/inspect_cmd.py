@@ -13,8 +13,8 @@ from typing import Any
 from ..errors import CheckpointNotFound
 from ..format.container import Source, layout_report, read_layout
 from ..format.section import TensorRef
-from ..format.values import TypedValue
 from ..format.urls import is_url
+from ..format.values import TypedValue
 from .verify import _size, report_json
 
 __all__ = ["URL_ARGS", "add_parser", "run"]

@@ -51,9 +51,7 @@ def add_parser(sub: Any) -> None:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument(
-        "paths", nargs="+", metavar="PATH", help="checkpoint file or run directory (or s3://bucket/prefix)"
-    )
+    p.add_argument("paths", nargs="+", metavar="PATH", help="checkpoint file or run directory (or s3://bucket/prefix)")
     p.add_argument("--json", action="store_true", help="print one JSON object (schema_version 1)")
     p.add_argument("--quiet", action="store_true", help="no progress bar on stderr (shown on a terminal for 2+ files)")
 
