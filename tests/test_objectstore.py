@@ -67,8 +67,8 @@ LOCAL_RE = re.escape(LOCAL_ONLY)
 def test_every_place_that_takes_a_path_refuses_a_url_it_cannot_serve_and_creates_nothing(tmp_path, monkeypatch) -> None:
     """R-O01, G-50."""
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(UnsupportedOption, match=rf"^s3://b/run: RunState {LOCAL_RE}"):
-        ckptkit.RunState("s3://b/run", config={"lr": 1})
+    with pytest.raises(UnsupportedOption, match=rf"^s3://b/run: ckptkit.History {LOCAL_RE}"):
+        ckptkit.History("s3://b/run")  # a RunState on s3:// keeps its history in work_dir (R-O23)
     with pytest.raises(UnsupportedOption, match=rf"^s3://b/c: ckptkit.distributed {LOCAL_RE}"):
         ckd.save({"w": torch.ones(2)}, "s3://b/c")
     from ckptkit.integrations.lightning import CheckpointIO
@@ -81,7 +81,7 @@ def test_every_place_that_takes_a_path_refuses_a_url_it_cannot_serve_and_creates
 @pytest.mark.parametrize(
     "argv",
     [
-        ["train", "--run-dir", "s3://b/demo", "--steps", "2"],
+        ["train", "--run-dir", "runs/a", "--data", "s3://b/corpus.txt", "--steps", "2"],
         ["diff", "s3://b/a", "runB"],
         ["replay", "s3://b/demo", "--from", "1"],
         ["plot", "s3://b/demo", "-o", "x.png"],
@@ -283,9 +283,9 @@ def test_a_retried_conditional_put_that_meets_its_own_first_attempt_succeeded(s3
             self.calls += 1
             backend.put(key, data, if_absent=if_absent)
             if self.calls == 1:
-                from ckptkit.format.objectstore import Transient
+                from ckptkit.errors import TransientFault
 
-                raise Transient("connection reset after the server stored it")
+                raise TransientFault("connection reset after the server stored it")
 
     flaky = ObjectStore(FirstAttemptLandsThenResets(), backoff=0.001)
     flaky.put("rec", b"mine", if_absent=True)  # 412 on the retry, but the object is ours

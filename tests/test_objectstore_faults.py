@@ -20,10 +20,18 @@ import torch
 from helpers import same
 
 import ckptkit
-from ckptkit.errors import CheckpointError, CheckpointNotFound, ChecksumMismatch, CommitConflict, IncompleteCheckpoint
+from ckptkit.errors import (
+    CheckpointError,
+    CheckpointNotFound,
+    ChecksumMismatch,
+    CommitConflict,
+    IncompleteCheckpoint,
+    RequestRefused,
+    TransientFault,
+)
 from ckptkit.format import objectstore
 from ckptkit.format.commit import RECORD_SUFFIX, remove
-from ckptkit.format.objectstore import Backend, Refused, Transient
+from ckptkit.format.objectstore import Backend
 from ckptkit.format.urls import parse
 
 pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
@@ -55,9 +63,9 @@ class Faulty:
                     self.dead = True
                     raise Crash(f"crashed at request {n} ({name})")
             if n == self.k and self.mode == "error":
-                raise Refused(f"injected failure of request {n} ({name})")
+                raise RequestRefused(f"injected failure of request {n} ({name})")
             if n == self.k and self.mode == "transient":
-                raise Transient(f"injected 503 SlowDown at request {n} ({name})")
+                raise TransientFault(f"injected 503 SlowDown at request {n} ({name})")
             return op(*args, **kw)
 
         return call
@@ -167,7 +175,7 @@ def test_retention_failing_at_every_request_uncommits_first_and_the_name_is_save
 
 
 def test_a_store_that_ignores_conditional_writes_loses_the_step_but_never_loads_a_mix(s3) -> None:
-    """R-O19: without If-None-Match both racing writers "commit"; R-O14 then refuses the mix."""
+    """R-O19, G-56: without If-None-Match both racing writers "commit"; R-O14 then refuses the mix."""
     a_before_record, b_done = threading.Event(), threading.Event()
 
     class IgnoresConditions:

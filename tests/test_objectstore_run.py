@@ -143,23 +143,43 @@ def _resumed(run_dir: str) -> tuple[int, tuple[str, ...], torch.Tensor]:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_a_runstate_save_and_its_retention_failing_at_every_request(s3, mode) -> None:
-    """G-53: after a failure at request k of save(30) (keep=2: retention removes step 10),
+    """G-53, R-O25: after a failure at request k of save(30) (keep=2: retention removes step 10),
     the resume loads step 30 whole or falls back to 20 and says why, and the next save goes on."""
     base = f"{s3}/sweep-{mode}"
-    _saved(f"{s3}/count", [10, 20])
+    _saved(f"{s3}/template", [10, 20])
+    _copy(s3, "template", "count")
     _r, _e, n = _under(None, "count", lambda: _save_one(f"{s3}/count", 30))
     assert n >= 10
     for k in range(1, n + 1):
         run = f"{base}-{k}"
-        _saved(run, [10, 20])
+        _copy(s3, "template", run.rpartition("/")[2])  # steps 10 and 20, as a run saved them
         _r, error, _made = _under(k, mode, lambda run=run: _save_one(run, 30))
         assert mode != "transient" or error is None, (k, error)
         step, _notes, weight = _resumed(run)
         assert step in (20, 30) and bool(weight.eq(float(step)).all())  # whole, never partial
         if step == 20:
             assert error is not None
+        if mode == "transient":
+            assert step == 30
+            continue
         _save_one(run, 40)  # nothing left blocks the next save (R-O16)
         assert _resumed(run)[0] == 40
+        assert _committed(run) == [step, 40]  # retention kept the newest 2 (R-O25), whatever k left behind
+
+
+def _copy(s3: str, src: str, dst: str) -> None:
+    client, bucket = boto3.client("s3"), parse(s3).bucket
+    for o in client.list_objects_v2(Bucket=bucket, Prefix=src + "/")["Contents"]:
+        dest = dst + o["Key"][len(src) :]
+        client.copy_object(Bucket=bucket, Key=dest, CopySource={"Bucket": bucket, "Key": o["Key"]})
+
+
+def _committed(run_dir: str) -> list[int]:
+    from ckptkit.format.commit import listing
+    from ckptkit.format.objectstore import store_for
+
+    found = listing(store_for(parse(run_dir)), parse(run_dir), ".ckpt")
+    return sorted(int(n[5:13]) for n, ok in found.items() if ok)
 
 
 def _save_one(run_dir: str, step: int) -> None:

@@ -2,11 +2,11 @@
 
 Two layers (spec/objectstore.md):
 
-- a :class:`Backend` does one request per call and says what went wrong in four words:
-  :class:`Missing` (no such object), :class:`Conflict` (a conditional write lost, R-O11),
-  :class:`Transient` (throttling, a 5xx, a reset connection: worth retrying) and
-  :class:`Refused` (anything else: permissions, no bucket). :class:`S3Backend` is boto3's
-  client; fault-injection tests put a wrapper between it and the store;
+- a :class:`Backend` does one request per call and says what went wrong with one of the
+  four ``StorageFault`` classes of :mod:`ckptkit.errors`: ``ObjectMissing``, ``WriteConflict``
+  (a conditional write lost, R-O11), ``TransientFault`` (throttling, a 5xx, a reset
+  connection: worth retrying) and ``RequestRefused`` (permissions, no bucket, ...).
+  :class:`S3Backend` is boto3's client; fault-injection tests put a wrapper between it and the store;
 - :class:`ObjectStore` turns them into ckptkit's: transient failures are retried with
   capped exponential backoff (R-O20), large objects go up as parallel multipart uploads
   and come down as parallel ranged reads (R-O21), and what is left is a ``SaveFailed``,
@@ -31,17 +31,23 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
-from ..errors import CheckpointError, CheckpointNotFound, CommitConflict, SaveFailed, UnreadableFile
+from ..errors import (
+    CheckpointError,
+    CheckpointNotFound,
+    CommitConflict,
+    ObjectMissing,
+    RequestRefused,
+    SaveFailed,
+    TransientFault,
+    UnreadableFile,
+    WriteConflict,
+)
 from .urls import StorageURL, require_client
 
 __all__ = [
     "Backend",
-    "Conflict",
-    "Missing",
     "ObjectStore",
-    "Refused",
     "S3Backend",
-    "Transient",
     "intercept",
     "store_for",
 ]
@@ -51,22 +57,6 @@ T = TypeVar("T")
 #: Objects larger than this go up in parts of this size, in parallel (R-O21); S3's minimum part is 5 MiB.
 PART_SIZE = 64 << 20
 _THREADS = 8
-
-
-class Missing(Exception):
-    """No object at the key."""
-
-
-class Conflict(Exception):
-    """A conditional write found the object there already (HTTP 412, or 409 for a write in flight)."""
-
-
-class Transient(Exception):
-    """A failure that another attempt may not meet: throttling (503 SlowDown), a 5xx, a dropped connection."""
-
-
-class Refused(Exception):
-    """A failure another attempt will meet again (access denied, no such bucket, a bad request)."""
 
 
 class Backend(Protocol):
@@ -90,21 +80,35 @@ _THROTTLE = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", 
 
 def _classify(e: Exception) -> Exception:
     """A botocore exception as one of the four classes."""
-    from botocore.exceptions import BotoCoreError, ClientError
+    from botocore.exceptions import (
+        BotoCoreError,
+        ClientError,
+        HTTPClientError,
+        IncompleteReadError,
+        NoCredentialsError,
+        ResponseStreamingError,
+    )
+    from botocore.exceptions import ConnectionError as Dropped
+
+    _DROPPED = (Dropped, HTTPClientError, IncompleteReadError, ResponseStreamingError)
 
     if isinstance(e, ClientError):
         code = str(e.response.get("Error", {}).get("Code", ""))
         status = int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
         what = f"{code or 'error'} (HTTP {status})"
         if status == 412 or code in ("PreconditionFailed", "ConditionalRequestConflict"):
-            return Conflict(what)
+            return WriteConflict(what)
         if code in ("NoSuchKey", "404", "NotFound"):
-            return Missing(what)
+            return ObjectMissing(what)
         if status >= 500 or code in _THROTTLE:
-            return Transient(what)
-        return Refused(what)
-    if isinstance(e, BotoCoreError):  # connection reset, closed, timed out, endpoint unreachable
-        return Transient(f"{type(e).__name__}: {e}")
+            return TransientFault(what)
+        return RequestRefused(what)
+    if isinstance(e, _DROPPED):  # connection reset, closed, timed out, endpoint unreachable, body cut off
+        return TransientFault(f"{type(e).__name__}: {e}")
+    if isinstance(e, NoCredentialsError):
+        return RequestRefused(f"{e}; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE (R-O03)")
+    if isinstance(e, BotoCoreError):
+        return RequestRefused(f"{type(e).__name__}: {e}")
     return e
 
 
@@ -158,7 +162,7 @@ class S3Backend:
     def head(self, key: str) -> int | None:
         try:
             return int(self._call(self.client.head_object, Key=key)["ContentLength"])
-        except Missing:
+        except ObjectMissing:
             return None
 
     def list(self, prefix: str) -> list[tuple[str, int]]:
@@ -194,6 +198,7 @@ def intercept(wrap: Callable[[Backend], Backend]) -> Iterator[None]:
 
 def store_for(url: StorageURL) -> ObjectStore:
     """The store of ``url``'s bucket (one client per bucket and environment, reused)."""
+    require_client()  # before a cached client: the extra may have gone (R-O02)
     ident = (url.bucket, *(os.environ.get(k, "") for k in _ENV))
     with _LOCK:
         backend: Backend | None = _CLIENTS.get(ident)
@@ -235,15 +240,15 @@ class ObjectStore:
         for attempt in range(self.attempts):
             try:
                 return fn()
-            except Transient as e:
+            except TransientFault as e:
                 if attempt == self.attempts - 1:
                     raise _failed(f"{self.url(key)}: {op} failed {self.attempts} times, last: {e}", writing) from e
                 time.sleep(min(2.0, self.backoff * 2**attempt) * random.uniform(0.5, 1.0))
-            except Missing:
+            except ObjectMissing:
                 raise CheckpointNotFound(f"{self.url(key)}: no such object") from None
-            except Conflict as e:
+            except WriteConflict as e:
                 raise CommitConflict(f"{self.url(key)}: already exists ({e})", path=self.url(key)) from None
-            except Refused as e:
+            except RequestRefused as e:
                 raise _failed(f"{self.url(key)}: {op} refused: {e}", writing) from e
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -261,7 +266,7 @@ class ObjectStore:
         def attempt(fn: Callable[[], None]) -> None:
             try:
                 fn()
-            except Conflict:
+            except WriteConflict:
                 if tried[0] and self._holds(key, data):
                     return
                 raise
@@ -279,7 +284,7 @@ class ObjectStore:
     def _holds(self, key: str, data: bytes | memoryview) -> bool:
         try:
             return self.backend.head(key) == len(data) and self.get(key, len(data)) == bytes(data)
-        except (Transient, Missing, Refused, CheckpointError):
+        except (TransientFault, ObjectMissing, RequestRefused, CheckpointError):
             return False
 
     def _put_parts(
