@@ -82,7 +82,7 @@ def _under(k: int | None, mode: str, fn: Callable[[], Any]) -> tuple[Any, BaseEx
 
     def wrap(backend: Backend) -> Backend:
         made.append(Faulty(backend, k, mode))
-        return made[-1]  # type: ignore[return-value]
+        return made[-1]
 
     with objectstore.intercept(wrap):
         try:
@@ -195,11 +195,11 @@ def test_a_store_that_ignores_conditional_writes_loses_the_step_but_never_loads_
             return None if key.endswith(".commit.json") else self.inner.head(key)
 
     url = f"{s3}/lax/step-00000010.ckpt"
-    with objectstore.intercept(lambda b: IgnoresConditions(b, pause=True)):  # type: ignore[arg-type,return-value]
+    with objectstore.intercept(lambda b: IgnoresConditions(b, pause=True)):
         a = threading.Thread(target=ckptkit.save, args=(url, _state(1)))
         a.start()
         a_before_record.wait(30)
-    with objectstore.intercept(lambda b: IgnoresConditions(b, pause=False)):  # type: ignore[arg-type,return-value]
+    with objectstore.intercept(lambda b: IgnoresConditions(b, pause=False)):
         ckptkit.save(url, _state(2))  # B overwrites A's container, then commits
     b_done.set()
     a.join(30)  # A's record, written last, lists A's digest over B's bytes

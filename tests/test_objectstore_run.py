@@ -8,6 +8,7 @@ fall back without saying so, and leave nothing that blocks the next save.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -153,7 +154,7 @@ def test_a_runstate_save_and_its_retention_failing_at_every_request(s3, mode) ->
     for k in range(1, n + 1):
         run = f"{base}-{k}"
         _copy(s3, "template", run.rpartition("/")[2])  # steps 10 and 20, as a run saved them
-        _r, error, _made = _under(k, mode, lambda run=run: _save_one(run, 30))
+        _r, error, _made = _under(k, mode, functools.partial(_save_one, run, 30))
         assert mode != "transient" or error is None, (k, error)
         step, _notes, weight = _resumed(run)
         assert step in (20, 30) and bool(weight.eq(float(step)).all())  # whole, never partial

@@ -48,17 +48,17 @@ def _verify_checkpoint(store: ObjectStore, base: StorageURL, name: str) -> list[
     except (IncompleteCheckpoint, FormatError) as e:
         return [layout_report(str(base.child(name)), 0, None, e, 0)]
     out = []
-    for e in entries:
-        where = str(base.child(e.key))
+    for entry in entries:
+        where = str(base.child(entry.key))
         try:
-            data = fetch(store, base, e)
+            data = fetch(store, base, entry)
         except (IncompleteCheckpoint, FormatError) as err:
-            out.append(layout_report(where, e.size, None, err, 0))
+            out.append(layout_report(where, entry.size, None, err, 0))
             continue
-        if e.key == name:
+        if entry.key == name:
             out.append(verify_source(where, Source(where, data=data)))
         else:
-            out.append(Report(where, True, None, None, None, (), False, (), (), e.size, e.size, kind="object"))
+            out.append(Report(where, True, None, None, None, (), False, (), (), entry.size, entry.size, kind="object"))
     return out
 
 

@@ -52,7 +52,7 @@ class StorageURL:
 
 def is_url(path: object) -> bool:
     """True for a string (or path-like) of the form ``scheme://...``."""
-    return isinstance(path, (str, os.PathLike)) and _SCHEME.match(os.fspath(path)) is not None  # type: ignore[arg-type]
+    return isinstance(path, (str, os.PathLike)) and _SCHEME.match(os.fspath(path)) is not None
 
 
 def parse(path: str | os.PathLike[str]) -> StorageURL:

@@ -54,9 +54,11 @@ class Store(Protocol):
     #: Optimizer state is saved by its model's parameter names (``add_optimizer(model=)``).
     names_optimizer_models: bool
 
-    #: Where the run's appended files (``history.jsonl``) live on this machine: the run directory,
-    #: or (object storage) a private working directory whose history goes up with each checkpoint.
-    work_dir: str
+    @property
+    def work_dir(self) -> str:
+        """Where the run's appended files (``history.jsonl``) live on this machine: the run directory,
+        or (object storage) a private working directory whose history goes up with each checkpoint."""
+        ...
 
     def path(self, step: int) -> str:
         """Where step ``step``'s checkpoint is (to name it before it exists)."""
