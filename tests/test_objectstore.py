@@ -22,6 +22,7 @@ import ckptkit
 import ckptkit.distributed as ckd
 from ckptkit.cli import main
 from ckptkit.errors import CommitConflict, IncompleteCheckpoint, UnsupportedOption
+from ckptkit.format import commit as commit_module
 from ckptkit.format.commit import RECORD_SUFFIX, read_record
 from ckptkit.format.objectstore import ObjectStore, S3Backend, store_for
 from ckptkit.format.urls import S3_EXTRA, parse
@@ -166,7 +167,7 @@ def test_two_writers_racing_for_one_checkpoint_exactly_one_commits_and_the_other
 
 
 def test_objects_without_their_record_are_refused_by_load_reported_by_verify_and_cleaned_by_the_next_save(
-    s3, capsys
+    s3, capsys, monkeypatch
 ) -> None:
     """R-O15, R-O16."""
     url = f"{s3}/run/step-00000010.ckpt"
@@ -183,6 +184,13 @@ def test_objects_without_their_record_are_refused_by_load_reported_by_verify_and
     assert not report.ok and isinstance(report.error, IncompleteCheckpoint)
     assert main(["verify", f"{s3}/run"]) == 1
     assert capsys.readouterr().out == f"FAIL  {e.value}\n"
+    with pytest.raises(CommitConflict) as busy:  # as young as a live writer's: not removed yet
+        ckptkit.save(url, _state(1))
+    assert re.sub(r"newest \d+ s old", "newest N s old", str(busy.value)) == (
+        f"{url}: another writer is saving it (1 object(s) without a record, the newest N s old); a save removes "
+        "an interrupted save's objects once they are 60 s old, a resume at once (R-O16)"
+    )
+    monkeypatch.setattr(commit_module, "STALE_AFTER", 0.0)  # ... that much later
     ckptkit.save(url, _state(1))  # the leftover blocks nothing (R-O16)
     assert same(ckptkit.load(url).model, _state(1).model)
     with pytest.raises(ckptkit.CheckpointNotFound, match=r"^s3://.*/run/nothing.ckpt: no such checkpoint$"):
@@ -281,11 +289,12 @@ def test_a_retried_conditional_put_that_meets_its_own_first_attempt_succeeded(s3
 
         def put(self, key, data, *, if_absent):
             self.calls += 1
-            backend.put(key, data, if_absent=if_absent)
+            etag = backend.put(key, data, if_absent=if_absent)
             if self.calls == 1:
                 from ckptkit.errors import TransientFault
 
                 raise TransientFault("connection reset after the server stored it")
+            return etag
 
     flaky = ObjectStore(FirstAttemptLandsThenResets(), backoff=0.001)
     flaky.put("rec", b"mine", if_absent=True)  # 412 on the retry, but the object is ours

@@ -29,6 +29,7 @@ from ckptkit.errors import (
     RequestRefused,
     TransientFault,
 )
+from ckptkit.format import commit as commit_module
 from ckptkit.format import objectstore
 from ckptkit.format.commit import RECORD_SUFFIX, remove
 from ckptkit.format.objectstore import Backend
@@ -126,7 +127,11 @@ MODES = ["error", "crash", "transient"]
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_a_save_failing_at_every_request_never_leaves_a_partial_checkpoint_or_blocks_the_next(s3, mode) -> None:
+def test_a_save_failing_at_every_request_never_leaves_a_partial_checkpoint_or_blocks_the_next(
+    s3, mode, monkeypatch
+) -> None:
+    # The next save comes STALE_AFTER seconds later, when what a dead writer left is removed (R-O16).
+    monkeypatch.setattr(commit_module, "STALE_AFTER", 0.0)
     old, new = f"{s3}/run/step-00000010.ckpt", f"{s3}/run/step-00000020.ckpt"
     ckptkit.save(old, _state(10))
     n = _requests(lambda: ckptkit.save(f"{s3}/count/step-00000020.ckpt", _state(20)))
@@ -174,8 +179,9 @@ def test_retention_failing_at_every_request_uncommits_first_and_the_name_is_save
         assert not _exists(url)
 
 
-def test_a_store_that_ignores_conditional_writes_loses_the_step_but_never_loads_a_mix(s3) -> None:
+def test_a_store_that_ignores_conditional_writes_loses_the_step_but_never_loads_a_mix(s3, monkeypatch) -> None:
     """R-O19, G-56: without If-None-Match both racing writers "commit"; R-O14 then refuses the mix."""
+    monkeypatch.setattr(commit_module, "STALE_AFTER", 0.0)  # A stalls longer than STALE_AFTER
     a_before_record, b_done = threading.Event(), threading.Event()
 
     class IgnoresConditions:
@@ -185,11 +191,11 @@ def test_a_store_that_ignores_conditional_writes_loses_the_step_but_never_loads_
         def __getattr__(self, name: str) -> Any:
             return getattr(self.inner, name)
 
-        def put(self, key: str, data: bytes, *, if_absent: bool) -> None:
+        def put(self, key: str, data: bytes, *, if_absent: bool) -> str:
             if self.pause and key.endswith(".commit.json"):
                 a_before_record.set()
                 b_done.wait(30)
-            self.inner.put(key, data, if_absent=False)
+            return self.inner.put(key, data, if_absent=False)
 
         def head(self, key: str) -> int | None:
             return None if key.endswith(".commit.json") else self.inner.head(key)
@@ -207,3 +213,41 @@ def test_a_store_that_ignores_conditional_writes_loses_the_step_but_never_loads_
         ckptkit.load(url)
     with pytest.raises(CommitConflict):  # on a conforming store the name stays taken until deleted
         ckptkit.save(url, _state(3))
+
+
+def test_a_save_whose_objects_another_save_cleaned_away_commits_nothing_and_the_other_wins(s3, monkeypatch) -> None:
+    """R-O11, R-O16, G-52: A stalls longer than STALE_AFTER before its record; B takes A's objects
+    for an interrupted save's and cleans them; A, checking its objects first, finds them replaced."""
+    monkeypatch.setattr(commit_module, "STALE_AFTER", 0.0)
+    paused, go = threading.Event(), threading.Event()
+
+    class PausesBeforeChecking:
+        def __init__(self, inner: Backend) -> None:
+            self.inner, self.bucket = inner, inner.bucket
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.inner, name)
+
+        def etag(self, key: str) -> str | None:
+            paused.set()
+            go.wait(30)
+            return self.inner.etag(key)
+
+    url, result = f"{s3}/clash/step-00000010.ckpt", {}
+
+    def writer_a() -> None:
+        try:
+            ckptkit.save(url, _state(1))
+            result["a"] = "committed"
+        except CommitConflict as e:
+            result["a"] = str(e)
+
+    with objectstore.intercept(PausesBeforeChecking):
+        a = threading.Thread(target=writer_a)
+        a.start()
+        assert paused.wait(30)
+    ckptkit.save(url, _state(2))  # B: A's objects have no record yet; B removes them and commits
+    go.set()
+    a.join(30)
+    assert "step-00000010.ckpt: replaced by another writer" in str(result["a"]), result
+    assert same(ckptkit.load(url).model, _state(2).model)  # exactly one committed, with its own bytes

@@ -12,6 +12,7 @@ next save of that name removes. Retention removes the record first, then the obj
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ from .urls import StorageURL
 __all__ = [
     "RECORD_FORMAT",
     "RECORD_SUFFIX",
+    "STALE_AFTER",
     "Entry",
     "commit",
     "decode_record",
@@ -41,6 +43,9 @@ RECORD_SUFFIX = ".commit.json"
 RECORD_FORMAT = "ckptkit-commit"
 _VERSION = 1
 _MAX_RECORD = 1 << 20  # a record of a few thousand objects is ~100 KiB (R-O13)
+#: A save removes another save's objects without a record only once the newest is this old
+#: (seconds): younger ones are a live writer's (R-O16). A resume removes them at once.
+STALE_AFTER = 60.0
 
 
 @dataclass(frozen=True)
@@ -119,7 +124,9 @@ def commit(store: ObjectStore, base: StorageURL, name: str, objects: Sequence[tu
     """Write checkpoint ``name`` under ``base``: its objects (the first named ``name``), then its record.
 
     A committed ``name`` is never touched; what an interrupted save of ``name`` left is removed
-    first (R-O16). Every put is conditional, so a racing writer cannot overwrite an object.
+    first, once :data:`STALE_AFTER` seconds old (R-O16). Every put is conditional, so a racing
+    writer cannot overwrite an object, and before its record this save checks that each of its
+    objects is still the one it put.
 
     Raises:
         CommitConflict: ``name`` is committed already, or another writer created one of its
@@ -134,13 +141,13 @@ def commit(store: ObjectStore, base: StorageURL, name: str, objects: Sequence[tu
             "written once (R-O11): delete it first, or save under another name",
             path=store.url(record_key),
         )
-    sweep(store, base, name)
+    sweep(store, base, name, older_than=STALE_AFTER)
     entries, created = [], []
     try:
         for rel, data in objects:
-            store.put(_key(base, rel), data, if_absent=True)
-            created.append(_key(base, rel))
+            created.append((_key(base, rel), store.put(_key(base, rel), data, if_absent=True)))
             entries.append(Entry(rel, len(data), xxhash.xxh3_64_intdigest(data)))
+        _still_mine(store, created)
         store.put(record_key, encode_record(name, entries), if_absent=True)
     except CommitConflict as e:
         raise CommitConflict(
@@ -148,7 +155,7 @@ def commit(store: ObjectStore, base: StorageURL, name: str, objects: Sequence[tu
             path=store.url(_key(base, name)),
         ) from None
     except Exception:
-        for key in created:  # best effort: a crash leaves them to the next save's sweep (R-O16)
+        for key, _etag in created:  # best effort: a crash leaves them to the next save's sweep (R-O16)
             try:
                 store.delete(key)
             except Exception:  # noqa: BLE001 - the first error is the one raised
@@ -156,21 +163,51 @@ def commit(store: ObjectStore, base: StorageURL, name: str, objects: Sequence[tu
         raise
 
 
-def leftovers(store: ObjectStore, base: StorageURL, name: str) -> list[str]:
-    """Keys of ``name``'s objects when it has no record (an interrupted save), else ``[]``."""
+def _still_mine(store: ObjectStore, created: list[tuple[str, str]]) -> None:
+    """Before the record: every object is still the one this save put (R-O11). Another save of the
+    same name may have cleaned them away as an interrupted save's (R-O16) and written its own.
+
+    Raises:
+        CommitConflict: one was replaced or removed; this save commits nothing.
+    """
+    for key, etag in created:
+        if store.etag(key) != etag:
+            raise CommitConflict(f"{store.url(key)}: replaced by another writer", path=store.url(key))
+
+
+def leftovers(store: ObjectStore, base: StorageURL, name: str) -> list[tuple[str, float]]:
+    """``(key, last modified)`` of ``name``'s objects when it has no record (an interrupted save,
+    or one in progress), else ``[]``."""
     prefix = _key(base, name)
-    keys = [k for k, _ in store.list(prefix) if k == prefix or k.startswith(prefix + ".")]
-    if prefix + RECORD_SUFFIX in keys:
+    found = [(k, m) for k, _, m in store.list(prefix) if k == prefix or k.startswith(prefix + ".")]
+    if any(k == prefix + RECORD_SUFFIX for k, _ in found):
         return []
-    return keys
+    return found
 
 
-def sweep(store: ObjectStore, base: StorageURL, name: str) -> list[str]:
-    """Remove what an interrupted save of ``name`` left (R-O16); returns the keys removed."""
+def sweep(store: ObjectStore, base: StorageURL, name: str, *, older_than: float | None = None) -> list[str]:
+    """Remove what an interrupted save of ``name`` left (R-O16); returns the keys removed.
+
+    Args:
+        older_than: only when the newest of them is that many seconds old (a save's own
+            cleaning); None (a resume's): whatever their age, the writer being gone.
+
+    Raises:
+        CommitConflict: with ``older_than``, they are younger: another writer is saving ``name``.
+    """
     gone = leftovers(store, base, name)
-    for key in gone:
+    if gone and older_than is not None:
+        age = time.time() - max(m for _, m in gone)
+        if age < older_than:
+            raise CommitConflict(
+                f"{store.url(_key(base, name))}: another writer is saving it ({len(gone)} object(s) without a "
+                f"record, the newest {max(age, 0):.0f} s old); a save removes an interrupted save's objects once "
+                f"they are {older_than:.0f} s old, a resume at once (R-O16)",
+                path=store.url(_key(base, name)),
+            )
+    for key, _m in gone:
         store.delete(key)
-    return gone
+    return [key for key, _m in gone]
 
 
 def remove(store: ObjectStore, base: StorageURL, name: str) -> None:
@@ -181,7 +218,7 @@ def remove(store: ObjectStore, base: StorageURL, name: str) -> None:
     except (CheckpointNotFound, FormatError):
         entries = []
     store.delete(prefix + RECORD_SUFFIX)
-    for key in sorted({_key(base, e.key) for e in entries} | set(leftovers(store, base, name))):
+    for key in sorted({_key(base, e.key) for e in entries} | {k for k, _m in leftovers(store, base, name)}):
         store.delete(key)
 
 
@@ -193,7 +230,7 @@ def listing(store: ObjectStore, base: StorageURL, suffix: str) -> dict[str, bool
     (one LIST: the objects of a save in progress or interrupted appear with ``False``)."""
     head = _key(base, "")
     out: dict[str, bool] = {}
-    for key, _size in store.list(head):
+    for key, _size, _modified in store.list(head):
         rel = key[len(head) :]
         if "/" in rel:
             continue
@@ -215,7 +252,7 @@ def read_record(store: ObjectStore, base: StorageURL, name: str) -> list[Entry]:
     try:
         data = store.get(key)
     except CheckpointNotFound:
-        left = [k.rpartition("/")[2] for k in leftovers(store, base, name)]
+        left = [k.rpartition("/")[2] for k, _m in leftovers(store, base, name)]
         if not left:
             raise CheckpointNotFound(f"{store.url(_key(base, name))}: no such checkpoint") from None
         raise IncompleteCheckpoint(

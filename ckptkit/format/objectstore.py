@@ -64,14 +64,15 @@ class Backend(Protocol):
 
     bucket: str
 
-    def put(self, key: str, data: bytes, *, if_absent: bool) -> None: ...
+    def put(self, key: str, data: bytes, *, if_absent: bool) -> str: ...
     def start_multipart(self, key: str) -> str: ...
     def put_part(self, key: str, upload: str, number: int, data: bytes) -> str: ...
-    def finish_multipart(self, key: str, upload: str, etags: list[str], *, if_absent: bool) -> None: ...
+    def finish_multipart(self, key: str, upload: str, etags: list[str], *, if_absent: bool) -> str: ...
     def abort_multipart(self, key: str, upload: str) -> None: ...
     def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes: ...
     def head(self, key: str) -> int | None: ...
-    def list(self, prefix: str) -> list[tuple[str, int]]: ...
+    def etag(self, key: str) -> str | None: ...
+    def list(self, prefix: str) -> list[tuple[str, int, float]]: ...
     def delete(self, key: str) -> None: ...
 
 
@@ -132,9 +133,9 @@ class S3Backend:
         except Exception as e:
             raise _classify(e) from e
 
-    def put(self, key: str, data: bytes, *, if_absent: bool) -> None:
+    def put(self, key: str, data: bytes, *, if_absent: bool) -> str:
         extra = {"IfNoneMatch": "*"} if if_absent else {}
-        self._call(self.client.put_object, Key=key, Body=data, **extra)
+        return str(self._call(self.client.put_object, Key=key, Body=data, **extra)["ETag"])
 
     def start_multipart(self, key: str) -> str:
         return str(self._call(self.client.create_multipart_upload, Key=key)["UploadId"])
@@ -143,10 +144,13 @@ class S3Backend:
         r = self._call(self.client.upload_part, Key=key, UploadId=upload, PartNumber=number, Body=data)
         return str(r["ETag"])
 
-    def finish_multipart(self, key: str, upload: str, etags: list[str], *, if_absent: bool) -> None:
+    def finish_multipart(self, key: str, upload: str, etags: list[str], *, if_absent: bool) -> str:
         parts = {"Parts": [{"ETag": t, "PartNumber": i + 1} for i, t in enumerate(etags)]}
         extra = {"IfNoneMatch": "*"} if if_absent else {}
-        self._call(self.client.complete_multipart_upload, Key=key, UploadId=upload, MultipartUpload=parts, **extra)
+        done = self._call(
+            self.client.complete_multipart_upload, Key=key, UploadId=upload, MultipartUpload=parts, **extra
+        )
+        return str(done["ETag"])
 
     def abort_multipart(self, key: str, upload: str) -> None:
         self._call(self.client.abort_multipart_upload, Key=key, UploadId=upload)
@@ -165,12 +169,18 @@ class S3Backend:
         except ObjectMissing:
             return None
 
-    def list(self, prefix: str) -> list[tuple[str, int]]:
-        out: list[tuple[str, int]] = []
+    def etag(self, key: str) -> str | None:
+        try:
+            return str(self._call(self.client.head_object, Key=key)["ETag"])
+        except ObjectMissing:
+            return None
+
+    def list(self, prefix: str) -> list[tuple[str, int, float]]:
+        out: list[tuple[str, int, float]] = []
         token: dict[str, str] = {}
         while True:
             page = self._call(self.client.list_objects_v2, Prefix=prefix, **token)
-            out += [(o["Key"], int(o["Size"])) for o in page.get("Contents", [])]
+            out += [(o["Key"], int(o["Size"]), o["LastModified"].timestamp()) for o in page.get("Contents", [])]
             if not page.get("IsTruncated"):
                 return sorted(out)
             token = {"ContinuationToken": page["NextContinuationToken"]}
@@ -254,8 +264,8 @@ class ObjectStore:
 
     # ------------------------------------------------------------------ writes
 
-    def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> None:
-        """Create (``if_absent``: only create, R-O11) the object ``key`` holding ``data``.
+    def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> str:
+        """Create (``if_absent``: only create, R-O11) the object ``key`` holding ``data``; its ETag.
 
         A conditional put retried after a transient failure may meet its own first attempt,
         which the store carried out before the connection dropped: a conflict is then ours
@@ -263,23 +273,26 @@ class ObjectStore:
         """
         tried = [False]
 
-        def attempt(fn: Callable[[], None]) -> None:
+        def attempt(fn: Callable[[], str]) -> str:
             try:
-                fn()
+                return fn()
             except WriteConflict:
                 if tried[0] and self._holds(key, data):
-                    return
+                    return self.etag(key) or ""
                 raise
             finally:
                 tried[0] = True
 
-        if len(data) <= self.part_size:
-            body = bytes(data)
-            self._retry(
-                "put", key, lambda: attempt(lambda: self.backend.put(key, body, if_absent=if_absent)), writing=True
-            )
-            return
-        self._put_parts(key, data, if_absent, attempt)
+        if len(data) > self.part_size:
+            return self._put_parts(key, data, if_absent, attempt)
+        body = bytes(data)
+        return self._retry(
+            "put", key, lambda: attempt(lambda: self.backend.put(key, body, if_absent=if_absent)), writing=True
+        )
+
+    def etag(self, key: str) -> str | None:
+        """The object's ETag (what a put of it returned), or None when there is none."""
+        return self._retry("head", key, lambda: self.backend.etag(key), writing=False)
 
     def _holds(self, key: str, data: bytes | memoryview) -> bool:
         try:
@@ -288,8 +301,8 @@ class ObjectStore:
             return False
 
     def _put_parts(
-        self, key: str, data: bytes | memoryview, if_absent: bool, attempt: Callable[[Callable[[], None]], None]
-    ) -> None:
+        self, key: str, data: bytes | memoryview, if_absent: bool, attempt: Callable[[Callable[[], str]], str]
+    ) -> str:
         """A multipart upload of ``data``, its parts in parallel, completed conditionally."""
         view = memoryview(data)
         upload = self._retry("start upload", key, lambda: self.backend.start_multipart(key), writing=True)
@@ -305,7 +318,7 @@ class ObjectStore:
 
             etags = _parallel(part, len(spans))
             finish = lambda: self.backend.finish_multipart(key, upload, etags, if_absent=if_absent)  # noqa: E731
-            self._retry("complete upload", key, lambda: attempt(finish), writing=True)
+            return self._retry("complete upload", key, lambda: attempt(finish), writing=True)
         except Exception:
             with contextlib.suppress(Exception):
                 self.backend.abort_multipart(key, upload)
@@ -333,8 +346,9 @@ class ObjectStore:
         """The object's size, or None when there is none."""
         return self._retry("head", key, lambda: self.backend.head(key), writing=False)
 
-    def list(self, prefix: str) -> list[tuple[str, int]]:
-        """``(key, size)`` of every object whose key starts with ``prefix``, sorted."""
+    def list(self, prefix: str) -> list[tuple[str, int, float]]:
+        """``(key, size, last modified)`` of every object whose key starts with ``prefix``, sorted
+        (the time in seconds since the epoch, as the store's clock gave it)."""
         return self._retry("list", prefix, lambda: self.backend.list(prefix), writing=False)
 
 
