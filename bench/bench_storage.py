@@ -16,8 +16,8 @@ alternates); the first round is a warm-up; the median of the rest is reported.
   rename, which on S3 is a copy and a delete);
 - load: ``ckptkit.load`` (the record, then the object, its size and xxh3-64 checked before
   parsing, then every tensor's digest) vs ``dcp.load`` with ``FsspecReader`` (no digest);
-- commit cost: one ``commit`` of ``k`` small objects (1, 10, 100) and the size of its record;
-  listing a prefix of ``k`` committed checkpoints.
+- commit cost: one ``commit`` of ``k`` small objects (``--objects``: 1, 10, 100) and the size
+  of its record; listing the prefix those checkpoints are in.
 
 Ratios are ckptkit / DCP-fsspec: below 1.0 ckptkit is faster. Nothing here is a test.
 """
@@ -98,7 +98,7 @@ def _round(bucket: str, state: dict[str, Any], first_ckptkit: bool) -> dict[str,
     return out
 
 
-def _commit_costs(bucket: str) -> dict[str, Any]:
+def _commit_costs(bucket: str, counts: list[int]) -> dict[str, Any]:
     from ckptkit.format.commit import RECORD_SUFFIX, commit, listing
     from ckptkit.format.objectstore import store_for
     from ckptkit.format.urls import parse
@@ -106,14 +106,14 @@ def _commit_costs(bucket: str) -> dict[str, Any]:
     base = parse(f"s3://{bucket}/commits-{uuid.uuid4().hex[:8]}")
     store = store_for(base)
     costs: dict[str, Any] = {}
-    for k in (1, 10, 100):
+    for k in counts:
         name = f"step-{k:08d}.ckpt"
         objects = [(name, b"x" * 1024)] + [(f"{name}.part{i:03d}", b"y" * 1024) for i in range(k - 1)]
         seconds = _timed(lambda name=name, objects=objects: commit(store, base, name, objects))
         record = store.head(base.child(name + RECORD_SUFFIX).key)
         costs[f"commit_{k}_objects_s"] = round(seconds, 4)
         costs[f"record_{k}_objects_bytes"] = record
-    costs["list_3_checkpoints_s"] = round(_timed(lambda: listing(store, base, ".ckpt")), 4)
+    costs[f"list_{len(counts)}_checkpoints_s"] = round(_timed(lambda: listing(store, base, ".ckpt")), 4)
     return costs
 
 
@@ -122,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size-mb", type=float, default=128.0, help="fp32 tensors, all together (MB)")
     p.add_argument("--tensors", type=int, default=16, help="how many tensors")
     p.add_argument("--rounds", type=int, default=5, help="measured rounds (after one warm-up round)")
+    p.add_argument("--objects", default="1,10,100", help="commit costs: objects per checkpoint, comma-separated")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore")  # s3fs 0.4's own warning about its age; DCP's about no_dist
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             "rounds": args.rounds,
             "seconds": {k: round(v, 4) for k, v in median.items()},
             "ratio": {k: round(v, 3) for k, v in ratios.items()},
-            "commit": _commit_costs(bucket),
+            "commit": _commit_costs(bucket, [int(k) for k in args.objects.split(",")]),
         }
     finally:
         server.stop()

@@ -6,6 +6,7 @@ client is the one users run, configured by the standard AWS variables the fixtur
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -340,3 +341,21 @@ def test_verify_of_an_s3_checkpoint_runs_in_a_fresh_process_with_only_the_enviro
         [sys.executable, "-m", "ckptkit", "verify", f"{s3}/p"], capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0 and proc.stdout.startswith(f"OK    {s3}/p/step-00000010.ckpt"), proc.stderr
+
+
+def test_the_storage_bench_runs_and_reports_both_backends_and_the_commit_costs(monkeypatch, capsys) -> None:
+    """bench/bench_storage.py still runs against what it measures (no timing asserted)."""
+    from helpers import load_script
+
+    for var in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
+        monkeypatch.setenv(var, "restored-after-the-test")  # the bench points them at its own server
+    bench = load_script("bench_storage", Path(__file__).parents[1] / "bench" / "bench_storage.py")
+    assert bench.main(["--size-mb", "1", "--tensors", "2", "--rounds", "1", "--objects", "1,3", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out["ratio"]) == {"save", "load"} and set(out["seconds"]) == {
+        "ckptkit_save",
+        "dcp_save",
+        "ckptkit_load",
+        "dcp_load",
+    }
+    assert out["commit"]["record_1_objects_bytes"] < out["commit"]["record_3_objects_bytes"]
