@@ -20,6 +20,7 @@ around a load keeps working::
     ├── UnreadableFile (OSError)              a path that is there but is no readable file
     ├── InsufficientMemory (MemoryError)      a load would allocate more than is available
     ├── SaveFailed (OSError)                  a write failed; the previous file is intact
+    │   └── CommitConflict                    another writer committed that checkpoint first (object storage)
     ├── UnsupportedValue (TypeError)          state the container cannot carry
     ├── UnsupportedOption (ValueError)        a storage option or checkpoint id ckptkit does not serve
     ├── ResumeRefused (RuntimeError)          a resume would continue a different run
@@ -37,6 +38,17 @@ around a load keeps working::
     └── AuditError (RuntimeError)             an audited command failed, timed out or ignored the stop
 
     RunStopped (SystemExit)                   not an error: a requested stop saved the run (exit 75)
+
+    StorageFault (Exception)                  how one object-storage request failed; inside the store only
+    ├── ObjectMissing                         no object at the key
+    ├── WriteConflict                         a conditional write found the object there (HTTP 412/409)
+    ├── TransientFault                        throttling, a 5xx, a dropped connection: worth retrying
+    └── RequestRefused                        anything else: access denied, no bucket, a bad request
+
+``StorageFault`` stands apart too: it is the answer of one storage request
+(:class:`ckptkit.format.objectstore.Backend`), which the object store turns into a
+``CheckpointError`` naming the object (after retries, for a ``TransientFault``); none
+reaches a caller.
 
 ``RunStopped`` stands apart on purpose: a loop's ``except Exception`` must not
 swallow a preemption, and uncaught it ends the process with :data:`EXIT_STOPPED`.
@@ -60,6 +72,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointNotFound",
     "ChecksumMismatch",
+    "CommitConflict",
     "ConfigDrift",
     "DistributedFailure",
     "EnvironmentDrift",
@@ -69,23 +82,28 @@ __all__ = [
     "LegacyCheckpoint",
     "MalformedIndex",
     "NoConsistentCheckpoint",
+    "ObjectMissing",
     "ReplayDivergence",
     "ReplayError",
     "ReplicaDivergence",
+    "RequestRefused",
     "ReservedBitSet",
     "ResumeRefused",
     "RunStopped",
     "SaveFailed",
     "SidecarMismatch",
     "StateMismatch",
+    "StorageFault",
     "StreamOffsetMismatch",
     "TrainingUnstable",
+    "TransientFault",
     "TruncatedFile",
     "UnreadableFile",
     "UnsupportedOption",
     "UnsupportedValue",
     "UnsupportedVersion",
     "WorldSizeChanged",
+    "WriteConflict",
 ]
 
 
@@ -264,6 +282,13 @@ class SaveFailed(CheckpointError, OSError):
         return self.message
 
 
+class CommitConflict(SaveFailed):
+    """A checkpoint on object storage was committed by another writer first: its commit record
+    (or one of its objects) already exists, and a conditional put creates an object only once
+    (spec/objectstore.md R-O11). Nothing of the other writer's is overwritten; this save wrote
+    no commit."""
+
+
 class UnsupportedValue(CheckpointError, TypeError):
     """A value the container cannot carry; refused at save or registration, never dropped."""
 
@@ -424,3 +449,24 @@ class RunStopped(SystemExit):
     def __init__(self, step: int, path: str, reason: str) -> None:
         super().__init__(EXIT_STOPPED)
         self.step, self.path, self.reason = step, path, reason
+
+
+class StorageFault(Exception):
+    """How one object-storage request failed (spec/objectstore.md): a backend's answer, turned
+    into a :class:`CheckpointError` naming the object by the store, never seen by a caller."""
+
+
+class ObjectMissing(StorageFault):
+    """No object at the key."""
+
+
+class WriteConflict(StorageFault):
+    """A conditional write found the object there already (HTTP 412, or 409 for one in flight)."""
+
+
+class TransientFault(StorageFault):
+    """Throttling (503 SlowDown), a 5xx, a dropped connection: another attempt may succeed (R-O20)."""
+
+
+class RequestRefused(StorageFault):
+    """A failure another attempt meets again: access denied, no such bucket, a bad request."""

@@ -274,8 +274,9 @@ def test_an_extension_that_is_no_stream_transform_is_refused_by_name(tmp_path):
 
 
 URL_MESSAGE = (
-    "s3://bucket/ckpt: a URL; ckptkit.distributed writes and reads local directories only, object storage is "
-    "not supported yet; save to a local (or mounted) directory and copy it to the object store"
+    "s3://bucket/ckpt: ckptkit.distributed does not serve s3:// URLs yet (it writes and reads local files only); "
+    "ckptkit.save/load/verify/open_checkpoint and `ckptkit verify/inspect` serve s3://; use a local (or mounted) "
+    "directory"
 )
 
 

@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import ckptkit
 from ckptkit.cli import main
-from ckptkit.errors import ChecksumMismatch, FormatError, UnsupportedValue
+from ckptkit.errors import ChecksumMismatch, FormatError, UnsupportedOption, UnsupportedValue
 from ckptkit.format.container import MAGIC
 from ckptkit.integrations.lightning import LAYOUT, CheckpointIO, LoadsContainers, load_from_checkpoint
 
@@ -297,7 +297,7 @@ def test_missing_files_remote_paths_and_storage_options(tmp_path: Path) -> None:
     io = CheckpointIO()
     with pytest.raises(FileNotFoundError):
         io.load_checkpoint(tmp_path / "nope.ckpt")
-    with pytest.raises(UnsupportedValue, match=r"^s3://b/x\.ckpt: remote paths are not supported"):
+    with pytest.raises(UnsupportedOption, match=r"^s3://b/x\.ckpt: the Lightning plug-in .* does not serve s3:// URLs"):
         io.save_checkpoint({"global_step": 0}, "s3://b/x.ckpt")
     with pytest.raises(UnsupportedValue, match="storage_options are not supported"):
         io.save_checkpoint({"global_step": 0}, tmp_path / "x.ckpt", storage_options={"a": 1})

@@ -20,6 +20,7 @@ PUBLIC = [
     "CheckpointError",
     "CheckpointNotFound",
     "ChecksumMismatch",
+    "CommitConflict",
     "ConfigDrift",
     "Continue",
     "DEFAULT_EXEMPT",

@@ -30,6 +30,7 @@ from ..errors import (
     ResumeRefused,
     TrainingUnstable,
 )
+from ._paths import refuse_urls
 
 __all__ = ["EXIT_OK", "EXIT_PROBLEMS", "EXIT_TROUBLE", "EXIT_UNSTABLE", "main"]
 
@@ -125,6 +126,7 @@ def _main(argv: Sequence[str] | None) -> int:
     args.cmd = trailing
     module = importlib.import_module(f"{__name__}.{_COMMANDS[args.command]}")
     try:
+        refuse_urls(args, served=getattr(module, "URL_ARGS", ()))
         return int(module.run(args))
     except CheckpointError as e:
         if args.debug:

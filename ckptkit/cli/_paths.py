@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 
 from ..errors import CheckpointNotFound
+from ..format.urls import is_url, local_only, parse, require_client
 from ..run.files import list_run_dir
 
-__all__ = ["CKPT_RE", "expand_checkpoints"]
+__all__ = ["CKPT_RE", "expand_checkpoints", "refuse_urls"]
 
 #: Checkpoint file names inside a run directory: step-<zero-padded step>.ckpt
 CKPT_RE = re.compile(r"^step-(\d{8,})\.ckpt$")
@@ -41,3 +43,24 @@ def expand_checkpoints(paths: list[str]) -> list[str]:
         else:
             raise CheckpointNotFound(f"{p}: no such file or directory")
     return out
+
+
+def refuse_urls(args: argparse.Namespace, *, served: tuple[str, ...]) -> None:
+    """Every ``scheme://`` argument of a command is an object-storage URL, never a local folder
+    (spec/objectstore.md R-O01): an argument in ``served`` (the command's ``URL_ARGS``) checks
+    the scheme and the client, every other one is refused by name. The command after ``--``
+    (audit, replay) is the user's.
+
+    Raises:
+        UnsupportedOption: the first URL the command cannot serve.
+    """
+    for name, value in sorted(vars(args).items()):
+        if name in ("cmd", "command"):
+            continue
+        for item in value if isinstance(value, list) else [value]:
+            if not is_url(item):
+                continue
+            if name not in served:
+                local_only(item, f"ckptkit {args.command}")
+            parse(item)
+            require_client()

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..format.urls import is_url, join
 from ..run import DCP_SUFFIX, list_checkpoints
 from ..run.files import is_fallback_note
 from ..run.history import HISTORY_FILE, read_rows
@@ -100,6 +101,36 @@ class TrainSummary:
         return out + fit_command(f"  {self.next_step:<12} ", self.extend, width, _TEXT_AT + 2)
 
 
+def _read_rows(history: str) -> tuple[list[dict[str, Any]], bool]:
+    """The history's rows, from a file or (an ``s3://`` run) its object."""
+    if not is_url(history):
+        return read_rows(history)
+    import tempfile
+
+    from ..format.objectstore import store_for
+    from ..format.urls import parse
+
+    url = parse(history)
+    with tempfile.TemporaryDirectory(prefix="ckptkit-") as tmp:
+        here = os.path.join(tmp, HISTORY_FILE)
+        with open(here, "wb") as f:
+            f.write(store_for(url).get(url.key))
+        return read_rows(here)
+
+
+def _checkpoints(run_dir: str) -> list[tuple[int, str]]:
+    """Every checkpoint in the run directory (an ``s3://`` run's: the committed ones)."""
+    if is_url(run_dir):
+        from ..format.commit import listing
+        from ..format.objectstore import store_for
+        from ..format.urls import parse
+        from ..run.files import step_of
+
+        found = listing(store_for(parse(run_dir)), parse(run_dir), ".ckpt")
+        return sorted((s, n) for n, ok in found.items() if ok and (s := step_of(n)) is not None)
+    return sorted(list_checkpoints(run_dir) + list_checkpoints(run_dir, DCP_SUFFIX))
+
+
 def summarize(run_dir: str, *, seconds: float, keep: int, extend: str, next_step: str = "extend") -> TrainSummary:
     """Read ``run_dir`` after a ``train`` call and say what the call did.
 
@@ -113,8 +144,8 @@ def summarize(run_dir: str, *, seconds: float, keep: int, extend: str, next_step
     Raises:
         FormatError: a complete line of ``history.jsonl`` is not a history row.
     """
-    history = os.path.join(run_dir, HISTORY_FILE)
-    rows, _torn = read_rows(history)
+    history = join(run_dir, HISTORY_FILE)
+    rows, _torn = _read_rows(history)
     marks = [i for i, r in enumerate(rows) if r["kind"] in ("start", "resume")]
     first = marks[-1] if marks else 0
     mine = rows[first:]
@@ -134,7 +165,7 @@ def summarize(run_dir: str, *, seconds: float, keep: int, extend: str, next_step
         spikes_in_run=sum(1 for r in steps if _spiked(r)),
         rollbacks=tuple(r for r in mine if r["kind"] == "rollback"),
         rollbacks_in_run=sum(1 for r in rows if r["kind"] == "rollback"),
-        checkpoints=tuple(s for s, _ in sorted(list_checkpoints(run_dir) + list_checkpoints(run_dir, DCP_SUFFIX))),
+        checkpoints=tuple(s for s, _ in _checkpoints(run_dir)),
         keep=keep,
         history=history,
         step_rows=len(steps),

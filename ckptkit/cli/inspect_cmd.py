@@ -13,10 +13,14 @@ from typing import Any
 from ..errors import CheckpointNotFound
 from ..format.container import Source, layout_report, read_layout
 from ..format.section import TensorRef
+from ..format.urls import is_url
 from ..format.values import TypedValue
 from .verify import _size, report_json
 
-__all__ = ["add_parser", "run"]
+__all__ = ["URL_ARGS", "add_parser", "run"]
+
+#: Arguments that may be ``s3://`` URLs (a committed checkpoint object, spec/objectstore.md).
+URL_ARGS = ("path",)
 
 _EPILOG = """\
 example:
@@ -76,7 +80,13 @@ def run(args: argparse.Namespace) -> int:
         return _trainer.inspect(args.path, args.json, _size)
     if os.path.isdir(args.path):
         raise CheckpointNotFound(f"{args.path}: is a directory; inspect takes one checkpoint file")
-    with Source(args.path) as src:
+    if is_url(args.path):
+        from ._remote import fetch_checkpoint
+
+        opened = Source(args.path, data=fetch_checkpoint(args.path))
+    else:
+        opened = Source(args.path)
+    with opened as src:
         layout = read_layout(src)
     report = layout_report(args.path, layout.size, layout, None, 0)  # no digest is checked here
     monitor = layout.sections.get("monitor")

@@ -24,7 +24,10 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["add_knobs", "add_parser", "config_from_args", "run"]
+__all__ = ["URL_ARGS", "add_knobs", "add_parser", "config_from_args", "run"]
+
+#: ``--run-dir`` may be an ``s3://`` prefix (one process; spec/objectstore.md).
+URL_ARGS = ("run_dir",)
 
 _EPILOG = """\
 example:

@@ -15,10 +15,14 @@ from typing import Any
 
 from ..errors import CheckpointError, CheckpointNotFound, UnreadableFile
 from ..format.container import Report, verify
+from ..format.urls import is_url
 from ._paths import expand_checkpoints
 from ._progress import Progress
 
-__all__ = ["add_parser", "run"]
+__all__ = ["URL_ARGS", "add_parser", "run"]
+
+#: Arguments that may be ``s3://`` URLs (a checkpoint object or a run prefix, spec/objectstore.md).
+URL_ARGS = ("paths",)
 
 _EPILOG = """\
 example:
@@ -47,7 +51,7 @@ def add_parser(sub: Any) -> None:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("paths", nargs="+", metavar="PATH", help="checkpoint file or run directory")
+    p.add_argument("paths", nargs="+", metavar="PATH", help="checkpoint file or run directory (or s3://bucket/prefix)")
     p.add_argument("--json", action="store_true", help="print one JSON object (schema_version 1)")
     p.add_argument("--quiet", action="store_true", help="no progress bar on stderr (shown on a terminal for 2+ files)")
 
@@ -114,7 +118,8 @@ def run(args: argparse.Namespace) -> int:
     from . import _distributed, _trainer
 
     # A Hugging Face Trainer output directory or checkpoint-N/ folder (spec/transformers.md).
-    trainer_folders, paths = _trainer.split(args.paths)
+    urls = [p for p in args.paths if is_url(p)]  # s3://: checked against commit records (_remote)
+    trainer_folders, paths = _trainer.split([p for p in args.paths if not is_url(p)])
     trainer_checks = _trainer.check_all(trainer_folders)
     dirs = [p for p in paths if _distributed.is_distributed_dir(p)]
     # A distributed run directory: its step-N.dcp/ directories, and its sidecars as files.
@@ -131,6 +136,10 @@ def run(args: argparse.Namespace) -> int:
     if reports is None:
         return 2
     companions = _companion_checks(reports, paths, dir_reports)
+    if urls:
+        from ._remote import verify_urls
+
+        reports += verify_urls(urls)
     histories = _history_checks(paths)
     ok = all(r.ok for r in reports + dir_reports) and all(c["ok"] for c in companions) and all(h.ok for h in histories)
     ok = ok and all(c.ok for c in trainer_checks)
@@ -177,7 +186,9 @@ def _verify_files(files: list[str], *, quiet: bool) -> list[Report] | None:
 
 
 def _print_report(r: Report) -> None:
-    if r.ok:
+    if r.ok and r.kind == "object":
+        print(f"OK    {r.path}  object, {_size(r.size)}, size and xxh3-64 match its commit record")
+    elif r.ok:
         legacy = f"  legacy: lacks {', '.join(r.missing)}" if r.legacy else ""
         flags = ", ".join(r.flags) or "-"
         kind = f"sidecar v{r.version}" if r.kind == "sidecar" else f"v{r.version}"

@@ -32,7 +32,6 @@ import dataclasses
 import io
 import math
 import os
-import re
 import shutil
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
@@ -78,6 +77,7 @@ from ..format.atomic import exchange, fsync_dir
 from ..format.codec import check_tensor, decode_tree, dtype_name, memory_available, tensor_bytes, torch_dtype
 from ..format.container import Source
 from ..format.section import DTYPE_SIZES, check_plain
+from ..format.urls import is_url, local_only
 from .format import (
     METADATA_NAME,
     Chunk,
@@ -332,26 +332,17 @@ def replace_directory(path: str, staged: str) -> None:
     shutil.rmtree(staged, ignore_errors=True)
 
 
-_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
-
-
 def _is_local(checkpoint_id: Any) -> bool:
-    return isinstance(checkpoint_id, (str, os.PathLike)) and not _SCHEME.match(os.fspath(checkpoint_id))
+    return isinstance(checkpoint_id, (str, os.PathLike)) and not is_url(checkpoint_id)
 
 
 def local_path(checkpoint_id: str | os.PathLike[str]) -> str:
     """``checkpoint_id`` as a local path; a URL is refused by name (never a local folder ``s3:``).
 
     Raises:
-        UnsupportedOption: a ``scheme://`` URL (object storage is not supported yet).
+        UnsupportedOption: a ``scheme://`` URL (spec/objectstore.md R-O01).
     """
-    path = os.fspath(checkpoint_id)
-    if _SCHEME.match(path):
-        raise UnsupportedOption(
-            f"{path}: a URL; ckptkit.distributed writes and reads local directories only, object storage "
-            "is not supported yet; save to a local (or mounted) directory and copy it to the object store"
-        )
-    return path
+    return local_only(checkpoint_id, "ckptkit.distributed")
 
 
 def _check_writer_options(single_file_per_rank: bool, thread_count: int, copy_ahead: int, fmt: Any) -> None:

@@ -30,6 +30,7 @@ from .container import (
     read_layout,
     write_container,
 )
+from .urls import is_url
 
 if TYPE_CHECKING:
     import torch
@@ -97,7 +98,9 @@ def save(
     ``save`` returns it survives power loss. Same checkpoint, same bytes.
 
     Args:
-        path: destination file; its directory must exist.
+        path: destination file; its directory must exist. Or an ``s3://bucket/key`` URL
+            (the ``ckptkit[s3]`` extra): the same bytes as one object, committed by its
+            record ``key.commit.json``, written once (spec/objectstore.md).
         ckpt: the state to store. Tensors may live on any device and need not be
             contiguous; they are written as contiguous little-endian bytes.
         compression: ``"raw"`` (default) or ``"zstd"`` for every section, or a
@@ -110,6 +113,8 @@ def save(
             named by its path (nothing is written).
         SaveFailed: the write failed (disk full, I/O error, permission); the
             previous file at ``path`` is untouched and no temporary file remains.
+        CommitConflict: ``path`` is a URL where a checkpoint is committed already.
+        UnsupportedOption: a URL of a scheme other than ``s3://``, or the S3 client missing.
 
     Example:
         >>> save("run/step-00000100.ckpt", Checkpoint(step=100, model={"net": net.state_dict()}))  # doctest: +SKIP
@@ -120,10 +125,16 @@ def save(
 
     trees = {name: getattr(ckpt, name) for name in SECTIONS}
     plans, keep = plan_trees(trees, start=HEADER_SIZE, compression=compression, level=level)
-    atomic_write(
-        path,
-        lambda f: write_container(f, step=ckpt.step, flags=ckpt.flags, plans=dict(zip(SECTIONS, plans, strict=True))),
-    )
+
+    def write(f: Any) -> None:
+        write_container(f, step=ckpt.step, flags=ckpt.flags, plans=dict(zip(SECTIONS, plans, strict=True)))
+
+    if is_url(path):  # the same bytes, committed by its record (spec/objectstore.md)
+        from .remote import put_checkpoint
+
+        put_checkpoint(path, write)
+    else:
+        atomic_write(path, write)
     del keep  # the tensors backing the written bytes may go now
 
 
@@ -146,7 +157,8 @@ def load(
     Tensors of a zstd section are decoded into new memory.
 
     Args:
-        path: the checkpoint file.
+        path: the checkpoint file, or an ``s3://`` URL (its object's size and xxh3-64
+            checked against its commit record before a byte is parsed).
         map_location: device for the loaded tensors (those without a destination).
         into: ``{section: destination tree}``, e.g.
             ``{"model": {"net": net.state_dict()}, "optim": {"optimizers": {"adamw": opt.state_dict()}}}``.
@@ -171,7 +183,8 @@ def load(
         ``missing`` naming what v1 cannot carry; absent sections are ``None``.
 
     Raises:
-        CheckpointNotFound: no such file.
+        CheckpointNotFound: no such file. ``IncompleteCheckpoint`` at a URL: objects
+            without their commit record (an interrupted save), named.
         BadMagic, UnsupportedVersion, TruncatedFile, MalformedIndex,
         ChecksumMismatch, ReservedBitSet: the bytes break a rule of
             ``spec/container.md``; the message names the file, offset and section.
@@ -189,7 +202,13 @@ def load(
         >>> net.load_state_dict(ckpt.model["net"])  # doctest: +SKIP
         >>> load("run/step-00000100.ckpt", into={"model": {"net": net.state_dict()}})  # doctest: +SKIP
     """
-    with Source(path) as src:
+    if is_url(path):
+        from .remote import get_checkpoint
+
+        opened = Source(os.fspath(path), data=get_checkpoint(path))
+    else:
+        opened = Source(path)
+    with opened as src:
         layout = read_layout(src)
         if not layout.legacy:
             check_skeleton(src, layout)

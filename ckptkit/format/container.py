@@ -40,6 +40,7 @@ from ..errors import (
     CheckpointError,
     ChecksumMismatch,
     FormatError,
+    IncompleteCheckpoint,
     MalformedIndex,
     ReservedBitSet,
     TruncatedFile,
@@ -48,6 +49,7 @@ from ..errors import (
 )
 from ._io import ZEROS, Source, WriteBehind, cpus, open_regular, run_keyed, write_all, write_zeros
 from .section import SectionIndex, SectionPlan, decode_index
+from .urls import is_url
 
 __all__ = [
     "FLAG_FP32_FALLBACK",
@@ -835,7 +837,8 @@ def verify(path: str | os.PathLike[str]) -> Report:
     """Check every byte of a checkpoint file with bounded memory; never raises for bad bytes.
 
     Args:
-        path: a checkpoint file.
+        path: a checkpoint file, or an ``s3://`` URL: an object that lacks its commit
+            record, or whose size or xxh3-64 differs from it, is a failed report.
 
     Returns:
         A :class:`Report`; ``report.ok`` is False and ``report.error`` holds the typed
@@ -855,24 +858,37 @@ def verify(path: str | os.PathLike[str]) -> Report:
     """
     path = os.fspath(path)
     try:
-        opened = Source(path)
-    except UnreadableFile as e:
+        opened = _remote_source(path) if is_url(path) else Source(path)
+    except (UnreadableFile, IncompleteCheckpoint, FormatError) as e:
         return layout_report(path, 0, None, e, 0)
     with opened as src:
-        layout: Layout | None = None
-        hashed = 0
-        try:
-            layout = read_layout(src)
-            if not layout.legacy:
-                scratch = bytearray(_CHUNK * 4)
-                check_skeleton(src, layout, scratch)
-                check_flags(layout)
-                hashed, error = check_all_tensors(src, layout)
-                if error is not None:
-                    raise error
-        except FormatError as e:
-            return layout_report(path, src.size, layout, e, hashed)
-        return layout_report(path, src.size, layout, None, hashed)
+        return verify_source(path, src)
+
+
+def _remote_source(url: str) -> Source:
+    """The committed object at ``url`` (its record's size and digest checked, R-O14)."""
+    from .remote import get_checkpoint
+
+    return Source(url, data=get_checkpoint(url))
+
+
+def verify_source(path: str, src: Source) -> Report:
+    """:func:`verify` of an open source (a file, or an object's bytes already checked against its
+    commit record), named ``path`` in the report."""
+    layout: Layout | None = None
+    hashed = 0
+    try:
+        layout = read_layout(src)
+        if not layout.legacy:
+            scratch = bytearray(_CHUNK * 4)
+            check_skeleton(src, layout, scratch)
+            check_flags(layout)
+            hashed, error = check_all_tensors(src, layout)
+            if error is not None:
+                raise error
+    except FormatError as e:
+        return layout_report(path, src.size, layout, e, hashed)
+    return layout_report(path, src.size, layout, None, hashed)
 
 
 def layout_report(path: str, size: int, layout: Layout | None, error: CheckpointError | None, hashed: int) -> Report:

@@ -37,6 +37,7 @@ from .container import (
     read_layout,
 )
 from .section import SectionIndex, TensorRef
+from .urls import is_url
 
 if TYPE_CHECKING:
     import torch
@@ -48,7 +49,8 @@ def open_checkpoint(path: str | os.PathLike[str]) -> LazyCheckpoint:
     """Open a checkpoint lazily: index and skeleton now, each tensor on first access.
 
     Args:
-        path: a v2 (or legacy v1) checkpoint file.
+        path: a v2 (or legacy v1) checkpoint file, or an ``s3://`` URL (the committed
+            object is fetched whole, its size and digest checked, into an unlinked temporary file).
 
     Returns:
         A :class:`LazyCheckpoint`; use it as a context manager (or call ``close()``).
@@ -67,6 +69,22 @@ def open_checkpoint(path: str | os.PathLike[str]) -> LazyCheckpoint:
     return LazyCheckpoint(path)
 
 
+def _open_source(path: str) -> Source:
+    """The file at ``path``; at an ``s3://`` URL, the committed object (size and digest checked
+    against its record, R-O14) in an unlinked temporary file, so that tensors map it as a file's."""
+    if not is_url(path):
+        return Source(path)
+    from .remote import get_checkpoint, spool
+
+    tmp = spool(get_checkpoint(path))
+    try:
+        src = Source(tmp)
+    finally:
+        os.unlink(tmp)
+    src.path = path
+    return src
+
+
 class LazyCheckpoint:
     """An open checkpoint whose tensors are mapped, and checked, only when asked for.
 
@@ -83,7 +101,7 @@ class LazyCheckpoint:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
-        self._src = Source(self.path)
+        self._src = _open_source(self.path)
         try:
             layout = read_layout(self._src)
             if not layout.legacy:

@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING, Any, TypeGuard
 from ..errors import FormatError, UnsupportedValue
 from ..format.checkpoint import Checkpoint, load, save
 from ..format.section import check_plain
+from ..format.urls import local_only
 from ._extra import missing_extra
 from .lightning_file import LAYOUT
 
@@ -164,12 +165,8 @@ def from_container(ckpt: Checkpoint, path: str = "") -> dict[str, Any]:
 
 
 def _local(path: str | os.PathLike[str]) -> str:
-    name = os.fspath(path)
-    if "://" in name:
-        raise UnsupportedValue(
-            f"{name}: remote paths are not supported; ckptkit writes local files atomically (temp file, fsync, rename)"
-        )
-    return name
+    # Lightning overwrites a name (``last.ckpt``) in place; a commit record is written once (R-O11).
+    return local_only(path, "the Lightning plug-in (ckptkit.integrations.lightning.CheckpointIO)")
 
 
 class CheckpointIO(_LightningCheckpointIO, _Callback):

@@ -95,7 +95,7 @@ def _sweep_aside(run_dir: str) -> list[str]:
     return gone
 
 
-class DcpStore:
+class DcpStore(files.LocalRunDir):
     """``step-N.dcp/`` directories in ``run_dir``, saved and loaded by every rank of ``group``."""
 
     suffix = files.DCP_SUFFIX

@@ -26,6 +26,7 @@ from ._registry import Registry
 from .files import (
     CKPT_SUFFIX,
     DCP_SUFFIX,
+    LocalRunDir,
     check_step,
     checkpoint_name,
     list_checkpoints,
@@ -40,10 +41,10 @@ from .files import (
 from .group import WORLD_SIZE, world_of, world_size_changed
 from .store import Opened, Sidecars
 
-__all__ = ["FileStore", "bind"]
+__all__ = ["FileStore", "bind", "submit"]
 
 
-class FileStore:
+class FileStore(LocalRunDir):
     """``step-N.ckpt`` files in ``run_dir`` (a one-process run)."""
 
     suffix = CKPT_SUFFIX
@@ -100,27 +101,15 @@ class FileStore:
         os.makedirs(self.run_dir, exist_ok=True)
         path = self.path(step)
         if self._saver is not None:
-            self._save_async(path, ckpt, config, sidecars)
-            return path
-        record = write_companions(path, step, config, sidecars)
-        save(path, bind(ckpt, record), compression=self.compression)
-        self._retain()
+            submit(self._saver, ckpt, sidecars, lambda taken, copied: self._write(path, taken, config, copied))
+        else:
+            self._write(path, ckpt, config, sidecars)
         return path
 
-    def _save_async(self, path: str, ckpt: Checkpoint, config: bytes, sidecars: Mapping[str, tuple[int, Any]]) -> None:
-        assert self._saver is not None
-        stamps, trees = {}, {name: getattr(ckpt, name) for name in SECTIONS}
-        for kind, (table_step, tree) in sidecars.items():
-            stamps[kind], trees[f"sidecar:{kind}"] = table_step, tree
-
-        def write(snap: dict[str, Any]) -> None:
-            copied = {kind: (table_step, snap[f"sidecar:{kind}"]) for kind, table_step in stamps.items()}
-            record = write_companions(path, ckpt.step, config, copied)
-            taken = dataclasses.replace(ckpt, **{name: snap[name] for name in SECTIONS})
-            save(path, bind(taken, record), compression=self.compression)
-            self._retain()
-
-        self._saver.submit(trees, write)
+    def _write(self, path: str, ckpt: Checkpoint, config: bytes, sidecars: Mapping[str, tuple[int, Any]]) -> None:
+        record = write_companions(path, ckpt.step, config, sidecars)
+        save(path, bind(ckpt, record), compression=self.compression)
+        self._retain()
 
     def _retain(self) -> None:
         retain(self.run_dir, self.keep, self.delete, self.log)
@@ -162,6 +151,26 @@ class FileStore:
 
     def load(self, path: str, opened: Opened, *, copy: bool = False) -> Checkpoint:
         return opened.ckpt  # every tensor was read (and verified) into memory of its own by open()
+
+
+def submit(
+    saver: AsyncSaver,
+    ckpt: Checkpoint,
+    sidecars: Mapping[str, tuple[int, Any]],
+    write: Callable[[Checkpoint, Sidecars], None],
+) -> None:
+    """Snapshot ``ckpt``'s trees and the sidecars into ``saver``'s reused buffer now, then
+    ``write(the copy, its sidecars)`` in the background (``async_save``: the same files, in
+    the same order, as a save in the foreground)."""
+    stamps, trees = {}, {name: getattr(ckpt, name) for name in SECTIONS}
+    for kind, (table_step, tree) in sidecars.items():
+        stamps[kind], trees[f"sidecar:{kind}"] = table_step, tree
+
+    def run(snap: dict[str, Any]) -> None:
+        copied = {kind: (table_step, snap[f"sidecar:{kind}"]) for kind, table_step in stamps.items()}
+        write(dataclasses.replace(ckpt, **{name: snap[name] for name in SECTIONS}), copied)
+
+    saver.submit(trees, run)
 
 
 def bind(ckpt: Checkpoint, record: dict[str, Any]) -> Checkpoint:

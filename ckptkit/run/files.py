@@ -19,15 +19,16 @@ from typing import Any, TypeVar
 import xxhash
 
 from ..errors import CheckpointNotFound, FormatError, NoConsistentCheckpoint, ResumeRefused, UnreadableFile
-from ..format.atomic import write_bytes_atomic
+from ..format.atomic import clean_stale_temps, write_bytes_atomic
 from ..format.companions import ENVIRONMENT_FILE, check_companions, file_digest, make_record, record_of
 from ..format.sidecar import Sidecar, read_sidecar, sidecar_path, write_sidecar
-from ..format.snapshot import read_small_file, read_snapshot, snapshot_path
+from ..format.snapshot import Snapshot, read_small_file, read_snapshot, snapshot_path
 
 __all__ = [
     "CKPT_SUFFIX",
     "DCP_SUFFIX",
     "ENVIRONMENT_FILE",
+    "LocalRunDir",
     "check_step",
     "checkpoint_name",
     "fallback_notes",
@@ -42,6 +43,7 @@ __all__ = [
     "remove_companions",
     "restorable",
     "retain",
+    "step_of",
     "write_companions",
 ]
 
@@ -85,9 +87,9 @@ def list_checkpoints(run_dir: str | os.PathLike[str], suffix: str = CKPT_SUFFIX)
     run_dir = os.fspath(run_dir)
     out = []
     for name in list_run_dir(run_dir):
-        digits = name[len(_PREFIX) : -len(suffix)]
-        if name.startswith(_PREFIX) and name.endswith(suffix) and digits.isdigit() and len(digits) >= 8:
-            out.append((int(digits), os.path.join(run_dir, name)))
+        step = step_of(name, suffix)
+        if step is not None:
+            out.append((step, os.path.join(run_dir, name)))
     return sorted(out)
 
 
@@ -109,6 +111,14 @@ def list_run_dir(run_dir: str) -> list[str]:
             errno=e.errno,
             path=run_dir,
         ) from None
+
+
+def step_of(name: str, suffix: str = CKPT_SUFFIX) -> int | None:
+    """The step a checkpoint name says (``step-00000120.ckpt`` -> 120); None for any other name."""
+    digits = name[len(_PREFIX) : -len(suffix)]
+    if name.startswith(_PREFIX) and name.endswith(suffix) and digits.isdigit() and len(digits) >= 8:
+        return int(digits)
+    return None
 
 
 def retain(
@@ -287,3 +297,31 @@ _SKIPPED, _FELL_BACK = "skipped ", "falling back to "
 def is_fallback_note(note: str) -> bool:
     """Whether a resume note says a checkpoint was passed over: a diagnostic no ``--quiet`` silences."""
     return note.startswith((_SKIPPED, _FELL_BACK))
+
+
+class LocalRunDir:
+    """What both local stores (one file per step, DCP directories) share of the
+    :class:`~ckptkit.run.store.Store` protocol: the run directory is a local folder."""
+
+    run_dir: str
+
+    @property
+    def work_dir(self) -> str:
+        """Where the run's appended files (``history.jsonl``) live: the run directory itself."""
+        return self.run_dir
+
+    def begin(self, environment: bytes) -> None:
+        """Rank 0, a fresh run: make the directory, remove dead writers' temp files, record the environment."""
+        os.makedirs(self.run_dir, exist_ok=True)
+        clean_stale_temps(self.run_dir)
+        write_bytes_atomic(os.path.join(self.run_dir, ENVIRONMENT_FILE), environment)
+
+    def environment(self) -> dict[str, Any]:
+        return read_environment(self.run_dir)
+
+    def snapshot(self, path: str) -> Snapshot:
+        return read_snapshot(snapshot_path(path))
+
+    def any_checkpoints(self) -> bool:
+        """A checkpoint of either store is in the directory (``resume_or_start``)."""
+        return any(list_checkpoints(self.run_dir, s) for s in (CKPT_SUFFIX, DCP_SUFFIX))

@@ -44,6 +44,7 @@ from typing import IO, Any
 from ..errors import CheckpointNotFound, FormatError
 from ..format.atomic import write_bytes_atomic
 from ..format.container import open_regular
+from ..format.urls import local_only
 
 __all__ = [
     "COMPARED_KINDS",
@@ -239,9 +240,10 @@ class History:
     """
 
     def __init__(self, run_dir: str | os.PathLike[str]) -> None:
-        self.path = os.path.join(os.fspath(run_dir), HISTORY_FILE)
         self._file: IO[bytes] | None = None
         self.prepared = False  # start_fresh() or resume_at() made the file this run's, in this process
+        # An s3:// run's history is written in RunState.work_dir (spec/objectstore.md R-O23).
+        self.path = os.path.join(local_only(run_dir, "ckptkit.History"), HISTORY_FILE)
 
     def begin(self, step: int, timeline: int = 0) -> list[str]:
         """Make the file this run's history at ``step`` once per process: :meth:`start_fresh`

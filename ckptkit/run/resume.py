@@ -18,19 +18,17 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import LegacyCheckpoint
-from ..format.atomic import clean_stale_temps, write_bytes_atomic
 from ..format.checkpoint import Checkpoint
-from ..format.companions import ENVIRONMENT_FILE, UNBOUND_NOTE
-from ..format.snapshot import read_snapshot, snapshot_path
+from ..format.companions import UNBOUND_NOTE
 from ._registry import Registry
 from .drift import KeyDiff, check_resume
 from .environment import EnvDiff, capture, check_environment
-from .files import fallback_notes, list_checkpoints, newest_consistent, read_environment, refuse_existing
+from .files import fallback_notes, newest_consistent, refuse_existing
 from .group import Group, world_of
 from .store import Opened, Sidecars, Store
 
@@ -87,20 +85,16 @@ def start(store: Store, group: Group, run_dir: str) -> int:
     def rank0() -> None:
         store.refuse_foreign()
         refuse_existing(run_dir, store.listing())
-        os.makedirs(run_dir, exist_ok=True)
-        clean_stale_temps(run_dir)
         record = {**capture(), **store.facts()}
-        write_bytes_atomic(
-            os.path.join(run_dir, ENVIRONMENT_FILE), (json.dumps(record, sort_keys=True, indent=2) + "\n").encode()
-        )
+        store.begin((json.dumps(record, sort_keys=True, indent=2) + "\n").encode())
 
     group.from_rank0(rank0, "starting the run")
     return 0
 
 
-def has_checkpoints(group: Group, run_dir: str, suffixes: Iterable[str]) -> bool:
-    """Rank 0 looks: does ``run_dir`` hold a checkpoint of any store (``resume_or_start``)?"""
-    return group.from_rank0(lambda: any(list_checkpoints(run_dir, s) for s in suffixes), "listing checkpoints")
+def has_checkpoints(group: Group, store: Store) -> bool:
+    """Rank 0 looks: does the run directory hold a checkpoint of any store (``resume_or_start``)?"""
+    return group.from_rank0(store.any_checkpoints, "listing checkpoints")
 
 
 def resume(
@@ -153,8 +147,8 @@ def _check(
 ) -> tuple[Opened, list[KeyDiff], list[EnvDiff], tuple[str, ...]]:
     """Every rank: world, config, environment, legacy and registrations, before anything is loaded."""
     opened = store.open(path, reshard=how.reshard)
-    exempt = check_resume(read_snapshot(snapshot_path(path)), how.config, exempt=how.exempt)
-    recorded = read_environment(run_dir)
+    exempt = check_resume(store.snapshot(path), how.config, exempt=how.exempt)
+    recorded = store.environment()
     world = world_of(recorded)
     env = check_environment(
         {k: v for k, v in recorded.items() if k not in world}, capture(), allow=how.allow_env_change

@@ -42,14 +42,16 @@ from typing import Any
 
 from ..format.checkpoint import Checkpoint
 from ..format.snapshot import encode_snapshot
+from ..format.urls import is_url, local_only
 from . import resume as protocol
 from ._registry import Registry
 from .dcp_store import DcpStore
 from .drift import DEFAULT_EXEMPT
 from .file_store import FileStore
-from .files import CKPT_SUFFIX, DCP_SUFFIX, list_checkpoints
+from .files import DCP_SUFFIX, list_checkpoints
 from .group import Alone, group_of
 from .history import History
+from .object_store import ObjectRunStore
 from .preemption import Stopping, StopRequests
 from .registration import Registration
 from .resume import ResumeInfo
@@ -105,7 +107,7 @@ class RunState(Registration, Stopping):
         if not isinstance(async_save, bool):
             raise ValueError(f"async_save must be True or False (got {async_save!r})")
         encode_snapshot(config)  # a config the snapshot cannot hold is refused now, not at the first save
-        self.run_dir = os.fspath(run_dir)
+        self.run_dir = os.fspath(run_dir)  # an s3:// URL is object storage, never a local folder (R-O01)
         self.config = config
         self.keep = keep
         self.exempt = frozenset(exempt)
@@ -123,9 +125,21 @@ class RunState(Registration, Stopping):
         self._store = self._open_store(async_save)
 
     def _open_store(self, async_save: bool) -> Store:
-        """The DCP store when given a group, built in an initialised job, or on a run directory
-        a distributed run saved into (which it may only resume with a reshard, RS-D7); else
-        one file per step."""
+        """The object store on an ``s3://`` run directory (one process: spec/objectstore.md); the
+        DCP store when given a group, built in an initialised job, or on a run directory a
+        distributed run saved into (which it may only resume with a reshard, RS-D7); else one
+        file per step."""
+        if is_url(self.run_dir):
+            if not isinstance(self._group, Alone):
+                local_only(self.run_dir, "a distributed RunState")
+            return ObjectRunStore(
+                self.run_dir,
+                self._reg,
+                keep=self.keep,
+                compression=self.compression,
+                async_save=async_save,
+                log=self._log,
+            )
         if not isinstance(self._group, Alone) or list_checkpoints(self.run_dir, DCP_SUFFIX):
             return DcpStore(
                 self.run_dir,
@@ -139,6 +153,13 @@ class RunState(Registration, Stopping):
         return FileStore(
             self.run_dir, self._reg, keep=self.keep, compression=self.compression, async_save=async_save, log=self._log
         )
+
+    @property
+    def work_dir(self) -> str:
+        """Where the run's ``history.jsonl`` is written on this machine: the run directory, or for
+        an ``s3://`` run a private working directory whose history goes up with each checkpoint
+        (spec/objectstore.md R-O23); a :class:`~ckptkit.History` of the run is opened there."""
+        return self._store.work_dir
 
     @property
     def rank(self) -> int:
@@ -334,7 +355,7 @@ class RunState(Registration, Stopping):
         Raises:
             As :meth:`resume` (never :class:`CheckpointNotFound` for an empty directory).
         """
-        if protocol.has_checkpoints(self._group, self.run_dir, (CKPT_SUFFIX, DCP_SUFFIX)):
+        if protocol.has_checkpoints(self._group, self._store):
             return self.resume(allow_legacy=allow_legacy, allow_env_change=allow_env_change, reshard=reshard).step
         return self.start()
 
@@ -398,7 +419,7 @@ class RunState(Registration, Stopping):
         Raises:
             ValueError: it is another file, or the run's history is already open as another object.
         """
-        mine = self._history or History(self.run_dir)
+        mine = self._history or History(self._store.work_dir)
         if os.path.realpath(history.path) != os.path.realpath(mine.path):
             raise ValueError(f"use_history: {history.path} is not this run's history ({mine.path})")
         if mine is not history and mine.prepared:
@@ -413,12 +434,12 @@ class RunState(Registration, Stopping):
 
     def _history_at(self, step: int | None) -> History:
         """The run's history, made the run's at the step this process began at (else ``step``)."""
-        history = self._history = self._history or History(self.run_dir)
+        history = self._history = self._history or History(self._store.work_dir)
         if not history.prepared:
             began = self._began if self._began is not None else step
             if began is None:
                 raise ValueError(f"{history.path}: the run's history opens at start() or resume(); call one first")
-            os.makedirs(self.run_dir, exist_ok=True)
+            os.makedirs(self._store.work_dir, exist_ok=True)
             timeline = self._timeline() if began and self._timeline is not None else 0
             for note in history.begin(began, timeline):
                 self._log(note)

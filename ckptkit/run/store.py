@@ -3,8 +3,10 @@
 :class:`~ckptkit.RunState` is one façade over one :class:`Store`, the way
 torchtitan's checkpointer is one manager with a class per storage: the single-file
 store (:class:`~ckptkit.run.file_store.FileStore`, ``step-N.ckpt`` and its
-companions) and the DCP store (:class:`~ckptkit.run.dcp_store.DcpStore`, one
-``ckptkit.distributed`` directory per step). What every store shares — which
+companions), the DCP store (:class:`~ckptkit.run.dcp_store.DcpStore`, one
+``ckptkit.distributed`` directory per step) and the object store
+(:class:`~ckptkit.run.object_store.ObjectRunStore`, the single-file store's objects
+under an ``s3://`` prefix, each step committed by its record, spec/objectstore.md). What every store shares — which
 checkpoint to resume, the companion check, drift, environment, legacy, the fit to
 what is registered — is written once, in :mod:`ckptkit.run.resume`; a store only
 knows its files. A store's collective work goes through the run's
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ..format.checkpoint import Checkpoint
+from ..format.snapshot import Snapshot
 
 __all__ = ["Opened", "Sidecars", "Store"]
 
@@ -51,8 +54,30 @@ class Store(Protocol):
     #: Optimizer state is saved by its model's parameter names (``add_optimizer(model=)``).
     names_optimizer_models: bool
 
+    @property
+    def work_dir(self) -> str:
+        """Where the run's appended files (``history.jsonl``) live on this machine: the run directory,
+        or (object storage) a private working directory whose history goes up with each checkpoint."""
+        ...
+
     def path(self, step: int) -> str:
         """Where step ``step``'s checkpoint is (to name it before it exists)."""
+        ...
+
+    def begin(self, environment: bytes) -> None:
+        """Rank 0, a fresh run (already refused if used): prepare the run directory, record its environment."""
+        ...
+
+    def environment(self) -> dict[str, Any]:
+        """The run's ``environment.json`` (``CheckpointNotFound`` when missing, ``FormatError`` when not JSON)."""
+        ...
+
+    def snapshot(self, path: str) -> Snapshot:
+        """The config snapshot of the checkpoint at ``path`` (after :meth:`open`)."""
+        ...
+
+    def any_checkpoints(self) -> bool:
+        """The run directory holds a checkpoint, of this store or another (``resume_or_start``)."""
         ...
 
     def listing(self) -> list[tuple[int, str]]:

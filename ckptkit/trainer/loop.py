@@ -50,13 +50,14 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ReplayDivergence, ResumeRefused, SidecarMismatch
+from ..format.urls import join
 from ..guard.faults import GradSpike
 from ..guard.monitor import SpikeMonitor, Verdict
 from ..guard.rollback_record import skipped_batches
 from ..guard.spikeguard import Executed, RolledBack, SpikeGuard
 from ..run import RunState
 from ..run.drift import DEFAULT_EXEMPT
-from ..run.history import History, digests_row, f32_bits, f64_bits, json_float
+from ..run.history import HISTORY_FILE, History, digests_row, f32_bits, f64_bits, json_float
 from ..run.preemption import RunStopped
 from ..run.rng import Stream, mask_stream, sample_depth, torch_generator
 from .config import RollbackSkip, TrainConfig, TrainerConfig
@@ -678,7 +679,7 @@ def train(
 
         # -- run state: everything a checkpoint carries, registered once --
         rs = run_state(run, run_dir, fingerprint, log=log, async_save=True)
-        history = rank_history(run_dir, run.ranks)
+        history = rank_history(rs.work_dir, run.ranks)  # the run directory, or an s3:// run's working copy
         recorder = _Recorder(rs, history, on_step)
 
         # -- what a spike verdict does (--auto-rollback; spec/rollback.md) --
@@ -703,7 +704,7 @@ def train(
     return TrainResult(
         final,
         path,
-        history.path,
+        join(os.fspath(run_dir), HISTORY_FILE),
         run.fp32_latched,
         run.monitor.report(),
         tuple(notes),

@@ -1,0 +1,69 @@
+"""``ckptkit verify`` and ``inspect`` on ``s3://`` URLs: a checkpoint object, or a run prefix.
+
+Every committed checkpoint under a prefix is checked object by object against its commit
+record (size and xxh3-64, R-O14), and its container byte by byte as a local file is; a
+checkpoint whose objects have no record is reported as not committed (R-O15), naming them.
+"""
+
+from __future__ import annotations
+
+from ..errors import CheckpointNotFound, FormatError, IncompleteCheckpoint
+from ..format.commit import RECORD_SUFFIX, fetch, listing, read_record
+from ..format.container import Report, Source, layout_report, verify_source
+from ..format.objectstore import ObjectStore, store_for
+from ..format.urls import StorageURL, parse
+from ..run.files import CKPT_SUFFIX
+
+__all__ = ["fetch_checkpoint", "verify_urls"]
+
+
+def verify_urls(urls: list[str]) -> list[Report]:
+    """One report per object of every checkpoint at or under each URL.
+
+    Raises:
+        CheckpointNotFound: a URL that is neither a checkpoint nor a prefix holding one.
+    """
+    return [r for text in urls for r in _verify_url(text)]
+
+
+def _is_checkpoint(store: ObjectStore, url: StorageURL) -> bool:
+    return bool(url.key) and any(store.head(url.key + s) is not None for s in (RECORD_SUFFIX, ""))
+
+
+def _verify_url(text: str) -> list[Report]:
+    url = parse(text)
+    store = store_for(url)
+    if _is_checkpoint(store, url):
+        return _verify_checkpoint(store, url.parent, url.name)
+    names = listing(store, url, CKPT_SUFFIX)
+    if not names:
+        raise CheckpointNotFound(f"{text}: no checkpoint there (no object {url.name or text}, no step-*.ckpt under it)")
+    return [r for name in sorted(names) for r in _verify_checkpoint(store, url, name)]
+
+
+def _verify_checkpoint(store: ObjectStore, base: StorageURL, name: str) -> list[Report]:
+    """The container's report and one per companion object; a record problem is one failed report."""
+    try:
+        entries = read_record(store, base, name)
+    except (IncompleteCheckpoint, FormatError) as e:
+        return [layout_report(str(base.child(name)), 0, None, e, 0)]
+    out = []
+    for entry in entries:
+        where = str(base.child(entry.key))
+        try:
+            data = fetch(store, base, entry)
+        except (IncompleteCheckpoint, FormatError) as err:
+            out.append(layout_report(where, entry.size, None, err, 0))
+            continue
+        if entry.key == name:
+            out.append(verify_source(where, Source(where, data=data)))
+        else:
+            out.append(Report(where, True, None, None, None, (), False, (), (), entry.size, entry.size, kind="object"))
+    return out
+
+
+def fetch_checkpoint(text: str) -> bytes:
+    """The committed checkpoint object at ``text`` (``inspect``), its record's size and digest checked."""
+    from ..format.remote import get_checkpoint
+
+    return get_checkpoint(text)
