@@ -202,9 +202,10 @@ def test_a_resume_failing_at_every_request_restores_whole_or_raises_a_typed_erro
     _r, _e, n = _under(None, "count", lambda: _resumed(run))
     for k in range(1, n + 1):
         got, error, _made = _under(k, mode, lambda: _resumed(run))
-        if error is None:
-            step, _notes, weight = got
-            assert step == 20 and bool(weight.eq(20.0).all())
+        if error is None:  # whole: step 20, or step 10 when the failed request made 20 unreadable -- then said
+            step, notes, weight = got
+            assert bool(weight.eq(float(step)).all()), (k, step)
+            assert step == 20 or (step == 10 and notes[0].startswith("skipped step-00000020.ckpt: ")), (k, notes)
         else:
             assert mode != "transient" and isinstance(error, (Crash, CheckpointError)), error
     assert _resumed(run)[0] == 20  # and the run is as it was
