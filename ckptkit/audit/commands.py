@@ -108,6 +108,8 @@ class CommandReport:
             )
         else:
             lines += self.difference.describe(*sides)
+            if self.difference.layout_only:
+                return "\n".join(lines)
             lines.append(
                 "  usual causes: a draw from the global generator in the step (wrap it in ckptkit.step_rng), "
                 "a data position or scheduler not registered, nondeterministic kernels "

@@ -21,7 +21,14 @@ from ..run.files import checkpoint_name, list_checkpoints
 from ..run.fingerprint import differing_names
 from ..run.history import HISTORY_FILE, WALL_FIELDS, read_rows
 
-__all__ = ["Difference", "RunRecording", "first_difference"]
+__all__ = ["LAYOUT_ONLY", "Difference", "RunRecording", "first_difference"]
+
+#: What a checkpoint difference is when the bytes differ and every tensor and value is equal.
+LAYOUT_ONLY = (
+    "the bytes differ, yet every tensor and value is equal (ckptkit diff --tensors finds nothing): "
+    "the files lay out the same state differently, so a writer's order depended on the run's history, "
+    "not on its state (spec/distributed.md R-DC13)"
+)
 
 #: The rows two runs of the same loop must agree on (``resume`` and wall time may differ).
 COMPARED = frozenset({"step", "digests", "spike", "rollback"})
@@ -47,8 +54,15 @@ class Difference:
     file: str | None = None
     details: tuple[str, ...] = field(default=(), compare=False)
 
+    @property
+    def layout_only(self) -> bool:
+        """A checkpoint whose bytes differ while every tensor and value is equal."""
+        return self.kind == "checkpoint" and not self.tensors
+
     def describe(self, a: str = "a", b: str = "b", limit: int = 12) -> list[str]:
-        if self.kind == "checkpoint":
+        if self.layout_only:
+            head = f"DIFFERS at step {self.step}: {self.file} differs between {a} and {b} in bytes only: {LAYOUT_ONLY}"
+        elif self.kind == "checkpoint":
             head = f"DIFFERS at step {self.step}: {self.file} differs between {a} and {b} (every recorded row matched)"
         elif self.kind == "rows":
             head = f"DIFFERS after step {self.step}: {a} and {b} recorded a different number of rows"

@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from ..audit.compare import TensorDiff, compare_checkpoints, compare_states
+from ..audit.recording import LAYOUT_ONLY
 from ..errors import (
     CheckpointNotFound,
     EnvironmentDrift,
@@ -602,7 +603,9 @@ def _guarded_file_divergence(run_dir: str, start: int, work: str) -> StepDiverge
         values=f"the replayed {checkpoint_name(s)}, compared as ckptkit diff --tensors does",
         hints=(
             (
-                "every history row matched, yet the file differs from the replay's: it was altered "
+                f"every history row matched and {LAYOUT_ONLY}"
+                if not diffs
+                else "every history row matched, yet the file differs from the replay's: it was altered "
                 "after the fact, or state outside the fingerprints was not reproduced"
             ),
         ),
