@@ -347,11 +347,9 @@ def test_a_rank_killed_mid_save_keeps_the_previous_step_and_the_resume_is_exact(
 ) -> None:
     reference = straight("ddp")
     run_dir = tmp_path / "run"
-    env = {
-        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent / "die_in_save"), os.environ.get("PYTHONPATH", "")]),
-        "CKPTKIT_TEST_DIE_IN_SAVE": f"1:{2 * EVERY}",
-    }
-    died = job(run_dir, "--steps", str(STEPS), "--dist-timeout", "20", env=env)
+    died = job(
+        run_dir, "--steps", str(STEPS), "--dist-timeout", "20", env=_die_env(CKPTKIT_TEST_DIE_IN_SAVE=f"1:{2 * EVERY}")
+    )
     assert died.returncode != 0
     assert (run_dir / _name(EVERY) / "metadata.ckdcp").exists()
     assert not (run_dir / _name(2 * EVERY) / "metadata.ckdcp").exists()
@@ -359,6 +357,63 @@ def test_a_rank_killed_mid_save_keeps_the_previous_step_and_the_resume_is_exact(
     assert_same_run(reference, run_dir, STEPS)
     (resume,) = [r for r in history(run_dir) if r["kind"] == "resume"]
     assert resume["step"] == EVERY
+
+
+def _die_env(**env: str) -> dict[str, str]:
+    """The environment of a job whose rank dies as ``tests/die_in_save`` says (``env``)."""
+    hooks = os.pathsep.join([str(Path(__file__).parent / "die_in_save"), os.environ.get("PYTHONPATH", "")])
+    return {"PYTHONPATH": hooks, **env}
+
+
+def _verify_warns(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> list[str]:
+    """``ckptkit verify RUN`` passes; its WARN lines."""
+    capsys.readouterr()
+    assert main(["verify", str(run_dir)]) == 0, capsys.readouterr().out
+    lines = capsys.readouterr().out.splitlines()
+    assert not [line for line in lines if line.startswith("FAIL")], lines
+    return [line for line in lines if line.startswith("WARN")]
+
+
+@pytest.mark.slow
+def test_a_job_killed_in_its_first_save_is_started_and_resumed_over_what_it_left(
+    straight: Callable[[str], Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    reference = straight("ddp")
+    run_dir = tmp_path / "run"
+    died = job(
+        run_dir, "--steps", str(STEPS), "--dist-timeout", "20", env=_die_env(CKPTKIT_TEST_DIE_IN_SAVE=f"1:{EVERY}")
+    )
+    assert died.returncode != 0
+    assert (run_dir / _name(EVERY)).is_dir() and not (run_dir / _name(EVERY) / "metadata.ckdcp").exists()
+    warns = _verify_warns(run_dir, capsys)
+    assert f"WARN  {run_dir / _name(EVERY)}: incomplete, not a checkpoint: an uncommitted checkpoint" in warns[0]
+    again = tmp_path / "again"
+    shutil.copytree(run_dir, again)
+    ok(run_dir, "--steps", str(STEPS))  # a fresh start is not refused by what the save left
+    ok(again, "--steps", str(STEPS), "--resume")  # nor is a resume: it is the run's start (no checkpoint yet)
+    for done in (run_dir, again):
+        assert_same_run(reference, done, STEPS)
+        assert _verify_warns(done, capsys) == []
+
+
+@pytest.mark.slow
+def test_a_job_killed_in_retention_leaves_no_damage_and_resumes(
+    straight: Callable[[str], Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = tmp_path / "run"
+    died = job(run_dir, "--steps", str(STEPS), "--keep", "1", env=_die_env(CKPTKIT_TEST_DIE_IN_DELETE=str(EVERY)))
+    assert died.returncode != 0
+    assert (run_dir / _name(2 * EVERY) / "metadata.ckdcp").exists()  # rank 0 died deleting step 10 after 20 committed
+    warns = _verify_warns(run_dir, capsys)
+    assert [w.split(":")[0] for w in warns] == [
+        f"WARN  {run_dir / name}" for name in (_name(EVERY), f"{_name(EVERY)}.config.json", f"{_name(EVERY)}.ngram")
+    ]
+    ok(run_dir, "--steps", str(STEPS), "--keep", "1", "--resume")
+    (resume,) = [r for r in history(run_dir) if r["kind"] == "resume"]
+    assert resume["step"] == 2 * EVERY and not any("skipped" in n for n in resume["notes"])
+    assert any(n.startswith("removed what interrupted saves left (none of it a checkpoint): ") for n in resume["notes"])
+    assert compared_rows(history(run_dir)) == compared_rows(history(straight("ddp")))
+    assert _verify_warns(run_dir, capsys) == []
 
 
 @pytest.mark.slow

@@ -273,13 +273,15 @@ class RunState(Registration, Stopping):
     def start(self) -> int:
         """Begin a fresh run: refuse a directory that already holds checkpoints.
 
-        Records the environment (``environment.json``) and returns step 0.
+        Removes what interrupted saves left (an uncommitted checkpoint, companions without
+        one: never a checkpoint, R-023), saying so; records the environment
+        (``environment.json``) and returns step 0.
 
         Raises:
             ResumeRefused: the run directory already holds checkpoints (nothing is
                 overwritten; resume it, or use another directory).
         """
-        self._began = protocol.start(self._store, self._group, self.run_dir)
+        self._began = protocol.start(self._store, self._group, self.run_dir, self._log)
         return self._began
 
     def resume(
