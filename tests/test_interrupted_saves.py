@@ -106,4 +106,4 @@ def test_an_uncommitted_distributed_step_is_debris_and_a_start_removes_it(tmp_pa
     assert state.start() == 0
     removed = "step-00000010.dcp, step-00000010.dcp.config.json"
     assert said == [f"removed what interrupted saves left (none of it a checkpoint): {removed}"]
-    assert sorted(os.listdir(tmp_path)) == ["environment.json"]
+    assert sorted(os.listdir(tmp_path)) == ["environment.json", "lease.json"]  # the run holds its directory

@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -347,12 +348,8 @@ def test_a_rank_killed_mid_save_keeps_the_previous_step_and_the_resume_is_exact(
 ) -> None:
     reference = straight("ddp")
     run_dir = tmp_path / "run"
-    died = job(
-        run_dir, "--steps", str(STEPS), "--dist-timeout", "20", env=_die_env(CKPTKIT_TEST_DIE_IN_SAVE=f"1:{2 * EVERY}")
-    )
-    assert died.returncode != 0
+    _rank_1_dies_saving(run_dir, 2 * EVERY)
     assert (run_dir / _name(EVERY) / "metadata.ckdcp").exists()
-    assert not (run_dir / _name(2 * EVERY) / "metadata.ckdcp").exists()
     ok(run_dir, "--steps", str(STEPS), "--resume")
     assert_same_run(reference, run_dir, STEPS)
     (resume,) = [r for r in history(run_dir) if r["kind"] == "resume"]
@@ -363,6 +360,13 @@ def _die_env(**env: str) -> dict[str, str]:
     """The environment of a job whose rank dies as ``tests/die_in_save`` says (``env``)."""
     hooks = os.pathsep.join([str(Path(__file__).parent / "die_in_save"), os.environ.get("PYTHONPATH", "")])
     return {"PYTHONPATH": hooks, **env}
+
+
+def _rank_1_dies_saving(run_dir: Path, step: int) -> None:
+    """A job whose rank 1 SIGKILLs itself half way through its save of ``step``: it fails, uncommitted."""
+    env = _die_env(CKPTKIT_TEST_DIE_IN_SAVE=f"1:{step}")
+    assert job(run_dir, "--steps", str(STEPS), "--dist-timeout", "20", env=env).returncode != 0
+    assert not (run_dir / _name(step) / "metadata.ckdcp").exists()
 
 
 def _verify_warns(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> list[str]:
@@ -380,11 +384,8 @@ def test_a_job_killed_in_its_first_save_is_started_and_resumed_over_what_it_left
 ) -> None:
     reference = straight("ddp")
     run_dir = tmp_path / "run"
-    died = job(
-        run_dir, "--steps", str(STEPS), "--dist-timeout", "20", env=_die_env(CKPTKIT_TEST_DIE_IN_SAVE=f"1:{EVERY}")
-    )
-    assert died.returncode != 0
-    assert (run_dir / _name(EVERY)).is_dir() and not (run_dir / _name(EVERY) / "metadata.ckdcp").exists()
+    _rank_1_dies_saving(run_dir, EVERY)
+    assert (run_dir / _name(EVERY)).is_dir()
     warns = _verify_warns(run_dir, capsys)
     assert f"WARN  {run_dir / _name(EVERY)}: incomplete, not a checkpoint: an uncommitted checkpoint" in warns[0]
     again = tmp_path / "again"
@@ -414,6 +415,36 @@ def test_a_job_killed_in_retention_leaves_no_damage_and_resumes(
     assert any(n.startswith("removed what interrupted saves left (none of it a checkpoint): ") for n in resume["notes"])
     assert compared_rows(history(run_dir)) == compared_rows(history(straight("ddp")))
     assert _verify_warns(run_dir, capsys) == []
+
+
+@pytest.mark.slow
+def test_ranks_whose_launcher_was_killed_stop_before_their_next_save_and_meanwhile_hold_the_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # SIGKILL of torchrun's agent alone leaves the ranks running (each in its own session);
+    # their next save is far enough away (step 1000) for a second job to try the directory.
+    run_dir, far = tmp_path / "run", ["--steps", "2000", "--ckpt-every", "1000"]
+    proc = _launch(run_dir, *far)
+    try:
+        deadline = time.monotonic() + JOB_TIMEOUT_S
+        while not ((run_dir / "lease.json").exists() and _steps_done(run_dir) >= 3):
+            assert proc.poll() is None and time.monotonic() < deadline, "the job ended before its third step"
+            time.sleep(0.002)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()  # not communicate(): the orphans hold the pipes open
+        assert _stray(run_dir), "the ranks died with their launcher: nothing to test"
+        holder = json.loads((run_dir / "lease.json").read_text())["pid"]
+        assert main(["train", "--run-dir", str(run_dir), *FLAGS, *far, "--threads", "1", "--resume"]) == 1
+        assert f"in use by another job, pid {holder} on " in capsys.readouterr().err
+        while _stray(run_dir):  # the orphans stop at their next save, on their own
+            assert time.monotonic() < deadline, f"the orphaned ranks did not stop: {_stray(run_dir)}"
+            time.sleep(0.05)
+    finally:
+        for line in _stray(run_dir):
+            os.kill(int(line.partition(":")[0]), signal.SIGKILL)
+        _kill(proc)
+    assert not (run_dir / _name(1000)).exists(), "an orphaned rank wrote its next save"
+    assert not (run_dir / "lease.json").exists()  # their rank 0 gave the lease up as it stopped
 
 
 @pytest.mark.slow

@@ -74,7 +74,7 @@ if (_FILE_SAVE or _FILE_DELETE) and "RANK" not in os.environ:
                 _die()
             return _real_save(path, *args, **kwargs)
 
-        _files.save = _die_in_file_save  # type: ignore[assignment]
+        _files.save = _die_in_file_save
     if _FILE_DELETE:
         _real_file_delete, _delete_name = _files.FileStore.delete, f"step-{int(_FILE_DELETE):08d}.ckpt"
 
