@@ -9,6 +9,7 @@ both remove them, saying so, and continue the same run. (The 2-rank torchrun cas
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -96,11 +97,26 @@ def test_a_run_killed_in_retention_verifies_and_resumes_without_a_fallback(
     assert _warns(run_dir, capsys) == []
 
 
-def test_an_uncommitted_distributed_step_is_debris_and_a_start_removes_it(tmp_path: Path) -> None:
+def test_an_uncommitted_distributed_step_is_debris_and_a_start_removes_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     (tmp_path / "step-00000010.dcp").mkdir()
     (tmp_path / "step-00000010.dcp" / "rank-00000.ckdcp").write_bytes(b"half")
     (tmp_path / "step-00000010.dcp.config.json").write_text("{}")
     assert [name for name, _ in debris(tmp_path, ".dcp")] == ["step-00000010.dcp", "step-00000010.dcp.config.json"]
+    assert main(["verify", str(tmp_path), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["ok"] is True and doc["files"] == []
+    assert doc["incomplete"] == [
+        {
+            "path": str(tmp_path / "step-00000010.dcp"),
+            "why": "an uncommitted checkpoint (no metadata.ckdcp): its save or its deletion was cut off",
+        },
+        {
+            "path": str(tmp_path / "step-00000010.dcp.config.json"),
+            "why": "a companion without its checkpoint (step-00000010.dcp is not a whole checkpoint)",
+        },
+    ]
     said: list[str] = []
     state = RunState(tmp_path, config=Flat(), log=said.append)
     assert state.start() == 0
