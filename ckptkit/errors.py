@@ -29,7 +29,9 @@ around a load keeps working::
     │   ├── StreamOffsetMismatch              the data position disagrees with the step
     │   ├── StateMismatch                     stored state does not fit the live objects
     │   ├── LegacyCheckpoint                  a v1 file lacks state the run needs
-    │   └── WorldSizeChanged                  a distributed run resumed at another world size or layout
+    │   ├── WorldSizeChanged                  a distributed run resumed at another world size or layout
+    │   └── RunDirInUse                       another live job holds the run directory's lease
+    ├── LeaseLost (RuntimeError)              this job may no longer write: its lease was taken, its launcher died
     ├── TrainingUnstable (RuntimeError)       spike rollbacks hit their bound
     ├── DistributedFailure (RuntimeError)     a rank failed inside torch.distributed.checkpoint
     ├── ReplicaDivergence (RuntimeError)      ranks hold different copies of replicated run state
@@ -79,6 +81,7 @@ __all__ = [
     "FormatError",
     "IncompleteCheckpoint",
     "InsufficientMemory",
+    "LeaseLost",
     "LegacyCheckpoint",
     "MalformedIndex",
     "NoConsistentCheckpoint",
@@ -89,6 +92,7 @@ __all__ = [
     "RequestRefused",
     "ReservedBitSet",
     "ResumeRefused",
+    "RunDirInUse",
     "RunStopped",
     "SaveFailed",
     "SidecarMismatch",
@@ -366,6 +370,24 @@ class WorldSizeChanged(ResumeRefused):
 
     def __reduce__(self) -> Any:  # crosses processes when one rank tells the others
         return (type(self), (str(self), self.saved, self.current))
+
+
+class RunDirInUse(ResumeRefused):
+    """Another job, alive as far as can be told, holds the run directory's lease (spec/lease.md
+    R-LS03): the message names it (host, pid, ranks, start, last heartbeat) and what to do.
+
+    Attributes:
+        holder: the :class:`ckptkit.run.lease.Holder` found there.
+    """
+
+    def __init__(self, message: str, holder: Any = None) -> None:
+        super().__init__(message)
+        self.holder = holder
+
+
+class LeaseLost(CheckpointError, RuntimeError):
+    """This job may no longer write its run directory: another job took its lease over, or this
+    rank's launcher died (spec/lease.md R-LS06, R-LS07). Raised before a save writes anything."""
 
 
 class TrainingUnstable(CheckpointError, RuntimeError):

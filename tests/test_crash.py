@@ -306,7 +306,7 @@ def _lab_main(work: str, external_kills: int, seed: int) -> None:
                 problems.append("the final checkpoint does not resume to the reference state")
             # 4. a tidy directory: the retained checkpoints, their companions, nothing else
             kept = [s for s, _ in list_checkpoints(run_dir)]
-            want = {"environment.json"}
+            want = {"environment.json", "lease.json"}  # r2 is open: its job holds the directory (spec/lease.md)
             for s in kept:
                 n = f"step-{s:08d}.ckpt"
                 want |= {n, n + ".config.json", n + ".ngram"}

@@ -215,7 +215,7 @@ def test_replicated_state_that_differs_between_ranks_is_refused_naming_it_and_th
             "(add_value(..., per_rank=True); data positions always are)"
         )
     )
-    assert sorted(os.listdir(run)) == ["environment.json"]
+    assert sorted(os.listdir(run)) == ["environment.json", "lease.json"]  # nothing saved; the job holds its directory
 
 
 def test_a_rank_that_cannot_write_fails_the_save_on_every_rank_and_the_run_resumes_exactly(pool, ddp_run, tmp_path):
@@ -313,6 +313,7 @@ def test_a_distributed_run_state_refuses_what_it_cannot_save_and_a_one_process_r
     one = ckptkit.RunState(run, config=LoopConfig())
     one.start()
     one.save(2)  # a one-process run: step-00000002.ckpt
+    one.close()  # ... that ended (a live one would hold the directory: RunDirInUse, spec/lease.md)
     scheduler = (
         "UnsupportedValue: scheduler 'tensorful'['scale']: a torch.Tensor cannot be stored here: this is a plain "
         "value (None, bool, int, float, str, bytes, lists, tuples, dicts, sets, numpy arrays and scalars), which "

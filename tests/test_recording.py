@@ -81,11 +81,11 @@ def test_one_rule_for_the_same_checkpoint_sets_the_encoding_aside_and_names_a_di
 ) -> None:
     """A container is compared as its state re-encoded (compression is not state); a distributed
     checkpoint file by file -- and when only its bytes differ, the difference says every tensor
-    is equal (a writer that is not canonical), not which tensor differs."""
+    is equal (the layout, not the state, differs), not which tensor differs."""
     import shutil
 
     import ckptkit.distributed
-    from ckptkit.audit.recording import checkpoint_difference
+    from ckptkit.audit.recording import LAYOUT_ONLY, checkpoint_difference
     from ckptkit.format.companions import same_checkpoint
 
     _loop(tmp_path / "run", 2)
@@ -104,4 +104,4 @@ def test_one_rule_for_the_same_checkpoint_sets_the_encoding_aside_and_names_a_di
     d = checkpoint_difference(4, str(tmp_path / "a"), str(tmp_path / "b"))
     assert d is not None and (d.kind, d.step, d.file, d.tensors) == ("checkpoint", 4, "a", ())
     assert d.values == "both runs' a: every tensor and value is bitwise equal, only the bytes differ"
-    assert d.hints == ("the states are equal but the bytes are not: the writer is not canonical (a ckptkit bug)",)
+    assert d.layout_only and d.hints == (LAYOUT_ONLY,)

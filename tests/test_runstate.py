@@ -57,6 +57,7 @@ def test_a_save_writes_the_container_its_snapshot_and_each_sidecar(tmp_path: Pat
     trained(tmp_path, steps=2)
     assert sorted(os.listdir(tmp_path)) == [
         "environment.json",
+        "lease.json",  # the run is not closed: its job still holds the run directory (spec/lease.md)
         "step-00000002.ckpt",
         "step-00000002.ckpt.config.json",
         "step-00000002.ckpt.counts",

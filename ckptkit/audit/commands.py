@@ -40,7 +40,7 @@ from ..run import ENVIRONMENT_FILE, checkpoint_name
 from ..run.difference import Difference
 from ..run.history import HISTORY_FILE
 from ..run.preemption import EXIT_STOPPED, STOP_AT_ENV
-from .recording import RunRecording, first_difference
+from .recording import LAYOUT_ONLY, RunRecording, first_difference
 
 __all__ = ["PLACEHOLDER", "CommandReport", "audit_command", "replay_command"]
 
@@ -109,6 +109,8 @@ class CommandReport:
             )
         else:
             lines += _difference_lines(self.difference, *sides)
+            if self.difference.layout_only:
+                return "\n".join(lines)
             lines.append(
                 "  usual causes: a draw from the global generator in the step (wrap it in ckptkit.step_rng), "
                 "a data position or scheduler not registered, nondeterministic kernels "
@@ -119,6 +121,8 @@ class CommandReport:
 
 def _difference_lines(d: Difference, a: str, b: str, limit: int = 12) -> list[str]:
     """The difference as the command report prints it: the step, what differs, the tensors."""
+    if d.layout_only:
+        return [f"DIFFERS at step {d.step}: {d.file} differs between {a} and {b} in bytes only: {LAYOUT_ONLY}"]
     if d.kind == "checkpoint":
         lines = [f"DIFFERS at step {d.step}: {d.file} differs between {a} and {b} (every recorded row matched)"]
     elif d.kind == "rows":

@@ -26,6 +26,7 @@ from ..run.history import COMPARED_KINDS, HISTORY_FILE, WALL_FIELDS, read_rows
 from .compare import TensorDiff, compare_checkpoints, compare_states
 
 __all__ = [
+    "LAYOUT_ONLY",
     "RunRecording",
     "checkpoint_difference",
     "first_difference",
@@ -39,6 +40,13 @@ __all__ = [
 
 #: The order in which a step computes things: the first category that differs is where to look.
 _ORDER = ("grad", "model", "optim", "teacher", "monitor", "header")
+
+#: What a checkpoint difference is when the bytes differ and every tensor and value is equal.
+LAYOUT_ONLY = (
+    "the bytes differ, yet every tensor and value is equal (ckptkit diff --tensors finds nothing): "
+    "the files lay out the same state differently, so a writer's order depended on the run's history, "
+    "not on its state (spec/distributed.md R-DC13)"
+)
 
 
 class RunRecording:
@@ -158,7 +166,7 @@ def checkpoint_difference(step: int, path_a: str, path_b: str) -> Difference | N
     """Two runs' checkpoints at ``step`` by the one rule for "the same checkpoint"
     (:func:`~ckptkit.format.companions.same_checkpoint`), or how they differ: the tensors
     and values as ``ckptkit diff --tensors`` lists them (side a first) -- or, when every
-    one is equal and only the bytes differ, that the writer is not canonical.
+    one is equal and only the bytes differ, that the layout differs (:data:`LAYOUT_ONLY`).
 
     Raises:
         FormatError: a checkpoint that differs does not verify.
@@ -178,7 +186,7 @@ def checkpoint_difference(step: int, path_a: str, path_b: str) -> Difference | N
             step,
             file=name,
             values=f"both runs' {name}: every tensor and value is bitwise equal, only the bytes differ",
-            hints=("the states are equal but the bytes are not: the writer is not canonical (a ckptkit bug)",),
+            hints=(LAYOUT_ONLY,),
         )
     return Difference(
         "checkpoint",

@@ -38,6 +38,10 @@ are checked against the digests it records (spec/companions.md); in a run direct
 missing one fails too. A checkpoint that records none (written before companion binding)
 gets a WARN line: its companions are not protected.
 
+What an interrupted save or deletion left in a run directory (a step-N.dcp/ without
+metadata.ckdcp, a companion without its checkpoint) is no checkpoint: it gets a WARN line,
+is not checked, and the next start or resume removes it.
+
 exit codes: 0 every file valid, 1 any file invalid, 2 usage error or unreadable path
 """
 
@@ -124,11 +128,15 @@ def run(args: argparse.Namespace) -> int:
     dirs = [p for p in paths if _distributed.is_distributed_dir(p)]
     # A distributed run directory: its step-N.dcp/ directories, and its sidecars as files.
     runs = {p: _distributed.run_contents(p) for p in paths if os.path.isdir(p) and p not in dirs}
+    # What interrupted saves left in a run directory is no checkpoint: a WARN line each, not checked (R-023).
+    debris = _debris(list(runs))
+    runs = {p: (_kept(steps, debris), _kept(rest, debris)) for p, (steps, rest) in runs.items()}
     only_dcp = {p for p, (steps, _) in runs.items() if steps and not expand_checkpoints_or_none(p)}
+    only_debris = {p for p, (steps, _) in runs.items() if not steps and _only_debris(p, debris)}
     dir_reports = _distributed.verify_all(dirs + [d for steps, _ in runs.values() for d in steps])
     try:
-        files = expand_checkpoints([p for p in paths if p not in dirs and p not in only_dcp])
-        files += [s for p in only_dcp for s in runs[p][1]]
+        files = expand_checkpoints([p for p in paths if p not in dirs and p not in only_dcp | only_debris])
+        files = [f for f in files if f not in debris] + [s for p in only_dcp for s in runs[p][1]]
     except CheckpointNotFound as e:
         print(f"ckptkit verify: {e}", file=sys.stderr)
         return 2
@@ -149,8 +157,12 @@ def run(args: argparse.Namespace) -> int:
         doc = {"schema_version": 1, "ok": ok, "files": files_json, "companions": companions, "history": history_json}
         if trainer_checks:  # present only then, so the other outputs keep their shape
             doc["trainer_checkpoints"] = [_trainer.folder_json(c) for c in trainer_checks]
+        if debris:  # likewise
+            doc["incomplete"] = [{"path": p, "why": why} for p, why in sorted(debris.items())]
         print(json.dumps(doc, sort_keys=True))
     else:
+        for path, why in sorted(debris.items()):
+            print(f"WARN  {path}: incomplete, not a checkpoint: {why}; the next start or resume removes it")
         _trainer.print_checks(trainer_checks, _size)
         _distributed.print_reports(dir_reports, _size)
         for r in reports:
@@ -160,6 +172,27 @@ def run(args: argparse.Namespace) -> int:
         for h in histories:
             _print_history(h)
     return 0 if ok else 1
+
+
+def _debris(run_dirs: list[str]) -> dict[str, str]:
+    """Path -> why, for what interrupted saves and deletions left in each run directory."""
+    from ..run.files import CKPT_SUFFIX, DCP_SUFFIX, debris
+
+    found = {}
+    for d in run_dirs:
+        for suffix in (CKPT_SUFFIX, DCP_SUFFIX):
+            found.update({os.path.join(d, name): why for name, why in debris(d, suffix)})
+    return found
+
+
+def _kept(paths: list[str], debris: dict[str, str]) -> list[str]:
+    return [p for p in paths if p not in debris]
+
+
+def _only_debris(run_dir: str, debris: dict[str, str]) -> bool:
+    """A run directory holding debris and no checkpoint (a run killed in its first save)."""
+    mine = [p for p in debris if p.startswith(os.path.join(run_dir, ""))]
+    return bool(mine) and all(f in debris for f in expand_checkpoints_or_none(run_dir))
 
 
 def _verify_files(files: list[str], *, quiet: bool) -> list[Report] | None:

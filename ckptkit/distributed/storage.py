@@ -204,7 +204,7 @@ class Writer(StorageWriter, _Recorder):
                     path=self.path,
                 )
             )
-        return plan
+        return canonical_plan(plan)
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """The coordinator decides where every rank writes: ``path``, or beside it when it holds a commit."""
@@ -218,6 +218,7 @@ class Writer(StorageWriter, _Recorder):
                 raise self._record(
                     SaveFailed(f"{into}: cannot create the replacement's directory ({e.strerror})", cause=e, path=into)
                 ) from e
+        plans = [canonical_plan(p) for p in plans]  # a planner's global step may reorder what it kept
         return [dataclasses.replace(p, storage_data=(rank, len(plans), into)) for rank, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -275,6 +276,24 @@ class Writer(StorageWriter, _Recorder):
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         """True for a local path; False for a URL (``scheme://``), which this backend does not serve."""
         return _is_local(checkpoint_id)
+
+
+def _item_key(item: Any) -> tuple[str, tuple[int, ...], int]:
+    index = item.index
+    return index.fqn, tuple(index.offset or ()), index.index or 0
+
+
+def canonical_plan(plan: SavePlan) -> SavePlan:
+    """``plan`` with its items in canonical order: by key, then chunk offsets (R-DC13).
+
+    DCP's planner lists a rank's items in the state dict's iteration order, which depends
+    on history (an optimizer creates a parameter's state when its first gradient comes,
+    and holds it in checkpoint order after a reload). The order decides which rank keeps a
+    replicated tensor (DCP's dedup balances sizes in item order) and where each chunk lies
+    in a rank file, so without this the bytes of a checkpoint would depend on the run's
+    past, not only on its state.
+    """
+    return dataclasses.replace(plan, items=sorted(plan.items, key=_item_key))
 
 
 def _commit_id(path: str) -> tuple[int, int] | None:

@@ -27,7 +27,15 @@ from typing import BinaryIO
 
 from ..errors import SaveFailed
 
-__all__ = ["atomic_write", "clean_stale_temps", "exchange", "fsync_dir", "write_bytes_atomic"]
+__all__ = [
+    "atomic_write",
+    "clean_stale_temps",
+    "create_exclusive",
+    "exchange",
+    "fsync_dir",
+    "pid_alive",
+    "write_bytes_atomic",
+]
 
 _TEMP_RE = re.compile(r"^\.(?P<name>.+)\.tmp\.(?P<pid>\d+)\.[0-9a-f]{8}$")
 
@@ -155,7 +163,35 @@ def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> None:
     atomic_write(path, lambda f: f.write(data))
 
 
-def _pid_alive(pid: int) -> bool:
+def create_exclusive(path: str | os.PathLike[str], data: bytes) -> bool:
+    """Create ``path`` holding ``data``, whole, only if nothing is there: written to a temp
+    file, fsync'd and hard-linked into place (a link never replaces), then the directory is
+    fsync'd. Returns False, writing nothing, when ``path`` exists: the local form of an
+    object store's conditional put (``If-None-Match: *``).
+
+    Raises:
+        SaveFailed: the write failed (nothing is left at ``path``).
+    """
+    path = os.fspath(path)
+    with _temp_file(path) as (f, tmp):
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        return False
+    except OSError as e:
+        raise SaveFailed(f"{path}: cannot create it ({e.strerror})", cause=e, path=path) from e
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+    fsync_dir(os.path.dirname(path))
+    return True
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists on this host (this process's own pid: always)."""
     if pid == os.getpid():
         return True
     try:
@@ -183,7 +219,7 @@ def clean_stale_temps(directory: str | os.PathLike[str]) -> list[str]:
         return []
     for name in names:
         m = _TEMP_RE.match(name)
-        if m and not _pid_alive(int(m.group("pid"))):
+        if m and not pid_alive(int(m.group("pid"))):
             full = os.path.join(directory, name)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(full)

@@ -298,7 +298,7 @@ class DcpStore(files.LocalRunDir):
     # ------------------------------------------------------------------ resume
 
     def sweep(self) -> list[str]:
-        return clean_stale_temps(self.run_dir) + _sweep_aside(self.run_dir)
+        return clean_stale_temps(self.run_dir) + _sweep_aside(self.run_dir) + files.remove_debris(self.run_dir)
 
     def check(self, step: int, path: str) -> dict[str, Any] | None:
         from ..distributed.format import read_metadata, verify_directory

@@ -85,6 +85,11 @@ class Difference:
     hints: tuple[str, ...] = ()
 
     @property
+    def layout_only(self) -> bool:
+        """A checkpoint whose bytes differ while every tensor and value is equal."""
+        return self.kind == "checkpoint" and not self.tensors
+
+    @property
     def field_names(self) -> tuple[str, ...]:
         return tuple(f.field for f in self.fields)
 

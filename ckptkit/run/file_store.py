@@ -34,8 +34,10 @@ from .files import (
     read_environment,
     read_sidecars,
     remove_companions,
+    remove_debris,
     restorable,
     retain,
+    whole_checkpoints,
     write_companions,
 )
 from .group import WORLD_SIZE, world_of, world_size_changed
@@ -83,7 +85,7 @@ class FileStore(LocalRunDir):
         Raises:
             WorldSizeChanged: the directory holds ``step-*.dcp`` checkpoints.
         """
-        if list_checkpoints(self.run_dir, DCP_SUFFIX):
+        if whole_checkpoints(self.run_dir, DCP_SUFFIX):  # what an interrupted save left is none (R-023)
             try:
                 saved = world_of(read_environment(self.run_dir))
             except CheckpointError:
@@ -132,7 +134,7 @@ class FileStore(LocalRunDir):
     # ------------------------------------------------------------------ resume
 
     def sweep(self) -> list[str]:
-        return clean_stale_temps(self.run_dir)
+        return clean_stale_temps(self.run_dir) + remove_debris(self.run_dir)
 
     def check(self, step: int, path: str) -> dict[str, Any] | None:
         self._checked = None

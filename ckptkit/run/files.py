@@ -13,6 +13,7 @@ import contextlib
 import errno
 import json
 import os
+import shutil
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
@@ -31,6 +32,7 @@ __all__ = [
     "LocalRunDir",
     "check_step",
     "checkpoint_name",
+    "debris",
     "fallback_notes",
     "is_fallback_note",
     "list_checkpoints",
@@ -41,9 +43,12 @@ __all__ = [
     "read_sidecars",
     "refuse_existing",
     "remove_companions",
+    "remove_debris",
     "restorable",
     "retain",
     "step_of",
+    "sweep_note",
+    "whole_checkpoints",
     "write_companions",
 ]
 
@@ -119,6 +124,71 @@ def step_of(name: str, suffix: str = CKPT_SUFFIX) -> int | None:
     if name.startswith(_PREFIX) and name.endswith(suffix) and digits.isdigit() and len(digits) >= 8:
         return int(digits)
     return None
+
+
+def debris(run_dir: str | os.PathLike[str], suffix: str | None = None) -> list[tuple[str, str]]:
+    """What an interrupted save or deletion left in ``run_dir``, never a checkpoint (R-023):
+    ``(name, why)``, sorted (``suffix``: of one store's names only; None: of both). A
+    ``step-N.dcp/`` without ``metadata.ckdcp`` never committed (a kill during its save, or
+    during retention, which uncommits first); a companion (``step-N<suffix>.config.json``,
+    ``.<kind>``) whose checkpoint is not there was written before a container that never
+    came, or outlived one retention deleted. Only a run's one writer removes it, where no
+    save of its own is in flight (start, resume)."""
+    from ..distributed.format import METADATA_NAME
+
+    run_dir = os.fspath(run_dir)
+    out = []
+    for sfx in [suffix] if suffix else [CKPT_SUFFIX, DCP_SUFFIX]:
+        whole = set()
+        for _step, path in list_checkpoints(run_dir, sfx):
+            name = os.path.basename(path)
+            if sfx == DCP_SUFFIX and not os.path.isfile(os.path.join(path, METADATA_NAME)):
+                out.append(
+                    (name, f"an uncommitted checkpoint (no {METADATA_NAME}): its save or its deletion was cut off")
+                )
+            else:
+                whole.add(name)
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+            for name in os.listdir(run_dir):
+                head, sep, _kind = name.partition(sfx + ".")
+                if sep and head.startswith(_PREFIX) and head[len(_PREFIX) :].isdigit() and head + sfx not in whole:
+                    out.append((name, f"a companion without its checkpoint ({head + sfx} is not a whole checkpoint)"))
+    return sorted(out)
+
+
+def whole_checkpoints(run_dir: str | os.PathLike[str], suffix: str = CKPT_SUFFIX) -> list[tuple[int, str]]:
+    """:func:`list_checkpoints` without :func:`debris`: what a run directory holds that was
+    committed, whole or damaged."""
+    left = {name for name, _why in debris(run_dir, suffix)}
+    return [(s, p) for s, p in list_checkpoints(run_dir, suffix) if os.path.basename(p) not in left]
+
+
+def remove_debris(run_dir: str | os.PathLike[str]) -> list[str]:
+    """Remove :func:`debris` (of both stores' names); returns the names removed (one that will
+    not go is left, and said again next time)."""
+    gone = []
+    for name, _why in debris(run_dir):
+        path = os.path.join(os.fspath(run_dir), name)
+        try:
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            continue
+        gone.append(name)
+    return gone
+
+
+def sweep_note(removed: list[str]) -> list[str]:
+    """The one line a start or resume says about what it removed (nothing: no line)."""
+    if not removed:
+        return []
+    names = sorted(os.path.basename(p.rstrip(os.sep)) for p in removed)
+    shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+    return [f"removed what interrupted saves left (none of it a checkpoint): {shown}"]
 
 
 def retain(
@@ -323,5 +393,6 @@ class LocalRunDir:
         return read_snapshot(snapshot_path(path))
 
     def any_checkpoints(self) -> bool:
-        """A checkpoint of either store is in the directory (``resume_or_start``)."""
-        return any(list_checkpoints(self.run_dir, s) for s in (CKPT_SUFFIX, DCP_SUFFIX))
+        """A checkpoint of either store is in the directory (``resume_or_start``); what an
+        interrupted save left is none (R-023)."""
+        return any(whole_checkpoints(self.run_dir, s) for s in (CKPT_SUFFIX, DCP_SUFFIX))

@@ -28,7 +28,12 @@ from ..format.companions import UNBOUND_NOTE
 from ._registry import Registry
 from .drift import KeyDiff, check_resume
 from .environment import EnvDiff, capture, check_environment
-from .files import fallback_notes, newest_consistent, refuse_existing
+from .files import (
+    fallback_notes,
+    newest_consistent,
+    refuse_existing,
+    sweep_note,
+)
 from .group import Group, world_of
 from .store import Opened, Sidecars, Store
 
@@ -73,27 +78,31 @@ class Resume:
     reshard: bool = False
 
 
-def start(store: Store, group: Group, run_dir: str) -> int:
-    """Begin a fresh run: rank 0 refuses a used directory, else records the environment
-    (with the world it runs at); returns step 0.
+def start(store: Store, group: Group, run_dir: str, log: Callable[[str], None]) -> int:
+    """Begin a fresh run: rank 0 removes what interrupted saves left (saying so), refuses a used
+    directory, else records the environment (with the world it runs at); returns step 0.
 
     Raises:
         ResumeRefused: the run directory already holds checkpoints.
         WorldSizeChanged: it holds the other store's checkpoints.
     """
 
-    def rank0() -> None:
+    def rank0() -> list[str]:
         store.refuse_foreign()
+        notes = sweep_note(store.sweep()) if os.path.isdir(run_dir) else []
         refuse_existing(run_dir, store.listing())
         record = {**capture(), **store.facts()}
         store.begin((json.dumps(record, sort_keys=True, indent=2) + "\n").encode())
+        return notes
 
-    group.from_rank0(rank0, "starting the run")
+    for note in group.from_rank0(rank0, "starting the run"):
+        log(note)
     return 0
 
 
 def has_checkpoints(group: Group, store: Store) -> bool:
-    """Rank 0 looks: does the run directory hold a checkpoint of any store (``resume_or_start``)?"""
+    """Rank 0 looks: does the run directory hold a checkpoint of any store (``resume_or_start``)?
+    What an interrupted save left is none (R-023)."""
     return group.from_rank0(store.any_checkpoints, "listing checkpoints")
 
 
@@ -131,8 +140,7 @@ def resume(
 def _choose(store: Store, run_dir: str) -> tuple[str, list[str], list[tuple[str, str]]]:
     """Rank 0: the newest consistent checkpoint; every fallback said."""
     store.refuse_foreign()
-    removed = store.sweep()
-    notes = [f"removed {len(removed)} temporary file(s) left by an interrupted save"] if removed else []
+    notes = sweep_note(store.sweep())
     (step, record), path, skipped = newest_consistent(
         run_dir, store.listing(), lambda step, p: (step, store.check(step, p))
     )

@@ -40,6 +40,7 @@ import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
+from ..errors import LeaseLost
 from ..format.checkpoint import Checkpoint
 from ..format.snapshot import encode_snapshot
 from ..format.urls import is_url, local_only
@@ -51,6 +52,7 @@ from .file_store import FileStore
 from .files import DCP_SUFFIX, list_checkpoints
 from .group import Alone, group_of
 from .history import History
+from .lease import FileLease, Lease, launcher_pid, this_job
 from .object_store import ObjectRunStore
 from .preemption import Stopping, StopRequests
 from .registration import Registration
@@ -88,6 +90,12 @@ class RunState(Registration, Stopping):
             (spec/runstate.md "Distributed run state"). In one process, a run
             directory a distributed run saved into makes it distributed at world
             size 1: ``resume(reshard=True)`` continues the run there.
+        lease: the run directory's lease (spec/lease.md): held from ``start()``/``resume()``
+            (or the first ``save()``) to ``close()`` by rank 0, refreshed before every save;
+            default a :class:`~ckptkit.run.lease.FileLease` (``lease.json`` in ``run_dir``).
+            A second job on the directory is refused with ``RunDirInUse``; a save after
+            the lease was taken over, or after this rank's launcher died, raises
+            ``LeaseLost`` and writes nothing.
     """
 
     def __init__(
@@ -101,6 +109,7 @@ class RunState(Registration, Stopping):
         log: Callable[[str], None] | None = None,
         async_save: bool = False,
         process_group: Any = None,
+        lease: Lease | None = None,
     ) -> None:
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep must be >= 1 (got {keep!r})")
@@ -123,6 +132,11 @@ class RunState(Registration, Stopping):
         self._replaying: str | None = None  # inside replaying(): "replay" or "rerun"
         self._group = group_of(process_group)
         self._store = self._open_store(async_save)
+        # An s3:// run's one writer per step is its commit record's conditional put (spec/objectstore.md
+        # R-O11); the lease over a conditional put that spec/lease.md describes is not built yet.
+        self._lease: Lease | None = lease if lease is not None or is_url(self.run_dir) else FileLease(self.run_dir)
+        self._leased = False
+        self._launcher = launcher_pid()  # this rank's torchrun agent; None outside torchrun
 
     def _open_store(self, async_save: bool) -> Store:
         """The object store on an ``s3://`` run directory (one process: spec/objectstore.md); the
@@ -248,7 +262,35 @@ class RunState(Registration, Stopping):
             UnsupportedValue: state that cannot be stored (named by path).
         """
         self._store.wait()
+        self._hold()
+        self._group.agree(lambda: self._may_write(step), "checking the run directory's lease")
         return self._store.save(step, self.checkpoint(step), encode_snapshot(self.config), self.sidecar_contents())
+
+    def _hold(self) -> None:
+        """Rank 0 acquires the run directory's lease for the job, once; a takeover is said (R-LS04)."""
+        if self._leased or self._lease is None:
+            return
+        lease, me = self._lease, this_job(self.world_size)
+        note = self._group.from_rank0(lambda: lease.acquire(me), "acquiring the run directory's lease")
+        self._leased = True
+        if note:
+            self._log(note)
+
+    def _may_write(self, step: int) -> None:
+        """Before a save writes anything: this rank's launcher lives (R-LS07), and rank 0 still
+        holds the lease, whose heartbeat it renews (R-LS06).
+
+        Raises:
+            LeaseLost: either is no longer so.
+        """
+        if self._launcher is not None and os.getppid() != self._launcher:
+            raise LeaseLost(
+                f"{self.run_dir}: this rank's launcher (pid {self._launcher}) is gone: rank {self.rank} stops "
+                f"before saving step {step}, without writing, so a job started again on the directory is its "
+                "one writer"
+            )
+        if self.rank == 0 and self._lease is not None:
+            self._lease.refresh()
 
     def wait(self) -> None:
         """Block until a background save (``async_save``) is committed; a no-op otherwise.
@@ -264,9 +306,14 @@ class RunState(Registration, Stopping):
         Raises:
             SaveFailed: the background write failed.
         """
-        if self._history is not None:
-            self._history.close()
-        self._store.close()
+        try:
+            if self._history is not None:
+                self._history.close()
+            self._store.close()
+        finally:
+            if self._leased and self.rank == 0 and self._lease is not None:  # after the last save committed (or failed)
+                self._lease.release()
+            self._leased = False
 
     def checkpoints(self) -> list[tuple[int, str]]:
         """``(step, path)`` of the run directory's checkpoints, oldest first, once a
@@ -295,13 +342,16 @@ class RunState(Registration, Stopping):
     def start(self) -> int:
         """Begin a fresh run: refuse a directory that already holds checkpoints.
 
-        Records the environment (``environment.json``) and returns step 0.
+        Removes what interrupted saves left (an uncommitted checkpoint, companions without
+        one: never a checkpoint, R-023), saying so; records the environment
+        (``environment.json``) and returns step 0.
 
         Raises:
             ResumeRefused: the run directory already holds checkpoints (nothing is
                 overwritten; resume it, or use another directory).
         """
-        self._began = protocol.start(self._store, self._group, self.run_dir)
+        self._hold()
+        self._began = protocol.start(self._store, self._group, self.run_dir, self._log)
         return self._began
 
     def resume(
@@ -336,6 +386,7 @@ class RunState(Registration, Stopping):
             WorldSizeChanged: the run was saved at another world size or layout
                 (one process vs a process group included) and ``reshard`` is False.
         """
+        self._hold()
         how = protocol.Resume(self.config, self.exempt, allow_legacy, allow_env_change, reshard)
 
         def restore(ckpt: Checkpoint, sidecars: Sidecars) -> None:

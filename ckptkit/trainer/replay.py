@@ -48,6 +48,7 @@ import torch
 
 from ..audit.compare import compare_states
 from ..audit.recording import (
+    LAYOUT_ONLY,
     RunRecording,
     checkpoint_difference,
     named_reports,
@@ -599,7 +600,7 @@ def _guarded_file_divergence(run_dir: str, start: int, work: str) -> Difference 
             d,
             file=theirs[s],
             values=f"the replayed {os.path.basename(theirs[s])}, compared as ckptkit diff --tensors does",
-            hints=d.hints or (_ALTERED,),
+            hints=(f"every history row matched and {LAYOUT_ONLY}",) if d.layout_only else (_ALTERED,),
         )
     return None
 

@@ -1,4 +1,5 @@
-"""TESTING AID for tests/test_trainer_distributed.py: one rank SIGKILLs itself half way through a save.
+"""TESTING AID for tests/test_trainer_distributed.py: one rank SIGKILLs itself half way through a save
+(or rank 0 half way through retention's delete, ``CKPTKIT_TEST_DIE_IN_DELETE`` below).
 
 Put this directory on ``PYTHONPATH`` and set ``CKPTKIT_TEST_DIE_IN_SAVE=RANK:STEP``: the
 process whose ``RANK`` (set by torchrun) is RANK truncates its data file of checkpoint
@@ -30,3 +31,57 @@ if _WANT and _WANT.partition(":")[0] == os.environ.get("RANK"):
         raise AssertionError("unreachable: SIGKILL was sent")
 
     _fmt.write_framed = _die_in_save
+
+# ``CKPTKIT_TEST_DIE_IN_DELETE=STEP``: rank 0 SIGKILLs itself half way through retention's
+# delete of checkpoint STEP -- uncommitted (its metadata gone) and one rank file removed,
+# the other and the companions left: a real death mid-delete.
+_DELETE = os.environ.get("CKPTKIT_TEST_DIE_IN_DELETE", "")
+
+if _DELETE and os.environ.get("RANK") == "0":
+    from ckptkit.run import dcp_store as _store
+
+    _name = f"step-{int(_DELETE):08d}.dcp"
+    _real_delete = _store.DcpStore.delete
+
+    def _die_in_delete(self: Any, path: str) -> None:
+        if os.path.basename(path) != _name:
+            return _real_delete(self, path)
+        os.unlink(os.path.join(path, "metadata.ckdcp"))
+        os.unlink(os.path.join(path, "rank-00000.ckdcp"))
+        os.kill(os.getpid(), signal.SIGKILL)
+        raise AssertionError("unreachable: SIGKILL was sent")
+
+    _store.DcpStore.delete = _die_in_delete  # type: ignore[method-assign]
+
+# One process (no ``RANK``): ``CKPTKIT_TEST_DIE_IN_FILE_SAVE=STEP`` SIGKILLs the process once the
+# companions of step-STEP.ckpt are written, before its container; ``CKPTKIT_TEST_DIE_IN_FILE_DELETE=STEP``
+# once retention has deleted that container, before its companions.
+_FILE_SAVE = os.environ.get("CKPTKIT_TEST_DIE_IN_FILE_SAVE", "")
+_FILE_DELETE = os.environ.get("CKPTKIT_TEST_DIE_IN_FILE_DELETE", "")
+
+if (_FILE_SAVE or _FILE_DELETE) and "RANK" not in os.environ:
+    from ckptkit.run import file_store as _files
+
+    def _die() -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+        raise AssertionError("unreachable: SIGKILL was sent")
+
+    if _FILE_SAVE:
+        _real_save, _save_name = _files.save, f"step-{int(_FILE_SAVE):08d}.ckpt"
+
+        def _die_in_file_save(path: Any, *args: Any, **kwargs: Any) -> Any:
+            if os.path.basename(str(path)) == _save_name:
+                _die()
+            return _real_save(path, *args, **kwargs)
+
+        _files.save = _die_in_file_save
+    if _FILE_DELETE:
+        _real_file_delete, _delete_name = _files.FileStore.delete, f"step-{int(_FILE_DELETE):08d}.ckpt"
+
+        def _die_in_file_delete(self: Any, path: str) -> None:
+            if os.path.basename(path) != _delete_name:
+                return _real_file_delete(self, path)
+            os.unlink(path)
+            _die()
+
+        _files.FileStore.delete = _die_in_file_delete  # type: ignore[method-assign]

@@ -1,0 +1,207 @@
+"""One writer per run directory: the run-directory lease (spec/lease.md R-LS01..R-LS09).
+
+A job holds its run directory's lease from its start or resume to its close: rank 0
+acquires it (recording host, pid, start time, ranks and the launcher), refreshes its
+heartbeat before every save, and releases it at ``close()``. A second job refuses
+(:class:`~ckptkit.errors.RunDirInUse`, naming the holder and what to do); a lease whose
+holder is gone -- a dead pid on this host, or a heartbeat older than the lease's time to
+live -- is taken over, and the takeover is said.
+
+:class:`Lease` is the one interface: :class:`FileLease` implements it with a file in the
+run directory (created by a hard link, which never replaces: the local form of a
+conditional put); a store on object storage implements the same four methods with
+``If-None-Match`` / ``If-Match`` writes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import socket
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ..errors import LeaseLost, RunDirInUse
+from ..format.atomic import create_exclusive, pid_alive, write_bytes_atomic
+
+__all__ = ["DEFAULT_TTL_S", "LEASE_FILE", "FileLease", "Holder", "Lease", "gone", "launcher_pid", "this_job"]
+
+#: The lease's file in the run directory.
+LEASE_FILE = "lease.json"
+#: How long a holder on another host stays live without a heartbeat (seconds); a heartbeat
+#: comes with every save, so a run that saves less often than this should pass a longer one.
+DEFAULT_TTL_S = 6 * 3600.0
+_LAUNCHED = "TORCHELASTIC_RUN_ID"  # set by torchrun in every rank it starts
+
+
+@dataclass(frozen=True)
+class Holder:
+    """The job that holds (or held) a run directory's lease.
+
+    Attributes:
+        host: ``socket.gethostname()`` of its rank 0.
+        pid: its rank 0's process id there.
+        started: when it acquired the lease (Unix seconds).
+        ranks: its world size.
+        launcher: the pid of the launcher (torchrun's agent) that started its ranks, or None.
+        heartbeat: its last refresh (Unix seconds).
+        token: unique per acquisition: what tells this job's lease from a later one's.
+    """
+
+    host: str
+    pid: int
+    started: float
+    ranks: int
+    launcher: int | None
+    heartbeat: float
+    token: str
+
+    def describe(self) -> str:
+        launched = f", launcher pid {self.launcher}" if self.launcher is not None else ""
+        return (
+            f"pid {self.pid} on {self.host} ({self.ranks} rank(s){launched}; started {_when(self.started)}, "
+            f"last heartbeat {_when(self.heartbeat)})"
+        )
+
+
+def _when(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
+
+
+def launcher_pid() -> int | None:
+    """The pid of the torchrun agent that started this process (its parent), or None outside torchrun."""
+    return os.getppid() if _LAUNCHED in os.environ else None
+
+
+def this_job(ranks: int) -> Holder:
+    """The calling process as a lease holder: this host, this pid, now; under torchrun its launcher."""
+    now = time.time()
+    return Holder(socket.gethostname(), os.getpid(), now, ranks, launcher_pid(), now, uuid.uuid4().hex)
+
+
+def gone(holder: Holder, ttl_s: float, now: float | None = None) -> str | None:
+    """Why ``holder`` no longer runs (R-LS04), or None while it may: a pid that does not exist on
+    this host, or no heartbeat for longer than ``ttl_s``."""
+    now = time.time() if now is None else now
+    if holder.host == socket.gethostname() and not pid_alive(holder.pid):
+        return f"no process {holder.pid} runs on this host"
+    if now - holder.heartbeat > ttl_s:
+        return f"no heartbeat for {now - holder.heartbeat:.0f} s (the lease lives {ttl_s:.0f} s)"
+    return None
+
+
+class Lease(Protocol):
+    """A run directory's lease: at most one job holds it (spec/lease.md §2)."""
+
+    def holder(self) -> Holder | None:
+        """Who holds it now (None: nobody)."""
+        ...
+
+    def acquire(self, me: Holder) -> str | None:
+        """Hold it as ``me``: atomically when nobody does; over a holder that is gone (the line
+        saying so is returned); silently over this same process's earlier lease.
+
+        Raises:
+            RunDirInUse: a live job holds it (or won a race for it).
+        """
+        ...
+
+    def refresh(self) -> None:
+        """Renew the heartbeat; before every save.
+
+        Raises:
+            LeaseLost: another job holds it now (this job must not write).
+        """
+        ...
+
+    def release(self) -> None:
+        """Give it up if this job still holds it (``close()``)."""
+        ...
+
+
+class FileLease:
+    """:class:`Lease` as ``lease.json`` in the run directory (R-LS01, R-LS02).
+
+    Args:
+        run_dir: the run directory.
+        ttl_s: how long a holder on another host is live without a heartbeat.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike[str], ttl_s: float = DEFAULT_TTL_S) -> None:
+        if not ttl_s > 0:
+            raise ValueError(f"ttl_s must be > 0 seconds (got {ttl_s!r})")
+        self.run_dir = os.fspath(run_dir)
+        self.path = os.path.join(self.run_dir, LEASE_FILE)
+        self.ttl_s = float(ttl_s)
+        self.mine: Holder | None = None
+
+    def holder(self) -> Holder | None:
+        try:
+            with open(self.path, "rb") as f:
+                raw = f.read(1 << 16)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise self._unusable(f"cannot be read ({e.strerror})") from None
+        try:
+            doc = json.loads(raw)
+            return Holder(**{f.name: doc[f.name] for f in dataclasses.fields(Holder)})
+        except (ValueError, TypeError, KeyError):
+            raise self._unusable("is not a lease ckptkit wrote") from None
+
+    def _unusable(self, why: str) -> RunDirInUse:
+        return RunDirInUse(
+            f"{self.path}: the run directory's lease {why}; if no job uses {self.run_dir}, delete it and start again"
+        )
+
+    def acquire(self, me: Holder) -> str | None:
+        os.makedirs(self.run_dir, exist_ok=True)
+        if create_exclusive(self.path, _encode(me)):
+            self.mine = me
+            return None
+        held = self.holder()
+        ours = held is not None and held.host == me.host and held.pid == me.pid
+        why = None if held is None or ours else gone(held, self.ttl_s)
+        if held is not None and not ours and why is None:
+            raise RunDirInUse(
+                f"{self.run_dir}: in use by another job, {held.describe()}: one writer per run directory; "
+                f"wait for it to end or stop it (kill {held.pid} on {held.host}), or use another run directory",
+                held,
+            )
+        write_bytes_atomic(self.path, _encode(me))
+        now = self.holder()
+        if now is None or now.token != me.token:  # another job took it over in the same instant
+            raise RunDirInUse(f"{self.run_dir}: another job took the lease over while this one did", now)
+        self.mine = me
+        return None if held is None or ours else f"took over the run directory's lease from {held.describe()}: {why}"
+
+    def refresh(self) -> None:
+        assert self.mine is not None, "refresh() before acquire()"
+        held = self.holder()
+        if held is None or held.token != self.mine.token:
+            who = "nobody holds it now" if held is None else f"it is held by {held.describe()}"
+            raise LeaseLost(
+                f"{self.run_dir}: this job no longer holds the run directory's lease ({who}): "
+                "it stops before writing, so the run directory keeps one writer"
+            )
+        self.mine = dataclasses.replace(self.mine, heartbeat=time.time())
+        write_bytes_atomic(self.path, _encode(self.mine))
+
+    def release(self) -> None:
+        if self.mine is None:
+            return
+        with contextlib.suppress(RunDirInUse):
+            held = self.holder()
+            if held is not None and held.token == self.mine.token:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.path)
+        self.mine = None
+
+
+def _encode(h: Holder) -> bytes:
+    doc: dict[str, Any] = dataclasses.asdict(h)
+    return (json.dumps(doc, sort_keys=True, indent=2) + "\n").encode()
