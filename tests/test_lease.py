@@ -104,6 +104,14 @@ def test_a_lease_file_that_is_no_lease_is_refused_with_what_to_do(tmp_path: Path
         f"{tmp_path / LEASE_FILE}: the run directory's lease is not a lease ckptkit wrote; "
         f"if no job uses {tmp_path}, delete it and start again"
     )
+    (tmp_path / LEASE_FILE).unlink()
+    os.mkfifo(tmp_path / LEASE_FILE)  # a FIFO is refused unread: opening it never waits for a writer
+    with pytest.raises(RunDirInUse) as e:
+        RunState(tmp_path, config=Flat()).start()
+    assert str(e.value) == (
+        f"{tmp_path / LEASE_FILE}: the run directory's lease cannot be read (is a FIFO (named pipe), not a lease "
+        f"file (a lease is a regular file)); if no job uses {tmp_path}, delete it and start again"
+    )
     with pytest.raises(ValueError, match=r"^ttl_s must be > 0 seconds \(got 0\)$"):
         FileLease(tmp_path, ttl_s=0)
 

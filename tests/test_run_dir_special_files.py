@@ -40,6 +40,7 @@ from ckptkit import CheckpointError, CheckpointNotFound, NoConsistentCheckpoint
 from ckptkit.cli import main
 from ckptkit.run import RunState
 from ckptkit.run.history import check_history, read_rows
+from ckptkit.run.lease import LEASE_FILE
 
 NOBODY = 65534
 ROOT_USER = os.geteuid() == 0
@@ -171,7 +172,7 @@ def shared_run(base: Path) -> Iterator[Path]:
     top = Path(tempfile.mkdtemp(prefix="ckptkit-special-"))
     top.chmod(0o755)
     shutil.copytree(base, top / "run")
-    (top / "run").chmod(0o755)
+    (top / "run").chmod(0o777)  # nobody may write it (a resume takes the lease), not read root's 000 files
     yield top / "run"
     shutil.rmtree(top)
 
@@ -239,8 +240,9 @@ def test_an_unreadable_run_directory_is_a_clear_error_for_every_command(shared_r
             "check its permissions, or run as its owner\n"
         )
     rs, _ = _make(shared_run)
-    with _as_reader(nobody=True), pytest.raises(CheckpointError, match="cannot list the run directory"):
-        rs.resume()
+    with _as_reader(nobody=True), pytest.raises(CheckpointError) as e:
+        rs.resume()  # its first write, the lease, is refused (a resume takes the lease before it reads)
+    assert str(e.value).startswith(f"{shared_run}/lease.json: cannot create temporary file: Permission denied")
 
 
 # --------------------------------------------------------------------- history.jsonl
@@ -393,7 +395,8 @@ class RunDirectory(RuleBasedStateMachine):
 
     @rule(data=st.data(), kind=st.sampled_from(SPECIALS))
     def damage(self, data: st.DataObject, kind: str) -> None:
-        names = sorted(n for n in os.listdir(self.run) if not n.startswith("."))
+        # lease.json is the lease's (tests/test_lease.py: a damaged one is refused, naming what to do)
+        names = sorted(n for n in os.listdir(self.run) if not n.startswith(".") and n != LEASE_FILE)
         if not names:
             return
         victim = self.run / data.draw(st.sampled_from(names), label="victim")

@@ -25,8 +25,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..errors import LeaseLost, RunDirInUse
+from ..errors import CheckpointNotFound, LeaseLost, RunDirInUse, UnreadableFile
 from ..format.atomic import create_exclusive, pid_alive, write_bytes_atomic
+from ..format.container import open_regular
 
 __all__ = ["DEFAULT_TTL_S", "LEASE_FILE", "FileLease", "Holder", "Lease", "gone", "launcher_pid", "this_job"]
 
@@ -140,13 +141,14 @@ class FileLease:
         self.mine: Holder | None = None
 
     def holder(self) -> Holder | None:
-        try:
-            with open(self.path, "rb") as f:
-                raw = f.read(1 << 16)
-        except FileNotFoundError:
+        try:  # opened without blocking and checked to be a file, as every file of the run
+            fd, _size = open_regular(self.path, "lease")
+        except CheckpointNotFound:
             return None
-        except OSError as e:
-            raise self._unusable(f"cannot be read ({e.strerror})") from None
+        except UnreadableFile as e:
+            raise self._unusable(f"cannot be read ({str(e).removeprefix(self.path + ': ')})") from None
+        with os.fdopen(fd, "rb") as f:
+            raw = f.read(1 << 16)
         try:
             doc = json.loads(raw)
             return Holder(**{f.name: doc[f.name] for f in dataclasses.fields(Holder)})
