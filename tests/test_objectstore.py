@@ -352,10 +352,10 @@ def test_the_storage_bench_runs_and_reports_both_backends_and_the_commit_costs(m
     bench = load_script("bench_storage", Path(__file__).parents[1] / "bench" / "bench_storage.py")
     assert bench.main(["--size-mb", "1", "--tensors", "2", "--rounds", "1", "--objects", "1,3", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert set(out["ratio"]) == {"save", "load"} and set(out["seconds"]) == {
-        "ckptkit_save",
-        "dcp_save",
-        "ckptkit_load",
-        "dcp_load",
-    }
+    if bench._peer_available():  # the peer, DCP's FsspecWriter/Reader, runs where s3fs is installed
+        assert set(out["ratio"]) == {"save", "load"} and out["peer"] is None
+        assert set(out["seconds"]) == {"ckptkit_save", "dcp_save", "ckptkit_load", "dcp_load"}
+    else:  # CI's test extra has no s3fs (see bench_storage.PEER_MISSING): ckptkit is measured, the peer named
+        assert out["ratio"] == {} and out["peer"] == bench.PEER_MISSING
+        assert set(out["seconds"]) == {"ckptkit_save", "ckptkit_load"}
     assert out["commit"]["record_1_objects_bytes"] < out["commit"]["record_3_objects_bytes"]
