@@ -20,7 +20,7 @@ from typing import Any
 from ..errors import CheckpointNotFound, FormatError
 from ..format.companions import same_checkpoint
 from ..run.difference import Difference, FieldDiff, TensorReport
-from ..run.files import DCP_SUFFIX, list_checkpoints
+from ..run.files import run_checkpoints
 from ..run.fingerprint import FINGERPRINT_FIELDS, differing_names
 from ..run.history import COMPARED_KINDS, HISTORY_FILE, WALL_FIELDS, read_rows
 from .compare import TensorDiff, compare_checkpoints, compare_states
@@ -32,7 +32,6 @@ __all__ = [
     "first_difference",
     "named_reports",
     "row_difference",
-    "run_checkpoints",
     "row_fields",
     "step_fields",
     "tensor_reports",
@@ -195,11 +194,6 @@ def checkpoint_difference(step: int, path_a: str, path_b: str) -> Difference | N
         file=name,
         values=f"both runs' {name}, compared as ckptkit diff --tensors does",
     )
-
-
-def run_checkpoints(run_dir: str | os.PathLike[str]) -> dict[int, str]:
-    """Step -> path of every checkpoint in ``run_dir``: ``.ckpt`` files, or a torchrun run's ``.dcp`` directories."""
-    return dict(list_checkpoints(run_dir) + list_checkpoints(run_dir, DCP_SUFFIX))
 
 
 def _rank(name: str) -> tuple[int, str]:

@@ -18,8 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..format.urls import is_url, join
-from ..run import DCP_SUFFIX, list_checkpoints
-from ..run.files import is_fallback_note
+from ..run.files import is_fallback_note, run_checkpoints
 from ..run.history import HISTORY_FILE, read_rows
 from ._width import fit, fit_command
 
@@ -128,7 +127,7 @@ def _checkpoints(run_dir: str) -> list[tuple[int, str]]:
 
         found = listing(store_for(parse(run_dir)), parse(run_dir), ".ckpt")
         return sorted((s, n) for n, ok in found.items() if ok and (s := step_of(n)) is not None)
-    return sorted(list_checkpoints(run_dir) + list_checkpoints(run_dir, DCP_SUFFIX))
+    return sorted(run_checkpoints(run_dir).items())
 
 
 def summarize(run_dir: str, *, seconds: float, keep: int, extend: str, next_step: str = "extend") -> TrainSummary:

@@ -46,6 +46,7 @@ __all__ = [
     "remove_debris",
     "restorable",
     "retain",
+    "run_checkpoints",
     "step_of",
     "sweep_note",
     "whole_checkpoints",
@@ -116,6 +117,12 @@ def list_run_dir(run_dir: str) -> list[str]:
             errno=e.errno,
             path=run_dir,
         ) from None
+
+
+def run_checkpoints(run_dir: str | os.PathLike[str]) -> dict[int, str]:
+    """Step -> path of every checkpoint in ``run_dir``, of either store: ``.ckpt`` files, or a
+    distributed run's ``.dcp`` directories (committed or not)."""
+    return dict(list_checkpoints(run_dir) + list_checkpoints(run_dir, DCP_SUFFIX))
 
 
 def step_of(name: str, suffix: str = CKPT_SUFFIX) -> int | None:

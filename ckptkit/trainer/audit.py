@@ -33,7 +33,6 @@ from ..audit.recording import (
     checkpoint_difference,
     named_reports,
     row_fields,
-    run_checkpoints,
     step_fields,
     tensor_reports,
 )
@@ -43,6 +42,7 @@ from ..run import checkpoint_name, list_checkpoints, read_environment
 from ..run.difference import Difference, FieldDiff
 from ..run.drift import DEFAULT_EXEMPT, diff_keys
 from ..run.environment import EnvDiff, diff_environment
+from ..run.files import run_checkpoints
 from ..run.fingerprint import differing_names, first_divergence, step_rows
 from ..run.history import HISTORY_FILE, compared_rows, read_rows
 from .config import TrainerConfig, flag_name, knobs

@@ -53,7 +53,6 @@ from ..audit.recording import (
     checkpoint_difference,
     named_reports,
     row_difference,
-    run_checkpoints,
     step_fields,
     tensor_reports,
 )
@@ -72,6 +71,7 @@ from ..run import ENVIRONMENT_FILE, RunState, checkpoint_name, list_checkpoints,
 from ..run.difference import Difference, FieldDiff, Rerun, TensorReport
 from ..run.drift import DEFAULT_EXEMPT
 from ..run.environment import EnvDiff, capture, diff_environment
+from ..run.files import run_checkpoints
 from ..run.fingerprint import differing_names, first_divergence, leaf_digests
 from ..run.history import HISTORY_FILE, compared_rows, read_rows
 from .config import TrainerConfig

@@ -24,10 +24,11 @@ import tempfile
 from collections.abc import Callable
 
 from ..audit.commands import CommandReport, _workdir  # the same work directory rule as `replay -- CMD`
-from ..audit.recording import RunRecording, checkpoint_difference, first_difference, run_checkpoints
+from ..audit.recording import RunRecording, checkpoint_difference, first_difference
 from ..errors import AuditError, CheckpointError, CheckpointNotFound, ReplayError
 from ..run import ENVIRONMENT_FILE, read_environment
 from ..run.difference import Difference
+from ..run.files import run_checkpoints
 from ..run.history import HISTORY_FILE
 from .audit import knob_flags
 from .parallel import launcher, stop_job
