@@ -72,8 +72,9 @@ def test_the_example_loop_audits_identical(capsys: pytest.CaptureFixture[str]) -
     before = _leftovers()
     assert main(["audit", "--quiet", "--", *LOOP, "--steps", "40"]) == 0
     out = capsys.readouterr().out
-    assert "audit: a: 40 steps uninterrupted; b: stopped at 20, resumed in a new process" in out
-    assert "IDENTICAL: 80 recorded row(s) and 1 checkpoint(s) bit for bit" in out
+    assert "audit: a: 40 steps uninterrupted; b: stopped at 20, resumed in a fresh process" in out
+    assert "IDENTICAL: 40 steps, every history fingerprint and 1 checkpoint(s) bit for bit (80 recorded rows)" in out
+    assert "environment: torch " in out  # the one report shows the runs' environment, for any loop
     assert _leftovers() == before  # nothing left behind
 
 
@@ -139,9 +140,8 @@ def test_replay_of_an_outside_run_from_a_checkpoint(tmp_path: Path, capsys: pyte
     files = sorted(os.listdir(run))
     assert main(["replay", str(run), "--from", "55", "--quiet", "--", *LOOP, "--steps", "60"]) == 0
     out = capsys.readouterr().out
-    assert "replay: from the checkpoint at step 50 to step 60" in out and re.search(
-        r"IDENTICAL: \d+ recorded row\(s\) and 1 checkpoint\(s\)", out
-    )
+    assert "replay: from the checkpoint at step 50 to step 60" in out
+    assert re.search(r"IDENTICAL: steps 50\.\.59, every history fingerprint and 1 checkpoint\(s\) bit for bit", out)
     assert sorted(os.listdir(run)) == files  # RUN is only read
     assert main(["replay", str(run), "--from", "50", "--quiet", "--", *LOOP, "--steps", "60", "--global-dropout"]) == 2
     assert "ckptkit replay: replay from step 50: the command exited 1" in capsys.readouterr().err  # config drift

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 import ckptkit
 from ckptkit import RunState
 from ckptkit.audit import Difference
-from ckptkit.audit.commands import CommandReport
+from ckptkit.audit.commands import AuditReport
 from ckptkit.run import list_checkpoints
 from ckptkit.run.difference import TensorReport
 
@@ -107,7 +107,7 @@ def test_a_run_resumed_after_late_optimizer_state_writes_the_uninterrupted_bytes
 
 def test_a_checkpoint_that_differs_only_in_bytes_is_reported_as_exactly_that() -> None:
     layout = Difference("checkpoint", 30, file="step-00000030.dcp")
-    report = CommandReport("replay", ("ckptkit", "train"), 40, 20, 50, 2, layout)
+    report = AuditReport("replay", ("ckptkit", "train"), 40, 20, 50, 2, layout)
     assert not report.ok
     assert report.describe().splitlines()[1:] == [
         (
@@ -120,5 +120,5 @@ def test_a_checkpoint_that_differs_only_in_bytes_is_reported_as_exactly_that() -
     state = Difference(
         "checkpoint", 30, tensors=(TensorReport("model.w", "1/4 elements differ"),), file="step-00000030.dcp"
     )
-    text = CommandReport("replay", ("ckptkit",), 40, 20, 50, 2, state).describe()
+    text = AuditReport("replay", ("ckptkit",), 40, 20, 50, 2, state).describe()
     assert "(every recorded row matched)" in text and "usual causes:" in text and "in bytes only" not in text

@@ -26,6 +26,7 @@ from helpers import TINY_FLAGS, examples, history, run, tiny
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ckptkit.audit.commands import stop_job
 from ckptkit.cli import main
 from ckptkit.errors import ConfigDrift, RunDirInUse
 from ckptkit.run.history import compared_rows
@@ -33,7 +34,7 @@ from ckptkit.run.lease import FileLease, this_job
 from ckptkit.trainer.data import ByteStream, data_fingerprint, load_bytes
 from ckptkit.trainer.digests import param_digests
 from ckptkit.trainer.loop import build, deterministic_torch, expected_offset, intra_op_threads, run_state
-from ckptkit.trainer.parallel import Ranks, check_fits, stop_job
+from ckptkit.trainer.parallel import Ranks, check_fits
 
 STEPS, EVERY = 40, 10  # the "done when" run: --steps 40 --ckpt-every 10
 FLAGS = [*TINY_FLAGS, "--ckpt-every", str(EVERY), "--keep", "100", "--quiet"]
@@ -468,8 +469,9 @@ def test_replay_of_a_two_rank_run_launches_two_ranks_and_names_a_recorded_step_t
     lines[i] = json.dumps(row, sort_keys=True, separators=(",", ":")) + "\n"
     (run_dir / "history.jsonl").write_text("".join(lines))
     assert main(["replay", str(run_dir), "--from", str(STEPS - 5), "--quiet", "--json"]) == 1
-    difference = json.loads(capsys.readouterr().out)["difference"]
-    assert (difference["step"], difference["kind"], difference["fields"]) == (STEPS - 3, "step", ["loss_bits"])
+    difference = json.loads(capsys.readouterr().out)["divergence"]
+    fields = [f["field"] for f in difference["fields"]]
+    assert (difference["step"], difference["kind"], fields) == (STEPS - 3, "step", ["loss_bits"])
 
 
 def test_replay_of_a_two_rank_run_refuses_flags_it_cannot_honour(

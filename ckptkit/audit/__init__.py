@@ -9,12 +9,12 @@ audit and replay of any loop's command, and the plot of a run. Stands on
 from __future__ import annotations
 
 from ..run.difference import Difference
-from .commands import CommandReport, audit_command, replay_command
+from .commands import AuditReport, audit_command, replay_command
 from .compare import TensorDiff, compare_checkpoints, compare_states
 from .recording import RunRecording, first_difference
 
 __all__ = [
-    "CommandReport",
+    "AuditReport",
     "Difference",
     "RunRecording",
     "TensorDiff",

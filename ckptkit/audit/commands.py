@@ -1,25 +1,28 @@
-"""Audit and replay for any loop: run the user's command, compare what it recorded.
+"""Audit and replay of a command: run it, compare what it recorded. One engine, for any loop.
 
     ckptkit audit -- python train.py --run-dir {run_dir} --steps 40
     ckptkit audit --stop-at 17 -- python train.py --run-dir {run_dir} --steps 40
     ckptkit replay runs/a --from 20 -- python train.py --run-dir {run_dir} --steps 40
 
-The command is the user's own training script. It must use :class:`ckptkit.RunState`
-on the directory ``{run_dir}`` stands for, start-or-resume with
-:meth:`RunState.resume_or_start` (so the same arguments continue a stopped run), and
-call :meth:`RunState.step_done` after every step (so it honours the stop request,
-``CKPTKIT_STOP_AT``). :meth:`RunState.record` adds per-step rows, which let the
-report name the first step that differs; without them checkpoints are compared.
+The command is the user's own training script -- or the reference trainer, whose
+``ckptkit audit`` and torchrun replay are this engine run on ``python -m ckptkit train``
+(:mod:`ckptkit.trainer.audit`). It must use :class:`ckptkit.RunState` on the directory
+``{run_dir}`` stands for, start-or-resume with :meth:`RunState.resume_or_start` (so the
+same arguments continue a stopped run), and call :meth:`RunState.step_done` after every
+step (so it honours the stop request, ``CKPTKIT_STOP_AT``). :meth:`RunState.record` adds
+per-step rows, which let the report name the first step that differs; without them
+checkpoints are compared.
 
 * audit: the command runs once uninterrupted (run ``a``) and once stopped at step
-  ``K`` and resumed in a new process with the same arguments (run ``b``); the
-  recordings and every checkpoint both saved at the same step are compared bit for bit.
+  ``K`` and resumed in a new process (run ``b``); the recordings and every checkpoint
+  both saved at the same step are compared bit for bit.
 * replay: RUN's checkpoint at (or before) ``S`` and its companions are copied into
   a fresh directory, the command resumes from it, and its recording from ``S`` on
   is compared with RUN's.
 
-Every process is bounded by ``timeout`` (its whole process group is killed), and
-temporary directories are removed whatever happens. spec/replay.md "Any loop".
+Either way the answer is one :class:`AuditReport`. Every process is bounded by
+``timeout`` (the whole job is killed, torchrun's ranks included), and temporary
+directories are removed whatever happens. spec/replay.md "Any loop".
 """
 
 from __future__ import annotations
@@ -31,96 +34,143 @@ import shutil
 import signal
 import subprocess
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import AuditError, CheckpointNotFound, ReplayDivergence, ReplayError
-from ..run import ENVIRONMENT_FILE, checkpoint_name
+from ..errors import AuditError, CheckpointError, CheckpointNotFound, ReplayDivergence, ReplayError
+from ..run import ENVIRONMENT_FILE, read_environment
 from ..run.difference import Difference
-from ..run.history import HISTORY_FILE
+from ..run.environment import EnvDiff, diff_environment
+from ..run.files import run_checkpoints
+from ..run.history import HISTORY_FILE, read_rows
 from ..run.preemption import EXIT_STOPPED, STOP_AT_ENV
 from .recording import LAYOUT_ONLY, RunRecording, first_difference
 
-__all__ = ["PLACEHOLDER", "CommandReport", "audit_command", "replay_command"]
+__all__ = ["PLACEHOLDER", "AuditReport", "audit_command", "compare_runs", "replay_command", "replay_start", "stop_job"]
 
 PLACEHOLDER = "{run_dir}"
 DEFAULT_TIMEOUT = 600.0  # seconds per process
+_POLL_S = 0.25  # how often a waiting audit reads the command's history for the progress callback
 _HINT = (
     "the command must use ckptkit.RunState on {run_dir}, start with state.resume_or_start(), and call "
     "state.step_done(step + 1) after every step (SpikeGuard.run does); docs/adopting.md"
 )
+_CAUSES = (
+    "usual causes: a draw from the global generator in the step (wrap it in ckptkit.step_rng), "
+    "a data position or scheduler not registered, nondeterministic kernels (see ckptkit.ReplayDivergence)"
+)
+#: Environment facts worth a line in the report (all are compared).
+_SHOWN = (
+    "torch",
+    "python",
+    "numpy",
+    "intra_op_threads",
+    "inter_op_threads",
+    "deterministic_algorithms",
+    "platform_system",
+    "platform_machine",
+    "cuda_device",
+    "world_size",
+)
 Log = Callable[[str], None]
+#: A hook that explains a difference (``difference, run a, run b`` -> the difference, with more said).
+Explain = Callable[[Difference, str, str], Difference]
+#: Progress: (steps both runs recorded so far, their total).
+OnStep = Callable[[int, int], None]
 
 
 @dataclass(frozen=True)
-class CommandReport:
-    """What an audit or a replay of a command found; ``ok`` when nothing differs."""
+class AuditReport:
+    """What an audit or a replay found; ``ok`` when nothing differs (spec/replay.md R-P13).
+
+    ``a`` and ``b`` are the two run directories when they were kept (a replay's ``a`` is
+    the recorded run), else None. ``resume_at`` is the step run ``b`` resumed at: where an
+    audit stopped it (None: two uninterrupted runs), or the checkpoint a replay started from.
+    """
 
     what: str  # "audit" or "replay"
     command: tuple[str, ...]
-    end: int  # the step the run ended at
-    stop_at: int | None  # audit: where run b stopped; replay: the checkpoint it started from
+    steps: int  # the step the runs ended at
+    resume_at: int | None
     rows_compared: int
     checkpoints_compared: int
-    difference: Difference | None
-    kept: str | None = None  # where the runs were kept (--keep-dir), else None
+    divergence: Difference | None
+    a: str | None = None
+    b: str | None = None
+    environment: Mapping[str, Any] = field(default_factory=dict)  # run a's facts
+    environment_differences: tuple[EnvDiff, ...] = ()
 
     @property
     def ok(self) -> bool:
-        return self.difference is None
+        """The runs are bit-identical (environment differences are shown, not judged)."""
+        return self.divergence is None
 
     def to_json(self) -> dict[str, Any]:
+        """The ``--json`` object (spec/replay.md R-P13)."""
         return {
             "schema_version": 1,
             "ok": self.ok,
             "what": self.what,
             "command": list(self.command),
-            "end": self.end,
-            "stop_at": self.stop_at,
+            "a": self.a,
+            "b": self.b,
+            "steps": self.steps,
+            "resume_at": self.resume_at,
             "rows_compared": self.rows_compared,
             "checkpoints_compared": self.checkpoints_compared,
-            "kept": self.kept,
-            "difference": None if self.difference is None else _difference_json(self.difference),
+            "environment": dict(sorted(self.environment.items())),
+            "environment_differences": [
+                {"key": d.key, "a": d.recorded, "b": d.current} for d in self.environment_differences
+            ],
+            "divergence": None if self.divergence is None else self.divergence.to_json("a", "b"),
         }
 
-    def describe(self) -> str:
-        if self.what == "audit":
-            head = (
-                f"audit: a: {self.end} steps uninterrupted; b: stopped at {self.stop_at}, resumed in a new "
-                "process with the same arguments"
-            )
-            sides = ("a", "b")
-        else:
-            head = f"replay: from the checkpoint at step {self.stop_at} to step {self.end}"
-            sides = ("the recording", "the replay")
-        lines = [head]
-        if self.kept:
-            lines.append(f"runs kept in {self.kept}")
+    def describe(self, limit: int = 12) -> str:
+        """The human report (what ``ckptkit audit`` and ``ckptkit replay`` print on stdout)."""
+        a, b = ("a", "b") if self.what == "audit" else ("the recording", "the replay")
+        lines = [self._headline()]
+        if self.a is not None:
+            lines.append(f"runs: {self.a} {self.b}")
+        lines += self._environment_lines()
         if self.rows_compared == 0:
             lines.append(
                 "note: the command records no rows; add state.record(step, loss=...) to name the first "
                 "step that differs (checkpoints are compared either way)"
             )
-        if self.difference is None:
+        d = self.divergence
+        if d is None:
+            span = f"{self.steps} steps" if self.what == "audit" else f"steps {self.resume_at}..{self.steps - 1}"
             lines.append(
-                f"IDENTICAL: {self.rows_compared} recorded row(s) and {self.checkpoints_compared} "
-                "checkpoint(s) bit for bit"
+                f"IDENTICAL: {span}, every history fingerprint and {self.checkpoints_compared} checkpoint(s) "
+                f"bit for bit ({self.rows_compared} recorded rows)"
             )
-        else:
-            lines += _difference_lines(self.difference, *sides)
-            if self.difference.layout_only:
-                return "\n".join(lines)
-            lines.append(
-                "  usual causes: a draw from the global generator in the step (wrap it in ckptkit.step_rng), "
-                "a data position or scheduler not registered, nondeterministic kernels "
-                "(see ckptkit.ReplayDivergence)"
-            )
+            return "\n".join(lines)
+        lines += _difference_lines(d, a, b, limit)
+        if not d.hints and not d.layout_only:  # a layout-only difference says its own cause
+            lines.append(f"  {_CAUSES}")
         return "\n".join(lines)
 
+    def _headline(self) -> str:
+        if self.what == "replay":
+            return f"replay: from the checkpoint at step {self.resume_at} to step {self.steps}"
+        if self.resume_at is None:
+            return f"audit: a, b: {self.steps} steps each, each in a fresh process"
+        return f"audit: a: {self.steps} steps uninterrupted; b: stopped at {self.resume_at}, resumed in a fresh process"
 
-def _difference_lines(d: Difference, a: str, b: str, limit: int = 12) -> list[str]:
-    """The difference as the command report prints it: the step, what differs, the tensors."""
+    def _environment_lines(self) -> list[str]:
+        env = self.environment
+        shown = ", ".join(f"{k} {env[k]}" for k in _SHOWN if k in env and env[k] != "none")
+        lines = [f"environment: {shown}"] if shown else []
+        if self.environment_differences:
+            lines.append(f"environment differs between the runs in {len(self.environment_differences)} fact(s):")
+            lines += [f"  {d.key}: a {d.recorded}, b {d.current}" for d in self.environment_differences]
+        return lines
+
+
+def _difference_lines(d: Difference, a: str, b: str, limit: int) -> list[str]:
+    """The difference as the report prints it: the step, what differs, the tensors."""
     if d.layout_only:
         return [f"DIFFERS at step {d.step}: {d.file} differs between {a} and {b} in bytes only: {LAYOUT_ONLY}"]
     if d.kind == "checkpoint":
@@ -133,21 +183,71 @@ def _difference_lines(d: Difference, a: str, b: str, limit: int = 12) -> list[st
                 f"  {a}: {counts[0].recorded} rows, {b}: {counts[0].replayed} rows",
             ]
         lines = [f"DIFFERS at step {d.step}: {a} and {b} recorded different rows there"]
+    elif d.kind in ("start", "probe"):
+        lines = [f"DIFFERS at {'the start row' if d.kind == 'start' else 'a probe before step 0'}"]
     else:
         lines = [f"DIFFERS at step {d.step}: the {d.kind} row"]
-    lines += d.lines(a, b, limit=limit)
-    return lines
+    return lines + d.lines(a, b, limit=limit)
 
 
-def _difference_json(d: Difference) -> dict[str, Any]:
-    """The command report's ``difference`` object: what differs, by name (spec/replay.md "Any loop")."""
-    return {
-        "step": d.step,
-        "kind": d.kind,
-        "fields": list(d.field_names),
-        "tensors": list(d.tensor_names),
-        "file": d.file,
-    }
+# ----------------------------------------------------------------------------- comparing
+
+
+def _environment(run_dir: str) -> dict[str, Any]:
+    """The run's recorded facts; {} when it has no readable record (every fact then shows as a difference)."""
+    try:
+        facts = read_environment(run_dir)
+    except CheckpointError:
+        return {}
+    return facts if isinstance(facts, dict) else {}
+
+
+def compare_runs(
+    what: str,
+    command: Sequence[str],
+    a: str,
+    b: str,
+    *,
+    resume_at: int | None,
+    to_step: int | None = None,
+    kept: bool = True,
+    explain: Explain | None = None,
+) -> AuditReport:
+    """Two recorded runs compared (:func:`~ckptkit.audit.recording.first_difference`): the
+    report ``what`` makes of them. A replay (``b``, from ``resume_at``) is compared from its
+    start, up to ``to_step`` when it stopped short of run ``a``'s end. ``explain`` says more
+    about a difference (the trainer's re-run of the step); ``kept``: the report names the
+    directories.
+
+    Raises:
+        FormatError: a history line is damaged, or a checkpoint that differs does not verify.
+    """
+    rec_a, rec_b = RunRecording(a), RunRecording(b)
+    start = resume_at if what == "replay" and resume_at is not None else 0
+    if to_step is not None:  # the recording up to where the replay stops (the state after it included)
+        rec_a.rows = [r for r in rec_a.rows if r["step"] < to_step or (r["kind"] == "digests" and r["step"] == to_step)]
+        rec_a.checkpoints = {s: p for s, p in rec_a.checkpoints.items() if s <= to_step}
+    d = first_difference(rec_a, rec_b, from_step=start)
+    if d is not None and explain is not None:
+        d = explain(d, a, b)
+    env_a, env_b = _environment(a), _environment(b)
+    shared = set(rec_a.checkpoints) & set(rec_b.checkpoints)
+    return AuditReport(
+        what,
+        tuple(command),
+        (rec_a if what == "audit" else rec_b).last_step or start,
+        resume_at,
+        len([r for r in rec_b.rows if r["step"] >= start]),
+        len([s for s in shared if s > start]) if what == "replay" else len(shared),
+        d,
+        a if kept else None,
+        b if kept else None,
+        env_a,
+        tuple(diff_environment(env_a, env_b)),
+    )
+
+
+# ----------------------------------------------------------------------------- running
 
 
 def _substitute(argv: Sequence[str], run_dir: str, error: type[Exception]) -> list[str]:
@@ -161,37 +261,101 @@ def _substitute(argv: Sequence[str], run_dir: str, error: type[Exception]) -> li
     return [a.replace(PLACEHOLDER, run_dir) for a in argv]
 
 
-def _run(argv: list[str], label: str, timeout: float, stop_at: int | None, log: Log) -> int:
-    """Run ``argv`` in its own process group, bounded by ``timeout``; returns its exit code."""
-    env = {k: v for k, v in os.environ.items() if k != STOP_AT_ENV}
-    if stop_at is not None:
-        env[STOP_AT_ENV] = str(stop_at)
-    log(f"{label}: {' '.join(argv)}" + (f" ({STOP_AT_ENV}={stop_at})" if stop_at is not None else ""))
-    with tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err, env=env, start_new_session=True)
-        try:
-            code = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            raise AuditError(
-                f"{label}: the command did not finish within {timeout:g} s (--timeout); a loop that "
-                f"ignores the stop request or never ends runs until killed: {_HINT}"
-            ) from None
-        except BaseException:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            raise
-        if code not in (0, EXIT_STOPPED):
-            err.seek(0)
-            tail = err.read().decode("utf-8", "replace").strip().splitlines()[-15:]
-            found = [m.group(1) for m in map(_DIVERGED.match, tail) if m]
-            if found:  # the command itself found it is not the same run (a ring rebuild that missed)
-                raise ReplayDivergence(f"{label}: the command found its run differs: {found[-1]}")
-            raise AuditError(f"{label}: the command exited {code}:\n" + "\n".join(tail))
-    return code
+def stop_job(proc: subprocess.Popen[Any]) -> None:
+    """SIGKILL a command and every process it started -- a torchrun job's ranks too -- and reap it.
+
+    torchrun starts each rank in a session of its own, so killing the agent's process
+    group would leave the ranks running: every descendant is killed by its pid.
+    """
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc") if os.path.isdir("/proc") else []):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rpartition(")")[2].split()[1])
+            children.setdefault(parent, []).append(int(entry))
+    job, todo = [proc.pid], [proc.pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        job += kids
+        todo += kids
+    for pid in reversed(job):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)  # anything that left the tree but kept the group
+    proc.communicate()
+
+
+def _steps_recorded(run_dir: str) -> int:
+    """Steps done by the run's ``step`` rows so far (0 before the first)."""
+    rows = [r for r in read_rows(os.path.join(run_dir, HISTORY_FILE))[0] if r["kind"] == "step"]
+    return rows[-1]["step"] + 1 if rows else 0
+
+
+@dataclass
+class _Runner:
+    """Runs the command, each time in a fresh process group bounded by ``timeout``."""
+
+    argv: Sequence[str]
+    error: type[Exception]
+    timeout: float
+    log: Log
+    on_step: OnStep | None = None
+    total: int | None = None  # the steps both runs train, when known (the progress callback's total)
+    done: int = 0  # steps the runs before this one trained
+
+    def run(self, run_dir: str, label: str, *, stop_at: int | None = None, extra: Sequence[str] = ()) -> int:
+        """Run the command on ``run_dir``; returns its exit code (0, or 75 when it stopped as asked).
+
+        Raises:
+            AuditError: it timed out or exited otherwise (its stderr's last lines).
+            ReplayDivergence: it raised one itself (a guarded loop's ring rebuild that missed).
+        """
+        argv = [*_substitute(self.argv, run_dir, self.error), *extra]
+        env = {k: v for k, v in os.environ.items() if k != STOP_AT_ENV}
+        if stop_at is not None:
+            env[STOP_AT_ENV] = str(stop_at)
+        self.log(f"{label}: {' '.join(argv)}" + (f" ({STOP_AT_ENV}={stop_at})" if stop_at is not None else ""))
+        with tempfile.TemporaryFile() as err:
+            proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err, env=env, start_new_session=True)
+            try:
+                code = self._wait(proc, run_dir, label)
+            except BaseException:
+                stop_job(proc)
+                raise
+            if code not in (0, EXIT_STOPPED):
+                err.seek(0)
+                _trouble(label, code, err.read().decode("utf-8", "replace"))
+        return code
+
+    def _wait(self, proc: subprocess.Popen[bytes], run_dir: str, label: str) -> int:
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                return proc.wait(timeout=min(_POLL_S, max(deadline - time.monotonic(), 0.001)))
+            except subprocess.TimeoutExpired:
+                if time.monotonic() >= deadline:
+                    raise AuditError(
+                        f"{label}: the command did not finish within {self.timeout:g} s (--timeout); a loop "
+                        f"that ignores the stop request or never ends runs until killed: {_HINT}"
+                    ) from None
+                self.progress(run_dir)
+
+    def progress(self, run_dir: str, *, finished: bool = False) -> None:
+        """Tell ``on_step`` the steps trained so far (a run that ``finished`` counts whole)."""
+        if self.on_step is None or self.total is None:
+            return
+        self.on_step(min(self.done + _steps_recorded(run_dir), self.total), self.total)
+        if finished:
+            self.done += _steps_recorded(run_dir)
+
+
+def _trouble(label: str, code: int, stderr: str) -> None:
+    tail = stderr.strip().splitlines()[-15:]
+    found = [m.group(1) for m in map(_DIVERGED.match, tail) if m]
+    if found:  # the command itself found it is not the same run (a ring rebuild that missed)
+        raise ReplayDivergence(f"{label}: the command found its run differs: {found[-1]}")
+    raise AuditError(f"{label}: the command exited {code}:\n" + "\n".join(tail))
 
 
 #: The last line of a traceback of the ckptkit error a loop raises when its own replay misses.
@@ -210,19 +374,38 @@ def _workdir(keep_dir: str | None, prefix: str) -> Iterator[str]:
     yield keep_dir
 
 
+# ----------------------------------------------------------------------------- audit
+
+
 def audit_command(
     argv: Sequence[str],
     *,
     stop_at: int | None = None,
+    interrupt: bool = True,
+    stop_with: Callable[[int], Sequence[str]] | None = None,
+    resume_args: Sequence[str] = (),
+    steps: int | None = None,
+    explain: Explain | None = None,
+    on_step: OnStep | None = None,
     timeout: float = DEFAULT_TIMEOUT,
     keep_dir: str | None = None,
     log: Log | None = None,
-) -> CommandReport:
+) -> AuditReport:
     """Run the command uninterrupted and stopped-at-``stop_at``-then-resumed; compare.
 
     Args:
         argv: the command, with ``{run_dir}`` in its arguments.
         stop_at: the step run b stops at (default: half of run a's end).
+        interrupt: False: run b is a second uninterrupted run (two fresh processes compared).
+        stop_with: the arguments that make the command itself end at step ``k`` and exit 0
+            (the trainer's ``--steps k``); None: the stop request ``CKPTKIT_STOP_AT=k``, which
+            the command must answer with exit 75. (torchrun reports a rank's exit 75 as a
+            failure: a torchrun command needs ``stop_with``.)
+        resume_args: arguments the resuming process gets besides ``argv`` (the trainer's
+            ``--resume``; a loop that resumes-or-starts needs none).
+        steps: the steps each run trains, when known (the progress callback's total).
+        explain: says more about a difference (:data:`Explain`).
+        on_step: progress: (steps both runs recorded so far, their total).
         timeout: seconds each process may take.
         keep_dir: keep the runs in ``keep_dir/a`` and ``keep_dir/b`` (empty or new).
         log: progress lines.
@@ -232,34 +415,65 @@ def audit_command(
             checkpoint or ignored the stop request, ``stop_at`` outside the run.
         ReplayDivergence: the command raised one itself (its ring rebuild missed): a difference.
     """
-    log = log or (lambda _m: None)
+    runner = _Runner(argv, AuditError, timeout, log or (lambda _m: None), on_step, None if steps is None else 2 * steps)
     _substitute(argv, "", AuditError)
     with _workdir(keep_dir, "ckptkit-audit-") as base:
         a, b = os.path.join(base, "a"), os.path.join(base, "b")
-        _run(_substitute(argv, a, AuditError), "a (uninterrupted)", timeout, None, log)
-        rec_a = RunRecording(a)
-        end = rec_a.last_step
+        runner.run(a, "a (uninterrupted)")
+        end = RunRecording(a).last_step
         if end is None:
             raise AuditError(f"a: the command saved no checkpoint in {PLACEHOLDER} ({a}): {_HINT}")
-        k = max(1, end // 2) if stop_at is None else stop_at
-        if not 1 <= k < end:
-            raise AuditError(f"--stop-at {k} is outside the run: run a ended at step {end}; pick 1..{end - 1}")
-        if _run(_substitute(argv, b, AuditError), f"b (stopped at {k})", timeout, k, log) != EXIT_STOPPED:
-            raise AuditError(f"b: the command ignored the stop request ({STOP_AT_ENV}={k}) and ran to its end: {_HINT}")
-        if not os.path.isfile(os.path.join(b, checkpoint_name(k))):
-            raise AuditError(f"b: the command stopped at {k} but left no {checkpoint_name(k)}: {_HINT}")
-        _run(_substitute(argv, b, AuditError), "b (resumed)", timeout, None, log)
-        rec_b = RunRecording(b)
-        return CommandReport(
-            "audit",
-            tuple(argv),
-            end,
-            k,
-            min(len(rec_a.rows), len(rec_b.rows)),
-            len(set(rec_a.checkpoints) & set(rec_b.checkpoints)),
-            first_difference(rec_a, rec_b),
-            keep_dir,
-        )
+        runner.total = runner.total or 2 * end
+        runner.progress(a, finished=True)
+        k = (max(1, end // 2) if stop_at is None else stop_at) if interrupt else None
+        if k is None:
+            runner.run(b, "b (uninterrupted)")
+        else:
+            _stop_and_resume(runner, b, k, end, stop_with, resume_args)
+        runner.progress(b)
+        return compare_runs("audit", argv, a, b, resume_at=k, kept=keep_dir is not None, explain=explain)
+
+
+def _stop_and_resume(
+    runner: _Runner, b: str, k: int, end: int, stop_with: Callable[[int], Sequence[str]] | None, resume: Sequence[str]
+) -> None:
+    """Run b: stopped at ``k`` (it must say so and leave checkpoint ``k``), then resumed to its end."""
+    if not 1 <= k < end:
+        raise AuditError(f"--stop-at {k} is outside the run: run a ended at step {end}; pick 1..{end - 1}")
+    if stop_with is not None:
+        runner.run(b, f"b (to step {k})", extra=stop_with(k))
+    elif runner.run(b, f"b (stopped at {k})", stop_at=k) != EXIT_STOPPED:
+        raise AuditError(f"b: the command ignored the stop request ({STOP_AT_ENV}={k}) and ran to its end: {_HINT}")
+    if k not in run_checkpoints(b):
+        raise AuditError(f"b: the command stopped at {k} but left no checkpoint at step {k}: {_HINT}")
+    runner.run(b, "b (resumed)", extra=resume)
+
+
+# ----------------------------------------------------------------------------- replay
+
+
+def replay_start(run_dir: str, from_step: int) -> tuple[int, str]:
+    """RUN's checkpoint a replay from ``from_step`` starts at: the newest at or before it.
+
+    Raises:
+        CheckpointNotFound: none.
+    """
+    ckpts = run_checkpoints(run_dir)
+    before = [s for s in ckpts if s <= from_step]
+    if not before:
+        have = ", ".join(map(str, sorted(ckpts))) or "none"
+        raise CheckpointNotFound(f"{run_dir}: no checkpoint at or before step {from_step} (checkpoints: {have})")
+    return max(before), ckpts[max(before)]
+
+
+def _copy_start(run_dir: str, ckpt: str, work: str) -> None:
+    """The checkpoint (file or directory, and its companions), the environment record and the history."""
+    name = os.path.basename(ckpt)
+    os.makedirs(work)
+    for f in sorted(os.listdir(run_dir)):
+        if f.startswith(name) or f in (ENVIRONMENT_FILE, HISTORY_FILE):
+            src, dst = os.path.join(run_dir, f), os.path.join(work, f)
+            shutil.copytree(src, dst) if os.path.isdir(src) else shutil.copy2(src, dst)
 
 
 def replay_command(
@@ -267,14 +481,17 @@ def replay_command(
     from_step: int,
     argv: Sequence[str],
     *,
+    to_step: int | None = None,
     timeout: float = DEFAULT_TIMEOUT,
     keep_dir: str | None = None,
     log: Log | None = None,
-) -> CommandReport:
-    """Re-run an outside loop's run from its checkpoint at (or before) ``from_step``; compare.
+) -> AuditReport:
+    """Re-run a run from its checkpoint at (or before) ``from_step`` with the command; compare.
 
     RUN is only read: the checkpoint, its companions, ``environment.json`` and
-    ``history.jsonl`` are copied into a fresh directory the command resumes from.
+    ``history.jsonl`` are copied into a fresh directory the command resumes from; its
+    rows and checkpoints from there on are compared with RUN's (up to ``to_step``, where
+    the command stops: its own arguments say so).
 
     Raises:
         CheckpointNotFound: no checkpoint at or before ``from_step``.
@@ -282,31 +499,11 @@ def replay_command(
         AuditError: the command failed or timed out.
         ReplayDivergence: the command raised one itself (its ring rebuild missed): a difference.
     """
-    log = log or (lambda _m: None)
     _substitute(argv, "", ReplayError)
-    rec = RunRecording(run_dir)
-    before = [s for s in rec.checkpoints if s <= from_step]
-    if not before:
-        have = ", ".join(map(str, sorted(rec.checkpoints))) or "none"
-        raise CheckpointNotFound(f"{run_dir}: no checkpoint at or before step {from_step} (checkpoints: {have})")
-    start = max(before)
+    start, ckpt = replay_start(run_dir, from_step)
     with _workdir(keep_dir, "ckptkit-replay-") as base:
         work = os.path.join(base, "replay")
-        os.makedirs(work)
-        name = checkpoint_name(start)
-        for f in sorted(os.listdir(run_dir)):
-            if f.startswith(name) or f in (ENVIRONMENT_FILE, HISTORY_FILE):
-                shutil.copy2(os.path.join(run_dir, f), os.path.join(work, f))
-        _run(_substitute(argv, work, ReplayError), f"replay from step {start}", timeout, None, log)
-        got = RunRecording(work)
-        compared = [r for r in got.rows if r["step"] >= start]
-        return CommandReport(
-            "replay",
-            tuple(argv),
-            got.last_step or start,
-            start,
-            len(compared),
-            len({s for s in set(rec.checkpoints) & set(got.checkpoints) if s > start}),
-            first_difference(rec, got, from_step=start),
-            keep_dir,
-        )
+        _copy_start(run_dir, ckpt, work)
+        _Runner(argv, ReplayError, timeout, log or (lambda _m: None)).run(work, f"replay from step {start}")
+        kept = keep_dir is not None
+        return compare_runs("replay", argv, run_dir, work, resume_at=start, to_step=to_step, kept=kept)

@@ -14,7 +14,7 @@ two of them in order and returns the first step at which they differ as the one
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from ..errors import CheckpointNotFound, FormatError
@@ -29,6 +29,7 @@ __all__ = [
     "LAYOUT_ONLY",
     "RunRecording",
     "checkpoint_difference",
+    "first_checkpoint_difference",
     "first_difference",
     "named_reports",
     "row_difference",
@@ -127,7 +128,8 @@ def first_difference(a: RunRecording, b: RunRecording, *, from_step: int = 0) ->
     if len(rows_a) != len(rows_b):
         last = (rows_a or rows_b)[min(len(rows_a), len(rows_b)) - 1]["step"] if min(len(rows_a), len(rows_b)) else 0
         return Difference("rows", last, fields=(FieldDiff("rows", len(rows_a), len(rows_b)),))
-    return _first_checkpoint_difference(a, b, from_step)
+    both = [s for s in set(a.checkpoints) & set(b.checkpoints) if s >= from_step]
+    return first_checkpoint_difference(a.checkpoints, b.checkpoints, both)
 
 
 def row_difference(rows_a: Sequence[Mapping[str, Any]], rows_b: Sequence[Mapping[str, Any]], i: int) -> Difference:
@@ -152,13 +154,14 @@ def row_difference(rows_a: Sequence[Mapping[str, Any]], rows_b: Sequence[Mapping
     return Difference(ra["kind"], ra["step"], row_fields(ra, rb), tuple(tensors), values)
 
 
-def _first_checkpoint_difference(a: RunRecording, b: RunRecording, from_step: int) -> Difference | None:
-    for step in sorted(set(a.checkpoints) & set(b.checkpoints)):
-        if step >= from_step:
-            d = checkpoint_difference(step, a.checkpoints[step], b.checkpoints[step])
-            if d is not None:
-                return d
-    return None
+def first_checkpoint_difference(a: Mapping[int, str], b: Mapping[int, str], steps: Iterable[int]) -> Difference | None:
+    """The first of ``steps`` (each a step both runs hold a checkpoint at: ``a[s]``, ``b[s]``)
+    whose two checkpoints are not the same checkpoint, as :func:`checkpoint_difference` says.
+
+    Raises:
+        FormatError: a checkpoint that differs does not verify.
+    """
+    return next((d for s in sorted(steps) if (d := checkpoint_difference(s, a[s], b[s])) is not None), None)
 
 
 def checkpoint_difference(step: int, path_a: str, path_b: str) -> Difference | None:

@@ -28,7 +28,7 @@ example:
   $ ckptkit audit --resume-at 4
   audit: a: 10 steps uninterrupted; b: stopped at 4, resumed in a fresh process
   environment: torch 2.13.0+cpu, python 3.11.7, numpy 2.3.5, intra_op_threads 2, ...
-  IDENTICAL: 10 steps, every history fingerprint and 10 checkpoint(s) bit for bit
+  IDENTICAL: 10 steps, every history fingerprint and 10 checkpoint(s) bit for bit (22 recorded rows)
 
 Defaults differ from `ckptkit train` in three knobs, unless given: --steps 10,
 --ckpt-every 1 (a checkpoint after every step, so a divergence has values on both
@@ -40,8 +40,9 @@ process with the same arguments (b). The command must use ckptkit.RunState on {r
 with state.resume_or_start() and call state.step_done(step + 1) after every step (the stop
 request is CKPTKIT_STOP_AT=K); state.record(step, loss=...) lets the report name the first step:
   $ ckptkit audit -- python examples/resumable_loop.py --run-dir {run_dir} --steps 40
-  audit: a: 40 steps uninterrupted; b: stopped at 20, resumed in a new process with the same arguments
-  IDENTICAL: 80 recorded row(s) and 1 checkpoint(s) bit for bit
+  audit: a: 40 steps uninterrupted; b: stopped at 20, resumed in a fresh process
+  environment: torch 2.13.0+cpu, python 3.11.7, numpy 2.3.5, intra_op_threads 2, ...
+  IDENTICAL: 40 steps, every history fingerprint and 1 checkpoint(s) bit for bit (80 recorded rows)
 
 exit codes:
   0  the two runs are bit-identical (history fingerprints and checkpoint bytes)

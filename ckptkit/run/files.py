@@ -120,9 +120,10 @@ def list_run_dir(run_dir: str) -> list[str]:
 
 
 def run_checkpoints(run_dir: str | os.PathLike[str]) -> dict[int, str]:
-    """Step -> path of every checkpoint in ``run_dir``, of either store: ``.ckpt`` files, or a
-    distributed run's ``.dcp`` directories (committed or not)."""
-    return dict(list_checkpoints(run_dir) + list_checkpoints(run_dir, DCP_SUFFIX))
+    """Step -> path of every committed checkpoint in ``run_dir``, of either store: ``.ckpt``
+    files, or a distributed run's ``.dcp`` directories (:func:`whole_checkpoints`: debris an
+    interrupted save left is not a checkpoint, so no comparison ever reads it)."""
+    return dict(whole_checkpoints(run_dir) + whole_checkpoints(run_dir, DCP_SUFFIX))
 
 
 def step_of(name: str, suffix: str = CKPT_SUFFIX) -> int | None:

@@ -1,147 +1,51 @@
-"""The determinism audit: train the same short run twice and prove the two are bit-identical.
+"""The determinism audit of the reference trainer: the command audit run on ``python -m ckptkit train``.
 
     ckptkit audit                         # two runs of 10 steps, each in a fresh process
     ckptkit audit --resume-at 4           # uninterrupted vs stopped at 4 and resumed in a fresh process
     ckptkit audit --steps 20 --quant int8 --rand-depth --json
     ckptkit audit --nproc-per-node 2 --resume-at 4   # each run a 2-rank torchrun job (spec/trainer.md R-T14)
 
-Implements ``spec/replay.md`` R-P11..R-P13. Each run is ``python -m ckptkit train`` in
-a fresh process, so whatever a process carries (thread pools, allocator, lazily
-initialised kernels, global RNGs) starts over. The two run directories are compared
-with the same machinery as ``ckptkit replay``: the first history row that differs
-(step fingerprints, probes, the start row), the tensors that differ after that step
-(the per-step ``digests`` rows; values from both runs' checkpoints when both have
-one, via :func:`ckptkit.audit.compare.compare_checkpoints` -- what ``ckptkit diff
---tensors`` prints), the step re-run twice in this process, and finally every
-checkpoint both runs wrote, byte for byte. Each run's ``environment.json`` is shown,
-and any fact that differs between the two is listed.
+Implements ``spec/replay.md`` R-P11..R-P13 with the one audit engine of any loop
+(:func:`ckptkit.audit.commands.audit_command`): each run is ``python -m ckptkit train``
+in a fresh process, so whatever a process carries (thread pools, allocator, lazily
+initialised kernels, global RNGs) starts over, and the two run directories are compared
+as any two recorded runs are. What the trainer adds is the hook that explains a
+divergent step (:func:`explain`): the tensors' values from both runs' checkpoints after
+it (what ``ckptkit diff --tensors`` prints), the runs' strict config differences, and
+the step re-run twice in this process.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import os
-import subprocess
 import tempfile
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
+from ..audit.commands import PLACEHOLDER, AuditReport, audit_command
+from ..audit.commands import compare_runs as audit_compare
 from ..audit.compare import compare_checkpoints
-from ..audit.recording import (
-    checkpoint_difference,
-    named_reports,
-    row_fields,
-    step_fields,
-    tensor_reports,
-)
+from ..audit.recording import tensor_reports
 from ..errors import AuditError, CheckpointError
 from ..format.snapshot import read_snapshot, snapshot_path
-from ..run import checkpoint_name, list_checkpoints, read_environment
-from ..run.difference import Difference, FieldDiff
+from ..run import checkpoint_name, list_checkpoints
+from ..run.difference import Difference
 from ..run.drift import DEFAULT_EXEMPT, diff_keys
-from ..run.environment import EnvDiff, diff_environment
 from ..run.files import run_checkpoints
-from ..run.fingerprint import differing_names, first_divergence, step_rows
-from ..run.history import HISTORY_FILE, compared_rows, read_rows
 from .config import TrainerConfig, flag_name, knobs
 from .parallel import launcher
 from .replay import config_of, rerun_step
 
-__all__ = ["AUDIT_DEFAULTS", "AuditError", "AuditReport", "audit", "compare_runs", "knob_flags"]
+__all__ = ["AUDIT_DEFAULTS", "AuditError", "AuditReport", "audit", "compare_runs", "explain", "knob_flags"]
 
 Log = Callable[[str], None]
 
 #: Knobs the audit sets unless the user gives them: short, and a checkpoint after every
 #: step (all kept), so a divergence anywhere has values on both sides.
 AUDIT_DEFAULTS: dict[str, Any] = {"train.steps": 10, "train.ckpt_every": 1, "train.log_every": 1000}
-
-#: Environment facts worth a line in the report (all are compared).
-_SHOWN = (
-    "torch",
-    "python",
-    "numpy",
-    "intra_op_threads",
-    "inter_op_threads",
-    "deterministic_algorithms",
-    "platform_system",
-    "platform_machine",
-    "cuda_device",
-    "world_size",
-)
-
-
-@dataclass(frozen=True)
-class AuditReport:
-    """What :func:`audit` / :func:`compare_runs` found; ``ok`` when the runs are bit-identical."""
-
-    a: str | None  # run directories; None when they were temporary (deleted)
-    b: str | None
-    steps: int
-    resume_at: int | None
-    environment: Mapping[str, Any]
-    environment_differences: tuple[EnvDiff, ...]
-    checkpoints_compared: int
-    divergence: Difference | None = None
-    fresh_processes: bool = False  # each run trained in its own process (audit), or given (compare_runs)
-
-    @property
-    def ok(self) -> bool:
-        """The runs are bit-identical (environment differences are shown, not judged)."""
-        return self.divergence is None
-
-    def to_json(self) -> dict[str, Any]:
-        """The ``--json`` object (spec/replay.md R-P13)."""
-        return {
-            "schema_version": 1,
-            "ok": self.ok,
-            "a": self.a,
-            "b": self.b,
-            "steps": self.steps,
-            "resume_at": self.resume_at,
-            "environment": dict(sorted(self.environment.items())),
-            "environment_differences": [
-                {"key": d.key, "a": d.recorded, "b": d.current} for d in self.environment_differences
-            ],
-            "checkpoints_compared": self.checkpoints_compared,
-            "divergence": None if self.divergence is None else self.divergence.to_json("a", "b"),
-        }
-
-    def describe(self, limit: int = 12) -> str:
-        """The human report (what ``ckptkit audit`` prints on stdout)."""
-        fresh = ", each in a fresh process" if self.fresh_processes else ""
-        how = (
-            f"a: {self.steps} steps uninterrupted; b: stopped at {self.resume_at}, resumed in a fresh process"
-            if self.resume_at is not None
-            else f"a, b: {self.steps} steps each{fresh}"
-        )
-        lines = [f"audit: {how}"]
-        if self.a is not None:
-            lines.append(f"runs: {self.a} {self.b}")
-        env = ", ".join(
-            f"{k} {self.environment[k]}" for k in _SHOWN if k in self.environment and self.environment[k] != "none"
-        )
-        lines.append(f"environment: {env}")
-        if self.environment_differences:
-            lines.append(f"environment differs between the runs in {len(self.environment_differences)} fact(s):")
-            lines += [f"  {d.key}: a {d.recorded}, b {d.current}" for d in self.environment_differences]
-        d = self.divergence
-        if d is None:
-            if self.ok:
-                lines.append(
-                    f"IDENTICAL: {self.steps} steps, every history fingerprint and "
-                    f"{self.checkpoints_compared} checkpoint(s) bit for bit"
-                )
-            return "\n".join(lines)
-        where = {"start": "the start row", "probe": "a probe before step 0"}.get(d.kind)
-        if d.kind == "checkpoint":
-            lines.append(f"DIVERGED at step {d.step}: {d.file} differs between the runs (every history row matched)")
-        else:
-            lines.append(f"DIVERGED at {where or f'step {d.step}'}")
-        lines += d.lines("a", "b", limit=limit)
-        return "\n".join(lines)
-
 
 # ----------------------------------------------------------------------------- running
 
@@ -173,44 +77,6 @@ def knob_flags(cfg: TrainerConfig) -> list[str]:
     return out
 
 
-_POLL_S = 0.25  # how often a waiting audit reads the child's history for the progress callback
-
-
-def _train_process(
-    run_dir: str,
-    cfg: TrainerConfig,
-    *,
-    steps: int,
-    resume: bool,
-    nproc: int,
-    log: Log,
-    on_step: Callable[[int], None],
-) -> None:
-    argv = [
-        *launcher(nproc),
-        "train",
-        "--run-dir",
-        run_dir,
-        "--quiet",
-        *knob_flags(cfg.replace(**{"train.steps": steps})),
-    ]
-    if resume:
-        argv.append("--resume")
-    what = "fresh process" if nproc == 1 else f"a fresh torchrun job of {nproc} ranks"
-    log(f"{'resume' if resume else 'train'} {os.path.basename(run_dir)} to step {steps} ({what})")
-    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
-        while True:
-            try:
-                _out, err = proc.communicate(timeout=_POLL_S)  # a retry after a timeout loses no output
-                break
-            except subprocess.TimeoutExpired:
-                rows = [r for r in read_rows(os.path.join(run_dir, HISTORY_FILE))[0] if r["kind"] == "step"]
-                on_step(rows[-1]["step"] + 1 if rows else 0)
-    if proc.returncode != 0:
-        tail = "\n".join(err.strip().splitlines()[-5:])
-        raise AuditError(f"`ckptkit train` for run {os.path.basename(run_dir)} exited {proc.returncode}:\n{tail}")
-
-
 def audit(
     cfg: TrainerConfig,
     work_dir: str | os.PathLike[str] | None = None,
@@ -224,7 +90,7 @@ def audit(
 
     Args:
         cfg: the config (its ``train.steps`` is the length of each run).
-        work_dir: where runs ``a`` and ``b`` go (kept); a temporary directory if None.
+        work_dir: where runs ``a`` and ``b`` go (kept; empty or new); a temporary directory if None.
         resume_at: run ``b`` stops at this step and is resumed in another fresh process.
         nproc: ranks per run: above 1 each training process is a torchrun job of that many
             ranks (spec/trainer.md R-T14); the step is then not re-run in this process.
@@ -233,10 +99,11 @@ def audit(
             training process runs, and once each ends (a progress bar).
 
     Returns:
-        An :class:`AuditReport` (its paths name ``work_dir``'s runs, or a deleted temporary).
+        An :class:`~ckptkit.audit.commands.AuditReport` (its paths name ``work_dir``'s runs,
+        or None for a deleted temporary).
 
     Raises:
-        AuditError: a training process failed.
+        AuditError: a training process failed, or ``work_dir`` is not empty.
         ValueError: ``resume_at`` is not in ``1 .. steps - 1``.
 
     Example::
@@ -244,61 +111,22 @@ def audit(
         report = audit(TrainerConfig().replace(**{"train.steps": 10, "train.ckpt_every": 1}))
         print(report.describe())
     """
-    log = log or (lambda _m: None)
     steps = cfg.train.steps
     if resume_at is not None and not 1 <= resume_at < steps:
         raise ValueError(f"--resume-at must be in 1 ..= {steps - 1} (--steps {steps}) (got {resume_at})")
-    with tempfile.TemporaryDirectory(prefix="ckptkit-audit-") as tmp:
-        root = os.fspath(work_dir) if work_dir is not None else tmp
-        a, b = os.path.join(root, "a"), os.path.join(root, "b")
-
-        def trained(before: int) -> Callable[[int], None]:  # run b's steps count after run a's
-            return lambda done: None if on_step is None else on_step(before + done, 2 * steps)
-
-        _train_process(a, cfg, steps=steps, resume=False, nproc=nproc, log=log, on_step=trained(0))
-        trained(0)(steps)
-        if resume_at is None:
-            _train_process(b, cfg, steps=steps, resume=False, nproc=nproc, log=log, on_step=trained(steps))
-        else:
-            _train_process(b, cfg, steps=resume_at, resume=False, nproc=nproc, log=log, on_step=trained(steps))
-            _train_process(b, cfg, steps=steps, resume=True, nproc=nproc, log=log, on_step=trained(steps))
-        trained(steps)(steps)
-        report = compare_runs(a, b, rerun=nproc == 1, log=log)
-    kept = work_dir is not None
-    return AuditReport(
-        report.a if kept else None,
-        report.b if kept else None,
-        steps,
-        resume_at,
-        report.environment,
-        report.environment_differences,
-        report.checkpoints_compared,
-        report.divergence,
-        fresh_processes=True,
+    argv = [*launcher(nproc), "train", "--run-dir", PLACEHOLDER, "--quiet", *knob_flags(cfg)]
+    return audit_command(
+        argv,
+        stop_at=resume_at,
+        interrupt=resume_at is not None,
+        stop_with=lambda k: ["--steps", str(k)],  # torchrun reports the stop request's exit 75 as a failure
+        resume_args=["--resume"],
+        steps=steps,
+        explain=functools.partial(explain, rerun=nproc == 1, log=log or (lambda _m: None)),
+        on_step=on_step,
+        keep_dir=None if work_dir is None else os.fspath(work_dir),
+        log=log,
     )
-
-
-# ----------------------------------------------------------------------------- comparing
-
-
-def _environment(run_dir: str) -> dict[str, Any]:
-    """The run's recorded facts; {} when it has no readable record (every fact then shows as a difference)."""
-    try:
-        facts = read_environment(run_dir)
-    except CheckpointError:
-        return {}
-    return facts if isinstance(facts, dict) else {}
-
-
-def _first_row_difference(rows_a: list[dict[str, Any]], rows_b: list[dict[str, Any]], kind: str) -> Difference | None:
-    a = [r for r in compared_rows(rows_a) if r["kind"] == kind]
-    b = [r for r in compared_rows(rows_b) if r["kind"] == kind]
-    for ra, rb in zip(a, b, strict=False):
-        if ra != rb:
-            return Difference(kind, ra["step"], fields=row_fields(ra, rb))
-    if len(a) != len(b):
-        return Difference(kind, 0, fields=(FieldDiff(f"{kind} rows", len(a), len(b)),))
-    return None
 
 
 def compare_runs(
@@ -313,68 +141,81 @@ def compare_runs(
         log: progress notes.
 
     Returns:
-        An :class:`AuditReport` whose ``divergence`` is the first difference, or None.
+        An :class:`~ckptkit.audit.commands.AuditReport` whose ``divergence`` is the first
+        difference, or None.
 
     Raises:
         FormatError: a history line is damaged.
     """
-    log = log or (lambda _m: None)
-    a, b = os.fspath(a), os.fspath(b)
-    env_a, env_b = _environment(a), _environment(b)
-    rows_a, _ = read_rows(os.path.join(a, HISTORY_FILE))
-    rows_b, _ = read_rows(os.path.join(b, HISTORY_FILE))
-    div, n_ckpt = _history_divergence(a, b, rows_a, rows_b, rerun, log), 0
-    if div is None:  # every history row matched: the checkpoints both runs wrote must be the same bytes
-        div, n_ckpt = _checkpoint_divergence(a, b)
-    steps = len(step_rows(rows_a))
-    return AuditReport(a, b, steps, None, env_a, tuple(diff_environment(env_a, env_b)), n_ckpt, div)
+    hook = functools.partial(explain, rerun=rerun, log=log or (lambda _m: None))
+    return audit_compare("audit", (), os.fspath(a), os.fspath(b), resume_at=None, explain=hook)
 
 
-def _history_divergence(
-    a: str, b: str, rows_a: list[dict[str, Any]], rows_b: list[dict[str, Any]], rerun: bool, log: Log
-) -> Difference | None:
-    """The first history difference: ``start`` and ``probe`` rows, then step rows (explained)."""
-    for kind in ("start", "probe"):
-        div = _first_row_difference(rows_a, rows_b, kind)
-        if div is not None:
-            return div
-    steps_a, steps_b = step_rows(rows_a), step_rows(rows_b)
-    fields = step_fields(steps_a[0]) if steps_a else []
-    d = first_divergence(steps_a, steps_b, fields)
-    if d is None and len(steps_a) != len(steps_b):
-        return Difference(
-            "step", min(len(steps_a), len(steps_b)), fields=(FieldDiff("step rows", len(steps_a), len(steps_b)),)
+# ----------------------------------------------------------------------------- explaining
+
+
+def explain(d: Difference, a: str, b: str, *, rerun: bool, log: Log) -> Difference:
+    """The trainer's hook (:data:`ckptkit.audit.commands.Explain`): a step divergence with the
+    tensors' values from both runs' checkpoints after the step, the step re-run twice in this
+    process (``rerun``) and the runs' strict config differences as the likely cause; a
+    checkpoint whose tensors differ while every row matched, with what that means."""
+    if d.kind == "checkpoint" and d.tensors:
+        hint = (
+            "the container bytes differ while every fingerprint matched: state outside the "
+            "fingerprints (see the tensors) was not reproduced"
         )
-    if d is None:
-        return None
-    return _with_drift_hint(a, b, _explain(a, b, rows_a, rows_b, d.step, d.fields, rerun, log))
-
-
-def _with_drift_hint(a: str, b: str, div: Difference) -> Difference:
-    """``div`` with the runs' differing config keys named first among its hints (when they differ)."""
+        return dataclasses.replace(d, hints=(hint, *d.hints))
+    if d.kind != "step":
+        return d
+    d = _with_values(d, a, b)
+    if rerun:
+        d = _with_rerun(d, a, log)
     drift = _config_drift(a, b)
-    if not drift:
-        return div
+    if drift:
+        d = dataclasses.replace(
+            d, hints=(f"the runs' configs differ in {', '.join(drift)}: the likely cause", *d.hints)
+        )
+    return d
+
+
+def _with_values(d: Difference, a: str, b: str) -> Difference:
+    """The tensors that differ after step ``d.step``, with values when both runs have a checkpoint there."""
+    done = d.step + 1
+    ca, cb = run_checkpoints(a), run_checkpoints(b)
+    if done in ca and done in cb and not os.path.isdir(ca[done]):
+        digests = {t.name: (t.recorded_digest, t.actual_digest) for t in d.tensors}
+        return dataclasses.replace(
+            d,
+            tensors=tuple(tensor_reports(compare_checkpoints(ca[done], cb[done]), digests)),
+            values=f"both runs' {checkpoint_name(done)}, compared as ckptkit diff --tensors does",
+        )
     return dataclasses.replace(
-        div, hints=(f"the runs' configs differ in {', '.join(drift)}: the likely cause", *div.hints)
+        d,
+        values=f"unavailable: the runs have no checkpoint after step {d.step} on both sides "
+        "(the audit's default --ckpt-every 1 keeps one after every step)",
     )
 
 
-def _checkpoint_divergence(a: str, b: str) -> tuple[Difference | None, int]:
-    """The first checkpoint both runs wrote that is not the same checkpoint, and how many they share."""
-    ca, cb = run_checkpoints(a), run_checkpoints(b)
-    common = sorted(set(ca) & set(cb))
-    for s in common:
-        d = checkpoint_difference(s, ca[s], cb[s])
-        if d is not None and d.tensors:
-            hint = (
-                "the container bytes differ while every fingerprint matched: state outside the "
-                "fingerprints (see the tensors) was not reproduced"
-            )
-            return dataclasses.replace(d, hints=(hint, *d.hints)), len(common)
-        if d is not None:
-            return d, len(common)
-    return None, len(common)
+def _with_rerun(d: Difference, a: str, log: Log) -> Difference:
+    """``d`` with its step re-run twice in this process from run ``a``'s nearest checkpoint."""
+    before = [(s, p) for s, p in list_checkpoints(a) if s <= d.step]
+    if not before:
+        return d
+    start, ckpt = before[-1]
+    with tempfile.TemporaryDirectory(prefix="ckptkit-audit-rerun-") as tmp:
+        from .loop import deterministic_torch
+
+        with deterministic_torch():
+            cfg = config_of(ckpt).replace(**{"train.steps": d.step + 1})
+            again = rerun_step(cfg, ckpt, start, a, d.step, tmp, frozenset(DEFAULT_EXEMPT), log)
+    hint = (
+        "the step is deterministic within one process: the runs differ by process state "
+        "(thread pools, lazily initialised kernels, a global RNG seeded per process) or by the resume"
+        if again.identical
+        else "the step is not deterministic even within one process: see ReplayDivergence's "
+        "docstring for the usual causes"
+    )
+    return dataclasses.replace(d, rerun=again, hints=(*d.hints, hint))
 
 
 def _config_drift(a: str, b: str) -> list[str]:
@@ -387,57 +228,3 @@ def _config_drift(a: str, b: str) -> list[str]:
     except (CheckpointError, OSError):
         return []
     return [d.key for d in diffs if d.strict]
-
-
-def _digests(rows: list[dict[str, Any]], kind: str, step: int) -> dict[str, int]:
-    found = [r for r in rows if r["kind"] == kind and r["step"] == step]
-    return dict(found[-1].get("tensors") or {}) if found else {}
-
-
-def _explain(
-    a: str,
-    b: str,
-    rows_a: list[dict[str, Any]],
-    rows_b: list[dict[str, Any]],
-    step: int,
-    fields: tuple[FieldDiff, ...],
-    rerun: bool,
-    log: Log,
-) -> Difference:
-    done = step + 1
-    da = {**_digests(rows_a, "digests", done), **_digests(rows_a, "checkpoint", done)}
-    db = {**_digests(rows_b, "digests", done), **_digests(rows_b, "checkpoint", done)}
-    bad = differing_names(da, db)
-    pa, pb = os.path.join(a, checkpoint_name(done)), os.path.join(b, checkpoint_name(done))
-    if os.path.isfile(pa) and os.path.isfile(pb):
-        tensors = tensor_reports(compare_checkpoints(pa, pb), {n: (da.get(n), db.get(n)) for n in bad})
-        values = f"both runs' {checkpoint_name(done)}, compared as ckptkit diff --tensors does"
-    else:
-        tensors = named_reports(bad, da, db, "values unavailable")
-        values = (
-            f"unavailable: the runs have no checkpoint after step {step} on both sides "
-            "(the audit's default --ckpt-every 1 keeps one after every step)"
-        )
-    again = None
-    hints: list[str] = []
-    if rerun:
-        before = [(s, p) for s, p in list_checkpoints(a) if s <= step]
-        if before:
-            start, ckpt = before[-1]
-            with tempfile.TemporaryDirectory(prefix="ckptkit-audit-rerun-") as tmp:
-                from .loop import deterministic_torch
-
-                with deterministic_torch():
-                    cfg = config_of(ckpt).replace(**{"train.steps": done})
-                    again = rerun_step(cfg, ckpt, start, a, step, tmp, frozenset(DEFAULT_EXEMPT), log)
-            hints.append(
-                "the step is deterministic within one process: the runs differ by process state "
-                "(thread pools, lazily initialised kernels, a global RNG seeded per process) or by the "
-                "resume"
-                if again.identical
-                else "the step is not deterministic even within one process: see ReplayDivergence's "
-                "docstring for the usual causes"
-            )
-    return Difference(
-        "step", step, fields=fields, tensors=tuple(tensors), values=values, rerun=again, hints=tuple(hints)
-    )

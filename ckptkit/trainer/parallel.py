@@ -22,8 +22,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-import signal
-import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -43,7 +41,6 @@ __all__ = [
     "full_tensor",
     "launcher",
     "process_group",
-    "stop_job",
     "rank_history",
     "ranks",
     "wrap",
@@ -102,29 +99,6 @@ def launcher(nproc: int) -> list[str]:
     """The command that starts ``ckptkit`` as one process (``nproc`` 1) or as a torchrun job of ``nproc`` ranks."""
     job = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] if nproc > 1 else []
     return [sys.executable, *job, "-m", "ckptkit"]
-
-
-def stop_job(proc: subprocess.Popen[Any]) -> None:
-    """SIGKILL a job started with :func:`launcher` -- the ranks and the torchrun agent -- and reap it.
-
-    torchrun starts each rank in a session of its own, so killing the agent's process
-    group would leave the ranks running: every descendant is killed by its pid.
-    """
-    children: dict[int, list[int]] = {}
-    for entry in filter(str.isdigit, os.listdir("/proc") if os.path.isdir("/proc") else []):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            with open(f"/proc/{entry}/stat") as f:
-                parent = int(f.read().rpartition(")")[2].split()[1])
-            children.setdefault(parent, []).append(int(entry))
-    job, todo = [proc.pid], [proc.pid]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        job += kids
-        todo += kids
-    for pid in reversed(job):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    proc.communicate()
 
 
 def ranks() -> Ranks:

@@ -50,7 +50,7 @@ from ..audit.compare import compare_states
 from ..audit.recording import (
     LAYOUT_ONLY,
     RunRecording,
-    checkpoint_difference,
+    first_checkpoint_difference,
     named_reports,
     row_difference,
     step_fields,
@@ -592,17 +592,16 @@ _ALTERED = (
 def _guarded_file_divergence(run_dir: str, start: int, work: str) -> Difference | None:
     """The first checkpoint after ``start`` that RUN and the replay both hold and that is not the same checkpoint."""
     mine, theirs = run_checkpoints(work), run_checkpoints(run_dir)
-    for s in sorted(set(mine) & set(theirs)):
-        d = checkpoint_difference(s, mine[s], theirs[s]) if s > start else None
-        if d is None:
-            continue
-        return dataclasses.replace(
-            d,
-            file=theirs[s],
-            values=f"the replayed {os.path.basename(theirs[s])}, compared as ckptkit diff --tensors does",
-            hints=(f"every history row matched and {LAYOUT_ONLY}",) if d.layout_only else (_ALTERED,),
-        )
-    return None
+    d = first_checkpoint_difference(mine, theirs, [s for s in set(mine) & set(theirs) if s > start])
+    if d is None:
+        return None
+    path = theirs[d.step]
+    return dataclasses.replace(
+        d,
+        file=path,
+        values=f"the replayed {os.path.basename(path)}, compared as ckptkit diff --tensors does",
+        hints=(f"every history row matched and {LAYOUT_ONLY}",) if d.layout_only else (_ALTERED,),
+    )
 
 
 def _explain_step(
