@@ -30,9 +30,8 @@ from hypothesis import strategies as st
 
 from ckptkit.audit.commands import replay_command
 from ckptkit.audit.plot import plot_run
-from ckptkit.audit.recording import RunRecording, first_difference
+from ckptkit.audit.recording import RunRecording, first_difference, rebuild_difference
 from ckptkit.cli import main
-from ckptkit.errors import ReplayDivergence
 from ckptkit.run.difference import Difference
 from ckptkit.run.preemption import EXIT_STOPPED, STOP_AT_ENV
 
@@ -84,9 +83,9 @@ def _train(argv: list[str], env: dict[str, str] | None = None) -> subprocess.Com
     return subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
 
 
-def _interrupted_then_resumed(case: Case, run_dir: Path) -> str | None:
+def _interrupted_then_resumed(case: Case, run_dir: Path) -> Difference | None:
     """Run b: interrupted at ``case.at``, then resumed by the same command. Returns the
-    resumed process's ReplayDivergence line when its ring rebuild missed, else None."""
+    difference its history's last row records when its ring rebuild missed, else None."""
     env = {k: v for k, v in os.environ.items() if k != STOP_AT_ENV}
     if case.kill:
         first = _train([*case.argv(run_dir), "--die-at", str(case.at)], env)
@@ -97,7 +96,9 @@ def _interrupted_then_resumed(case: Case, run_dir: Path) -> str | None:
     second = _train(case.argv(run_dir), env)
     if second.returncode != 0:
         assert "ReplayDivergence: " in second.stderr, second.stderr  # the only way a resume may fail here
-        return second.stderr.strip().splitlines()[-1]
+        last = RunRecording(run_dir).all_rows[-1]
+        assert last["kind"] == "rebuild", last  # the divergence, where audit and replay read it
+        return rebuild_difference(last)
     return None
 
 
@@ -109,6 +110,14 @@ def _check_named(case: Case, d: Difference, resumed_at: int) -> None:
         assert d.tensor_names == ("model:net.0.weight",), d
     else:  # no rows to name it: the first checkpoint both runs saved after it
         assert d.kind == "checkpoint" and d.step > first_bad and "model:net.0.weight" in d.tensor_names, d
+
+
+def _check_rebuild_named(case: Case, d: Difference, resumed_at: int) -> None:
+    """A ring rebuild that missed names the first state it re-ran to that the run did not record
+    (its recorded digests; without them, the resumed checkpoint's), and the tensor."""
+    assert d.kind == "rebuild" and "model:net.0.weight" in d.tensor_names, d
+    first = max(case.plant_from + 1, resumed_at - 10) if case.plant == "entropy" else resumed_at - 10
+    assert (first <= d.step <= resumed_at) if case.record else d.step == resumed_at, (case, d)
 
 
 # Each example trains four short runs in fresh processes: a few under the ci profile, more under
@@ -132,10 +141,12 @@ def test_the_audit_finds_a_planted_nondeterminism_and_only_that(
         done = _train(case.argv(a))
         assert done.returncode == 0, done.stderr
         missed = _interrupted_then_resumed(case, b)
-        d = None if missed is not None else first_difference(RunRecording(a), RunRecording(b))
+        d = missed or first_difference(RunRecording(a), RunRecording(b))
         expected = case.differs(case.resumed_at())
-        assert expected is None or (missed is not None or d is not None) == expected, (case, missed, d)
-        if d is not None:
+        assert expected is None or (d is not None) == expected, (case, d)
+        if missed is not None:
+            _check_rebuild_named(case, missed, case.resumed_at())
+        elif d is not None:
             _check_named(case, d, case.resumed_at())
         assert main(["verify", str(a), "--quiet"]) == 0 and main(["verify", str(b), "--quiet"]) == 0
         _replay_agrees(case, a)
@@ -146,11 +157,8 @@ def _replay_agrees(case: Case, run_dir: Path) -> None:
     """Replaying run a from its checkpoint at or before ``at`` differs exactly as a resume there would."""
     start = EVERY * (case.at // EVERY)
     argv = [a if a != str(run_dir) else "{run_dir}" for a in case.argv(run_dir)]
-    try:
-        report = replay_command(str(run_dir), start, argv, timeout=300)
-        differs = not report.ok
-    except ReplayDivergence:  # the replay's own ring rebuild missed: a difference, reported as one
-        differs = True
+    report = replay_command(str(run_dir), start, argv, timeout=300)  # a ring rebuild that missed is a difference
+    differs = not report.ok
     expected = case.differs(start)
     assert expected is None or differs == expected, (case, differs)
 

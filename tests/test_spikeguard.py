@@ -9,6 +9,7 @@ of one step by 10.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -234,8 +235,8 @@ def test_a_nondeterministic_step_is_refused_when_the_ring_is_rebuilt(tmp_path: P
 
     with pytest.raises(
         ckptkit.ReplayDivergence,
-        match=r"replaying steps 3\.\.6 from step-00000003\.ckpt did not "
-        r"reproduce step-00000006\.ckpt \(differs in: model",
+        match=r"replaying steps 3\.\.6 from step-00000003\.ckpt did not reproduce the run's state after step 6 "
+        r"\(resumed from step-00000006\.ckpt; differs in: model:net\.",
     ):
         again.guard.rebuild(start, noisy)
 
@@ -429,8 +430,11 @@ def test_a_ring_rebuild_that_diverges_names_the_first_tensors(tmp_path: Path) ->
     with pytest.raises(ckptkit.ReplayDivergence) as e:
         again.guard.rebuild(start, _noisy(again))
     said = str(e.value)
-    assert "did not reproduce step-00000012.ckpt (differs in: model, " in said
-    assert re.search(r"; first: model:net\.(bias|weight)[^;]*\); this run is not deterministic", said), said
+    assert "did not reproduce the run's state after step 12 (resumed from step-00000012.ckpt; differs in: " in said
+    assert re.search(r"differs in: model:net\.(bias|weight)[^;]*\); this run is not deterministic", said), said
+    row = json.loads((tmp_path / "history.jsonl").read_text().splitlines()[-1])  # where audit and replay read it
+    assert (row["kind"], row["step"], row["from"], row["to"]) == ("rebuild", 12, 9, 12)
+    assert "model:net.weight" in row["tensors"] and set(row["tensors"]["model:net.weight"]) == {"recorded", "rebuilt"}
 
 
 class Recorded(Toy):

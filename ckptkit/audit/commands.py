@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -39,14 +38,14 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import AuditError, CheckpointError, CheckpointNotFound, ReplayDivergence, ReplayError
+from ..errors import AuditError, CheckpointError, CheckpointNotFound, ReplayError
 from ..run import ENVIRONMENT_FILE, read_environment
 from ..run.difference import Difference
 from ..run.environment import EnvDiff, diff_environment
 from ..run.files import run_checkpoints
 from ..run.history import HISTORY_FILE, read_rows
 from ..run.preemption import EXIT_STOPPED, STOP_AT_ENV
-from .recording import LAYOUT_ONLY, RunRecording, first_difference
+from .recording import LAYOUT_ONLY, RunRecording, first_difference, rebuild_difference
 
 __all__ = ["PLACEHOLDER", "AuditReport", "audit_command", "compare_runs", "replay_command", "replay_start", "stop_job"]
 
@@ -183,6 +182,9 @@ def _difference_lines(d: Difference, a: str, b: str, limit: int) -> list[str]:
                 f"  {a}: {counts[0].recorded} rows, {b}: {counts[0].replayed} rows",
             ]
         lines = [f"DIFFERS at step {d.step}: {a} and {b} recorded different rows there"]
+    elif d.kind == "rebuild":
+        why = "re-running steps for its rollback ring did not reproduce the state recorded after step"
+        lines = [f"DIFFERS at step {d.step}: {b} stopped as it resumed: {why} {d.step}"]
     elif d.kind in ("start", "probe"):
         lines = [f"DIFFERS at {'the start row' if d.kind == 'start' else 'a probe before step 0'}"]
     else:
@@ -309,7 +311,7 @@ class _Runner:
 
         Raises:
             AuditError: it timed out or exited otherwise (its stderr's last lines).
-            ReplayDivergence: it raised one itself (a guarded loop's ring rebuild that missed).
+            _Diverged: it failed after its ring rebuild missed (a difference, not trouble).
         """
         argv = [*_substitute(self.argv, run_dir, self.error), *extra]
         env = {k: v for k, v in os.environ.items() if k != STOP_AT_ENV}
@@ -325,7 +327,7 @@ class _Runner:
                 raise
             if code not in (0, EXIT_STOPPED):
                 err.seek(0)
-                _trouble(label, code, err.read().decode("utf-8", "replace"))
+                _trouble(label, code, err.read().decode("utf-8", "replace"), run_dir)
         return code
 
     def _wait(self, proc: subprocess.Popen[bytes], run_dir: str, label: str) -> int:
@@ -350,16 +352,22 @@ class _Runner:
             self.done += _steps_recorded(run_dir)
 
 
-def _trouble(label: str, code: int, stderr: str) -> None:
+class _Diverged(Exception):
+    """The command stopped because it found itself not the same run: its ring rebuild missed."""
+
+    def __init__(self, difference: Difference, step: int) -> None:
+        super().__init__(difference.describe())
+        self.difference, self.step = difference, step  # the step the rebuild was to reach
+
+
+def _trouble(label: str, code: int, stderr: str, run_dir: str) -> None:
+    """A failed process: the divergence its history's last row records (a guarded loop's ring
+    rebuild that missed, spec/rollback.md R-R12), or trouble, with its stderr's last lines."""
+    rows = read_rows(os.path.join(run_dir, HISTORY_FILE))[0] if os.path.isdir(run_dir) else []
+    if rows and rows[-1]["kind"] == "rebuild":
+        raise _Diverged(rebuild_difference(rows[-1]), rows[-1].get("to", rows[-1]["step"]))
     tail = stderr.strip().splitlines()[-15:]
-    found = [m.group(1) for m in map(_DIVERGED.match, tail) if m]
-    if found:  # the command itself found it is not the same run (a ring rebuild that missed)
-        raise ReplayDivergence(f"{label}: the command found its run differs: {found[-1]}")
     raise AuditError(f"{label}: the command exited {code}:\n" + "\n".join(tail))
-
-
-#: The last line of a traceback of the ckptkit error a loop raises when its own replay misses.
-_DIVERGED = re.compile(r"^(?:ckptkit\.errors\.)?ReplayDivergence: (.+)$")
 
 
 @contextlib.contextmanager
@@ -413,25 +421,29 @@ def audit_command(
     Raises:
         AuditError: no ``{run_dir}``, a process failed or timed out, the command saved no
             checkpoint or ignored the stop request, ``stop_at`` outside the run.
-        ReplayDivergence: the command raised one itself (its ring rebuild missed): a difference.
     """
     runner = _Runner(argv, AuditError, timeout, log or (lambda _m: None), on_step, None if steps is None else 2 * steps)
     _substitute(argv, "", AuditError)
     with _workdir(keep_dir, "ckptkit-audit-") as base:
         a, b = os.path.join(base, "a"), os.path.join(base, "b")
-        runner.run(a, "a (uninterrupted)")
-        end = RunRecording(a).last_step
-        if end is None:
-            raise AuditError(f"a: the command saved no checkpoint in {PLACEHOLDER} ({a}): {_HINT}")
-        runner.total = runner.total or 2 * end
-        runner.progress(a, finished=True)
-        k = (max(1, end // 2) if stop_at is None else stop_at) if interrupt else None
-        if k is None:
-            runner.run(b, "b (uninterrupted)")
-        else:
-            _stop_and_resume(runner, b, k, end, stop_with, resume_args)
+        kept = keep_dir is not None
+        k: int | None = None
+        try:
+            runner.run(a, "a (uninterrupted)")
+            end = RunRecording(a).last_step
+            if end is None:
+                raise AuditError(f"a: the command saved no checkpoint in {PLACEHOLDER} ({a}): {_HINT}")
+            runner.total = runner.total or 2 * end
+            runner.progress(a, finished=True)
+            k = (max(1, end // 2) if stop_at is None else stop_at) if interrupt else None
+            if k is None:
+                runner.run(b, "b (uninterrupted)")
+            else:
+                _stop_and_resume(runner, b, k, end, stop_with, resume_args)
+        except _Diverged as e:  # run b found itself not the same run, and stopped
+            return AuditReport("audit", tuple(argv), e.step, k, 0, 0, e.difference, *((a, b) if kept else ()))
         runner.progress(b)
-        return compare_runs("audit", argv, a, b, resume_at=k, kept=keep_dir is not None, explain=explain)
+        return compare_runs("audit", argv, a, b, resume_at=k, kept=kept, explain=explain)
 
 
 def _stop_and_resume(
@@ -497,13 +509,17 @@ def replay_command(
         CheckpointNotFound: no checkpoint at or before ``from_step``.
         ReplayError: no ``{run_dir}`` in the command.
         AuditError: the command failed or timed out.
-        ReplayDivergence: the command raised one itself (its ring rebuild missed): a difference.
     """
     _substitute(argv, "", ReplayError)
     start, ckpt = replay_start(run_dir, from_step)
     with _workdir(keep_dir, "ckptkit-replay-") as base:
         work = os.path.join(base, "replay")
         _copy_start(run_dir, ckpt, work)
-        _Runner(argv, ReplayError, timeout, log or (lambda _m: None)).run(work, f"replay from step {start}")
         kept = keep_dir is not None
+        try:
+            _Runner(argv, ReplayError, timeout, log or (lambda _m: None)).run(work, f"replay from step {start}")
+        except _Diverged as e:  # the replay found itself not the recorded run, and stopped
+            return AuditReport(
+                "replay", tuple(argv), e.step, start, 0, 0, e.difference, *((run_dir, work) if kept else ())
+            )
         return compare_runs("replay", argv, run_dir, work, resume_at=start, to_step=to_step, kept=kept)

@@ -32,6 +32,7 @@ __all__ = [
     "first_checkpoint_difference",
     "first_difference",
     "named_reports",
+    "rebuild_difference",
     "row_difference",
     "row_fields",
     "step_fields",
@@ -130,6 +131,29 @@ def first_difference(a: RunRecording, b: RunRecording, *, from_step: int = 0) ->
         return Difference("rows", last, fields=(FieldDiff("rows", len(rows_a), len(rows_b)),))
     both = [s for s in set(a.checkpoints) & set(b.checkpoints) if s >= from_step]
     return first_checkpoint_difference(a.checkpoints, b.checkpoints, both)
+
+
+def rebuild_difference(row: Mapping[str, Any]) -> Difference:
+    """A ``rebuild`` row (a guarded loop's ring rebuild that missed, spec/rollback.md R-R12)
+    as the difference it is: the state after its step, by tensor, recorded against rebuilt."""
+    given = row.get("tensors")
+    tensors: dict[str, Any] = given if isinstance(given, dict) else {}
+    both = {n: v for n, v in tensors.items() if isinstance(v, dict)}
+    recorded = {n: v["recorded"] for n, v in both.items() if isinstance(v.get("recorded"), int)}
+    rebuilt = {n: v["rebuilt"] for n, v in both.items() if isinstance(v.get("rebuilt"), int)}
+    hint = (
+        f"the resumed run rebuilt its rollback ring by re-running steps {row.get('from')}..{row.get('to')} and "
+        f"did not land on the state the run recorded after step {row['step']}: those steps are not a "
+        "function of (seed, step) in a fresh process (a draw from the global generator, OS entropy, "
+        "threads); the run stopped there, as a guarded run must (spec/rollback.md R-R12)"
+    )
+    return Difference(
+        "rebuild",
+        row["step"],
+        tensors=tuple(named_reports(sorted(both), recorded, rebuilt, "the resumed run's rebuild, by digest")),
+        values="the recording keeps digests, not values",
+        hints=(hint,),
+    )
 
 
 def row_difference(rows_a: Sequence[Mapping[str, Any]], rows_b: Sequence[Mapping[str, Any]], i: int) -> Difference:

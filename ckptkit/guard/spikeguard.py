@@ -59,7 +59,7 @@ from ..errors import (
 from ..format.tree import checkpoint_state, clone, digests, localized
 from ..run import RunState
 from ..run.fingerprint import leaf_digests
-from ..run.history import History, f32_bits, json_float
+from ..run.history import History, f32_bits, json_float, read_rows
 from ..run.rng import global_rngs_kept
 from ._ring import Kept, Ring
 from .config import MODES, RollbackConfig
@@ -603,16 +603,47 @@ class SpikeGuard:
         now = self._capture(start)
         name = os.path.basename(self.state.checkpoint_path(start))
         differ = sorted(n for n in here.digests if here.digests[n] != now.digests.get(n))
-        if differ:
+        miss = self._ring_miss(here, now)
+        if differ or miss is not None:
+            at, tensors = miss if miss is not None else (start, _differing_leaves(here, now))
+            history = self.rows_to()
+            if history is not None:  # the divergence, where audit and replay read it (R-R12)
+                history.append({"kind": "rebuild", "step": at, "from": frm, "to": start, "tensors": tensors})
+                history.sync()
+            first = ", ".join(sorted(tensors)[:5]) or "a sidecar"
             raise ReplayDivergence(
                 f"rebuilding the rollback ring: replaying steps {frm}..{start} from {note} did not reproduce "
-                f"{name} (differs in: {', '.join(differ)}{_first_tensors(here, now)}); this run is not "
+                f"the run's state after step {at} (resumed from {name}; differs in: {first}); this run is not "
                 "deterministic here, so a rollback could not be exact; see ReplayDivergence's docstring for the "
                 "usual causes"
             )
         msg = f"rollback ring rebuilt: replayed steps {frm}..{start} from {note}; it reproduced {name}"
         self.log(msg)
         return [msg]
+
+    def _ring_miss(self, here: Kept, now: Kept) -> tuple[int, dict[str, dict[str, int | None]]] | None:
+        """The first rebuilt ring state whose tensors differ from the run's recorded ``digests``
+        row for that step (the state after it, :meth:`RunState.record`), as ``(steps done, {name:
+        {recorded, rebuilt}})``; None when every recorded one matches (or none was recorded)."""
+        history = self.rows_to()
+        if self.ring is None or history is None or not os.path.exists(history.path):
+            return None
+        recorded = {r["step"]: r["tensors"] for r in read_rows(history.path)[0] if r["kind"] == "digests"}
+        # The guard's own state (its monitor, its record) moves after the loop records a step: the
+        # loop's state is what the recorded row and the ring state must agree on.
+        own = tuple(
+            f"monitor:{p}" for p in (f"monitors.{self._monitor_name}.", f"values.{VALUE_NAME}.", INJECTION_VALUE)
+        )
+        for step in self.ring.steps():
+            kept = self.ring.get(step)
+            if step not in recorded or kept is None:
+                continue
+            mine = leaf_digests(checkpoint_state(localized(kept.ckpt)))
+            both = (n for n in mine.keys() & recorded[step].keys() if not n.startswith(own))
+            bad = sorted(n for n in both if mine[n] != recorded[step][n])
+            if bad:
+                return step, {n: {"recorded": recorded[step][n], "rebuilt": mine[n]} for n in bad}
+        return None
 
     def _replay_from(self, need: int) -> tuple[int, str]:
         """Restore the replay base (the newest loadable checkpoint at or before ``need``, else
@@ -704,15 +735,15 @@ class SpikeGuard:
         }
 
 
-def _first_tensors(a: Kept, b: Kept, limit: int = 5) -> str:
-    """The first tensors and values two kept states differ in, named as ``ckptkit diff --tensors``
-    names them (``; first: model:net.weight, ...``), or nothing when only a sidecar differs."""
+def _differing_leaves(a: Kept, b: Kept) -> dict[str, dict[str, int | None]]:
+    """The tensors and values two kept states differ in, named as ``ckptkit diff --tensors``
+    names them, with both digests (empty when only a sidecar differs)."""
     da, db = (leaf_digests(checkpoint_state(localized(k.ckpt))) for k in (a, b))
-    names = sorted(n for n in da.keys() | db.keys() if da.get(n) != db.get(n))
-    if not names:
-        return ""
-    more = f" and {len(names) - limit} more" if len(names) > limit else ""
-    return f"; first: {', '.join(names[:limit])}{more}"
+    return {
+        n: {"recorded": da.get(n), "rebuilt": db.get(n)}
+        for n in sorted(da.keys() | db.keys())
+        if da.get(n) != db.get(n)
+    }
 
 
 def _num(x: float | None) -> float | str | None:
