@@ -30,9 +30,14 @@ from typing import Any
 from ..errors import CheckpointError, CheckpointNotFound, FormatError
 from ..format.snapshot import SNAPSHOT_SUFFIX, Snapshot, read_snapshot, snapshot_path
 from ..run.drift import DEFAULT_EXEMPT, KeyDiff, diff_keys
+from ..run.local_copy import newest_step
 from ._paths import CKPT_RE
 
-__all__ = ["add_parser", "run"]
+__all__ = ["URL_COPIES", "add_parser", "run"]
+
+#: A and B on s3:// are read into verified local copies: a run prefix's newest committed
+#: checkpoint and config.json, or the checkpoint an object URL names (spec/objectstore.md R-O43).
+URL_COPIES = {"a": lambda _args: newest_step, "b": lambda _args: newest_step}
 
 JSON_SCHEMA_VERSION = 1
 """``schema_version`` of the ``--json`` output object."""

@@ -12,7 +12,12 @@ import json
 import sys
 from typing import Any
 
-__all__ = ["add_parser", "run"]
+from ..run.local_copy import no_step
+
+__all__ = ["URL_COPIES", "add_parser", "run"]
+
+#: RUN on s3:// is read into a local copy of its history.jsonl (spec/objectstore.md R-O43).
+URL_COPIES = {"run": lambda _args: no_step}
 
 _EPILOG = """\
 example:
