@@ -59,6 +59,8 @@ A and B may each be
                            (its hyper_parameters are compared as the config)
   a Trainer folder         out/checkpoint-20, or out (its newest checkpoint-N/);
                            the exempt class is then the Trainer's (spec/transformers.md)
+  any of these on S3       s3://bucket/run, s3://bucket/run/step-00000120.ckpt: read into a
+                           verified local copy first (docs/storage.md)
 A is the old side, B the new one."""
 
 _EPILOG = """\
@@ -88,8 +90,8 @@ def add_parser(subparsers: Any) -> None:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("a", metavar="A", help="old side: snapshot, checkpoint or run directory")
-    p.add_argument("b", metavar="B", help="new side: snapshot, checkpoint or run directory")
+    p.add_argument("a", metavar="A", help="old side: snapshot, checkpoint or run directory (or s3://...)")
+    p.add_argument("b", metavar="B", help="new side: snapshot, checkpoint or run directory (or s3://...)")
     p.add_argument("--json", action="store_true", help="print one JSON object (with schema_version) instead of a table")
     p.add_argument(
         "--tensors",

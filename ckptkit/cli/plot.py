@@ -44,7 +44,7 @@ def add_parser(sub: Any) -> None:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("run", metavar="RUN", help="a run directory (or its history.jsonl)")
+    p.add_argument("run", metavar="RUN", help="a run directory (or its history.jsonl), or s3://bucket/prefix")
     p.add_argument(
         "-o",
         "--output",

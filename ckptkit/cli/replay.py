@@ -70,7 +70,7 @@ def add_parser(sub: Any) -> None:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("run_dir", metavar="RUN", help="the recorded run directory")
+    p.add_argument("run_dir", metavar="RUN", help="the recorded run directory, or s3://bucket/prefix")
     g = p.add_argument_group("replay")
     g.add_argument(
         "--from",
