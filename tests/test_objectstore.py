@@ -87,7 +87,7 @@ def test_every_place_that_takes_a_path_refuses_a_url_it_cannot_serve_and_creates
     ids=lambda a: a[0],
 )
 def test_cli_commands_that_do_not_serve_urls_refuse_them_in_one_line(argv, tmp_path, monkeypatch, capsys) -> None:
-    """R-O01, G-50: one line, exit 2, no local folder."""
+    """R-O01, R-O45, G-50, G-84: one line, exit 2, no local folder."""
     monkeypatch.chdir(tmp_path)
     code = main(argv)
     err = capsys.readouterr().err

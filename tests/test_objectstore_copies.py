@@ -30,7 +30,7 @@ def _err_lines(capsys: pytest.CaptureFixture[str]) -> tuple[str, list[str]]:
 def test_diff_plot_and_replay_read_an_s3_run_through_a_verified_local_copy(
     s3: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """R-O40..R-O43, G-83."""
+    """R-O40 (one copy, said, removed), R-O41 (a run's), R-O42 (an object's), R-O43 (each command's steps), G-83."""
     run, local = f"{s3}/demo", tmp_path / "local"
     assert main(["train", "--run-dir", run, *TRAIN]) == 0
     assert main(["train", "--run-dir", str(local), *TRAIN, "--lr", "0.002"]) == 0
