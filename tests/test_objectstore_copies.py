@@ -52,6 +52,8 @@ def test_diff_plot_and_replay_read_an_s3_run_through_a_verified_local_copy(
     image = tmp_path / "demo.png"
     assert main(["plot", run, "-o", str(image)]) == 0
     assert image.stat().st_size > 0 and "4 step rows" in capsys.readouterr().out
+    assert main(["plot", f"{run}/history.jsonl", "-o", str(image), "--json"]) == 0  # a run record named (R-O42)
+    assert '"steps": 4' in capsys.readouterr().out
 
     assert main(["replay", run, "--from", "2", "--quiet", "--threads", "1"]) == 0  # the reference trainer's replay
     out, err = _err_lines(capsys)
@@ -76,3 +78,9 @@ def test_diff_plot_and_replay_read_an_s3_run_through_a_verified_local_copy(
     ), err
     assert main(["plot", f"{s3}/nothing", "-o", str(image)]) == 2
     assert capsys.readouterr().err == f"ckptkit plot: {s3}/nothing: no such checkpoint\n"
+    client.put_object(Bucket=bucket, Key="junk/step-00000002.ckpt", Body=b"an interrupted save's object")
+    assert main(["plot", f"{s3}/junk", "-o", str(image)]) == 2  # objects, but nothing committed (R-O41)
+    assert capsys.readouterr().err == (
+        f"ckptkit plot: {s3}/junk: no committed checkpoint and none of environment.json, history.jsonl, "
+        "config.json under this prefix\n"
+    )
