@@ -275,8 +275,8 @@ def test_an_extension_that_is_no_stream_transform_is_refused_by_name(tmp_path):
 
 URL_MESSAGE = (
     "s3://bucket/ckpt: ckptkit.distributed does not serve s3:// URLs yet (it writes and reads local files only); "
-    "ckptkit.save/load/verify/open_checkpoint and `ckptkit verify/inspect` serve s3://; use a local (or mounted) "
-    "directory"
+    "ckptkit.save/load/verify/open_checkpoint, RunState, the Lightning plug-in and "
+    "`ckptkit train --run-dir/verify/inspect/diff/plot/replay RUN` serve s3://; use a local (or mounted) directory"
 )
 
 

@@ -297,8 +297,10 @@ def test_missing_files_remote_paths_and_storage_options(tmp_path: Path) -> None:
     io = CheckpointIO()
     with pytest.raises(FileNotFoundError):
         io.load_checkpoint(tmp_path / "nope.ckpt")
-    with pytest.raises(UnsupportedOption, match=r"^s3://b/x\.ckpt: the Lightning plug-in .* does not serve s3:// URLs"):
-        io.save_checkpoint({"global_step": 0}, "s3://b/x.ckpt")
+    with pytest.raises(
+        UnsupportedOption, match=r"^gs://b/x\.ckpt: the gs:// scheme is not supported; ckptkit serves s3://"
+    ):
+        io.save_checkpoint({"global_step": 0}, "gs://b/x.ckpt")
     with pytest.raises(UnsupportedValue, match="storage_options are not supported"):
         io.save_checkpoint({"global_step": 0}, tmp_path / "x.ckpt", storage_options={"a": 1})
     io.remove_checkpoint(tmp_path / "nope.ckpt")  # Lightning may remove what is already gone
@@ -459,3 +461,30 @@ def test_diff_compares_two_lightning_files_hparams_as_the_config_and_tensors_bit
         "1 difference: 1 strict, 0 exempt",
     ]
     assert lines[5].startswith("tensors: ") and "model:state_dict.fc1.weight" in "\n".join(lines[6:])
+
+
+@pytest.mark.filterwarnings("ignore::ResourceWarning")  # botocore's pooled sockets
+def test_a_trainer_saves_through_the_plugin_to_s3_and_resumes_from_there_bit_for_bit(
+    runs: dict[str, Any], s3: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """spec/objectstore.md R-O44, G-82: the Trainer's checkpoint on s3:// is the same container, committed
+    by its record and checked on every read; written once; removed record first."""
+    url = f"{s3}/lit/epoch=1-step=20.ckpt"
+    _half, t20 = fit(tmp_path / "half", 20, enable_checkpointing=False)
+    t20.save_checkpoint(url)  # Lightning's own save, through the plug-in
+    resumed, t_res = fit(tmp_path / "resumed", 40, ckpt_path=url, enable_checkpointing=False)
+    straight, t40 = runs["straight"]
+    assert t_res.global_step == 40
+    assert_bitwise(straight.state_dict(), resumed.state_dict(), "state_dict")
+    assert_bitwise(t40.optimizers[0].state_dict(), t_res.optimizers[0].state_dict(), "optimizer")
+    calls = _no_unpickling(monkeypatch)
+    net = Loadable.load_from_checkpoint(url)
+    assert calls == [] and dict(net.hparams) == {"lr": 0.05, "hidden": 16, "act": "tanh"}
+    assert main(["verify", url]) == 0
+    with pytest.raises(ckptkit.CommitConflict, match=r"step already committed; .*: use a filename with \{step\}"):
+        t20.save_checkpoint(url)
+    io = CheckpointIO()
+    io.remove_checkpoint(url)
+    io.remove_checkpoint(url)  # Lightning may remove what is already gone
+    with pytest.raises(FileNotFoundError, match="no such checkpoint"):
+        io.load_checkpoint(url)

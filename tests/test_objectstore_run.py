@@ -161,14 +161,16 @@ def test_a_runstate_save_and_its_retention_failing_at_every_request(s3, mode) ->
         _copy(s3, "template", run.rpartition("/")[2])  # steps 10 and 20, as a run saved them
         _r, error, _made = _under(k, mode, functools.partial(_save_one, run, 30))
         assert mode != "transient" or error is None, (k, error)
-        step, _notes, weight = _resumed(run)
+        if mode == "transient":
+            step, _notes, weight = _resumed(run)
+        else:  # the next job resumes, then saves: nothing left blocks it (R-O16)
+            step, weight = _save_one(run, 40)
         assert step in (20, 30) and bool(weight.eq(float(step)).all())  # whole, never partial
         if step == 20:
             assert error is not None
         if mode == "transient":
             assert step == 30
             continue
-        _save_one(run, 40)  # nothing left blocks the next save (R-O16)
         assert _committed(run) == [step, 40]  # retention kept the newest 2 (R-O25), whatever k left behind
 
 
@@ -187,13 +189,15 @@ def _committed(run_dir: str) -> list[int]:
     return sorted(int(n[5:13]) for n, ok in found.items() if ok)
 
 
-def _save_one(run_dir: str, step: int) -> None:
+def _save_one(run_dir: str, step: int) -> tuple[int, torch.Tensor]:
+    """Resume ``run_dir``, then save ``step``; the step resumed and the weight it restored."""
     rs, net = _run(run_dir)
     try:
-        rs.resume()
+        resumed = rs.resume().step, net.lin.weight.detach().clone()
         with torch.no_grad():
             net.lin.weight.fill_(float(step))
         rs.save(step)
+        return resumed
     finally:
         with contextlib.suppress(Crash, CheckpointError):  # a crashed store fails its close too
             rs.close()

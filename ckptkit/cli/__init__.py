@@ -30,7 +30,7 @@ from ..errors import (
     ResumeRefused,
     TrainingUnstable,
 )
-from ._paths import refuse_urls
+from ._paths import copy_urls, refuse_urls
 
 __all__ = ["EXIT_OK", "EXIT_PROBLEMS", "EXIT_TROUBLE", "EXIT_UNSTABLE", "main"]
 
@@ -126,8 +126,11 @@ def _main(argv: Sequence[str] | None) -> int:
     args.cmd = trailing
     module = importlib.import_module(f"{__name__}.{_COMMANDS[args.command]}")
     try:
-        refuse_urls(args, served=getattr(module, "URL_ARGS", ()))
-        return int(module.run(args))
+        copies = getattr(module, "URL_COPIES", {})
+        refuse_urls(args, served=(*getattr(module, "URL_ARGS", ()), *copies))
+        with contextlib.ExitStack() as stack:
+            copy_urls(args, copies, stack)
+            return int(module.run(args))
     except CheckpointError as e:
         if args.debug:
             raise

@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
+import sys
+from collections.abc import Callable, Mapping
 
 from ..errors import CheckpointNotFound
 from ..format.urls import is_url, local_only, parse, require_client
 from ..run.files import list_run_dir
+from ..run.local_copy import Select, local_copy
 
-__all__ = ["CKPT_RE", "expand_checkpoints", "refuse_urls"]
+__all__ = ["CKPT_RE", "Copies", "copy_urls", "expand_checkpoints", "refuse_urls"]
+
+#: A command's arguments read through a local copy (its ``URL_COPIES``): the steps it needs, given its arguments.
+Copies = Mapping[str, Callable[[argparse.Namespace], Select]]
 
 #: Checkpoint file names inside a run directory: step-<zero-padded step>.ckpt
 CKPT_RE = re.compile(r"^step-(\d{8,})\.ckpt$")
@@ -64,3 +71,19 @@ def refuse_urls(args: argparse.Namespace, *, served: tuple[str, ...]) -> None:
                 local_only(item, f"ckptkit {args.command}")
             parse(item)
             require_client()
+
+
+def copy_urls(args: argparse.Namespace, copies: Copies, stack: contextlib.ExitStack[bool | None]) -> None:
+    """Each ``s3://`` argument named in ``copies`` (a recorded run or checkpoint the command only
+    reads) becomes a verified local copy for as long as ``stack`` is open, said on one line
+    (spec/objectstore.md R-O40..R-O43): the command reads it as it reads a local run.
+
+    Raises:
+        CheckpointNotFound, ChecksumMismatch, FormatError: what the copy could not read, by URL.
+    """
+    for name, select in sorted(copies.items()):
+        value = getattr(args, name, None)
+        if isinstance(value, str) and is_url(value):
+            copied = stack.enter_context(local_copy(value, select(args)))
+            print(f"ckptkit {args.command}: {copied.describe()}", file=sys.stderr)
+            setattr(args, name, copied.path)

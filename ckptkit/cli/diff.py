@@ -30,9 +30,14 @@ from typing import Any
 from ..errors import CheckpointError, CheckpointNotFound, FormatError
 from ..format.snapshot import SNAPSHOT_SUFFIX, Snapshot, read_snapshot, snapshot_path
 from ..run.drift import DEFAULT_EXEMPT, KeyDiff, diff_keys
+from ..run.local_copy import newest_step
 from ._paths import CKPT_RE
 
-__all__ = ["add_parser", "run"]
+__all__ = ["URL_COPIES", "add_parser", "run"]
+
+#: A and B on s3:// are read into verified local copies: a run prefix's newest committed
+#: checkpoint and config.json, or the checkpoint an object URL names (spec/objectstore.md R-O43).
+URL_COPIES = {"a": lambda _args: newest_step, "b": lambda _args: newest_step}
 
 JSON_SCHEMA_VERSION = 1
 """``schema_version`` of the ``--json`` output object."""
@@ -54,6 +59,8 @@ A and B may each be
                            (its hyper_parameters are compared as the config)
   a Trainer folder         out/checkpoint-20, or out (its newest checkpoint-N/);
                            the exempt class is then the Trainer's (spec/transformers.md)
+  any of these on S3       s3://bucket/run, s3://bucket/run/step-00000120.ckpt: read into a
+                           verified local copy first (docs/storage.md)
 A is the old side, B the new one."""
 
 _EPILOG = """\
@@ -83,8 +90,8 @@ def add_parser(subparsers: Any) -> None:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("a", metavar="A", help="old side: snapshot, checkpoint or run directory")
-    p.add_argument("b", metavar="B", help="new side: snapshot, checkpoint or run directory")
+    p.add_argument("a", metavar="A", help="old side: snapshot, checkpoint or run directory (or s3://...)")
+    p.add_argument("b", metavar="B", help="new side: snapshot, checkpoint or run directory (or s3://...)")
     p.add_argument("--json", action="store_true", help="print one JSON object (with schema_version) instead of a table")
     p.add_argument(
         "--tensors",

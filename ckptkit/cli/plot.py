@@ -12,7 +12,12 @@ import json
 import sys
 from typing import Any
 
-__all__ = ["add_parser", "run"]
+from ..run.local_copy import no_step
+
+__all__ = ["URL_COPIES", "add_parser", "run"]
+
+#: RUN on s3:// is read into a local copy of its history.jsonl (spec/objectstore.md R-O43).
+URL_COPIES = {"run": lambda _args: no_step}
 
 _EPILOG = """\
 example:
@@ -39,7 +44,7 @@ def add_parser(sub: Any) -> None:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("run", metavar="RUN", help="a run directory (or its history.jsonl)")
+    p.add_argument("run", metavar="RUN", help="a run directory (or its history.jsonl), or s3://bucket/prefix")
     p.add_argument(
         "-o",
         "--output",

@@ -16,10 +16,15 @@ import argparse
 import sys
 from typing import Any
 
+from ..run.local_copy import replay_from
 from ._output import print_verdict
 from ._progress import Progress
 
-__all__ = ["add_parser", "run"]
+__all__ = ["URL_COPIES", "add_parser", "run"]
+
+#: RUN on s3:// is read into a verified local copy: its checkpoint at or before --from, every
+#: later one, environment.json and history.jsonl (spec/objectstore.md R-O43).
+URL_COPIES = {"run_dir": lambda args: replay_from(args.run_dir, args.from_step)}
 
 _EPILOG = """\
 example:
@@ -65,7 +70,7 @@ def add_parser(sub: Any) -> None:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("run_dir", metavar="RUN", help="the recorded run directory")
+    p.add_argument("run_dir", metavar="RUN", help="the recorded run directory, or s3://bucket/prefix")
     g = p.add_argument_group("replay")
     g.add_argument(
         "--from",

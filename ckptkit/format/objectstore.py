@@ -70,6 +70,9 @@ class Backend(Protocol):
     def finish_multipart(self, key: str, upload: str, etags: list[str], *, if_absent: bool) -> str: ...
     def abort_multipart(self, key: str, upload: str) -> None: ...
     def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes: ...
+    def read(self, key: str) -> tuple[bytes, str]: ...
+    def replace(self, key: str, data: bytes, etag: str) -> str: ...
+    def delete_if(self, key: str, etag: str) -> None: ...
     def head(self, key: str) -> int | None: ...
     def etag(self, key: str) -> str | None: ...
     def list(self, prefix: str) -> list[tuple[str, int, float]]: ...
@@ -162,6 +165,22 @@ class S3Backend:
             return bytes(body.read())
         except Exception as e:
             raise _classify(e) from e
+
+    def read(self, key: str) -> tuple[bytes, str]:
+        """The whole object and the ETag of exactly those bytes (one GET)."""
+        r = self._call(self.client.get_object, Key=key)
+        try:
+            return bytes(r["Body"].read()), str(r["ETag"])
+        except Exception as e:
+            raise _classify(e) from e
+
+    def replace(self, key: str, data: bytes, etag: str) -> str:
+        """Overwrite ``key`` only while it is still the object of ``etag`` (``If-Match``); its new ETag."""
+        return str(self._call(self.client.put_object, Key=key, Body=data, IfMatch=etag)["ETag"])
+
+    def delete_if(self, key: str, etag: str) -> None:
+        """Remove ``key`` only while it is still the object of ``etag`` (``If-Match``)."""
+        self._call(self.client.delete_object, Key=key, IfMatch=etag)
 
     def head(self, key: str) -> int | None:
         try:
@@ -271,6 +290,35 @@ class ObjectStore:
         which the store carried out before the connection dropped: a conflict is then ours
         when the object there holds exactly ``data`` (R-O20).
         """
+        attempt = self._own_retry(key, data)
+        if len(data) > self.part_size:
+            return self._put_parts(key, data, if_absent, attempt)
+        body = bytes(data)
+        return self._retry(
+            "put", key, lambda: attempt(lambda: self.backend.put(key, body, if_absent=if_absent)), writing=True
+        )
+
+    def replace(self, key: str, data: bytes, etag: str) -> str:
+        """Overwrite the small object ``key`` with ``data`` only while it is the object of ``etag``
+        (``If-Match``: the run-directory lease's renewal and takeover, spec/lease.md R-LS11); its new ETag.
+
+        Raises:
+            CommitConflict: it is another object now (``CheckpointNotFound``: there is none).
+        """
+        attempt = self._own_retry(key, data)
+        return self._retry("replace", key, lambda: attempt(lambda: self.backend.replace(key, data, etag)), writing=True)
+
+    def delete_if(self, key: str, etag: str) -> None:
+        """Remove ``key`` only while it is the object of ``etag`` (``If-Match``).
+
+        Raises:
+            CommitConflict: it is another object now (``CheckpointNotFound``: there is none).
+        """
+        self._retry("delete", key, lambda: self.backend.delete_if(key, etag), writing=True)
+
+    def _own_retry(self, key: str, data: bytes | memoryview) -> Callable[[Callable[[], str]], str]:
+        """Runs a conditional write's attempts: a conflict met by a retry is the write's own first
+        attempt when the object holds exactly ``data`` (R-O20)."""
         tried = [False]
 
         def attempt(fn: Callable[[], str]) -> str:
@@ -283,12 +331,7 @@ class ObjectStore:
             finally:
                 tried[0] = True
 
-        if len(data) > self.part_size:
-            return self._put_parts(key, data, if_absent, attempt)
-        body = bytes(data)
-        return self._retry(
-            "put", key, lambda: attempt(lambda: self.backend.put(key, body, if_absent=if_absent)), writing=True
-        )
+        return attempt
 
     def etag(self, key: str) -> str | None:
         """The object's ETag (what a put of it returned), or None when there is none."""
@@ -341,6 +384,10 @@ class ObjectStore:
             return self._retry(f"range {a}-{b}", key, lambda: self.backend.get(key, a, b), writing=False)
 
         return b"".join(_parallel(piece, len(spans)))
+
+    def read(self, key: str) -> tuple[bytes, str]:
+        """A small object's bytes and the ETag of exactly those bytes (for a later ``replace``)."""
+        return self._retry("get", key, lambda: self.backend.read(key), writing=False)
 
     def head(self, key: str) -> int | None:
         """The object's size, or None when there is none."""

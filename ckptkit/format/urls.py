@@ -91,7 +91,10 @@ def local_only(path: str | os.PathLike[str], what: str) -> str:
     text = os.fspath(path)
     if is_url(text):
         scheme = text.partition("://")[0]
-        served = "; ckptkit.save/load/verify/open_checkpoint and `ckptkit verify/inspect` serve s3://"
+        served = (
+            "; ckptkit.save/load/verify/open_checkpoint, RunState, the Lightning plug-in and "
+            "`ckptkit train --run-dir/verify/inspect/diff/plot/replay RUN` serve s3://"
+        )
         raise UnsupportedOption(
             f"{text}: {what} does not serve {scheme}:// URLs yet (it writes and reads local files only){served}; "
             "use a local (or mounted) directory"

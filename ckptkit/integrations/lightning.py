@@ -40,7 +40,14 @@ step 1 (spec/lightning.md R-L04). No value is encoded lossily and none is pickle
 ``_metadata`` attribute of a state dict (module versions, which only old checkpoints of
 a few modules consult) is not stored, as with ``ckptkit.save``.
 
-Known limits: local paths only (no fsspec URLs); ``map_location`` is honoured when it
+Paths: local files, or ``s3://bucket/key`` (spec/objectstore.md R-O44): a checkpoint there
+is the same container as an object, committed by its record and checked on every read;
+``remove_checkpoint`` uncommits it record first. A name is written once there, so a
+second save to one name (``save_last``'s ``last.ckpt``) is refused with ``CommitConflict``;
+Lightning's own ``ModelCheckpoint(dirpath="s3://...")`` lists the folder through fsspec,
+which needs ``s3fs``. Other fsspec URLs are refused by name.
+
+Known limits: ``map_location`` is honoured when it
 is a device or a device string, anything else loads on the CPU (Lightning moves the
 state where it belongs when it restores it); ``weights_only`` is accepted and
 irrelevant: nothing is unpickled, ever.
@@ -52,10 +59,10 @@ import contextlib
 import os
 from typing import TYPE_CHECKING, Any, TypeGuard
 
-from ..errors import FormatError, UnsupportedValue
+from ..errors import CommitConflict, FormatError, UnsupportedValue
 from ..format.checkpoint import Checkpoint, load, save
 from ..format.section import check_plain
-from ..format.urls import local_only
+from ..format.urls import is_url, parse
 from ._extra import missing_extra
 from .lightning_file import LAYOUT
 
@@ -164,9 +171,39 @@ def from_container(ckpt: Checkpoint, path: str = "") -> dict[str, Any]:
     return out
 
 
-def _local(path: str | os.PathLike[str]) -> str:
-    # Lightning overwrites a name (``last.ckpt``) in place; a commit record is written once (R-O11).
-    return local_only(path, "the Lightning plug-in (ckptkit.integrations.lightning.CheckpointIO)")
+def _path(path: str | os.PathLike[str]) -> str:
+    """A local path, or an ``s3://`` URL (another scheme is refused naming the served one, R-O02)."""
+    name = os.fspath(path)
+    if is_url(name):
+        parse(name)
+    return name
+
+
+def _save(name: str, ckpt: Checkpoint, compression: str | dict[str, str], level: int) -> None:
+    if not is_url(name):
+        os.makedirs(os.path.dirname(name) or ".", exist_ok=True)
+        save(name, ckpt, compression=compression, level=level)
+        return
+    try:
+        save(name, ckpt, compression=compression, level=level)
+    except CommitConflict as e:  # a name on object storage is written once (R-O11, R-O44)
+        raise CommitConflict(
+            f"{e}; Lightning saves to a name once per checkpoint on s3:// (ModelCheckpoint(save_last=True) "
+            "rewrites last.ckpt): use a filename with {step}, or save_last=False",
+            path=e.filename,
+        ) from None
+
+
+def _remove(name: str) -> None:
+    """Delete the checkpoint ``name``: a local file, or an object's record first, then its objects (R-O17)."""
+    if is_url(name):
+        from ..format.commit import remove
+        from ..format.remote import locate
+
+        remove(*locate(name))
+        return
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(name)
 
 
 class CheckpointIO(_LightningCheckpointIO, _Callback):
@@ -195,11 +232,14 @@ class CheckpointIO(_LightningCheckpointIO, _Callback):
         self._fit_checked = False  # set by the callback role's setup: the refusal then came before step 1
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
-        """Write ``checkpoint`` to ``path`` atomically and durably, as a v2 container.
+        """Write ``checkpoint`` to ``path`` atomically and durably, as a v2 container (on
+        ``s3://``: an object committed by its record).
 
         Raises:
-            UnsupportedValue: a value the container cannot carry (named by key path), a
-                remote path, or ``storage_options`` (nothing is written).
+            UnsupportedValue: a value the container cannot carry (named by key path), or
+                ``storage_options`` (nothing is written).
+            UnsupportedOption: a URL of another scheme than ``s3://``.
+            CommitConflict: on ``s3://``, a checkpoint is committed at ``path`` already.
             SaveFailed: the write failed; a previous file at ``path`` is intact.
         """
         if storage_options is not None:
@@ -207,15 +247,14 @@ class CheckpointIO(_LightningCheckpointIO, _Callback):
                 f"storage_options are not supported by {type(self).__name__} "
                 f"(got {storage_options!r}); pass compression= to the plug-in instead"
             )
-        name = _local(path)
+        name = _path(path)
         try:
             ckpt = to_container(checkpoint)
         except UnsupportedValue as e:
             if self._fit_checked:
                 raise
             raise UnsupportedValue(f"{e} ({_AT_FIT_START})") from None
-        os.makedirs(os.path.dirname(name) or ".", exist_ok=True)
-        save(name, ckpt, compression=self.compression, level=self.level)
+        _save(name, ckpt, self.compression, self.level)
 
     def load_checkpoint(
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
@@ -227,7 +266,7 @@ class CheckpointIO(_LightningCheckpointIO, _Callback):
             FormatError: the bytes break a rule of spec/container.md (``ChecksumMismatch``, ...),
                 or the file was not written by this plug-in.
         """
-        name = _local(path)
+        name = _path(path)
         device = map_location if isinstance(map_location, str) or _is_device(map_location) else "cpu"
         return from_container(load(name, map_location=device), name)
 
@@ -249,8 +288,7 @@ class CheckpointIO(_LightningCheckpointIO, _Callback):
 
     def remove_checkpoint(self, path: Any) -> None:
         """Delete the checkpoint at ``path`` (Lightning's top-k retention); a missing file is fine."""
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(_local(path))
+        _remove(_path(path))
 
 
 def _fit_state(trainer: Any, pl_module: Any) -> dict[str, Any]:
@@ -302,7 +340,7 @@ def load_from_checkpoint(
     from lightning.pytorch.core.saving import _load_state
     from lightning.pytorch.utilities.migration.utils import _pl_migrate_checkpoint
 
-    name = _local(checkpoint_path)
+    name = _path(checkpoint_path)
     checkpoint = CheckpointIO().load_checkpoint(name, map_location=map_location)
     checkpoint = _pl_migrate_checkpoint(checkpoint, checkpoint_path=name)
     hparams = checkpoint.setdefault(cls.CHECKPOINT_HYPER_PARAMS_KEY, {})

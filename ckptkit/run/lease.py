@@ -1,4 +1,4 @@
-"""One writer per run directory: the run-directory lease (spec/lease.md R-LS01..R-LS09).
+"""One writer per run directory: the run-directory lease (spec/lease.md R-LS01..R-LS13).
 
 A job holds its run directory's lease from its start or resume to its close: rank 0
 acquires it (recording host, pid, start time, ranks and the launcher), refreshes its
@@ -9,8 +9,8 @@ live -- is taken over, and the takeover is said.
 
 :class:`Lease` is the one interface: :class:`FileLease` implements it with a file in the
 run directory (created by a hard link, which never replaces: the local form of a
-conditional put); a store on object storage implements the same four methods with
-``If-None-Match`` / ``If-Match`` writes.
+conditional put); :class:`ObjectLease` implements the same four methods on an ``s3://``
+run prefix with ``If-None-Match`` / ``If-Match`` requests. :func:`lease_for` picks one.
 """
 
 from __future__ import annotations
@@ -22,14 +22,28 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..errors import CheckpointNotFound, LeaseLost, RunDirInUse, UnreadableFile
+from ..errors import CheckpointNotFound, CommitConflict, LeaseLost, RunDirInUse, UnreadableFile
 from ..format.atomic import create_exclusive, pid_alive, write_bytes_atomic
 from ..format.container import open_regular
+from ..format.objectstore import store_for
+from ..format.urls import is_url, parse
 
-__all__ = ["DEFAULT_TTL_S", "LEASE_FILE", "FileLease", "Holder", "Lease", "gone", "launcher_pid", "this_job"]
+__all__ = [
+    "DEFAULT_TTL_S",
+    "LEASE_FILE",
+    "FileLease",
+    "Holder",
+    "Lease",
+    "ObjectLease",
+    "gone",
+    "launcher_pid",
+    "lease_for",
+    "this_job",
+]
 
 #: The lease's file in the run directory.
 LEASE_FILE = "lease.json"
@@ -124,6 +138,59 @@ class Lease(Protocol):
         ...
 
 
+def lease_for(run_dir: str | os.PathLike[str], ttl_s: float = DEFAULT_TTL_S) -> Lease:
+    """The lease of ``run_dir``: an :class:`ObjectLease` on an ``s3://`` prefix, else a :class:`FileLease`."""
+    return ObjectLease(os.fspath(run_dir), ttl_s) if is_url(run_dir) else FileLease(run_dir, ttl_s)
+
+
+def _check_ttl(ttl_s: float) -> float:
+    if not ttl_s > 0:
+        raise ValueError(f"ttl_s must be > 0 seconds (got {ttl_s!r})")
+    return float(ttl_s)
+
+
+def _decode(raw: bytes, unusable: Callable[[str], RunDirInUse]) -> Holder:
+    try:
+        doc = json.loads(raw)
+        return Holder(**{f.name: doc[f.name] for f in dataclasses.fields(Holder)})
+    except (ValueError, TypeError, KeyError):
+        raise unusable("is not a lease ckptkit wrote") from None
+
+
+def _unusable(path: str, run_dir: str, why: str) -> RunDirInUse:
+    return RunDirInUse(f"{path}: the run directory's lease {why}; if no job uses {run_dir}, delete it and start again")
+
+
+def _judge(run_dir: str, held: Holder | None, me: Holder, ttl_s: float) -> str | None:
+    """The line saying a takeover of ``held`` by ``me`` (None: nobody held it, or this very process did).
+
+    Raises:
+        RunDirInUse: ``held`` is another job, and it may still run (R-LS03).
+    """
+    if held is None or (held.host == me.host and held.pid == me.pid):
+        return None
+    why = gone(held, ttl_s)
+    if why is None:
+        raise RunDirInUse(
+            f"{run_dir}: in use by another job, {held.describe()}: one writer per run directory; "
+            f"wait for it to end or stop it (kill {held.pid} on {held.host}), or use another run directory",
+            held,
+        )
+    return f"took over the run directory's lease from {held.describe()}: {why}"
+
+
+def _raced(run_dir: str, now: Holder | None) -> RunDirInUse:
+    return RunDirInUse(f"{run_dir}: another job took the lease over while this one did", now)
+
+
+def _lost(run_dir: str, held: Holder | None) -> LeaseLost:
+    who = "nobody holds it now" if held is None else f"it is held by {held.describe()}"
+    return LeaseLost(
+        f"{run_dir}: this job no longer holds the run directory's lease ({who}): "
+        "it stops before writing, so the run directory keeps one writer"
+    )
+
+
 class FileLease:
     """:class:`Lease` as ``lease.json`` in the run directory (R-LS01, R-LS02).
 
@@ -133,11 +200,9 @@ class FileLease:
     """
 
     def __init__(self, run_dir: str | os.PathLike[str], ttl_s: float = DEFAULT_TTL_S) -> None:
-        if not ttl_s > 0:
-            raise ValueError(f"ttl_s must be > 0 seconds (got {ttl_s!r})")
+        self.ttl_s = _check_ttl(ttl_s)
         self.run_dir = os.fspath(run_dir)
         self.path = os.path.join(self.run_dir, LEASE_FILE)
-        self.ttl_s = float(ttl_s)
         self.mine: Holder | None = None
 
     def holder(self) -> Holder | None:
@@ -148,48 +213,29 @@ class FileLease:
         except UnreadableFile as e:
             raise self._unusable(f"cannot be read ({str(e).removeprefix(self.path + ': ')})") from None
         with os.fdopen(fd, "rb") as f:
-            raw = f.read(1 << 16)
-        try:
-            doc = json.loads(raw)
-            return Holder(**{f.name: doc[f.name] for f in dataclasses.fields(Holder)})
-        except (ValueError, TypeError, KeyError):
-            raise self._unusable("is not a lease ckptkit wrote") from None
+            return _decode(f.read(1 << 16), self._unusable)
 
     def _unusable(self, why: str) -> RunDirInUse:
-        return RunDirInUse(
-            f"{self.path}: the run directory's lease {why}; if no job uses {self.run_dir}, delete it and start again"
-        )
+        return _unusable(self.path, self.run_dir, why)
 
     def acquire(self, me: Holder) -> str | None:
         os.makedirs(self.run_dir, exist_ok=True)
         if create_exclusive(self.path, _encode(me)):
             self.mine = me
             return None
-        held = self.holder()
-        ours = held is not None and held.host == me.host and held.pid == me.pid
-        why = None if held is None or ours else gone(held, self.ttl_s)
-        if held is not None and not ours and why is None:
-            raise RunDirInUse(
-                f"{self.run_dir}: in use by another job, {held.describe()}: one writer per run directory; "
-                f"wait for it to end or stop it (kill {held.pid} on {held.host}), or use another run directory",
-                held,
-            )
+        note = _judge(self.run_dir, self.holder(), me, self.ttl_s)
         write_bytes_atomic(self.path, _encode(me))
         now = self.holder()
         if now is None or now.token != me.token:  # another job took it over in the same instant
-            raise RunDirInUse(f"{self.run_dir}: another job took the lease over while this one did", now)
+            raise _raced(self.run_dir, now)
         self.mine = me
-        return None if held is None or ours else f"took over the run directory's lease from {held.describe()}: {why}"
+        return note
 
     def refresh(self) -> None:
         assert self.mine is not None, "refresh() before acquire()"
         held = self.holder()
         if held is None or held.token != self.mine.token:
-            who = "nobody holds it now" if held is None else f"it is held by {held.describe()}"
-            raise LeaseLost(
-                f"{self.run_dir}: this job no longer holds the run directory's lease ({who}): "
-                "it stops before writing, so the run directory keeps one writer"
-            )
+            raise _lost(self.run_dir, held)
         self.mine = dataclasses.replace(self.mine, heartbeat=time.time())
         write_bytes_atomic(self.path, _encode(self.mine))
 
@@ -201,6 +247,74 @@ class FileLease:
             if held is not None and held.token == self.mine.token:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.path)
+        self.mine = None
+
+
+class ObjectLease:
+    """:class:`Lease` as the object ``lease.json`` under an ``s3://`` run prefix (R-LS10..R-LS13):
+    created with ``If-None-Match: *``, renewed and taken over with ``If-Match`` on the ETag last
+    written or read, released with a DELETE ``If-Match``; no read-back, the store decides.
+
+    Args:
+        run_dir: the run prefix, ``s3://bucket/prefix``.
+        ttl_s: how long a holder on another host is live without a heartbeat.
+    """
+
+    def __init__(self, run_dir: str, ttl_s: float = DEFAULT_TTL_S) -> None:
+        self.ttl_s = _check_ttl(ttl_s)
+        url = parse(run_dir)
+        self.run_dir, self.key, self.path = run_dir, url.child(LEASE_FILE).key, str(url.child(LEASE_FILE))
+        self.objects = store_for(url)
+        self.mine: Holder | None = None
+        self._etag = ""  # of the lease object this job wrote last
+
+    def _read(self) -> tuple[Holder, str] | None:
+        try:
+            raw, etag = self.objects.read(self.key)
+        except CheckpointNotFound:
+            return None
+        return _decode(raw, lambda why: _unusable(self.path, self.run_dir, why)), etag
+
+    def holder(self) -> Holder | None:
+        found = self._read()
+        return None if found is None else found[0]
+
+    def acquire(self, me: Holder) -> str | None:
+        body = _encode(me)
+        for _ in range(2):  # a second time only when the holder released it between the two requests
+            try:
+                self._etag = self.objects.put(self.key, body, if_absent=True)
+                self.mine = me
+                return None
+            except CommitConflict:
+                found = self._read()
+            if found is not None:
+                note = _judge(self.run_dir, found[0], me, self.ttl_s)
+                try:  # over exactly the lease judged gone: a renewal or takeover since then wins
+                    self._etag = self.objects.replace(self.key, body, found[1])
+                except (CommitConflict, CheckpointNotFound):
+                    raise _raced(self.run_dir, self.holder()) from None
+                self.mine = me
+                return note
+        raise _raced(self.run_dir, self.holder())
+
+    def refresh(self) -> None:
+        assert self.mine is not None, "refresh() before acquire()"
+        renewed = dataclasses.replace(self.mine, heartbeat=time.time())
+        try:  # only while the object is the one this job wrote last (R-LS11)
+            self._etag = self.objects.replace(self.key, _encode(renewed), self._etag)
+        except (CommitConflict, CheckpointNotFound):
+            raise _lost(self.run_dir, self.holder()) from None
+        self.mine = renewed
+
+    def release(self) -> None:
+        if self.mine is None:
+            return
+        with contextlib.suppress(RunDirInUse):
+            found = self._read()
+        if found is not None and found[0].token == self.mine.token:
+            with contextlib.suppress(CommitConflict, CheckpointNotFound):  # taken over in between: theirs
+                self.objects.delete_if(self.key, found[1])
         self.mine = None
 
 

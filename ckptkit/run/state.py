@@ -52,7 +52,7 @@ from .file_store import FileStore
 from .files import DCP_SUFFIX, list_checkpoints
 from .group import Alone, group_of
 from .history import History
-from .lease import FileLease, Lease, launcher_pid, this_job
+from .lease import Lease, launcher_pid, lease_for, this_job
 from .object_store import ObjectRunStore
 from .preemption import Stopping, StopRequests
 from .registration import Registration
@@ -92,7 +92,8 @@ class RunState(Registration, Stopping):
             size 1: ``resume(reshard=True)`` continues the run there.
         lease: the run directory's lease (spec/lease.md): held from ``start()``/``resume()``
             (or the first ``save()``) to ``close()`` by rank 0, refreshed before every save;
-            default a :class:`~ckptkit.run.lease.FileLease` (``lease.json`` in ``run_dir``).
+            default a :class:`~ckptkit.run.lease.FileLease` (``lease.json`` in ``run_dir``), on an
+            ``s3://`` run directory an :class:`~ckptkit.run.lease.ObjectLease` (the object ``lease.json``).
             A second job on the directory is refused with ``RunDirInUse``; a save after
             the lease was taken over, or after this rank's launcher died, raises
             ``LeaseLost`` and writes nothing.
@@ -132,9 +133,7 @@ class RunState(Registration, Stopping):
         self._replaying: str | None = None  # inside replaying(): "replay" or "rerun"
         self._group = group_of(process_group)
         self._store = self._open_store(async_save)
-        # An s3:// run's one writer per step is its commit record's conditional put (spec/objectstore.md
-        # R-O11); the lease over a conditional put that spec/lease.md describes is not built yet.
-        self._lease: Lease | None = lease if lease is not None or is_url(self.run_dir) else FileLease(self.run_dir)
+        self._lease: Lease = lease if lease is not None else lease_for(self.run_dir)  # a file, or an object on s3://
         self._leased = False
         self._launcher = launcher_pid()  # this rank's torchrun agent; None outside torchrun
 
@@ -268,7 +267,7 @@ class RunState(Registration, Stopping):
 
     def _hold(self) -> None:
         """Rank 0 acquires the run directory's lease for the job, once; a takeover is said (R-LS04)."""
-        if self._leased or self._lease is None:
+        if self._leased:
             return
         lease, me = self._lease, this_job(self.world_size)
         note = self._group.from_rank0(lambda: lease.acquire(me), "acquiring the run directory's lease")
@@ -289,7 +288,7 @@ class RunState(Registration, Stopping):
                 f"before saving step {step}, without writing, so a job started again on the directory is its "
                 "one writer"
             )
-        if self.rank == 0 and self._lease is not None:
+        if self.rank == 0:
             self._lease.refresh()
 
     def wait(self) -> None:
@@ -311,7 +310,7 @@ class RunState(Registration, Stopping):
                 self._history.close()
             self._store.close()
         finally:
-            if self._leased and self.rank == 0 and self._lease is not None:  # after the last save committed (or failed)
+            if self._leased and self.rank == 0:  # after the last save committed (or failed)
                 self._lease.release()
             self._leased = False
 
