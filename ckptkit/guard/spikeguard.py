@@ -632,7 +632,8 @@ class SpikeGuard:
         # The guard's own state (its monitor, its record) moves after the loop records a step: the
         # loop's state is what the recorded row and the ring state must agree on.
         own = tuple(
-            f"monitor:{p}" for p in (f"monitors.{self._monitor_name}.", f"values.{VALUE_NAME}.", INJECTION_VALUE)
+            f"monitor:{p}"
+            for p in (f"monitors.{self._monitor_name}.", f"values.{VALUE_NAME}.", f"values.{INJECTION_VALUE}")
         )
         for step in self.ring.steps():
             kept = self.ring.get(step)
