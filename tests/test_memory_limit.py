@@ -133,6 +133,11 @@ _COUNTS_CHILD = textwrap.dedent("""
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
 
     out = {"rss": status("VmRSS")}
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (status("VmSize") + (5 << 20), hard))  # far too little
+    report = verify(sys.argv[1])
+    out["verify-5"] = f"{type(report.error).__name__}: {report.error}"
+    resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
     report = verify(sys.argv[1])  # torch-free: nothing else in this process yet
     out["verify"] = [report.ok, status("VmHWM") - out["rss"]]
     import torch, ckptkit
@@ -174,6 +179,10 @@ def test_a_file_declaring_a_hundred_thousand_tensors_costs_memory_in_proportion_
     out = json.loads(proc.stdout)
     ok, peak = out["verify"]
     assert ok and peak < 10 * size, f"verify's peak extra resident memory is {peak / size:.1f}x the file"
+    assert out["verify-5"] == (
+        f"InsufficientMemory: {path}: ran out of memory while verifying it ({size} bytes); the file is neither "
+        "damaged nor sound by this run: free memory or raise the limit (ulimit -v, the cgroup) and verify again"
+    )
     assert out["110"] == n  # loads under an address-space limit of 110 MiB beyond torch's
     assert out["20"] == (
         f"InsufficientMemory: {path}: ran out of memory while loading it ({size} bytes; the tensors' memory was "
