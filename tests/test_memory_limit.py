@@ -4,7 +4,9 @@ A zstd section may declare up to 32768 x its stored size, so a 128 KiB file can 
 4 GiB tensor. ``load`` and the lazy reader compare what the file declares with the
 memory available (or ``max_memory``) and raise ``InsufficientMemory`` naming the tensor
 before they allocate anything -- checked here under a real address-space limit. And
-the cheapest thing a file can repeat, a tensor reference, costs a pointer (G-05).
+the cheapest thing a file can repeat, a tensor reference, costs a pointer (G-05); the
+cheapest thing it can count, an empty tensor, costs memory in proportion to its bytes
+in the index, in verify and in load (G-70).
 """
 
 from __future__ import annotations
