@@ -4,11 +4,14 @@ A zstd section may declare up to 32768 x its stored size, so a 128 KiB file can 
 4 GiB tensor. ``load`` and the lazy reader compare what the file declares with the
 memory available (or ``max_memory``) and raise ``InsufficientMemory`` naming the tensor
 before they allocate anything -- checked here under a real address-space limit. And
-the cheapest thing a file can repeat, a tensor reference, costs a pointer (G-05).
+the cheapest thing a file can repeat, a tensor reference, costs a pointer (G-05); the
+cheapest thing it can count, an empty tensor, costs memory in proportion to its bytes
+in the index, in verify and in load (G-70).
 """
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -120,3 +123,72 @@ def test_a_million_references_to_one_tensor_cost_a_pointer_each_not_an_object(tm
     assert verify(path).ok
     loaded = load(path).model["w"]
     assert len(loaded) == n and all(t is loaded[0] for t in loaded)
+
+
+_COUNTS_CHILD = textwrap.dedent("""
+    import json, resource, sys
+
+    from ckptkit.format.container import verify
+
+    def status(key):
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+
+    out = {"rss": status("VmRSS")}
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (status("VmSize") + (5 << 20), hard))  # far too little
+    report = verify(sys.argv[1])
+    out["verify-5"] = f"{type(report.error).__name__}: {report.error}"
+    resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    report = verify(sys.argv[1])  # torch-free: nothing else in this process yet
+    out["verify"] = [report.ok, status("VmHWM") - out["rss"]]
+    import torch, ckptkit
+
+    vm = status("VmSize")
+    for extra in (20 << 20, 110 << 20):  # too little, then enough: 10^5 empty tensors are ~40 MiB of torch objects
+        resource.setrlimit(resource.RLIMIT_AS, (vm + extra, resource.getrlimit(resource.RLIMIT_AS)[1]))
+        try:
+            out[str(extra >> 20)] = len(ckptkit.load(sys.argv[1]).model["t"])
+        except BaseException as e:
+            out[str(extra >> 20)] = f"{type(e).__name__}: {e}"
+    print(json.dumps(out))
+""")
+
+
+def test_a_file_declaring_a_hundred_thousand_tensors_costs_memory_in_proportion_to_its_size(tmp_path: Path) -> None:
+    """G-04, G-70: the tensor table is flat arrays, verify streams it, load batches its work.
+
+    10^5 empty tensors, written by ckptkit's own writer (the bytes ``save`` writes for
+    ``{"t": [torch.empty(0) for _ in range(n)]}``): a 2.9 MB file. Before, verify peaked
+    at 25x the file (one TensorRecord and one task per tensor) and load needed ~150 MiB
+    of address space beyond torch, raising a bare MemoryError (or calling the file
+    damaged: "msgpack MemoryError") under less.
+    """
+    from ckptkit.format.container import HEADER_SIZE, write_container
+    from ckptkit.format.section import TensorRef, plan_section
+
+    n = 10**5
+    plan = plan_section(
+        {"t": [TensorRef(i) for i in range(n)]}, [("float32", (0,), memoryview(b""))] * n, start=HEADER_SIZE
+    )
+    path = tmp_path / "counts.ckpt"
+    with open(path, "wb", buffering=0) as f:
+        write_container(f, step=1, flags=0, plans={"model": plan})
+    size = path.stat().st_size
+    assert 2_800_000 < size < 3_000_000
+    proc = subprocess.run([sys.executable, "-c", _COUNTS_CHILD, str(path)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout)
+    ok, peak = out["verify"]
+    assert ok and peak < 10 * size, f"verify's peak extra resident memory is {peak / size:.1f}x the file"
+    assert out["verify-5"] == (
+        f"InsufficientMemory: {path}: ran out of memory while verifying it ({size} bytes); the file is neither "
+        "damaged nor sound by this run: free memory or raise the limit (ulimit -v, the cgroup) and verify again"
+    )
+    assert out["110"] == n  # loads under an address-space limit of 110 MiB beyond torch's
+    assert out["20"] == (
+        f"InsufficientMemory: {path}: ran out of memory while loading it ({size} bytes; the tensors' memory was "
+        "checked before allocating, so its index and the tensor objects did not fit): nothing of the load is kept. "
+        "Free memory or raise the limit (ulimit -v, the cgroup), or read only the tensors you need with "
+        "ckptkit.open_checkpoint"
+    )

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..errors import UnsupportedValue
+from ..errors import InsufficientMemory, UnsupportedValue
 from .atomic import atomic_write
 from .container import (
     FLAG_FP32_FALLBACK,
@@ -195,7 +195,10 @@ def load(
             shape or dtype that differs, with ``strict`` a stored tensor without
             destination); every problem is listed and nothing has been written.
         InsufficientMemory: the tensors to allocate exceed ``max_memory`` (or the
-            memory available); raised before anything is allocated.
+            memory available); raised before anything is allocated. Also raised,
+            naming the file, when the process runs out of memory anyway (a file
+            declaring millions of tensors: each loaded tensor is a Python object),
+            never a bare ``MemoryError``.
 
     Example:
         >>> ckpt = load("run/step-00000100.ckpt")  # doctest: +SKIP
@@ -208,6 +211,28 @@ def load(
         opened = Source(os.fspath(path), data=get_checkpoint(path))
     else:
         opened = Source(path)
+    try:
+        return _load_source(opened, map_location=map_location, into=into, strict=strict, max_memory=max_memory)
+    except (MemoryError, RuntimeError) as e:
+        if isinstance(e, InsufficientMemory) or not _out_of_memory(e):
+            raise
+        raise InsufficientMemory(
+            f"{opened.path or 'checkpoint'}: ran out of memory while loading it ({opened.size} bytes; the tensors' "
+            "memory was checked before allocating, so its index and the tensor objects did not fit): nothing of the "
+            "load is kept. Free memory or raise the limit (ulimit -v, the cgroup), or read only the tensors you "
+            "need with ckptkit.open_checkpoint"
+        ) from None
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    """Python's MemoryError, or torch's for a C++ allocation that failed (a RuntimeError naming bad_alloc)."""
+    return isinstance(e, MemoryError) or "bad_alloc" in str(e) or "can't allocate memory" in str(e)
+
+
+def _load_source(
+    opened: Source, *, map_location: Any, into: Mapping[str, Any] | None, strict: bool, max_memory: int | None
+) -> Checkpoint:
+    """:func:`load` of an opened source (closed when done)."""
     with opened as src:
         layout = read_layout(src)
         if not layout.legacy:

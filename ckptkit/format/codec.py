@@ -23,7 +23,7 @@ import collections
 import dataclasses
 import math
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, TypeGuard
 
 import torch
@@ -293,8 +293,8 @@ def read_section_tensors(src: Source, sec: SectionIndex, max_memory: int | None 
         InsufficientMemory: the tensors would not fit (before anything is allocated).
         ChecksumMismatch, BadTensorValue, MalformedIndex: as :func:`~ckptkit.format.container.read_tensors`.
     """
-    check_memory(src.path, [(sec, i) for i in range(len(sec.tensors))], max_memory)
-    made = [empty_like_record(rec.dtype, rec.shape) for rec in sec.tensors]
+    check_memory(src.path, ((sec, i) for i in range(len(sec.tensors))), max_memory)
+    made = [empty_like_record(sec.tensors.dtype(i), sec.tensors.shape(i)) for i in range(len(sec.tensors))]
     read_tensors(src, [(sec, i, view) for i, (_, view) in enumerate(made)])
     return [t for t, _ in made]
 
@@ -343,23 +343,21 @@ def load_sections(
             them as garbage and restore again from a good checkpoint.
     """
     dests = {} if into is None else _match_into(src, sections, into, strict)
-    homeless = [
-        (name, sec, i)
+    homeless = any(  # a raw tensor without a destination: it will be a view of the file's mapping
+        sec.codec == "raw" and len(dests.get(name, ())) < len(sec.tensors)
         for name, sec in sections.items()
         if sec is not None
-        for i in range(len(sec.tensors))
-        if dests.get(name, {}).get(i) is None
-    ]
-    mapping = src.map_private() if any(sec.codec == "raw" for _, sec, _ in homeless) else None
-    fresh = [
+    )
+    mapping = src.map_private() if homeless else None
+    fresh = (  # a generator: a file of a million tensors gets no million-entry list here
         (sec, i)
         for name, sec in sections.items()
-        if sec is not None
+        if sec is not None and not (mapping and sec.codec == "raw")  # mapped, or read into the mapping's place
         for i in range(len(sec.tensors))
-        if not _writable_in_place(dests.get(name, {}).get(i)) and not (mapping and sec.codec == "raw")
-    ]
+        if not _writable_in_place(dests.get(name, {}).get(i))
+    )
     check_memory(src.path, fresh, max_memory)
-    reads = _ReadPlan.of(sections, dests, mapping)
+    reads = _ReadPlan.of(sections, dests, mapping, move=str(map_location) != "cpu")
     read_tensors(src, reads.jobs, mapping=mapping)
     reads.finish(map_location)
     return {name: None if sec is None else decode_tree(sec.tree, reads.tensors[name]) for name, sec in sections.items()}
@@ -403,12 +401,18 @@ class _ReadPlan:
     staged: list[tuple[torch.Tensor, torch.Tensor]]  # (read into, copy to) for indirect destinations
     tensors: dict[str, list[torch.Tensor]]  # section name -> its tensors in table order, as returned
     moved: list[tuple[str, int]]  # tensors without a destination: they go to map_location
+    move: bool  # map_location is not the CPU (else ``moved`` stays empty)
 
     @classmethod
     def of(
-        cls, sections: Mapping[str, SectionIndex | None], dests: dict[str, dict[int, torch.Tensor]], mapping: Any
+        cls,
+        sections: Mapping[str, SectionIndex | None],
+        dests: dict[str, dict[int, torch.Tensor]],
+        mapping: Any,
+        *,
+        move: bool,
     ) -> _ReadPlan:
-        plan = cls(jobs=[], staged=[], tensors={}, moved=[])
+        plan = cls(jobs=[], staged=[], tensors={}, moved=[], move=move)
         for name, sec in sections.items():
             if sec is not None:
                 plan.tensors[name] = [
@@ -418,23 +422,25 @@ class _ReadPlan:
 
     def _place(self, name: str, sec: SectionIndex, i: int, d: torch.Tensor | None, mapping: Any) -> torch.Tensor:
         """Plan the read of tensor ``i`` of ``sec``; return the tensor the loaded tree will hold."""
-        rec = sec.tensors[i]
+        table = sec.tensors
         view: memoryview | None
         if _writable_in_place(d):
             view = _byte_view(d)
             out = d
         elif d is None and mapping is not None and sec.codec == "raw":
             view = None  # checked where it lies: the tensor is a view of the private mapping
-            out = mapped_tensor(mapping, sec.data_start + rec.offset, rec.dtype, rec.shape)
-            self.moved.append((name, i))
+            out = mapped_tensor(mapping, sec.data_start + table.offsets[i], table.dtype(i), table.shape(i))
+            if self.move:
+                self.moved.append((name, i))
         else:
-            t, view = empty_like_record(rec.dtype, rec.shape)
+            t, view = empty_like_record(table.dtype(i), table.shape(i))
             if d is not None:
                 self.staged.append((t, d))
                 out = d
             else:
                 out = t
-                self.moved.append((name, i))
+                if self.move:
+                    self.moved.append((name, i))
         self.jobs.append((sec, i, view))
         return out
 
@@ -443,12 +449,12 @@ class _ReadPlan:
         for t, d in self.staged:
             with torch.no_grad():
                 d.copy_(t)
-        if str(map_location) != "cpu":
+        if self.move:
             for name, i in self.moved:
                 self.tensors[name][i] = self.tensors[name][i].to(map_location)
 
 
-def check_memory(path: str | None, fresh: list[tuple[SectionIndex, int]], limit: int | None) -> None:
+def check_memory(path: str | None, fresh: Iterable[tuple[SectionIndex, int]], limit: int | None) -> None:
     """Refuse, before allocating anything, a load whose new tensors exceed the memory limit.
 
     Args:
@@ -459,16 +465,21 @@ def check_memory(path: str | None, fresh: list[tuple[SectionIndex, int]], limit:
     Raises:
         InsufficientMemory: naming the largest such tensor by its key path, the total and the limit.
     """
-    total = sum(sec.tensors[i].nbytes for sec, i in fresh)
+    total, largest = 0, None
+    for sec, i in fresh:  # one pass: ``fresh`` may be a generator
+        n = sec.tensors.sizes[i]
+        total += n
+        if largest is None or n > largest[0].tensors.sizes[largest[1]]:
+            largest = (sec, i)
     source = "max_memory"
     if limit is None:
         found = memory_available()
         if found is None:
             return
         limit, source = found
-    if total <= limit:
+    if total <= limit or largest is None:
         return
-    sec, i = max(fresh, key=lambda f: f[0].tensors[f[1]].nbytes)
+    sec, i = largest
     rec = sec.tensors[i]
     raise InsufficientMemory(
         f"{path or 'checkpoint'}: loading needs {total} bytes ({_gib(total)}) of new tensor memory but only {limit} "
@@ -537,7 +548,7 @@ def mapped_tensor(mapping: Any, at: int, dtype: str, shape: tuple[int, ...]) -> 
     """A CPU tensor over ``mapping[at:]`` (no copy); an empty one owns its (no) memory."""
     n = math.prod(shape) * DTYPE_SIZES[dtype]
     if n == 0:
-        return empty_like_record(dtype, shape)[0]
+        return torch.empty(shape, dtype=torch_dtype(dtype))
     return torch.frombuffer(mapping, dtype=torch.uint8, count=n, offset=at).view(torch_dtype(dtype)).reshape(shape)
 
 
@@ -553,9 +564,12 @@ def _writable_in_place(t: torch.Tensor | None) -> TypeGuard[torch.Tensor]:
     )
 
 
+_NO_BYTES = memoryview(bytearray(0))  # the (writable, empty) byte view of every empty tensor
+
+
 def _byte_view(t: torch.Tensor) -> memoryview:
     if t.numel() == 0:
-        return memoryview(bytearray(0))
+        return _NO_BYTES
     return flat_bytes(t).numpy().data
 
 

@@ -41,6 +41,7 @@ from ..errors import (
     ChecksumMismatch,
     FormatError,
     IncompleteCheckpoint,
+    InsufficientMemory,
     MalformedIndex,
     ReservedBitSet,
     TruncatedFile,
@@ -95,6 +96,8 @@ _CHUNK = 1 << 20  # hashing/IO granularity: stays in cache between hash and writ
 # Performance knobs (none of them is format; spec/performance.md says why each value).
 _PARALLEL_MIN = 32 << 20  # read_tensors uses threads only when there is at least this much to read
 _READ_PIECE = 256 << 10  # read_tensors: a piece read into its destination is hashed while still in L2
+_BATCH_BYTES = 4 << 20  # tensors smaller than this are read and checked in batches of about this many bytes...
+_BATCH_COUNT = 1024  # ... or of this many tensors: one task per batch, not per tensor (G-04)
 
 
 # ---------------------------------------------------------------------------- reading
@@ -359,15 +362,14 @@ def _read_section(src: Source, name: str, start: int, length: int, *, legacy: bo
     return decode_index(raw, name=name, start=start, length=length, index_len=index_len, legacy=legacy, path=src.path)
 
 
-def skeleton_extents(layout: Layout) -> list[tuple[int, int]]:
-    """Absolute byte ranges covered by the skeleton digest, in file order."""
+def skeleton_extents(layout: Layout) -> Iterator[tuple[int, int]]:
+    """Absolute byte ranges covered by the skeleton digest, in file order (a generator: one
+    range per gap between tensors, never all held at once)."""
     assert layout.trailer_offset is not None
-    out = [(0, layout.header_size)]
+    yield (0, layout.header_size)
     for sec in layout.sections.values():
         if sec is not None:
-            out.extend(sec.skeleton_extents())
-    out.append((layout.trailer_offset, layout.trailer_offset))  # digest field itself excluded
-    return [(a, b) for a, b in out if b > a]
+            yield from ((a, b) for a, b in sec.skeleton_extents() if b > a)
 
 
 def check_skeleton(src: Source, layout: Layout, scratch: bytearray | None = None) -> None:
@@ -377,10 +379,9 @@ def check_skeleton(src: Source, layout: Layout, scratch: bytearray | None = None
         ChecksumMismatch: naming the trailer offset and both digests.
     """
     h = xxhash.xxh3_64()
-    extents = skeleton_extents(layout)
     if scratch is None:  # sized to the longest extent: indexes are kilobytes, and a 1 MiB buffer costs its zeroing
-        scratch = bytearray(min(_CHUNK, max((b - a for a, b in extents), default=0)))
-    for a, b in extents:
+        scratch = bytearray(min(_CHUNK, max((b - a for a, b in skeleton_extents(layout)), default=0)))
+    for a, b in skeleton_extents(layout):
         src.feed(a, b, h.update, scratch)
     got = h.intdigest()
     if got != layout.skeleton_digest:
@@ -438,7 +439,7 @@ class TensorCheck:
     def __init__(self, sec: SectionIndex, i: int) -> None:
         self.sec, self.i = sec, i
         self._h = xxhash.xxh3_64()
-        self._bool = sec.tensors[i].dtype == "bool"
+        self._bool = sec.tensors.dtype(i) == "bool"
         self._pos = 0
         self._bad: tuple[int, int] | None = None  # (byte index in the tensor, value) of the first bad bool
 
@@ -459,11 +460,13 @@ class TensorCheck:
             ChecksumMismatch: the bytes do not match the record's digest (R-007).
             BadTensorValue: a bool byte other than 0 or 1 (R-017).
         """
-        sec, rec = self.sec, self.sec.tensors[self.i]
+        sec = self.sec
         got = self._h.intdigest()
-        if rec.digest is not None and got != rec.digest:
+        want = sec.tensors.digest(self.i)
+        if want is not None and got != want:
             raise tensor_mismatch(path, sec, self.i, got)
         if self._bad is not None:
+            rec = sec.tensors[self.i]
             k, value = self._bad
             raw = sec.codec == "raw"
             raise BadTensorValue(
@@ -491,7 +494,7 @@ def check_tensors(src: Source, sec: SectionIndex, scratch: bytearray) -> int:
             check.finish(src.path)
             total += rec.nbytes
         return total
-    _scatter_region(src, sec, [None] * len(sec.tensors))
+    _scatter_region(src, sec, None)
     return sec.raw_len
 
 
@@ -500,6 +503,8 @@ def check_all_tensors(src: Source, layout: Layout, *, threads: int = 0) -> tuple
 
     The same checks as :func:`check_tensors` section by section, and the same
     error: the earliest in the file (within a zstd section, R-008 before R-007).
+    Small tensors are hashed in batches (:func:`_id_batches`): the work list holds
+    one task per batch, so a file declaring a million tensors costs no million objects.
 
     Returns:
         ``(bytes hashed by the checks that passed, the error or None)``.
@@ -514,11 +519,19 @@ def check_all_tensors(src: Source, layout: Layout, *, threads: int = 0) -> tuple
             done[0] += n
 
     def scatter(sec: SectionIndex) -> None:
-        _scatter_region(src, sec, [None] * len(sec.tensors))
+        _scatter_region(src, sec, None)
         count(sec.raw_len)
 
-    def hash_one(sec: SectionIndex, i: int) -> None:
-        count(_hash_tensor(src, sec, i))
+    def hash_ids(sec: SectionIndex, ids: range) -> None:
+        first: BaseException | None = None
+        scratch = bytearray(min(_CHUNK, max(sec.tensors.sizes[ids.start : ids.stop])))
+        for i in ids:
+            try:
+                count(_hash_tensor(src, sec, i, scratch))
+            except Exception as e:  # noqa: BLE001 - the batch's first failure, in file order, is its error
+                first = first or e
+        if first is not None:
+            raise first
 
     for sec in layout.sections.values():
         if sec is None:
@@ -527,10 +540,10 @@ def check_all_tensors(src: Source, layout: Layout, *, threads: int = 0) -> tuple
             tasks.append(functools.partial(scatter, sec))
             keys.append(sec.data_start)
             continue
-        for i, rec in enumerate(sec.tensors):
-            tasks.append(functools.partial(hash_one, sec, i))
-            keys.append(sec.data_start + rec.offset)
-    total = sum(r.nbytes for s in layout.sections.values() if s is not None for r in s.tensors)
+        for ids in _id_batches(sec.tensors.sizes):
+            tasks.append(functools.partial(hash_ids, sec, ids))
+            keys.append(sec.data_start + sec.tensors.offsets[ids.start])
+    total = sum(s.tensors.total_nbytes() for s in layout.sections.values() if s is not None)
     if threads <= 0:
         threads = min(4, cpus()) if total >= _PARALLEL_MIN else 1
     errors: dict[int, BaseException] = {}
@@ -543,13 +556,26 @@ def check_all_tensors(src: Source, layout: Layout, *, threads: int = 0) -> tuple
     return done[0], None
 
 
-def _hash_tensor(src: Source, sec: SectionIndex, i: int) -> int:
-    rec = sec.tensors[i]
+def _id_batches(sizes: Sequence[int]) -> Iterator[range]:
+    """Consecutive ranges of tensor ids, each at most :data:`_BATCH_BYTES` (or one larger tensor)
+    and :data:`_BATCH_COUNT` tensors: the unit of work of the tensor checks."""
+    i, n = 0, len(sizes)
+    while i < n:
+        j, got = i + 1, sizes[i]
+        while j < n and j - i < _BATCH_COUNT and got + sizes[j] <= _BATCH_BYTES:
+            got += sizes[j]
+            j += 1
+        yield range(i, j)
+        i = j
+
+
+def _hash_tensor(src: Source, sec: SectionIndex, i: int, scratch: bytearray) -> int:
+    n = sec.tensors.sizes[i]
     check = TensorCheck(sec, i)
-    a = sec.data_start + rec.offset
-    src.feed(a, a + rec.nbytes, check.update, bytearray(min(rec.nbytes, _CHUNK)))
+    a = sec.data_start + sec.tensors.offsets[i]
+    src.feed(a, a + n, check.update, scratch)
     check.finish(src.path)
-    return rec.nbytes
+    return n
 
 
 class _RangeReader:
@@ -665,35 +691,48 @@ def _region_pieces(src: Source, sec: SectionIndex) -> Iterator[bytes]:
         )
 
 
-def _scatter_region(src: Source, sec: SectionIndex, dests: Sequence[memoryview | None]) -> None:
+def _scatter_region(src: Source, sec: SectionIndex, dests: Sequence[memoryview | None] | None) -> None:
     """Decode a zstd section as a stream, copying each tensor into ``dests[i]`` (None: hash only).
 
-    Every tensor is hashed as its bytes go by; a digest mismatch is raised only
-    after the whole region decoded to the right length, so R-008 is reported
+    Every tensor is hashed as its bytes go by, one tensor's check open at a time
+    (tensors are in offset order and disjoint, R-014); a digest mismatch is raised
+    only after the whole region decoded to the right length, so R-008 is reported
     before R-007, as when the region was decoded whole.
     """
-    recs = sec.tensors
-    checks = [TensorCheck(sec, i) for i in range(len(recs))]
-    pos, first = 0, 0  # region offset of the next piece; first tensor not yet complete
+    offsets, sizes = sec.tensors.offsets, sec.tensors.sizes
+    n = len(offsets)
+    first: list[FormatError] = []  # the first failed check, in table (= file) order
+    i, check = 0, None  # the next tensor not yet finished, and its open check
+    pos = 0  # region offset of the next piece
     for piece in _region_pieces(src, sec):
         end = pos + len(piece)
         mv = memoryview(piece)
-        i = first
-        while i < len(recs) and recs[i].offset < end:
-            rec = recs[i]
-            a, b = max(pos, rec.offset), min(end, rec.offset + rec.nbytes)
+        while i < n and (offsets[i] < end or offsets[i] + sizes[i] <= end):
+            off, nb = offsets[i], sizes[i]
+            check = check or TensorCheck(sec, i)
+            a, b = max(pos, off), min(end, off + nb)
             if b > a:
-                chunk = mv[a - pos : b - pos]
-                checks[i].update(chunk)
-                dest = dests[i]
+                check.update(mv[a - pos : b - pos])
+                dest = None if dests is None else dests[i]
                 if dest is not None:
-                    dest[a - rec.offset : b - rec.offset] = chunk
-            if rec.offset + rec.nbytes <= end:
-                first = i + 1
-            i += 1
+                    dest[a - off : b - off] = mv[a - pos : b - pos]
+            if off + nb > end:
+                break  # continues in the next piece
+            _finish(check, src.path, first)
+            i, check = i + 1, None
         pos = end
-    for check in checks:
-        check.finish(src.path)
+    for k in range(i, n):  # empty tensors at the region's end (the region decoded to raw_len)
+        _finish(check if k == i and check else TensorCheck(sec, k), src.path, first)
+    if first:
+        raise first[0]
+
+
+def _finish(check: TensorCheck, path: str | None, first: list[FormatError]) -> None:
+    try:
+        check.finish(path)
+    except FormatError as e:
+        if not first:
+            first.append(e)
 
 
 def read_tensors(
@@ -719,56 +758,77 @@ def read_tensors(
             there is enough to read. ``os.preadv`` and xxh3 release the GIL, so
             the threads overlap the copy out of the page cache with hashing.
 
+    Small tensors are read in batches (about 4 MiB or 1024 tensors a task), the
+    large ones each in a task of its own, largest first: a thread that picks the
+    last task finishes soon after the others, and a file of a million tensors is
+    a thousand tasks, not a million.
+
     Raises:
         ChecksumMismatch: a tensor's bytes do not match its digest; when several
             do, the one earliest in the file.
         MalformedIndex: a zstd region that does not decode to ``raw_len`` bytes.
         TruncatedFile: the file shrank while being read.
     """
-    raw: list[tuple[int, SectionIndex, int, memoryview | None]] = []
+    big: list[tuple[SectionIndex, int, memoryview | None]] = []
+    batches: list[list[tuple[SectionIndex, int, memoryview | None]]] = [[]]
     zstd: dict[int, tuple[SectionIndex, list[memoryview | None]]] = {}
-    for sec, i, dest in jobs:
-        if sec.codec == "raw":
-            raw.append((sec.data_start + sec.tensors[i].offset, sec, i, dest))
-        else:
+    total, batch_bytes = 0, 0
+    for job in jobs:
+        sec, i, dest = job
+        if sec.codec != "raw":
             zstd.setdefault(sec.start, (sec, [None] * len(sec.tensors)))[1][i] = dest
-    # Largest first: a thread that picks the last task finishes soon after the others.
-    raw.sort(key=lambda t: -t[1].tensors[t[2]].nbytes)
-    tasks: list[Callable[[], None]] = [
-        _raw_task(src, sec, i, dest) if dest is not None else _mapped_task(src.path, sec, i, mapping)
-        for _, sec, i, dest in raw
-    ]
-    keys = [t[0] for t in raw]
-    for _start, (sec, dests) in zstd.items():
-        tasks.insert(0, functools.partial(_scatter_region, src, sec, dests))
-        keys.insert(0, sec.data_start)
+            continue
+        if dest is None and mapping is None:
+            raise AssertionError("a raw job without destination needs the file's mapping")
+        nbytes = sec.tensors.sizes[i]
+        total += nbytes
+        if nbytes >= _BATCH_BYTES:
+            big.append(job)
+            continue
+        if batch_bytes + nbytes > _BATCH_BYTES or len(batches[-1]) >= _BATCH_COUNT:
+            batches.append([])
+            batch_bytes = 0
+        batches[-1].append(job)
+        batch_bytes += nbytes
+    big.sort(key=lambda t: -t[0].tensors.sizes[t[1]])
     errors: dict[int, BaseException] = {}
+    work = [[job] for job in big] + [b for b in batches if b]
+
+    def run(k: int) -> None:
+        if k < len(zstd_tasks):
+            zstd_tasks[k]()
+            return
+        for sec, i, dest in work[k - len(zstd_tasks)]:
+            try:
+                _read_one(src, sec, i, dest, mapping)
+            except Exception as e:  # noqa: BLE001 - raised below, the earliest in the file
+                errors[sec.data_start + sec.tensors.offsets[i]] = e
+
+    zstd_tasks = [functools.partial(_scatter_region, src, sec, dests) for sec, dests in zstd.values()]
+    keys = [sec.data_start for sec, _ in zstd.values()]
     if threads <= 0:
-        big = sum(t[1].tensors[t[2]].nbytes for t in raw) >= _PARALLEL_MIN
-        threads = min(4, cpus()) if big else 1
-    run_keyed(tasks, keys, errors, min(threads, len(tasks)))
+        threads = min(4, cpus()) if total >= _PARALLEL_MIN else 1
+    n_tasks = len(zstd_tasks) + len(work)
+    run_keyed(
+        [functools.partial(run, k) for k in range(n_tasks)], keys + [0] * len(work), errors, min(threads, n_tasks)
+    )
     if errors:
         raise errors[min(errors)]
 
 
-def _raw_task(src: Source, sec: SectionIndex, i: int, dest: memoryview) -> Callable[[], None]:
-    def run() -> None:
-        rec = sec.tensors[i]
-        base = sec.data_start + rec.offset
-        check = TensorCheck(sec, i)
-        for a in range(0, rec.nbytes, _READ_PIECE):
-            piece = dest[a : a + _READ_PIECE]
-            src.readinto(base + a, piece)
-            check.update(piece)
-        check.finish(src.path)
-
-    return run
-
-
-def _mapped_task(path: str | None, sec: SectionIndex, i: int, mapping: mmap.mmap | None) -> Callable[[], None]:
-    if mapping is None:
-        raise AssertionError("a raw job without destination needs the file's mapping")
-    return lambda: check_mapped(path, sec, i, mapping)
+def _read_one(src: Source, sec: SectionIndex, i: int, dest: memoryview | None, mapping: mmap.mmap | None) -> None:
+    """Read raw tensor ``i`` into ``dest`` checking it piece by piece, or check it where it lies in ``mapping``."""
+    if dest is None:
+        assert mapping is not None
+        check_mapped(src.path, sec, i, mapping)
+        return
+    base = sec.data_start + sec.tensors.offsets[i]
+    check = TensorCheck(sec, i)
+    for a in range(0, sec.tensors.sizes[i], _READ_PIECE):
+        piece = dest[a : a + _READ_PIECE]
+        src.readinto(base + a, piece)
+        check.update(piece)
+    check.finish(src.path)
 
 
 def check_mapped(path: str | None, sec: SectionIndex, i: int, mapping: mmap.mmap) -> None:
@@ -777,10 +837,9 @@ def check_mapped(path: str | None, sec: SectionIndex, i: int, mapping: mmap.mmap
     Raises:
         ChecksumMismatch, BadTensorValue: as :meth:`TensorCheck.finish`.
     """
-    rec = sec.tensors[i]
-    at = sec.data_start + rec.offset
+    at = sec.data_start + sec.tensors.offsets[i]
     check = TensorCheck(sec, i)
-    with memoryview(mapping) as whole, whole[at : at + rec.nbytes] as view:
+    with memoryview(mapping) as whole, whole[at : at + sec.tensors.sizes[i]] as view:
         check.update(view)
     check.finish(path)
 
@@ -888,6 +947,12 @@ def verify_source(path: str, src: Source) -> Report:
                 raise error
     except FormatError as e:
         return layout_report(path, src.size, layout, e, hashed)
+    except MemoryError:  # no verdict on the bytes: say so, never as damage and never as a bare MemoryError
+        oom = InsufficientMemory(
+            f"{path}: ran out of memory while verifying it ({src.size} bytes); the file is neither damaged nor "
+            "sound by this run: free memory or raise the limit (ulimit -v, the cgroup) and verify again"
+        )
+        return layout_report(path, src.size, layout, oom, hashed)
     return layout_report(path, src.size, layout, None, hashed)
 
 

@@ -20,11 +20,12 @@ Invariants:
 
 from __future__ import annotations
 
+import array
 import collections
 import math
 import reprlib
 import struct
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +43,7 @@ __all__ = [
     "SectionPlan",
     "TensorRecord",
     "TensorRef",
+    "TensorTable",
     "align_up",
     "canonical_bytes",
     "decode_index",
@@ -91,6 +93,7 @@ _EXT_TUPLE = 2  # empty payload; first element of an array that is a tuple
 _TUPLE_MARK = msgpack.ExtType(_EXT_TUPLE, b"")
 _INDEX_KEYS = ("codec", "data_len", "raw_len", "tensors", "tree")
 _U64 = struct.Struct("<Q")
+_U32 = struct.Struct("<I")
 _DIGEST_PLACEHOLDER = b"\0" * 8
 
 
@@ -99,7 +102,7 @@ def align_up(n: int, a: int = ALIGN) -> int:
     return (n + a - 1) // a * a
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorRef:
     """A reference from a decoded tree to entry ``id`` of the section's tensor table."""
 
@@ -125,6 +128,74 @@ class TensorRecord:
         return math.prod(self.shape)
 
 
+_DTYPE_LIST = tuple(DTYPE_SIZES)
+_DTYPE_CODE = {name: code for code, name in enumerate(_DTYPE_LIST)}
+
+
+class TensorTable:
+    """A section's tensor table as flat arrays: 33 bytes a tensor and 8 a dimension, whatever the count.
+
+    A file may declare millions of tensors (a million empty ones take 23 bytes each
+    in the index); one Python object per record would cost twenty times what the
+    file holds (G-04, G-70). Indexing builds a :class:`TensorRecord` on demand; the
+    readers that walk every tensor use the arrays (:attr:`offsets`, :attr:`sizes`).
+    """
+
+    __slots__ = ("_digests", "_dim_at", "_dims", "_dtypes", "legacy", "offsets", "sizes")
+
+    def __init__(self, legacy: bool) -> None:
+        self.legacy = legacy  # a v1 table: no digests
+        self._dtypes = array.array("B")  # index into the dtype table
+        self.offsets = array.array("Q")  # relative to the decoded data region
+        self.sizes = array.array("Q")  # nbytes
+        self._digests = array.array("Q")
+        self._dims = array.array("Q")  # every shape, back to back
+        self._dim_at = array.array("Q", [0])  # tensor i's dimensions are _dims[_dim_at[i]:_dim_at[i + 1]]
+
+    def append(self, dtype: str, shape: list[int], offset: int, nbytes: int, digest: int | None) -> None:
+        """Add the record of the next tensor id (its fields already checked)."""
+        self._dtypes.append(_DTYPE_CODE[dtype])
+        self.offsets.append(offset)
+        self.sizes.append(nbytes)
+        self._dims.extend(shape)
+        self._dim_at.append(len(self._dims))
+        if digest is not None:
+            self._digests.append(digest)
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def dtype(self, i: int) -> str:
+        return _DTYPE_LIST[self._dtypes[i]]
+
+    def shape(self, i: int) -> tuple[int, ...]:
+        return tuple(self._dims[self._dim_at[i] : self._dim_at[i + 1]])
+
+    def digest(self, i: int) -> int | None:
+        return None if self.legacy else self._digests[i]
+
+    def __getitem__(self, i: int) -> TensorRecord:
+        n = len(self.offsets)
+        if not -n <= i < n:
+            raise IndexError(f"tensor {i} of a table of {n}")
+        i %= n
+        return TensorRecord(self.dtype(i), self.shape(i), self.offsets[i], self.sizes[i], self.digest(i))
+
+    def __iter__(self) -> Iterator[TensorRecord]:
+        return (self[i] for i in range(len(self)))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TensorTable):
+            return NotImplemented
+        return all(getattr(self, k) == getattr(other, k) for k in self.__slots__)
+
+    def __repr__(self) -> str:
+        return f"TensorTable({len(self)} tensors)"
+
+    def total_nbytes(self) -> int:
+        return sum(self.sizes)
+
+
 @dataclass(frozen=True)
 class SectionIndex:
     """A parsed section: its tree, tensor table and absolute placement in the file."""
@@ -137,27 +208,28 @@ class SectionIndex:
     codec: str
     data_len: int  # stored bytes of the data region
     raw_len: int  # bytes of the data region once decoded
-    tensors: tuple[TensorRecord, ...]
+    tensors: TensorTable
     tree: Any
 
-    def skeleton_extents(self) -> list[tuple[int, int]]:
-        """Absolute ``(start, end)`` byte ranges of this section not inside a tensor.
+    def skeleton_extents(self) -> Iterator[tuple[int, int]]:
+        """Absolute ``(start, end)`` byte ranges of this section not inside a tensor, in file order.
 
         These bytes are covered by the container's skeleton digest; a raw
-        section's tensor bytes are covered by their own digests instead.
+        section's tensor bytes are covered by their own digests instead. A
+        generator: a million tensors are a million ranges, never held at once.
         """
         if self.codec != "raw":
-            return [(self.start, self.start + self.length)]
-        out, pos = [], self.start
-        for t in self.tensors:
-            a = self.data_start + t.offset
+            yield (self.start, self.start + self.length)
+            return
+        pos = self.start
+        for off, n in zip(self.tensors.offsets, self.tensors.sizes, strict=True):
+            a = self.data_start + off
             if a > pos:
-                out.append((pos, a))
-            pos = max(pos, a + t.nbytes)
+                yield (pos, a)
+            pos = max(pos, a + n)
         end = self.start + self.length
         if end > pos:
-            out.append((pos, end))
-        return out
+            yield (pos, end)
 
 
 # ---------------------------------------------------------------------------- writing
@@ -406,7 +478,8 @@ def decode_index(
     def bad(problem: str, **kw: Any) -> FormatError:
         return MalformedIndex(problem, path=path, offset=at, field=f"{name} index", **kw)
 
-    index = _unpack_index(raw, bad)
+    values = _index_values(raw, bad)
+    index = {k: _unpack_value(values[k], _Exts(0), bad) for k in ("codec", "data_len", "raw_len")}
     codec = index["codec"]
     if codec not in CODECS:
         raise UnsupportedVersion(
@@ -420,20 +493,86 @@ def decode_index(
         )
     data_start = align_up(start + 8 + index_len)
     data_len, raw_len = _check_data_lengths(index, data_start, start + length, name=name, path=path, bad=bad)
-    records = _decode_records(index["tensors"], raw_len, legacy=legacy, bad=bad)
-    tree = _decode_section_tree(index["tree"], records, bad)
+    records = _decode_records(values["tensors"], raw_len, legacy=legacy, bad=bad)
+    tree = _decode_section_tree(_unpack_value(values["tree"], _Exts(len(records)), bad), records, bad)
     return SectionIndex(name, start, length, index_len, data_start, codec, data_len, raw_len, records, tree)
 
 
+def _unpacker(buf: memoryview, exts: _Exts) -> msgpack.Unpacker:
+    """A streaming decoder over ``buf``, with the limits and hooks of :func:`_unpack_value`."""
+    u = msgpack.Unpacker(
+        raw=False,
+        strict_map_key=False,
+        use_list=True,
+        object_pairs_hook=_map,
+        ext_hook=exts.hook,
+        max_buffer_size=max(len(buf), 1),  # as unpackb: no string, array or map may claim more than the bytes
+    )
+    u.feed(buf)
+    return u
+
+
+def _unpack_value(buf: memoryview, exts: _Exts, bad: Callable[..., FormatError]) -> Any:
+    """One msgpack value of the index, decoded whole (its bytes were checked by :func:`_index_values`)."""
+    try:
+        return msgpack.unpackb(
+            buf, raw=False, strict_map_key=False, use_list=True, object_pairs_hook=_map, ext_hook=exts.hook
+        )
+    except Exception as e:  # noqa: BLE001 - e.g. UnicodeDecodeError, which skipping a value does not see
+        raise _not_msgpack(e, bad) from None
+
+
+def _not_msgpack(e: BaseException, bad: Callable[..., FormatError]) -> FormatError:
+    """The R-010 error for a decoder failure; running out of memory is no damage of the file and is re-raised."""
+    if isinstance(e, MemoryError):
+        raise e
+    why = f"msgpack {type(e).__name__}" + (f": {e}" if str(e) else "")
+    return bad(f"not a valid msgpack index ({why})", hint="R-010")
+
+
+def _index_values(raw: bytes, bad: Callable[..., FormatError]) -> dict[str, memoryview]:
+    """The bytes of each of the five values of the index map (R-010), found without decoding them.
+
+    The index is walked as a stream (``skip`` checks each value's structure and
+    limits but builds nothing), so a table of a million records costs no memory
+    here. An index that is not such a map is decoded whole by the reader of
+    record, :func:`_unpack_index`, to say exactly why.
+    """
+    whole = memoryview(raw)
+    u = _unpacker(whole, _Exts(0))
+    out: dict[str, memoryview] = {}
+    try:
+        well_formed = u.read_map_header() == len(_INDEX_KEYS)
+        while well_formed and len(out) < len(_INDEX_KEYS):
+            key = u.unpack()
+            at = u.tell()
+            u.skip()
+            well_formed = type(key) is str and key in _INDEX_KEYS and key not in out
+            if well_formed:
+                out[key] = whole[at : u.tell()]
+        well_formed = well_formed and u.tell() == len(raw)
+    except MemoryError:
+        raise
+    except Exception:  # noqa: BLE001 - msgpack raises many types; the whole decode below names the problem
+        well_formed = False
+    if not well_formed:
+        _unpack_index(raw, bad)  # raises: the same words for every way an index map can be wrong
+        raise bad("not a valid msgpack index (its map does not decode as a stream)", hint="R-010")
+    return out
+
+
 def _unpack_index(raw: bytes, bad: Callable[..., FormatError]) -> dict[str, Any]:
-    """The index bytes as a map with exactly the keys :data:`_INDEX_KEYS` (R-010)."""
+    """The index bytes decoded whole, as a map with exactly the keys :data:`_INDEX_KEYS` (R-010).
+
+    Used to report an index that :func:`_index_values` cannot walk: the first
+    problem of the whole index is found the way a full decode finds it.
+    """
     try:
         index = msgpack.unpackb(
-            raw, raw=False, strict_map_key=False, use_list=True, object_pairs_hook=_map, ext_hook=_Exts().hook
+            raw, raw=False, strict_map_key=False, use_list=True, object_pairs_hook=_map, ext_hook=_Exts(0).hook
         )
     except Exception as e:  # noqa: BLE001 - msgpack raises many types (ValueError, StackError, ExtraData...)
-        why = f"msgpack {type(e).__name__}" + (f": {e}" if str(e) else "")
-        raise bad(f"not a valid msgpack index ({why})", hint="R-010") from None
+        raise _not_msgpack(e, bad) from None
     if isinstance(index, _BadMap):
         raise bad(f"the index {index.problem}", hint="R-010")
     if not isinstance(index, dict) or sorted(index, key=str) != sorted(_INDEX_KEYS):
@@ -478,14 +617,14 @@ def _check_data_lengths(
     return data_len, raw_len
 
 
-def _decode_section_tree(raw_tree: Any, records: tuple[TensorRecord, ...], bad: Callable[..., FormatError]) -> Any:
+def _decode_section_tree(raw_tree: Any, records: TensorTable, bad: Callable[..., FormatError]) -> Any:
     """The section's tree, every tensor record referenced by it (R-015, R-016)."""
     if raw_tree is None:
         raise bad("the tree of a present section is nil (a section without state is absent: length 0)", hint="R-016")
-    referenced: set[int] = set()
+    referenced = bytearray(len(records))  # one byte a tensor, not a set of a million ints
     tree = _unpack_tree(raw_tree, len(records), referenced, bad, 0)
-    if len(referenced) != len(records):
-        orphan = min(set(range(len(records))) - referenced)
+    orphan = referenced.find(0)
+    if orphan >= 0:
         raise bad(f"tensor {orphan} is never referenced by the tree", hint="R-015")
     return tree
 
@@ -536,45 +675,62 @@ def _is_uint(v: Any) -> bool:
 
 
 def _decode_records(
-    raw_records: Any, raw_len: int, *, legacy: bool, bad: Callable[..., FormatError]
-) -> tuple[TensorRecord, ...]:
-    if not isinstance(raw_records, list):
-        raise bad("tensors must be an array", actual=type(raw_records).__name__, hint="R-013")
-    width = 4 if legacy else 5
-    out: list[TensorRecord] = []
+    raw_records: memoryview, raw_len: int, *, legacy: bool, bad: Callable[..., FormatError]
+) -> TensorTable:
+    """The tensor table (R-013, R-014), decoded one record at a time into flat arrays.
+
+    A record is a few Python objects only while it is checked; the table keeps
+    its fields, not the objects.
+    """
+    u = _unpacker(raw_records, _Exts(0))
+    try:
+        n = u.read_array_header()
+    except ValueError:
+        got = _unpack_value(raw_records, _Exts(0), bad)
+        raise bad("tensors must be an array", actual=type(got).__name__, hint="R-013") from None
+    table = TensorTable(legacy)
     end_prev = 0
-    for i, r in enumerate(raw_records):
-        where = f"tensor {i}"
-        if not isinstance(r, list) or len(r) != width:
-            raise bad(f"{where}: record must be an array of {width} fields", actual=_show(r, 80), hint="R-013")
-        dtype, shape, offset, nbytes = r[:4]
-        if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
-            raise bad(
-                f"{where}: unknown dtype", expected="a name from the dtype table", actual=_show(dtype, 40), hint="R-013"
-            )
-        # type() is int: msgpack decodes integers as int, and a bool is not a dimension
-        if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(type(d) is int and d >= 0 for d in shape):
-            raise bad(
-                f"{where}: shape must be at most {MAX_NDIM} non-negative integers",
-                actual=_show(shape, 80),
-                hint="R-013",
-            )
-        if max(shape, default=0) >= 2**63 or math.prod(d or 1 for d in shape) >= 2**63:
-            raise bad(f"{where}: shape does not fit in int64 element counts", actual=_show(shape, 80), hint="R-013")
-        if not _is_uint(offset) or not _is_uint(nbytes):
-            raise bad(
-                f"{where}: offset and nbytes must be non-negative integers", actual=_show(r[2:4], 80), hint="R-013"
-            )
-        _check_extent(where, offset, nbytes, math.prod(shape) * DTYPE_SIZES[dtype], end_prev, raw_len, bad)
-        end_prev = offset + nbytes
-        digest = None
-        if not legacy:
-            d = r[4]
-            if not isinstance(d, bytes) or len(d) != 8:
-                raise bad(f"{where}: digest must be 8 bytes", actual=_show(d, 40), hint="R-013")
-            digest = _U64.unpack(d)[0]
-        out.append(TensorRecord(dtype, tuple(shape), offset, nbytes, digest))
-    return tuple(out)
+    for i in range(n):
+        try:
+            r = u.unpack()
+        except Exception as e:  # noqa: BLE001 - a string that is not UTF-8 (skipping does not decode strings)
+            raise _not_msgpack(e, bad) from None
+        digest = _check_record(f"tensor {i}", r, 4 if legacy else 5, end_prev, raw_len, bad)
+        table.append(r[0], r[1], r[2], r[3], digest)
+        end_prev = r[2] + r[3]
+    return table
+
+
+def _check_record(
+    where: str, r: Any, width: int, end_prev: int, raw_len: int, bad: Callable[..., FormatError]
+) -> int | None:
+    """Check one decoded tensor record (R-013, R-014); return its digest (None in a v1 record)."""
+    if not isinstance(r, list) or len(r) != width:
+        raise bad(f"{where}: record must be an array of {width} fields", actual=_show(r, 80), hint="R-013")
+    dtype, shape, offset, nbytes = r[:4]
+    if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
+        raise bad(
+            f"{where}: unknown dtype", expected="a name from the dtype table", actual=_show(dtype, 40), hint="R-013"
+        )
+    # type() is int: msgpack decodes integers as int, and a bool is not a dimension
+    if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(type(d) is int and d >= 0 for d in shape):
+        raise bad(
+            f"{where}: shape must be at most {MAX_NDIM} non-negative integers",
+            actual=_show(shape, 80),
+            hint="R-013",
+        )
+    if max(shape, default=0) >= 2**63 or math.prod(d or 1 for d in shape) >= 2**63:
+        raise bad(f"{where}: shape does not fit in int64 element counts", actual=_show(shape, 80), hint="R-013")
+    if not _is_uint(offset) or not _is_uint(nbytes):
+        raise bad(f"{where}: offset and nbytes must be non-negative integers", actual=_show(r[2:4], 80), hint="R-013")
+    _check_extent(where, offset, nbytes, math.prod(shape) * DTYPE_SIZES[dtype], end_prev, raw_len, bad)
+    if width == 4:
+        return None
+    d = r[4]
+    if not isinstance(d, bytes) or len(d) != 8:
+        raise bad(f"{where}: digest must be 8 bytes", actual=_show(d, 40), hint="R-013")
+    digest: int = _U64.unpack(d)[0]
+    return digest
 
 
 def _check_extent(
@@ -618,20 +774,27 @@ _TUPLE = _Ext(_EXT_TUPLE)
 
 
 class _Exts:
-    """msgpack's ``ext_hook`` for one index: one :class:`TensorRef` object per tensor id.
+    """msgpack's ``ext_hook`` for one index value: one :class:`TensorRef` object per tensor id.
 
     A tree may refer to one tensor a million times (spec: G-05); each reference then
     costs a pointer, not an object, and the tree walk below meets finished leaves.
+    The cache is a list over the table's ``n`` ids (8 bytes a tensor); an id past
+    the table gets a reference of its own, which the tree check refuses (R-015).
     """
 
-    def __init__(self) -> None:
-        self._refs: dict[bytes, TensorRef] = {}
+    __slots__ = ("_refs",)
+
+    def __init__(self, n: int) -> None:
+        self._refs: list[TensorRef | None] = [None] * n
 
     def hook(self, code: int, data: bytes) -> Any:
         if code == _EXT_TENSOR and len(data) == 4:
-            ref = self._refs.get(data)
+            tid = _U32.unpack(data)[0]
+            if tid >= len(self._refs):
+                return TensorRef(tid)
+            ref = self._refs[tid]
             if ref is None:
-                ref = self._refs[data] = TensorRef(struct.unpack("<I", data)[0])
+                ref = self._refs[tid] = TensorRef(tid)
             return ref
         if code == _EXT_TUPLE and not data:
             return _TUPLE
@@ -653,11 +816,11 @@ class _TypeMark(_Ext):
 _LEAVES = (type(None), bool, int, float, str, bytes)
 
 
-def _unpack_tree(v: Any, n_tensors: int, referenced: set[int], bad: Callable[..., FormatError], depth: int) -> Any:
+def _unpack_tree(v: Any, n_tensors: int, referenced: bytearray, bad: Callable[..., FormatError], depth: int) -> Any:
     """Check a decoded tree (R-015, R-016) and turn tuple-marked arrays into tuples.
 
     Leaves are checked in the loop over their container rather than by a call
-    each, so a tree of a million references costs a million set insertions.
+    each, so a tree of a million references costs a million byte stores.
     """
     if depth > MAX_DEPTH:
         raise bad(f"tree nested deeper than {MAX_DEPTH} levels", hint="R-016")
@@ -675,7 +838,7 @@ def _unpack_tree(v: Any, n_tensors: int, referenced: set[int], bad: Callable[...
             if type(x) is TensorRef:
                 if x.id >= n_tensors:
                     raise bad(f"tree references tensor {x.id}, the table has {n_tensors}", hint="R-015")
-                referenced.add(x.id)
+                referenced[x.id] = 1
             elif type(x) not in _LEAVES:
                 items[k] = _unpack_tree(x, n_tensors, referenced, bad, depth + 1)
         if depth == MAX_DEPTH and items:
