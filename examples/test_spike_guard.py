@@ -97,13 +97,17 @@ def test_audit_of_a_guarded_loop_with_a_global_draw_names_a_tensor_at_any_stop(
     (from an older checkpoint: stop at 30) or the resumed steps part from the uninterrupted ones."""
     from ckptkit.cli import main as ckptkit_main
 
-    for stop in ("20", "30"):
-        keep = tmp_path / stop
-        code = ckptkit_main(["audit", "--stop-at", stop, "--keep-dir", str(keep), "--", *LOOP, "--global-draw"])
+    for stop in (20, 30):
+        keep = tmp_path / str(stop)
+        argv = ["audit", "--json", "--stop-at", str(stop), "--keep-dir", str(keep), "--", *LOOP, "--global-draw"]
+        code = ckptkit_main(argv)
         out = capsys.readouterr()
-        said = out.out + out.err
-        assert code == 1, said
-        assert "model:net.0.weight" in said and "Traceback" not in said, said
+        assert code == 1 and "Traceback" not in out.err, out.out + out.err
+        d = json.loads(out.out)["divergence"]
+        assert "model:net.0.weight" in [t["name"] for t in d["tensors"]], d
+        if d["kind"] == "rebuild":  # the resume's ring rebuild missed: its history row names the state
+            assert stop - 10 <= d["step"] <= stop, d  # a state in the ring the resumed run re-ran to
+    assert d["kind"] == "rebuild"  # at 30 the rebuild replays from step 20 and misses (spec/rollback.md R-R12)
 
 
 def test_replay_of_a_deterministic_guarded_run_with_a_rollback_is_identical(
