@@ -6,6 +6,7 @@ from __future__ import annotations
 import boto3
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 import xxhash
 
 import ckptkit
@@ -50,7 +51,7 @@ def test_a_distributed_checkpoint_on_s3_is_the_local_files_as_objects_listed_by_
     ckd.load(out, f"{s3}/ck/step-1")
     assert torch.equal(out["model"]["w"], _state()["model"]["w"]) and out["step"] == 7 and out["names"] == ["a"]
     dcp_out = _blank()  # DCP itself, through the Writer/Reader classes
-    torch.distributed.checkpoint.load(dcp_out, storage_reader=ckd.Reader(f"{s3}/ck/step-1"))
+    dcp.load(dcp_out, storage_reader=ckd.Reader(f"{s3}/ck/step-1"))
     assert torch.equal(dcp_out["model"]["b"], torch.ones(4))
 
 
