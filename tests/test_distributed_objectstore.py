@@ -37,7 +37,8 @@ def _put(url: str, rel: str, data: bytes) -> None:
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP itself in one process
 def test_a_distributed_checkpoint_on_s3_is_the_local_files_as_objects_listed_by_one_record(s3, tmp_path) -> None:
-    """R-O30, R-O31, R-O18: the objects hold the local files' bytes; the record lists each with size and xxh3."""
+    """R-O30, R-O31, R-O18, R-DC22: the objects hold the local files' bytes; the record lists each with
+    size and xxh3."""
     ckd.save(_state(), f"{s3}/ck/step-1", companions={"config.json": b'{"lr": 1}\n'})
     ckd.save(_state(), tmp_path / "step-1")
     objects = _objects(f"{s3}/ck")
@@ -56,7 +57,7 @@ def test_a_distributed_checkpoint_on_s3_is_the_local_files_as_objects_listed_by_
 
 
 def test_a_committed_s3_checkpoint_is_written_once_whatever_overwrite_says(s3) -> None:
-    """R-O32: a second save of a committed id commits nothing and changes nothing."""
+    """R-O32, R-DC25: a second save of a committed id commits nothing and changes nothing."""
     ckd.save(_state(), f"{s3}/ck/step-1")
     before = _objects(f"{s3}/ck")
     with pytest.raises(CommitConflict) as e:
@@ -69,7 +70,7 @@ def test_a_committed_s3_checkpoint_is_written_once_whatever_overwrite_says(s3) -
 
 
 def test_a_load_trusts_only_what_the_record_lists_and_names_each_object_it_refuses(s3) -> None:
-    """R-O15, R-O33: no record; a changed byte; a rank file the record does not list."""
+    """R-O15, R-O33, R-DC23, R-DC24: no record; a changed byte; a rank file the record does not list."""
     url = f"{s3}/ck/step-1"
     ckd.save(_state(), url)
     objects = _objects(f"{s3}/ck")

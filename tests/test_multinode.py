@@ -175,7 +175,7 @@ def reference(straight: tuple[str, str]) -> str:
 def test_a_two_node_job_killed_whole_at_any_moment_resumes_to_the_objects_of_an_uninterrupted_one(
     draw: int, reference: str, env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    """G-75: the moment is the n-th object the job has created (hypothesis's draw, printed with a
+    """G-75, R-O36, R-O37: the moment is the n-th object the job has created (hypothesis's draw, printed with a
     failure): between any two puts, a save's included."""
     total = len(_objects(env, reference))
     seen = 1 + draw % (total - 1)
@@ -196,7 +196,7 @@ def test_a_two_node_job_killed_whole_at_any_moment_resumes_to_the_objects_of_an_
 def test_a_node_killed_mid_save_ends_the_job_and_the_last_committed_step_resumes_to_the_same_objects(
     reference: str, env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """G-76: rank 1's node dies (SIGKILL) as it puts its object of step 4; both agents end within
+    """G-76, R-O34: rank 1's node dies (SIGKILL) as it puts its object of step 4; both agents end within
     --dist-timeout (the job's bound), step 2 stays committed and whole, step 4 has no record, and
     the resume from step 2 ends with the uninterrupted run's objects."""
     run = f"{_bucket(env)}/run"
@@ -217,7 +217,7 @@ def test_a_node_killed_mid_save_ends_the_job_and_the_last_committed_step_resumes
 
 
 def test_distributed_save_load_and_a_runstate_loop_on_two_nodes(straight: tuple[str, str], env: dict[str, str]) -> None:
-    """G-77: each node put its own rank object and the one record lists both (each rank checked its
+    """G-77, R-O35: each node put its own rank object and the one record lists both (each rank checked its
     load, tests/_multinode_worker.py); the RunState loop interrupted after step 4 and resumed
     committed the objects of the loop that ran straight, byte for byte."""
     work = straight[1]
