@@ -266,18 +266,9 @@ class ObjectDcpStore(RunObjects, DcpStore):
     when the run closes, and ``environment.json`` at the start, as the one-process object store does.
     """
 
-    def __init__(
-        self,
-        run_dir: str,
-        reg: Registry,
-        group: Group,
-        *,
-        keep: int,
-        compression: str,
-        async_save: bool,
-        log: Callable[[str], None],
-    ) -> None:
-        DcpStore.__init__(self, run_dir, reg, group, keep=keep, compression=compression, async_save=async_save, log=log)
+    def __init__(self, run_dir: str, reg: Registry, group: Group, **options: Any) -> None:
+        """The DCP store's ``options`` (keep, compression, async_save, log), over the prefix ``run_dir``."""
+        DcpStore.__init__(self, run_dir, reg, group, **options)
         self._open_objects(run_dir)
         self._staged: dict[str, bytes] = {}
 
