@@ -26,6 +26,7 @@ from helpers import TINY_FLAGS, examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ckptkit.cli import main
 from ckptkit.distributed.format import verify_directory
 from ckptkit.distributed.objects import RemoteCheckpoint
 from ckptkit.run.history import compared_rows, read_rows
@@ -178,7 +179,7 @@ def test_a_two_node_job_killed_whole_at_any_moment_resumes_to_the_objects_of_an_
     """G-75, R-O36, R-O37: the moment is the n-th object the job has created (hypothesis's draw, printed with a
     failure): between any two puts, a save's included."""
     total = len(_objects(env, reference))
-    seen = 1 + draw % (total - 1)
+    seen = 1 + (draw * 7 + 11) % (total - 1)  # spread: the profile's first draw (0) is a moment inside a save
     nodes = tmp_path_factory.mktemp("killed")
     run = f"{_bucket(env)}/run"
     procs = _launch(nodes, env, *TRAIN, "--run-dir", run, "--steps", str(STEPS))
@@ -194,11 +195,16 @@ def test_a_two_node_job_killed_whole_at_any_moment_resumes_to_the_objects_of_an_
 
 
 def test_a_node_killed_mid_save_ends_the_job_and_the_last_committed_step_resumes_to_the_same_objects(
-    reference: str, env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    reference: str,
+    env: dict[str, str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     """G-76, R-O34: rank 1's node dies (SIGKILL) as it puts its object of step 4; both agents end within
     --dist-timeout (the job's bound), step 2 stays committed and whole, step 4 has no record, and
-    the resume from step 2 ends with the uninterrupted run's objects."""
+    the resume from step 2 ends with the uninterrupted run's objects; `ckptkit verify` of the
+    prefix then passes, and fails naming the one object whose byte is changed."""
     run = f"{_bucket(env)}/run"
     hook = os.pathsep.join([str(TESTS / "die_in_upload"), env.get("PYTHONPATH", "")])
     dying = {**env, "PYTHONPATH": hook, "CKPTKIT_TEST_DIE_AT_PUT": "step-00000004.dcp.rank-00001.ckdcp"}
@@ -214,6 +220,18 @@ def test_a_node_killed_mid_save_ends_the_job_and_the_last_committed_step_resumes
     _assert_same_run(env, reference, run, tmp_path)
     (resume,) = [r for r in _history(env, run, tmp_path) if r["kind"] == "resume"]
     assert resume["step"] == 2
+    assert main(["verify", run, "--quiet"]) == 0  # every step: its objects against the record, then as a directory
+    capsys.readouterr()
+    bucket, _, prefix = run.removeprefix("s3://").partition("/")
+    key = f"{prefix}/step-00000006.dcp.rank-00001.ckdcp"
+    data = bytearray(_objects(env, run)["step-00000006.dcp.rank-00001.ckdcp"])
+    data[len(data) // 2] ^= 1
+    _client(env).put_object(Bucket=bucket, Key=key, Body=bytes(data))  # type: ignore[attr-defined]
+    assert main(["verify", run, "--quiet"]) == 1
+    bad = [line for line in capsys.readouterr().out.splitlines() if line.startswith("FAIL")]
+    assert bad, "no FAIL line"
+    for line in bad:  # the object, and its checkpoint (whose directory check reads it): each names the object
+        assert line.startswith(f"FAIL  {run}/step-00000006.dcp.rank-00001.ckdcp: xxh3: object bytes differ"), bad
 
 
 def test_distributed_save_load_and_a_runstate_loop_on_two_nodes(straight: tuple[str, str], env: dict[str, str]) -> None:
