@@ -109,3 +109,34 @@ def test_companions_are_committed_with_an_object_checkpoint_only(tmp_path) -> No
         f"{tmp_path / 'c'}: companions are committed with a checkpoint on object storage only (R-O30); beside a "
         "local directory write them as files"
     )
+
+
+@pytest.mark.filterwarnings("ignore::ResourceWarning")
+@pytest.mark.parametrize("mode", ["error", "crash", "transient"])
+def test_a_distributed_save_failing_at_every_request_commits_whole_or_nothing_and_blocks_no_next_save(
+    s3, mode, monkeypatch
+) -> None:
+    """R-O31, R-O34 (G-53 for ckptkit.distributed): for every k, a failure, a crash or a transient
+    fault at the k-th storage request of a save leaves the checkpoint loaded whole or refused as not
+    committed (never partial), and the next save of it commits."""
+    from test_objectstore_faults import _requests, _under
+
+    from ckptkit.format import commit as commit_module
+
+    monkeypatch.setattr(commit_module, "STALE_AFTER", 0.0)  # the next save comes later (R-O16)
+    n = _requests(lambda: ckd.save(_state(), f"{s3}/count/step-1"))
+    assert n == 7  # HEAD record, LIST leftovers, PUT rank file, PUT metadata, HEAD both (still ours), PUT record
+    for k in range(1, n + 1):
+        url = f"{s3}/ck/step-{k}"
+        _r, error, _made = _under(k, mode, lambda: ckd.save(_state(), url))  # noqa: B023 - called at once
+        out, refused = _blank(), None
+        try:
+            ckd.load(out, url)
+        except ckptkit.CheckpointNotFound as e:  # IncompleteCheckpoint included: no record, nothing loaded
+            refused = e
+        if refused is not None:
+            assert error is not None, f"request {k}: the save returned but {url} is not loadable: {refused}"
+            ckd.save(_state(), url)  # what it left does not block the next save
+            ckd.load(out, url)
+        assert torch.equal(out["model"]["w"], _state()["model"]["w"]) and out["step"] == 7, k
+        assert mode != "transient" or error is None, f"request {k}: a transient fault was not retried: {error}"
