@@ -234,7 +234,9 @@ def test_a_node_killed_mid_save_ends_the_job_and_the_last_committed_step_resumes
         assert line.startswith(f"FAIL  {run}/step-00000006.dcp.rank-00001.ckdcp: xxh3: object bytes differ"), bad
 
 
-def test_distributed_save_load_and_a_runstate_loop_on_two_nodes(straight: tuple[str, str], env: dict[str, str]) -> None:
+def test_distributed_save_load_and_a_runstate_loop_on_two_nodes(
+    straight: tuple[str, str], env: dict[str, str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """G-77, R-O35: each node put its own rank object and the one record lists both (each rank checked its
     load, tests/_multinode_worker.py); the RunState loop interrupted after step 4 and resumed
     committed the objects of the loop that ran straight, byte for byte."""
@@ -248,3 +250,13 @@ def test_distributed_save_load_and_a_runstate_loop_on_two_nodes(straight: tuple[
     ran = {k: v for k, v in _objects(env, f"{work}/straight").items() if k.startswith("step-00000006")}
     assert sorted(resumed) == sorted(ran) and "step-00000006.dcp.rank-00001.ckdcp" in ran
     assert [k for k in ran if ran[k] != resumed[k]] == []
+    # One process on the 2-node prefix takes the DCP store and refuses the resume without --reshard
+    # (R-O35, RS-D7), changing nothing.
+    for var in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
+        monkeypatch.setenv(var, env[var])
+    before = _objects(env, straight[0])
+    one = ["train", *TRAIN[3:], "--run-dir", straight[0], "--steps", str(STEPS + 2), "--threads", "1", "--resume"]
+    assert main(one) == 1
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("ckptkit train: ") and "world size" in line and "--reshard" in line, line
+    assert _objects(env, straight[0]) == before
