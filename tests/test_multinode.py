@@ -254,6 +254,9 @@ def test_distributed_save_load_and_a_runstate_loop_on_two_nodes(
     # (R-O35, RS-D7), changing nothing.
     for var in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
         monkeypatch.setenv(var, env[var])
+    assert main(["inspect", f"{straight[0]}/step-00000006.dcp"]) == 0  # its metadata object, checked, shown
+    shown = capsys.readouterr().out.splitlines()[0]
+    assert shown.startswith(f"{straight[0]}/step-00000006.dcp: distributed checkpoint, world size 2 at save"), shown
     before = _objects(env, straight[0])
     one = ["train", *TRAIN[3:], "--run-dir", straight[0], "--steps", str(STEPS + 2), "--threads", "1", "--resume"]
     assert main(one) == 1

@@ -8,6 +8,7 @@ checkpoint whose objects have no record is reported as not committed (R-O15), na
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from ..errors import CheckpointNotFound, FormatError, IncompleteCheckpoint
 from ..format.commit import RECORD_SUFFIX, fetch, listing, read_record
@@ -16,7 +17,7 @@ from ..format.objectstore import ObjectStore, store_for
 from ..format.urls import StorageURL, parse
 from ..run.files import CKPT_SUFFIX, DCP_SUFFIX
 
-__all__ = ["fetch_checkpoint", "verify_urls"]
+__all__ = ["fetch_checkpoint", "inspect_distributed", "verify_urls"]
 
 
 def verify_urls(urls: list[str]) -> list[Report]:
@@ -92,6 +93,24 @@ def _verify_distributed(where: str, size: int) -> Report:
     if report.error is not None:
         return layout_report(where, size, None, report.error, 0)
     return Report(where, True, None, None, None, (), False, (), (), size, size, kind="object")
+
+
+def inspect_distributed(text: str, as_json: bool, size: Any) -> int:
+    """``ckptkit inspect`` of a ``ckptkit.distributed`` checkpoint at ``text``: its record, then its
+    metadata object (checked against the record, R-O33), shown as a local directory is."""
+    import shutil
+    import tempfile
+
+    from ..distributed.objects import RemoteCheckpoint
+    from ._distributed import inspect_directory
+
+    tmp = tempfile.mkdtemp(prefix="ckptkit-inspect-")
+    try:
+        remote = RemoteCheckpoint.at(text)
+        remote.fetch(remote.entries(), remote.name, tmp)
+        return inspect_directory(os.path.join(tmp, remote.name), as_json, size, shown=remote.url)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def fetch_checkpoint(text: str) -> bytes:
