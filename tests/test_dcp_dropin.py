@@ -74,6 +74,10 @@ def test_the_constructors_take_the_default_classes_arguments_in_their_order(ours
         return [(p.name, p.default) for p in inspect.signature(cls).parameters.values()]
 
     got, want = params(ours), params(theirs)
+    # ckptkit's own, keyword-only after DCP's: the companions an object-storage commit lists (R-O30)
+    extra = [p.name for p in inspect.signature(ours).parameters.values() if p.kind is p.KEYWORD_ONLY]
+    assert extra == (["companions"] if ours is ckd.Writer else [])
+    got = [(n, d) for n, d in got if n not in extra]
     assert [n for n, _ in got] == [n for n, _ in want]
     defaults = dict(want)
     defaults.pop("serialization_format", None)  # ours: None, meaning DCP's default (TORCH_SAVE)
@@ -274,27 +278,27 @@ def test_an_extension_that_is_no_stream_transform_is_refused_by_name(tmp_path):
 
 
 URL_MESSAGE = (
-    "s3://bucket/ckpt: ckptkit.distributed does not serve s3:// URLs yet (it writes and reads local files only); "
-    "ckptkit.save/load/verify/open_checkpoint, RunState, the Lightning plug-in and "
-    "`ckptkit train --run-dir/verify/inspect/diff/plot/replay RUN` serve s3://; use a local (or mounted) directory"
+    "gs://bucket/ckpt: the gs:// scheme is not supported; ckptkit serves s3:// (S3 and S3-compatible stores, "
+    "AWS_ENDPOINT_URL selects one); use s3:// or a local (or mounted) directory"
 )
 
 
 @pytest.mark.parametrize("make", [ckd.Writer, ckd.Reader, lambda p: ckd.Writer("local").reset(p)])
-def test_a_url_is_refused_by_name_and_never_becomes_a_local_folder(tmp_path, monkeypatch, make):
+def test_a_url_it_cannot_serve_is_refused_by_name_and_never_becomes_a_local_folder(tmp_path, monkeypatch, make):
+    """R-O01, R-O02: s3:// is served (tests/test_distributed_objectstore.py), any other scheme refused."""
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ckptkit.UnsupportedOption) as e:
-        make("s3://bucket/ckpt")
+        make("gs://bucket/ckpt")
     assert str(e.value) == URL_MESSAGE
     with pytest.raises(ckptkit.UnsupportedOption):
-        ckd.save({"w": torch.ones(2)}, "s3://bucket/ckpt")
+        ckd.save({"w": torch.ones(2)}, "gs://bucket/ckpt")
     assert os.listdir(tmp_path) == []
 
 
-def test_validate_checkpoint_id_takes_local_paths_only():
+def test_validate_checkpoint_id_takes_local_paths_and_s3_urls():
     for cls in (ckd.Writer, ckd.Reader):
         assert cls.validate_checkpoint_id("ckpt/step-1") and cls.validate_checkpoint_id("/abs/c:d")
-        assert not cls.validate_checkpoint_id("s3://bucket/ckpt")
+        assert cls.validate_checkpoint_id("s3://bucket/ckpt") and cls.validate_checkpoint_id("S3://bucket/ckpt")
         assert not cls.validate_checkpoint_id("file:///tmp/ckpt")
 
 

@@ -253,22 +253,19 @@ def _same_checkpoints_after(a: Path, b: Path, start: int) -> list[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_a_parameter_whose_optimizer_state_comes_late_resumes_to_the_same_bytes(
-    parallel: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_a_parameter_whose_optimizer_state_comes_late_resumes_to_the_same_bytes(tmp_path: Path) -> None:
     # Seed 3: step 0's aux mask is empty, so the predictor and mask_emb get their first gradient
     # (and AdamW its state for them) at step 1. The reload holds that state in checkpoint order,
     # the live run in creation order; the checkpoint's bytes must not depend on which (R-DC13).
-    knobs = ["--seed", "3", "--parallel", parallel, "--ckpt-every", "10"]
+    # FSDP2 only (its shards are where the order matters); DDP's case was trimmed for the suite's
+    # time (issue 25's 2-node test), the knob property below still draws both layouts, and a
+    # 2-rank replay is checked by the replay and audit tests at the end of this file.
+    knobs = ["--seed", "3", "--parallel", "fsdp", "--ckpt-every", "10"]
     reference, resumed = tmp_path / "straight", tmp_path / "resumed"
     ok(reference, *knobs, "--steps", "20")
     ok(resumed, *knobs, "--steps", "10")
     ok(resumed, *knobs, "--steps", "20", "--resume")
     assert _same_checkpoints_after(reference, resumed, 10) == [20]
-    if parallel == "ddp":  # the replay of the uninterrupted run (a 2-rank job of 10 steps) agrees bit for bit
-        assert main(["replay", str(reference), "--from", "10", "--quiet"]) == 0
-        assert "IDENTICAL:" in capsys.readouterr().out
 
 
 _KNOBS = st.fixed_dictionaries(

@@ -109,9 +109,11 @@ def verify_all(paths: list[str]) -> list[DirReport]:
     return [verify_directory(p) for p in paths]
 
 
-def inspect_directory(path: str, as_json: bool, size: Any) -> int:
-    """Ranks, tensors, chunks and world size at save; digests are not checked (verify does)."""
+def inspect_directory(path: str, as_json: bool, size: Any, shown: str | None = None) -> int:
+    """Ranks, tensors, chunks and world size at save; digests are not checked (verify does).
+    ``shown``: the name to print for ``path`` (an ``s3://`` checkpoint's local copy of its metadata)."""
     md = read_metadata(path, check_files=False)
+    path, local = shown or path, path
     ranks, tensors = _rank_rows(md), _tensor_rows(md)
     if as_json:
         print(
@@ -130,7 +132,7 @@ def inspect_directory(path: str, as_json: bool, size: Any) -> int:
             )
         )
         return 0
-    _print_inspection(path, md, ranks, tensors, size)
+    _print_inspection(path, local, md, ranks, tensors, size)
     return 0
 
 
@@ -173,9 +175,9 @@ def _tensor_rows(md: DirMetadata) -> dict[str, dict[str, Any]]:
 
 
 def _print_inspection(
-    path: str, md: DirMetadata, ranks: list[dict[str, Any]], tensors: dict[str, dict[str, Any]], size: Any
+    path: str, local: str, md: DirMetadata, ranks: list[dict[str, Any]], tensors: dict[str, dict[str, Any]], size: Any
 ) -> None:
-    total = sum(f.size for f in md.files) + os.path.getsize(os.path.join(path, METADATA_NAME))
+    total = sum(f.size for f in md.files) + os.path.getsize(os.path.join(local, METADATA_NAME))
     n_chunks = sum(len(t.chunks) for t in md.tensors.values())
     print(
         f"{path}: distributed checkpoint, world size {md.world_size} at save, DCP metadata {md.dcp_version}, "

@@ -7,14 +7,17 @@ checkpoint whose objects have no record is reported as not committed (R-O15), na
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
 from ..errors import CheckpointNotFound, FormatError, IncompleteCheckpoint
 from ..format.commit import RECORD_SUFFIX, fetch, listing, read_record
 from ..format.container import Report, Source, layout_report, verify_source
 from ..format.objectstore import ObjectStore, store_for
 from ..format.urls import StorageURL, parse
-from ..run.files import CKPT_SUFFIX
+from ..run.files import CKPT_SUFFIX, DCP_SUFFIX
 
-__all__ = ["fetch_checkpoint", "verify_urls"]
+__all__ = ["fetch_checkpoint", "inspect_distributed", "verify_urls"]
 
 
 def verify_urls(urls: list[str]) -> list[Report]:
@@ -35,9 +38,11 @@ def _verify_url(text: str) -> list[Report]:
     store = store_for(url)
     if _is_checkpoint(store, url):
         return _verify_checkpoint(store, url.parent, url.name)
-    names = listing(store, url, CKPT_SUFFIX)
+    names = {**listing(store, url, CKPT_SUFFIX), **listing(store, url, DCP_SUFFIX)}  # one process, or distributed
     if not names:
-        raise CheckpointNotFound(f"{text}: no checkpoint there (no object {url.name or text}, no step-*.ckpt under it)")
+        raise CheckpointNotFound(
+            f"{text}: no checkpoint there (no object {url.name or text}, no step-*.ckpt or step-*.dcp under it)"
+        )
     return [r for name in sorted(names) for r in _verify_checkpoint(store, url, name)]
 
 
@@ -55,11 +60,57 @@ def _verify_checkpoint(store: ObjectStore, base: StorageURL, name: str) -> list[
         except (IncompleteCheckpoint, FormatError) as err:
             out.append(layout_report(where, entry.size, None, err, 0))
             continue
-        if entry.key == name:
+        if entry.key == name and name.endswith(DCP_SUFFIX):
+            out.append(_verify_distributed(where, entry.size))
+        elif entry.key == name:
             out.append(verify_source(where, Source(where, data=data)))
         else:
             out.append(Report(where, True, None, None, None, (), False, (), (), entry.size, entry.size, kind="object"))
     return out
+
+
+def _verify_distributed(where: str, size: int) -> Report:
+    """A ``ckptkit.distributed`` checkpoint's metadata object: its listed objects fetched (each
+    checked) into a private directory, which is verified as a local one (R-DC22, R-DC24)."""
+    import shutil
+    import tempfile
+
+    from ..distributed.format import verify_directory
+    from ..distributed.objects import RemoteCheckpoint, check_listed
+
+    tmp = tempfile.mkdtemp(prefix="ckptkit-verify-")
+    try:
+        remote = RemoteCheckpoint.at(where)
+        report = verify_directory(remote.fetch_all(tmp))
+        if report.ok:
+            from ..distributed.format import read_metadata
+
+            check_listed(remote, remote.entries(), read_metadata(os.path.join(tmp, remote.name), check_files=False))
+    except (IncompleteCheckpoint, FormatError) as e:
+        return layout_report(where, size, None, e, 0)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if report.error is not None:
+        return layout_report(where, size, None, report.error, 0)
+    return Report(where, True, None, None, None, (), False, (), (), size, size, kind="object")
+
+
+def inspect_distributed(text: str, as_json: bool, size: Any) -> int:
+    """``ckptkit inspect`` of a ``ckptkit.distributed`` checkpoint at ``text``: its record, then its
+    metadata object (checked against the record, R-O33), shown as a local directory is."""
+    import shutil
+    import tempfile
+
+    from ..distributed.objects import RemoteCheckpoint
+    from ._distributed import inspect_directory
+
+    tmp = tempfile.mkdtemp(prefix="ckptkit-inspect-")
+    try:
+        remote = RemoteCheckpoint.at(text)
+        remote.fetch(remote.entries(), remote.name, tmp)
+        return inspect_directory(os.path.join(tmp, remote.name), as_json, size, shown=remote.url)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def fetch_checkpoint(text: str) -> bytes:

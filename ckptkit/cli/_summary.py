@@ -125,8 +125,13 @@ def _checkpoints(run_dir: str) -> list[tuple[int, str]]:
         from ..format.urls import parse
         from ..run.files import step_of
 
-        found = listing(store_for(parse(run_dir)), parse(run_dir), ".ckpt")
-        return sorted((s, n) for n, ok in found.items() if ok and (s := step_of(n)) is not None)
+        found = {
+            (step_of(n, suffix), n)
+            for suffix in (".ckpt", ".dcp")  # one process, or a distributed run (R-O35)
+            for n, ok in listing(store_for(parse(run_dir)), parse(run_dir), suffix).items()
+            if ok
+        }
+        return sorted((s, n) for s, n in found if s is not None)
     return sorted(run_checkpoints(run_dir).items())
 
 

@@ -80,6 +80,10 @@ def run(args: argparse.Namespace) -> int:
         return _trainer.inspect(args.path, args.json, _size)
     if os.path.isdir(args.path):
         raise CheckpointNotFound(f"{args.path}: is a directory; inspect takes one checkpoint file")
+    if is_url(args.path) and args.path.rstrip("/").endswith(".dcp"):  # a distributed run's step (R-DC22)
+        from ._remote import inspect_distributed
+
+        return inspect_distributed(args.path, args.json, _size)
     if is_url(args.path):
         from ._remote import fetch_checkpoint
 

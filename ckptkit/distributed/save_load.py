@@ -12,7 +12,7 @@ from __future__ import annotations
 import gc
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from typing import Any
 
@@ -27,9 +27,15 @@ __all__ = ["AsyncSaver", "load", "save"]
 
 
 def save(
-    state_dict: dict[str, Any], path: str | os.PathLike[str], process_group: Any = None, *, overwrite: bool = False
+    state_dict: dict[str, Any],
+    path: str | os.PathLike[str],
+    process_group: Any = None,
+    *,
+    overwrite: bool = False,
+    companions: Mapping[str, bytes] | None = None,
 ) -> None:
-    """Save ``state_dict`` (plain, DDP or FSDP2) into the directory ``path``; all ranks commit or none.
+    """Save ``state_dict`` (plain, DDP or FSDP2) into the directory ``path``, or as objects at an
+    ``s3://`` URL committed by one commit record (spec/objectstore.md R-O30); all ranks commit or none.
 
     Call it on every rank of ``process_group`` (default: the default group; none
     initialised: a single process).
@@ -37,19 +43,24 @@ def save(
     Args:
         overwrite: replace a committed checkpoint in ``path``, atomically (the directory
             holds the old one or the new one at every moment); False (the default, unlike
-            ``Writer``'s DCP default) refuses it.
+            ``Writer``'s DCP default) refuses it. On object storage a committed checkpoint is
+            never replaced (R-O11): its save raises ``CommitConflict`` whatever ``overwrite`` says.
+        companions: object storage only: ``{suffix: bytes}`` the coordinator commits with the
+            checkpoint as ``<name>.<suffix>`` (a RunState's snapshot and sidecars).
 
     Raises:
         SaveFailed: a write failed on some rank, or ``path`` already holds a committed
             checkpoint and ``overwrite`` is False.
-        UnsupportedOption: ``path`` is a URL.
+        CommitConflict: ``path`` is an ``s3://`` checkpoint committed already, or another writer
+            is saving it (R-O11, R-O16).
+        UnsupportedOption: ``path`` is a URL of another scheme than ``s3://``.
         UnsupportedValue: a value that is neither a tensor nor plain data (named by key).
         DistributedFailure: another failure inside DCP on some rank.
 
     Example:
         >>> ckptkit.distributed.save({"model": model.state_dict()}, "ckpt/step-100")  # doctest: +SKIP
     """
-    writer = Writer(path, overwrite=overwrite)
+    writer = Writer(path, overwrite=overwrite, companions=companions)
     _run(lambda: dcp.save(state_dict, storage_writer=writer, process_group=process_group), writer)
 
 
@@ -60,7 +71,8 @@ def load(
     *,
     allow_partial: bool = False,
 ) -> None:
-    """Load the checkpoint in ``path`` into ``state_dict`` in place, resharding as DCP does.
+    """Load the checkpoint in ``path`` (a directory or an ``s3://`` URL) into ``state_dict`` in place,
+    resharding as DCP does.
 
     Every byte read is verified; every missing key and every shape or dtype
     mismatch is listed before anything is read.
@@ -71,7 +83,8 @@ def load(
             are still checked.
 
     Raises:
-        IncompleteCheckpoint: the save did not commit (no metadata), or a rank file is missing.
+        IncompleteCheckpoint: the save did not commit (no metadata; on object storage no commit
+            record, the objects it left named), or a rank file is missing.
         ChecksumMismatch: a damaged chunk (names the file, tensor and offset) or metadata.
         StateMismatch: keys, shapes or dtypes differ (every one listed); nothing was read.
         BadMagic: ``path`` is a DCP default-backend (pickled) checkpoint.
@@ -152,18 +165,27 @@ class AsyncSaver:
         self._pending: Future[Any] | None = None
         self._writer: Writer | None = None
 
-    def save(self, state_dict: dict[str, Any], path: str | os.PathLike[str], *, overwrite: bool = False) -> None:
-        """Stage ``state_dict`` (a CPU copy) and write it in the background into ``path``.
+    def save(
+        self,
+        state_dict: dict[str, Any],
+        path: str | os.PathLike[str],
+        *,
+        overwrite: bool = False,
+        companions: Mapping[str, bytes] | None = None,
+    ) -> None:
+        """Stage ``state_dict`` (a CPU copy) and write it in the background into ``path`` (a
+        directory or an ``s3://`` URL).
 
         Args:
             overwrite: as for :func:`save`: replace a committed checkpoint atomically, or refuse it.
+            companions: as for :func:`save` (object storage only).
 
         Raises:
             CheckpointError: the previous background save failed (it is reported
                 here, once), or staging this one failed.
         """
         self.wait()
-        self._writer = Writer(path, overwrite=overwrite)
+        self._writer = Writer(path, overwrite=overwrite, companions=companions)
         writer = self._writer
         self._pending = _run(
             lambda: dcp.async_save(state_dict, storage_writer=writer, process_group=self._group), writer

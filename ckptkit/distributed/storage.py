@@ -77,7 +77,7 @@ from ..format.atomic import exchange, fsync_dir
 from ..format.codec import check_tensor, decode_tree, dtype_name, memory_available, tensor_bytes, torch_dtype
 from ..format.container import Source
 from ..format.section import DTYPE_SIZES, check_plain
-from ..format.urls import is_url, local_only
+from ..format.urls import is_url
 from .format import (
     METADATA_NAME,
     Chunk,
@@ -90,6 +90,7 @@ from .format import (
     write_data_file,
     write_metadata,
 )
+from .objects import RemoteCheckpoint, check_listed, discard, refuse_local_companions, scratch
 
 __all__ = ["LoadPlanner", "Reader", "Writer", "logical_state", "read_chunk"]
 
@@ -122,7 +123,8 @@ class Writer(StorageWriter, _Recorder):
     again either way.
 
     Args:
-        path: the checkpoint's directory (a local path; URLs are refused).
+        path: the checkpoint's directory, or an ``s3://bucket/prefix/name`` URL: its objects,
+            committed by one commit record (spec/objectstore.md R-O30..R-O34).
         single_file_per_rank: must be True (one data file per rank is the format).
         sync_files: accepted; ckptkit always fsyncs before it commits (False is ignored).
         thread_count: >= 1; accepted, each rank writes its one file with one thread.
@@ -130,15 +132,19 @@ class Writer(StorageWriter, _Recorder):
         cache_staged_state_dict: must be False: this writer is no stager, ``dcp.async_save``
             stages for it with DCP's faster ``DefaultStager``; for a cached staging copy pass
             ``async_stager=BlockingAsyncStager(cache_staged_state_dict=True)`` to it.
-        overwrite: replace a committed checkpoint in ``path`` (atomically) or refuse it.
+        overwrite: replace a committed checkpoint in ``path`` (atomically) or refuse it. On object
+            storage a committed checkpoint is never replaced, whatever it says (R-O11).
         _extensions: DCP stream extensions (``StreamTransformExtension``: zstd's ``ZStandard``,
             or your own) applied to every chunk; the digest is over the stored bytes, which
             a reader checks before any extension decodes them. Anything else is refused by name.
         serialization_format: DCP's default (``TORCH_SAVE``) or None; ckptkit's format
             replaces it (no ``torch.save`` bytes); ``SAFETENSORS`` is refused.
+        companions: object storage only, the coordinator's: ``{suffix: bytes}`` committed with the
+            checkpoint as the objects ``<name>.<suffix>``, listed by its one record (R-O30).
 
     Raises:
-        UnsupportedOption: a URL, or an argument ckptkit refuses (named, with why).
+        UnsupportedOption: another URL scheme than ``s3://``, companions for a local path, or an
+            argument ckptkit refuses (named, with why).
         ValueError: ``thread_count`` < 1 or ``per_thread_copy_ahead`` < 0.
 
     Example:
@@ -156,9 +162,14 @@ class Writer(StorageWriter, _Recorder):
         overwrite: bool = True,
         _extensions: Sequence[Any] | None = None,
         serialization_format: Any = None,
+        *,
+        companions: Mapping[str, bytes] | None = None,
     ) -> None:
         super().__init__()
-        self.path = local_path(path)
+        self.path, self.remote = place(path)
+        if self.remote is None:
+            refuse_local_companions(companions, self.path)
+        self.companions = dict(companions or {})
         _check_writer_options(single_file_per_rank, thread_count, per_thread_copy_ahead, serialization_format)
         if cache_staged_state_dict:
             raise UnsupportedOption(
@@ -173,7 +184,7 @@ class Writer(StorageWriter, _Recorder):
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id:
-            self.path = local_path(checkpoint_id)
+            self.path, self.remote = place(checkpoint_id)
         self.save_id = uuid.uuid4().hex
         self.failure = None
 
@@ -188,6 +199,8 @@ class Writer(StorageWriter, _Recorder):
             )
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        if self.remote is not None:
+            return canonical_plan(plan)
         try:
             os.makedirs(self.path, exist_ok=True)
         except OSError as e:
@@ -207,9 +220,15 @@ class Writer(StorageWriter, _Recorder):
         return canonical_plan(plan)
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """The coordinator decides where every rank writes: ``path``, or beside it when it holds a commit."""
+        """The coordinator decides where every rank writes: ``path``, or beside it when it holds a commit;
+        on object storage, it refuses a committed checkpoint and cleans an interrupted one first (R-O32)."""
         into = self.path
-        if _committed(self.path):
+        if self.remote is not None:
+            try:
+                self.remote.begin()
+            except CheckpointError as e:
+                raise self._record(e) from None
+        elif _committed(self.path):
             into = staging_path(self.path)
             try:
                 shutil.rmtree(into, ignore_errors=True)  # what an interrupted replacement left
@@ -249,33 +268,63 @@ class Writer(StorageWriter, _Recorder):
                 dtype, shape = "uint8", (len(buf),)
             chunks.append((fqn, tuple(item.tensor_data.chunk.offsets), dtype, shape, buf))
             indexes.append(item.index)
-        rank_file, placed = write_data_file(into, rank, world, chunks)
+        rank_file, placed, written = self._data_file(into, rank, world, chunks)
         # reading order: the first wraps the stored bytes (DCP records them reversed, which undoes a
         # chain of two or more in the wrong order)
         descriptors = tuple(str(e.get_descriptor()) for e in self.extensions)
         for index, (offset, nbytes, digest) in zip(indexes, placed, strict=True):
             results.append(WriteResult(index, nbytes, ("chunk", rank, offset, nbytes, digest, descriptors)))
-        results.append(WriteResult(MetadataIndex(_FILE_KEY), rank_file.size, ("file", rank, rank_file, into)))
+        results.append(WriteResult(MetadataIndex(_FILE_KEY), rank_file.size, ("file", rank, rank_file, into, written)))
         return results
+
+    def _data_file(self, into: str, rank: int, world: int, chunks: list[Any]) -> tuple[RankFile, Any, Any]:
+        """This rank's data file in ``into``; on object storage written to a private directory and
+        put as the rank's object, whose ``(entry, ETag)`` goes to the coordinator (R-O30)."""
+        if self.remote is None:
+            return (*write_data_file(into, rank, world, chunks), None)
+        local = scratch()
+        try:
+            rank_file, placed = write_data_file(local, rank, world, chunks)
+            with open(os.path.join(local, data_name(rank)), "rb") as f:
+                data = f.read()
+        finally:
+            discard(local)
+        return rank_file, placed, self.remote.put_rank(rank, data)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Commit: every rank's file is durable (its write_data returned); write the metadata last,
         then, for a replacement, swap the committed new directory with the old one."""
         try:
             into = _written_into(results, self.path)
+            if self.remote is not None:
+                self._commit_remote(_encode(metadata, results), results)
+                return
             write_metadata(into, _encode(metadata, results))
             if into != self.path:
                 replace_directory(self.path, into)
         except CheckpointError as e:
             raise self._record(e) from None
 
+    def _commit_remote(self, md: DirMetadata, results: list[list[WriteResult]]) -> None:
+        """The metadata's bytes (written locally, then read), then the one record over every rank's object."""
+        assert self.remote is not None
+        ranks = [wr.storage_data[4] for rr in results for wr in rr if wr.storage_data[0] == "file"]
+        local = scratch()
+        try:
+            write_metadata(local, md)
+            with open(os.path.join(local, METADATA_NAME), "rb") as f:
+                data = f.read()
+        finally:
+            discard(local)
+        self.remote.commit(data, self.companions, ranks)
+
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        """True for a local path; False for a URL (``scheme://``), which this backend does not serve."""
-        return _is_local(checkpoint_id)
+        """True for a local path and an ``s3://`` URL; False for another scheme, which this backend does not serve."""
+        return _served(checkpoint_id)
 
 
 def _item_key(item: Any) -> tuple[str, tuple[int, ...], int]:
@@ -351,17 +400,23 @@ def replace_directory(path: str, staged: str) -> None:
     shutil.rmtree(staged, ignore_errors=True)
 
 
-def _is_local(checkpoint_id: Any) -> bool:
-    return isinstance(checkpoint_id, (str, os.PathLike)) and not is_url(checkpoint_id)
+def _served(checkpoint_id: Any) -> bool:
+    if not isinstance(checkpoint_id, (str, os.PathLike)):
+        return False
+    return not is_url(checkpoint_id) or os.fspath(checkpoint_id).lower().startswith("s3://")
 
 
-def local_path(checkpoint_id: str | os.PathLike[str]) -> str:
-    """``checkpoint_id`` as a local path; a URL is refused by name (never a local folder ``s3:``).
+def place(checkpoint_id: str | os.PathLike[str]) -> tuple[str, RemoteCheckpoint | None]:
+    """``(path, None)`` for a local directory, ``(url, its objects)`` for an ``s3://`` URL (never a
+    local folder ``s3:``).
 
     Raises:
-        UnsupportedOption: a ``scheme://`` URL (spec/objectstore.md R-O01).
+        UnsupportedOption: another scheme, a bucket without a name, or no S3 client (R-O01, R-O02).
     """
-    return local_only(checkpoint_id, "ckptkit.distributed")
+    if is_url(checkpoint_id):
+        remote = RemoteCheckpoint.at(checkpoint_id)
+        return remote.url, remote
+    return os.fspath(checkpoint_id), None
 
 
 def _check_writer_options(single_file_per_rank: bool, thread_count: int, copy_ahead: int, fmt: Any) -> None:
@@ -492,8 +547,13 @@ class Reader(StorageReader, _Recorder):
     writer stored through stream extensions (default: DCP's registry, which knows zstd),
     after their stored bytes are verified.
 
+    On object storage (``s3://``) each rank fetches the commit record, then only the listed
+    objects it reads (the metadata, the rank files its plan needs), each checked against the
+    record's size and digest before a byte of it is parsed (R-O33), into a private directory it
+    removes when the read is done.
+
     Raises:
-        UnsupportedOption: ``path`` is a URL (object storage is not supported yet).
+        UnsupportedOption: ``path`` is a URL of another scheme than ``s3://``.
 
     Example:
         >>> dcp.load(state, storage_reader=ckptkit.distributed.Reader("ckpt/step-100"))  # doctest: +SKIP
@@ -501,7 +561,9 @@ class Reader(StorageReader, _Recorder):
 
     def __init__(self, path: str | os.PathLike[str], _extension_registry: Any = None) -> None:
         super().__init__()
-        self.path = local_path(path)
+        self.path, self.remote = place(path)
+        self.local: str | None = None  # object storage: the private copy of what was fetched
+        self.entries: dict[str, Any] = {}
         self.extension_registry = _extension_registry
         self.load_id = uuid.uuid4().hex
         self.metadata: DirMetadata | None = None
@@ -510,7 +572,9 @@ class Reader(StorageReader, _Recorder):
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id:
-            self.path = local_path(checkpoint_id)
+            self.path, self.remote = place(checkpoint_id)
+        discard(self.local)
+        self.local, self.entries = None, {}
         self.load_id = uuid.uuid4().hex
         self.storage_data = {}
         self.failure = None
@@ -524,8 +588,11 @@ class Reader(StorageReader, _Recorder):
             FormatError: a damaged metadata file.
         """
         try:
-            self.commit = _commit_id(self.path)  # before the read: a replacement after it is then seen
-            md = self.metadata = read_metadata(self.path)
+            if self.remote is not None:
+                md = self.metadata = self._remote_metadata()
+            else:
+                self.commit = _commit_id(self.path)  # before the read: a replacement after it is then seen
+                md = self.metadata = read_metadata(self.path)
         except CheckpointError as e:
             raise self._record(e) from None
         sdm: dict[str, Any] = {}
@@ -549,6 +616,23 @@ class Reader(StorageReader, _Recorder):
             version=md.dcp_version,
         )
 
+    def _remote_metadata(self) -> DirMetadata:
+        """The record, then the metadata object it lists (checked), read from a private copy; every
+        rank file the metadata names must be listed with the size it says (R-O33)."""
+        assert self.remote is not None
+        discard(self.local)
+        self.local = scratch()
+        try:
+            self.entries = self.remote.entries()
+            self.remote.fetch(self.entries, self.remote.name, self.local)
+            md = read_metadata(os.path.join(self.local, self.remote.name), check_files=False)
+            check_listed(self.remote, self.entries, md)
+        except BaseException:
+            discard(self.local)
+            self.local = None
+            raise
+        return md
+
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.storage_data = metadata.storage_data
 
@@ -568,7 +652,7 @@ class Reader(StorageReader, _Recorder):
         try:
             self._read(plan, planner)
         except CheckpointError as e:
-            if _commit_id(self.path) == self.commit:
+            if self.remote is not None or _commit_id(self.path) == self.commit:
                 raise self._record(e) from None
             raise self._record(
                 CheckpointNotFound(
@@ -611,11 +695,21 @@ class Reader(StorageReader, _Recorder):
             for (fqn, _), (c, reqs) in groups.items():
                 src = files.get(c.rank)
                 if src is None:
-                    src = files[c.rank] = Source(os.path.join(self.path, data_name(c.rank)))
+                    src = files[c.rank] = Source(self._rank_file(c.rank))
                 self._read_chunk(src, fqn, c, reqs, planner)
         finally:
             for src in files.values():
                 src.close()
+            if self.remote is not None:
+                discard(self.local)
+                self.local = None
+
+    def _rank_file(self, rank: int) -> str:
+        """The local path of ``rank``'s data file: in the directory, or fetched (checked) from its object."""
+        if self.remote is None:
+            return os.path.join(self.path, data_name(rank))
+        assert self.local is not None, "read_metadata() first"
+        return self.remote.fetch(self.entries, self.remote.rank_key(rank), self.local)
 
     def _read_chunk(
         self, src: Source, fqn: str, c: Chunk, reqs: list[tuple[Any, torch.Tensor]], planner: DCPLoadPlanner
@@ -637,8 +731,8 @@ class Reader(StorageReader, _Recorder):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        """True for a local path; False for a URL (``scheme://``), which this backend does not serve."""
-        return _is_local(checkpoint_id)
+        """True for a local path and an ``s3://`` URL; False for another scheme, which this backend does not serve."""
+        return _served(checkpoint_id)
 
 
 def read_chunk(src: Source, directory: str, fqn: str, c: Chunk, out: torch.Tensor, registry: Any = None) -> None:

@@ -27,11 +27,15 @@ __all__ = [
     "RECORD_SUFFIX",
     "STALE_AFTER",
     "Entry",
+    "Written",
+    "begin",
     "commit",
     "decode_record",
     "encode_record",
+    "finish",
     "leftovers",
     "listing",
+    "put_objects",
     "read_committed",
     "read_record",
     "remove",
@@ -134,6 +138,17 @@ def commit(store: ObjectStore, base: StorageURL, name: str, objects: Sequence[tu
         SaveFailed: a write failed; earlier checkpoints are intact, and the objects this save
             created are removed where the store still answers.
     """
+    begin(store, base, name)
+    finish(store, base, name, put_objects(store, base, name, objects))
+
+
+def begin(store: ObjectStore, base: StorageURL, name: str) -> None:
+    """Before any object of a save of ``name``: refuse a committed ``name`` (R-O11), clean what an
+    interrupted save of it left once :data:`STALE_AFTER` old (R-O16).
+
+    Raises:
+        CommitConflict: ``name`` is committed, or another writer's objects of it are younger.
+    """
     record_key = _key(base, name + RECORD_SUFFIX)
     if store.head(record_key) is not None:
         raise CommitConflict(
@@ -142,25 +157,69 @@ def commit(store: ObjectStore, base: StorageURL, name: str, objects: Sequence[tu
             path=store.url(record_key),
         )
     sweep(store, base, name, older_than=STALE_AFTER)
-    entries, created = [], []
+
+
+#: What a put of one object of a save hands its commit: its record entry and the ETag it got.
+Written = tuple[Entry, str]
+
+
+def put_objects(
+    store: ObjectStore, base: StorageURL, name: str, objects: Sequence[tuple[str, bytes | memoryview]]
+) -> list[Written]:
+    """Put each ``(key relative to base, bytes)`` with a conditional put (R-O11), in order.
+
+    Several writers of one checkpoint (the ranks of a distributed save, R-O30) each put theirs
+    and hand the result to the one that calls :func:`finish`.
+
+    Raises:
+        CommitConflict: another writer created one of them first (named).
+        SaveFailed: a put failed; the objects this call created are removed where the store answers.
+    """
+    written: list[Written] = []
     try:
         for rel, data in objects:
-            created.append((_key(base, rel), store.put(_key(base, rel), data, if_absent=True)))
-            entries.append(Entry(rel, len(data), xxhash.xxh3_64_intdigest(data)))
-        _still_mine(store, created)
-        store.put(record_key, encode_record(name, entries), if_absent=True)
-    except CommitConflict as e:
-        raise CommitConflict(
-            f"{e}: another writer is saving {store.url(_key(base, name))}; exactly one commits (R-O11)",
-            path=store.url(_key(base, name)),
-        ) from None
+            etag = store.put(_key(base, rel), data, if_absent=True)
+            written.append((Entry(rel, len(data), xxhash.xxh3_64_intdigest(data)), etag))
+    except CommitConflict as e:  # nothing removed: on a conflict, a key may be the winner's now
+        raise _conflict(store, base, name, e) from None
     except Exception:
-        for key, _etag in created:  # best effort: a crash leaves them to the next save's sweep (R-O16)
-            try:
-                store.delete(key)
-            except Exception:  # noqa: BLE001 - the first error is the one raised
-                break
+        _undo(store, base, written)
         raise
+    return written
+
+
+def finish(store: ObjectStore, base: StorageURL, name: str, written: Sequence[Written]) -> None:
+    """Commit ``name``: check every written object is still the one put (R-O11), then create the
+    record listing them all with ``If-None-Match: *``: the commit.
+
+    Raises:
+        CommitConflict: an object was replaced or removed, or the record exists (R-O11).
+        SaveFailed: the record's put failed; the objects are removed where the store answers.
+    """
+    try:
+        _still_mine(store, [(_key(base, e.key), etag) for e, etag in written])
+        store.put(_key(base, name + RECORD_SUFFIX), encode_record(name, [e for e, _ in written]), if_absent=True)
+    except CommitConflict as e:
+        raise _conflict(store, base, name, e) from None
+    except Exception:
+        _undo(store, base, written)
+        raise
+
+
+def _conflict(store: ObjectStore, base: StorageURL, name: str, e: CommitConflict) -> CommitConflict:
+    return CommitConflict(
+        f"{e}: another writer is saving {store.url(_key(base, name))}; exactly one commits (R-O11)",
+        path=store.url(_key(base, name)),
+    )
+
+
+def _undo(store: ObjectStore, base: StorageURL, written: Sequence[Written]) -> None:
+    """Best effort: a crash leaves them to the next save's sweep (R-O16)."""
+    for e, _etag in written:
+        try:
+            store.delete(_key(base, e.key))
+        except Exception:  # noqa: BLE001 - the first error is the one raised
+            break
 
 
 def _still_mine(store: ObjectStore, created: list[tuple[str, str]]) -> None:

@@ -92,7 +92,7 @@ def local_only(path: str | os.PathLike[str], what: str) -> str:
     if is_url(text):
         scheme = text.partition("://")[0]
         served = (
-            "; ckptkit.save/load/verify/open_checkpoint, RunState, the Lightning plug-in and "
+            "; ckptkit.save/load/verify/open_checkpoint, ckptkit.distributed, RunState, the Lightning plug-in and "
             "`ckptkit train --run-dir/verify/inspect/diff/plot/replay RUN` serve s3://"
         )
         raise UnsupportedOption(

@@ -178,12 +178,13 @@ class DcpStore(files.LocalRunDir):
         record = self.g.from_rank0(lambda: self._companions(path, step, config, sidecars), "writing the companions")
         state = self._state(ckpt, record)
         self._pending = path
+        companions = self._companion_objects()
         # overwrite: a rollback saves its step again; the Writer commits the new directory
         # beside the old one and swaps the two atomically (spec/distributed.md §1)
         if self._saver is not None:
-            self._saver.save(state, path, overwrite=True)
+            self._saver.save(state, path, overwrite=True, companions=companions)
             return path
-        ckd.save(state, path, process_group=self.g.group, overwrite=True)
+        ckd.save(state, path, process_group=self.g.group, overwrite=True, companions=companions)
         self._commit()
         return path
 
@@ -196,6 +197,11 @@ class DcpStore(files.LocalRunDir):
         if not os.path.exists(os.path.join(path, METADATA_NAME)):
             shutil.rmtree(path, ignore_errors=True)
         return files.write_companions(path, step, config, sidecars)
+
+    def _companion_objects(self) -> dict[str, bytes] | None:
+        """What the coordinator commits with the checkpoint (object storage: its companions); locally
+        nothing, the companions being files beside the directory."""
+        return None
 
     def _commit(self) -> None:
         """After DCP committed (the replacement, if any, swapped in): retention."""

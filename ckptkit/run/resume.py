@@ -25,6 +25,7 @@ from typing import Any
 from ..errors import LegacyCheckpoint
 from ..format.checkpoint import Checkpoint
 from ..format.companions import UNBOUND_NOTE
+from ..format.urls import is_url
 from ._registry import Registry
 from .drift import KeyDiff, check_resume
 from .environment import EnvDiff, capture, check_environment
@@ -89,7 +90,7 @@ def start(store: Store, group: Group, run_dir: str, log: Callable[[str], None]) 
 
     def rank0() -> list[str]:
         store.refuse_foreign()
-        notes = sweep_note(store.sweep()) if os.path.isdir(run_dir) else []
+        notes = sweep_note(store.sweep()) if is_url(run_dir) or os.path.isdir(run_dir) else []  # R-O36
         refuse_existing(run_dir, store.listing())
         record = {**capture(), **store.facts()}
         store.begin((json.dumps(record, sort_keys=True, indent=2) + "\n").encode())

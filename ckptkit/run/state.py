@@ -43,7 +43,7 @@ from typing import Any
 from ..errors import LeaseLost
 from ..format.checkpoint import Checkpoint
 from ..format.snapshot import encode_snapshot
-from ..format.urls import is_url, local_only
+from ..format.urls import is_url
 from . import resume as protocol
 from ._registry import Registry
 from .dcp_store import DcpStore
@@ -53,7 +53,7 @@ from .files import DCP_SUFFIX, list_checkpoints
 from .group import Alone, group_of
 from .history import History
 from .lease import Lease, launcher_pid, lease_for, this_job
-from .object_store import ObjectRunStore
+from .object_store import ObjectDcpStore, ObjectRunStore
 from .preemption import Stopping, StopRequests
 from .registration import Registration
 from .resume import ResumeInfo
@@ -138,34 +138,18 @@ class RunState(Registration, Stopping):
         self._launcher = launcher_pid()  # this rank's torchrun agent; None outside torchrun
 
     def _open_store(self, async_save: bool) -> Store:
-        """The object store on an ``s3://`` run directory (one process: spec/objectstore.md); the
-        DCP store when given a group, built in an initialised job, or on a run directory a
+        """The DCP store when given a group, built in an initialised job, or on a run directory a
         distributed run saved into (which it may only resume with a reshard, RS-D7); else one
-        file per step."""
-        if is_url(self.run_dir):
-            if not isinstance(self._group, Alone):
-                local_only(self.run_dir, "a distributed RunState")
-            return ObjectRunStore(
-                self.run_dir,
-                self._reg,
-                keep=self.keep,
-                compression=self.compression,
-                async_save=async_save,
-                log=self._log,
-            )
-        if not isinstance(self._group, Alone) or list_checkpoints(self.run_dir, DCP_SUFFIX):
-            return DcpStore(
-                self.run_dir,
-                self._reg,
-                self._group,
-                keep=self.keep,
-                compression=self.compression,
-                async_save=async_save,
-                log=self._log,
-            )
-        return FileStore(
-            self.run_dir, self._reg, keep=self.keep, compression=self.compression, async_save=async_save, log=self._log
-        )
+        file per step. On an ``s3://`` run directory each over object storage (spec/objectstore.md
+        R-O22, R-O35)."""
+        remote = is_url(self.run_dir)
+        saved = ObjectDcpStore.saved_into if remote else lambda d: bool(list_checkpoints(d, DCP_SUFFIX))
+        kw = {"keep": self.keep, "compression": self.compression, "async_save": async_save, "log": self._log}
+        if not isinstance(self._group, Alone) or saved(self.run_dir):
+            dcp = ObjectDcpStore if remote else DcpStore
+            return dcp(self.run_dir, self._reg, self._group, **kw)  # type: ignore[arg-type]
+        one = ObjectRunStore if remote else FileStore
+        return one(self.run_dir, self._reg, **kw)  # type: ignore[arg-type]
 
     @property
     def work_dir(self) -> str:

@@ -50,7 +50,8 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ReplayDivergence, ResumeRefused, SidecarMismatch
-from ..format.urls import join
+from ..format.objectstore import store_for
+from ..format.urls import is_url, join, parse
 from ..guard.faults import GradSpike
 from ..guard.monitor import SpikeMonitor, Verdict
 from ..guard.rollback_record import skipped_batches
@@ -792,6 +793,9 @@ def _never_saved(rs: RunState, run_dir: str) -> bool:
     committed no checkpoint: its resume is its start (the same run, from step 0; R-023)."""
     if rs.checkpoints():
         return False
+    if is_url(run_dir):  # any object under the prefix: its environment record, or a save's leftovers
+        url = parse(run_dir)
+        return bool(store_for(url).list(url.child("").key))
     began = os.path.isfile(os.path.join(run_dir, ENVIRONMENT_FILE))
     return began or any(debris(run_dir, suffix) for suffix in (CKPT_SUFFIX, DCP_SUFFIX))
 
