@@ -221,6 +221,7 @@ def test_a_node_killed_mid_save_ends_the_job_and_the_last_committed_step_resumes
     (resume,) = [r for r in _history(env, run, tmp_path) if r["kind"] == "resume"]
     assert resume["step"] == 2
     assert main(["verify", run, "--quiet"]) == 0  # every step: its objects against the record, then as a directory
+    assert main(["diff", run, reference, "--tensors"]) == 0  # both prefixes' newest step.dcp, each a verified copy
     capsys.readouterr()
     bucket, _, prefix = run.removeprefix("s3://").partition("/")
     key = f"{prefix}/step-00000006.dcp.rank-00001.ckdcp"

@@ -20,11 +20,12 @@ import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
+from ..distributed.objects import RemoteCheckpoint
 from ..errors import CheckpointNotFound
 from ..format.commit import RECORD_SUFFIX, read_committed, read_record
 from ..format.objectstore import ObjectStore, store_for
 from ..format.urls import StorageURL, parse
-from .files import ENVIRONMENT_FILE, step_of
+from .files import DCP_SUFFIX, ENVIRONMENT_FILE, step_of
 from .history import HISTORY_FILE
 
 __all__ = ["RUN_RECORDS", "Copied", "Select", "every_step", "local_copy", "newest_step", "no_step", "replay_from"]
@@ -114,10 +115,13 @@ def _copy_run(store: ObjectStore, url: StorageURL, here: str, names: set[str], s
     """A run prefix's chosen committed steps and its records into ``here`` (R-O41)."""
     os.makedirs(here)
     committed = (n[: -len(RECORD_SUFFIX)] for n in names if n.endswith(RECORD_SUFFIX))
-    steps = dict(sorted((s, n) for n in committed if (s := step_of(n)) is not None))
+    steps = dict(sorted((s, n) for n in committed if (s := _step(n)) is not None))
     chosen = [steps[s] for s in sorted(set(select(sorted(steps))))]
     for name in chosen:
-        _write(here, read_committed(store, url, name))
+        if name.endswith(DCP_SUFFIX):  # a distributed step: its objects become the step-N.dcp/ directory
+            RemoteCheckpoint(str(url.child(name)), store, url, name).fetch_all(here)
+        else:
+            _write(here, read_committed(store, url, name))
     records = tuple(r for r in RUN_RECORDS if r in names)
     for r in records:
         _write(here, {r: store.get(url.child(r).key)})
@@ -143,6 +147,11 @@ def _copy_object(store: ObjectStore, url: StorageURL, base: str) -> Copied:
         raise CheckpointNotFound(f"{url}: not an object of {owner}, whose commit record does not list it")
     _write(base, files)
     return Copied(str(url), os.path.join(base, name), (owner,), ())
+
+
+def _step(name: str) -> int | None:
+    """The step of a committed checkpoint's name, of either store (``step-N.ckpt``, ``step-N.dcp``)."""
+    return step_of(name, DCP_SUFFIX) if name.endswith(DCP_SUFFIX) else step_of(name)
 
 
 def _stems(name: str) -> list[str]:
