@@ -239,3 +239,25 @@ def _resumed_from(run_dir: str, step: int) -> None:
     from ckptkit.format.objectstore import store_for
 
     read_committed(store_for(parse(run_dir)), parse(run_dir), f"step-{step:08d}.ckpt")
+
+
+ROLLBACK = ["--auto-rollback", "on", "--spike-at", "9", "--spike-window", "8", "--spike-min-history", "4"]
+
+
+@pytest.mark.slow
+def test_a_spike_rollback_on_s3_saves_its_step_again_and_ends_with_a_local_runs_bytes(s3, tmp_path) -> None:
+    """R-O38: the rollback to step 6 saves step 6 again (spec/rollback.md R-R09); a committed
+    step is written once, so the run's own re-save removes it, record first, and commits the
+    new one -- the run on s3:// ends with the objects of the same run on local disk."""
+    flags = ["--steps", "14", "--ckpt-every", "3", "--keep", "100", "--rollback-k", "3", *ROLLBACK]
+    local = tmp_path / "local"
+    _train(str(local), *flags)
+    done = _train(f"{s3}/rolled", *flags, "--json")
+    assert json.loads(done.stdout)["step"] == 14
+    objects = _objects(s3, "rolled")
+    files = {p.name: p.read_bytes() for p in local.iterdir() if p.name.startswith("step-")}
+    assert sorted(files) == sorted(n for n in objects if n.startswith("step-") and not n.endswith(".commit.json"))
+    for name, data in files.items():
+        assert objects[name] == data, f"{name} differs between the local run and the one on S3"
+    history = [json.loads(line) for line in objects["history.jsonl"].splitlines()]
+    assert [r["step"] for r in history if r["kind"] == "rollback"] == [9]

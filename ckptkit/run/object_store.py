@@ -24,7 +24,7 @@ from ..distributed.objects import RemoteCheckpoint
 from ..errors import CheckpointError, CheckpointNotFound
 from ..format.asyncsave import AsyncSaver
 from ..format.checkpoint import Checkpoint, save
-from ..format.commit import listing, read_committed, remove, sweep
+from ..format.commit import RECORD_SUFFIX, listing, read_committed, remove, sweep
 from ..format.objectstore import store_for
 from ..format.sidecar import sidecar_path
 from ..format.snapshot import Snapshot, read_snapshot, snapshot_path
@@ -108,6 +108,14 @@ class RunObjects:
         found = listing(self.objects, self.url, suffix)
         named = [(step_of(name, suffix), name) for name, committed in found.items() if committed]
         return sorted((s, str(self.url.child(n))) for s, n in named if s is not None)
+
+    def _replace(self, name: str) -> None:
+        """Before this run saves step ``name`` again (a rollback's save of its target, spec/rollback.md
+        R-R09): remove the committed one, record first (R-O38). Object storage has no atomic replace:
+        a crash in between leaves no checkpoint at that step, so the resume starts from an earlier
+        one, which re-runs to the same rollback."""
+        if self.objects.head(self.url.child(name + RECORD_SUFFIX).key) is not None:
+            remove(self.objects, self.url, name)
 
     def _retain(self) -> None:
         """Remove all but the newest ``keep`` steps, each record first (R-O17); a failure is said, and
@@ -193,6 +201,7 @@ class ObjectRunStore(RunObjects):
             from ..format.commit import commit
 
             self._upload_history()  # before the record: a commit never outruns its rows (R-O37)
+            self._replace(name)
             commit(self.objects, self.url, name, objects)
         finally:
             self._forget(here)
@@ -310,6 +319,7 @@ class ObjectDcpStore(RunObjects, DcpStore):
         """Rank 0: the companions written in the working directory (bound to the run's environment
         record there), read back to be committed with the step by its record (R-O36)."""
         here = self._here(path)
+        self._replace(path.rpartition("/")[2])  # every rank waits for rank 0 here, before it writes
         if not os.path.exists(os.path.join(self.work_dir, ENVIRONMENT_FILE)):
             self._fetch(ENVIRONMENT_FILE, missing_ok=True)
         try:
