@@ -52,6 +52,7 @@ def test_audit_of_the_same_config_in_two_processes_is_identical(
     code = main(["audit", *TINY_FLAGS, "--steps", "3", "--keep-dir", str(tmp_path), "--json", "--quiet"])
     doc = json.loads(capsys.readouterr().out)
     assert code == 0, doc
+    assert doc["schema_version"] == 2 and doc["what"] == "audit"  # the one report of every audit (R-P13)
     assert doc["ok"] is True and doc["divergence"] is None and doc["resume_at"] is None
     assert doc["checkpoints_compared"] == 3  # --ckpt-every 1 and every checkpoint kept, by default
     assert doc["environment"]["torch"] and doc["environment_differences"] == []

@@ -109,7 +109,7 @@ class AuditReport:
     def to_json(self) -> dict[str, Any]:
         """The ``--json`` object (spec/replay.md R-P13)."""
         return {
-            "schema_version": 1,
+            "schema_version": 2,  # 1: the trainer's audit and the command report had objects of their own
             "ok": self.ok,
             "what": self.what,
             "command": list(self.command),
