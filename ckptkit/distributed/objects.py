@@ -21,8 +21,9 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from ..errors import IncompleteCheckpoint, UnsupportedOption
 from ..format.commit import Entry, Written, begin, fetch, finish, put_objects, read_record
@@ -31,7 +32,17 @@ from ..format.remote import locate
 from ..format.urls import StorageURL
 from .format import METADATA_NAME, DirMetadata, data_name
 
-__all__ = ["RemoteCheckpoint", "check_listed", "discard", "local_name", "refuse_local_companions", "scratch"]
+T = TypeVar("T")
+
+__all__ = [
+    "RemoteCheckpoint",
+    "check_listed",
+    "discard",
+    "file_bytes",
+    "local_name",
+    "refuse_local_companions",
+    "scratch",
+]
 
 
 def local_name(name: str, key: str) -> str:
@@ -162,6 +173,18 @@ def scratch() -> str:
 def discard(path: str | None) -> None:
     if path is not None:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def file_bytes(write: Callable[[str], T], name: str) -> tuple[T, bytes]:
+    """What ``write(directory)`` returns and the bytes of the file ``name`` it wrote there: the
+    local format's writer, for an object (in a private directory, removed after)."""
+    local = scratch()
+    try:
+        result = write(local)
+        with open(os.path.join(local, name), "rb") as f:
+            return result, f.read()
+    finally:
+        discard(local)
 
 
 def refuse_local_companions(companions: Mapping[str, bytes] | None, path: str) -> None:

@@ -90,7 +90,7 @@ from .format import (
     write_data_file,
     write_metadata,
 )
-from .objects import RemoteCheckpoint, check_listed, discard, refuse_local_companions, scratch
+from .objects import RemoteCheckpoint, check_listed, discard, file_bytes, refuse_local_companions, scratch
 
 __all__ = ["LoadPlanner", "Reader", "Writer", "logical_state", "read_chunk"]
 
@@ -282,13 +282,7 @@ class Writer(StorageWriter, _Recorder):
         put as the rank's object, whose ``(entry, ETag)`` goes to the coordinator (R-O30)."""
         if self.remote is None:
             return (*write_data_file(into, rank, world, chunks), None)
-        local = scratch()
-        try:
-            rank_file, placed = write_data_file(local, rank, world, chunks)
-            with open(os.path.join(local, data_name(rank)), "rb") as f:
-                data = f.read()
-        finally:
-            discard(local)
+        (rank_file, placed), data = file_bytes(lambda d: write_data_file(d, rank, world, chunks), data_name(rank))
         return rank_file, placed, self.remote.put_rank(rank, data)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -309,13 +303,7 @@ class Writer(StorageWriter, _Recorder):
         """The metadata's bytes (written locally, then read), then the one record over every rank's object."""
         assert self.remote is not None
         ranks = [wr.storage_data[4] for rr in results for wr in rr if wr.storage_data[0] == "file"]
-        local = scratch()
-        try:
-            write_metadata(local, md)
-            with open(os.path.join(local, METADATA_NAME), "rb") as f:
-                data = f.read()
-        finally:
-            discard(local)
+        _none, data = file_bytes(lambda d: write_metadata(d, md), METADATA_NAME)
         self.remote.commit(data, self.companions, ranks)
 
     def storage_meta(self) -> StorageMeta | None:

@@ -404,3 +404,7 @@ class LocalRunDir:
         """A checkpoint of either store is in the directory (``resume_or_start``); what an
         interrupted save left is none (R-023)."""
         return any(whole_checkpoints(self.run_dir, s) for s in (CKPT_SUFFIX, DCP_SUFFIX))
+
+    def began(self) -> bool:
+        began = os.path.isfile(os.path.join(self.run_dir, ENVIRONMENT_FILE))
+        return began or any(debris(self.run_dir, suffix) for suffix in (CKPT_SUFFIX, DCP_SUFFIX))

@@ -56,8 +56,24 @@ class RunObjects:
     run_dir: str
     keep: int
     log: Callable[[str], None]
-    listing: Callable[[], list[tuple[int, str]]]  # each store's committed steps
+    suffix: str  # the store's checkpoint names: step-N.ckpt, or a distributed run's step-N.dcp
+    wait: Callable[[], None]  # each store's wait for its save in flight
     delete: Callable[[str], None]  # each store's removal of one step
+
+    def path(self, step: int) -> str:
+        return str(self.url.child(checkpoint_name(step, self.suffix)))
+
+    def listing(self) -> list[tuple[int, str]]:
+        """Committed checkpoints only: objects without a record are no checkpoint (R-O15)."""
+        return self.steps(self.suffix)
+
+    def committed(self) -> list[tuple[int, str]]:
+        self.wait()
+        return self.listing()
+
+    def began(self) -> bool:
+        """Any object under the prefix: the run's environment record, or what a save left."""
+        return bool(self.objects.list(self.url.child("").key))
 
     def _open_objects(self, run_dir: str) -> None:
         self.url = parse(run_dir)
@@ -150,17 +166,6 @@ class ObjectRunStore(RunObjects):
         self._saver: AsyncSaver | None = AsyncSaver(compression=compression) if async_save else None
 
     # ------------------------------------------------------------------ names
-
-    def path(self, step: int) -> str:
-        return str(self.url.child(checkpoint_name(step)))
-
-    def listing(self) -> list[tuple[int, str]]:
-        """Committed checkpoints only: objects without a record are no checkpoint (R-O15)."""
-        return self.steps(CKPT_SUFFIX)
-
-    def committed(self) -> list[tuple[int, str]]:
-        self.wait()
-        return self.listing()
 
     def any_checkpoints(self) -> bool:
         return bool(self.listing())
@@ -287,16 +292,6 @@ class ObjectDcpStore(RunObjects, DcpStore):
         in one process takes this store, with a reshard: RS-D7)."""
         url = parse(run_dir)
         return any(listing(store_for(url), url, DCP_SUFFIX).values())
-
-    def path(self, step: int) -> str:
-        return str(self.url.child(checkpoint_name(step, DCP_SUFFIX)))
-
-    def listing(self) -> list[tuple[int, str]]:
-        return self.steps(DCP_SUFFIX)
-
-    def committed(self) -> list[tuple[int, str]]:
-        self.wait()
-        return self.listing()
 
     def any_checkpoints(self) -> bool:
         return bool(self.listing() or self.steps(CKPT_SUFFIX))

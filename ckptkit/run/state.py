@@ -307,6 +307,12 @@ class RunState(Registration, Stopping):
         """
         return self._store.committed()
 
+    def never_saved(self) -> bool:
+        """A run began in the run directory (its environment record, or what an interrupted save
+        left) but committed no checkpoint: resuming it is starting it (the same run, from step 0;
+        R-023). False for an untouched directory, which a resume refuses."""
+        return not self.checkpoints() and self._store.began()
+
     def discard_after(self, step: int) -> list[str]:
         """Delete checkpoints newer than ``step`` (after a rollback they belong to an
         abandoned timeline and must never be resumed). Returns the paths deleted."""

@@ -80,6 +80,11 @@ class Store(Protocol):
         """The run directory holds a checkpoint, of this store or another (``resume_or_start``)."""
         ...
 
+    def began(self) -> bool:
+        """A run began here: its environment record, or what an interrupted save left, is in the
+        run directory (committed checkpoints or not; R-023)."""
+        ...
+
     def listing(self) -> list[tuple[int, str]]:
         """``(step, path)`` of every checkpoint written, committed or not, oldest first."""
         ...

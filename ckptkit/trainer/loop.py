@@ -50,15 +50,13 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ReplayDivergence, ResumeRefused, SidecarMismatch
-from ..format.objectstore import store_for
-from ..format.urls import is_url, join, parse
+from ..format.urls import join
 from ..guard.faults import GradSpike
 from ..guard.monitor import SpikeMonitor, Verdict
 from ..guard.rollback_record import skipped_batches
 from ..guard.spikeguard import Executed, RolledBack, SpikeGuard
 from ..run import RunState
 from ..run.drift import DEFAULT_EXEMPT
-from ..run.files import CKPT_SUFFIX, DCP_SUFFIX, ENVIRONMENT_FILE, debris
 from ..run.history import HISTORY_FILE, History, digests_row, f32_bits, f64_bits, json_float
 from ..run.preemption import RunStopped
 from ..run.rng import Stream, mask_stream, sample_depth, torch_generator
@@ -697,7 +695,7 @@ def train(
             # -- start or resume --
             notes: list[str] = []
             # rank 0 looks (before its start sweeps what it found), every rank follows
-            if resume and run.ranks.any(run.ranks.rank == 0 and _never_saved(rs, os.fspath(run_dir))):
+            if resume and run.ranks.any(run.ranks.rank == 0 and rs.never_saved()):
                 log("no checkpoint was committed before the run stopped: starting it again from step 0")
                 resume = False
             if resume:
@@ -786,18 +784,6 @@ def _loop(
     if last_saved != final:  # a fresh run of 0 steps still leaves its step-0 checkpoint
         path = recorder.save(final)
     return final, path
-
-
-def _never_saved(rs: RunState, run_dir: str) -> bool:
-    """A run that began here (its environment record, or what an interrupted save left) but
-    committed no checkpoint: its resume is its start (the same run, from step 0; R-023)."""
-    if rs.checkpoints():
-        return False
-    if is_url(run_dir):  # any object under the prefix: its environment record, or a save's leftovers
-        url = parse(run_dir)
-        return bool(store_for(url).list(url.child("").key))
-    began = os.path.isfile(os.path.join(run_dir, ENVIRONMENT_FILE))
-    return began or any(debris(run_dir, suffix) for suffix in (CKPT_SUFFIX, DCP_SUFFIX))
 
 
 def _start(run: Run, rs: RunState, history: History, fingerprint: dict[str, Any], log: Log) -> int:
