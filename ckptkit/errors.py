@@ -67,6 +67,7 @@ import os
 from typing import Any
 
 __all__ = [
+    "EXIT_UNSTABLE",
     "EXIT_STOPPED",
     "AuditError",
     "BadMagic",
@@ -388,6 +389,10 @@ class RunDirInUse(ResumeRefused):
 class LeaseLost(CheckpointError, RuntimeError):
     """This job may no longer write its run directory: another job took its lease over, or this
     rank's launcher died (spec/lease.md R-LS06, R-LS07). Raised before a save writes anything."""
+
+
+#: The exit code of a command that ended with :class:`TrainingUnstable` (``ckptkit train``, spec/cli.md).
+EXIT_UNSTABLE = 3
 
 
 class TrainingUnstable(CheckpointError, RuntimeError):

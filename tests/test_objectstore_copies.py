@@ -57,7 +57,10 @@ def test_diff_plot_and_replay_read_an_s3_run_through_a_verified_local_copy(
 
     assert main(["replay", run, "--from", "2", "--quiet", "--threads", "1"]) == 0  # the reference trainer's replay
     out, err = _err_lines(capsys)
-    assert "IDENTICAL: 2 step(s) replayed" in out and "2 committed checkpoint(s)" in err[0], (out, err)
+    assert (
+        "IDENTICAL: steps 2..3, every history fingerprint and 1 checkpoint(s)" in out
+        and "2 committed checkpoint(s)" in err[0]
+    ), (out, err)
     command = [sys.executable, "-m", "ckptkit", "train", "--run-dir", "{run_dir}", *TRAIN, "--resume"]
     assert main(["replay", run, "--from", "3", "--quiet", "--", *command]) == 0  # any loop: from step 2
     assert "IDENTICAL" in capsys.readouterr().out

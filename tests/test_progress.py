@@ -282,7 +282,10 @@ def test_replay_and_verify_show_their_bars_in_a_terminal(tmp_path: Path, capsys:
     assert any(
         re.search(r"replay: 100%\|[^|]*\| 6/6 \[\d\d:\d\d<00:00, +[\d.]+(step/s|s/step)\]", p) for p in pieces
     ), screen
-    assert pieces[-1] == "IDENTICAL: 4 step(s) replayed (steps 2..5), every fingerprint bit for bit"
+    assert (
+        pieces[-1]
+        == "IDENTICAL: steps 2..5, every history fingerprint and 2 checkpoint(s) bit for bit (9 recorded rows)"
+    )
     # verify: a bar in bytes for two or more files, before the result lines (which go to stdout).
     code, screen = run_in_terminal([sys.executable, "-m", "ckptkit", "verify", str(run)], cwd=tmp_path)
     assert code == 0, screen

@@ -35,7 +35,7 @@ from ckptkit.run.fingerprint import (
 from ckptkit.trainer import TrainerConfig
 from ckptkit.trainer.config import knobs
 from ckptkit.trainer.replay import replay
-from ckptkit.trainer.replay_report import ReplayReport
+from ckptkit.audit.commands import AuditReport
 
 pytestmark = pytest.mark.slow
 
@@ -133,9 +133,10 @@ def test_replay_of_an_untouched_run_is_identical_and_leaves_the_run_alone(
     code, doc = _replay(capsys, str(perturbed), "--from", "2")
     assert code == 0, doc
     assert doc["ok"] is True and doc["divergence"] is None
-    assert (doc["from"], doc["to"], doc["steps_replayed"], doc["schema_version"]) == (2, 6, 4, 1)
+    assert (doc["what"], doc["resume_at"], doc["steps"], doc["schema_version"]) == ("replay", 2, 6, 2)
+    assert doc["checkpoints_compared"] == 2  # RUN's step 4 and 6 against the replay's, bit for bit
     assert main(["replay", str(perturbed), "--from", "3", "--to", "4", "--quiet"]) == 0  # from the checkpoint at 2
-    assert "IDENTICAL: 2 step(s) replayed (steps 2..3)" in capsys.readouterr().out
+    assert "IDENTICAL: steps 2..3, every history fingerprint and 1 checkpoint(s) bit for bit" in capsys.readouterr().out
     assert _files(perturbed) == before
 
 
@@ -156,13 +157,14 @@ def test_replay_names_the_step_and_parameter_of_a_recorded_perturbation(
     assert d["tensors"][0]["n_diff"] == 1 and 0 < d["tensors"][0]["max_abs_diff"] < ulp
     assert "step-00000004.ckpt" in d["values"]  # the recorded values: the run's verified checkpoint
     assert d["rerun"]["identical"] is True  # deterministic here: the recording ran something else
-    with pytest.raises(ckptkit.ReplayDivergence, match=f"(?s)DIVERGED at step 3.*{NAME}"):
+    with pytest.raises(ckptkit.ReplayDivergence, match=f"(?s)DIFFERS at step 3.*{NAME}"):
         replay(perturbed, 2, overrides={"train.perturb_at": None}).raise_for_divergence()
-    assert doc["overrides"] == [{"field": "train.perturb_at", "snapshot": 3, "replay": None}]
+    assert doc["overrides"] == [{"field": "train.perturb_at", "recorded": 3, "replay": None}]
+    assert "the runs' configs differ in train.perturb_at: the likely cause" in d["hints"]
     assert _files(perturbed) == before
     main(["replay", str(perturbed), "--from", "2", "--no-perturb", "--quiet"])
     out = capsys.readouterr().out
-    assert "DIVERGED at step 3" in out and NAME in out and "1/" in out
+    assert "DIFFERS at step 3: the step row" in out and NAME in out and "1/" in out
 
 
 def test_replay_with_a_perturbation_names_it_even_without_a_checkpoint_after_it(perturbed: Path) -> None:
@@ -299,8 +301,8 @@ def test_a_rerun_that_differs_in_its_row_but_in_no_tensor_is_described_not_crash
     tensor matches; the report names the field and no tensor (it raised ValueError before)."""
     rerun = Rerun(False, fields=(FieldDiff("loss_bits", "0x40a00000", "0x40a00001"),))
     d = Difference("step", 7, fields=(FieldDiff("loss_bits", "0x40a00000", "0x40a00002"),), rerun=rerun)
-    text = ReplayReport("run", "step-00000005.ckpt", 5, 10, 3, divergence=d).describe()
-    assert text.splitlines()[-2:] == [
-        "  re-run of step 7 twice here: DIFFERS (nondeterministic in this process):",
-        "    loss_bits: first 0x40a00000, second 0x40a00001",
-    ]
+    text = AuditReport("replay", ("ckptkit", "train"), 10, 5, 3, 0, d).describe()
+    assert (
+        "  re-run of step 7 twice here: DIFFERS (nondeterministic in this process):\n"
+        "    loss_bits: first 0x40a00000, second 0x40a00001\n"
+    ) in text

@@ -28,7 +28,9 @@ directories are removed whatever happens. spec/replay.md "Any loop".
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -38,14 +40,17 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import AuditError, CheckpointError, CheckpointNotFound, ReplayError
+from ..errors import AuditError, CheckpointError, CheckpointNotFound, ReplayDivergence, ReplayError
+from ..format.checkpoint import load
+from ..format.tree import checkpoint_state
 from ..run import ENVIRONMENT_FILE, read_environment
-from ..run.difference import Difference
+from ..run.difference import Difference, FieldDiff, show
 from ..run.environment import EnvDiff, diff_environment
 from ..run.files import run_checkpoints
+from ..run.fingerprint import differing_names, leaf_digests
 from ..run.history import HISTORY_FILE, read_rows
 from ..run.preemption import EXIT_STOPPED, STOP_AT_ENV
-from .recording import LAYOUT_ONLY, RunRecording, first_difference, rebuild_difference
+from .recording import LAYOUT_ONLY, RunRecording, first_difference, named_reports, rebuild_difference
 
 __all__ = ["PLACEHOLDER", "AuditReport", "audit_command", "compare_runs", "replay_command", "replay_start", "stop_job"]
 
@@ -100,11 +105,22 @@ class AuditReport:
     b: str | None = None
     environment: Mapping[str, Any] = field(default_factory=dict)  # run a's facts
     environment_differences: tuple[EnvDiff, ...] = ()
+    overrides: tuple[FieldDiff, ...] = ()  # what a replay changed from the recorded config, on purpose
+    notes: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
         """The runs are bit-identical (environment differences are shown, not judged)."""
         return self.divergence is None
+
+    def raise_for_divergence(self) -> None:
+        """Raise :class:`~ckptkit.errors.ReplayDivergence` (message: :meth:`describe`) unless ``ok``.
+
+        Raises:
+            ReplayDivergence: the runs differ.
+        """
+        if self.divergence is not None:
+            raise ReplayDivergence(self.describe())
 
     def to_json(self) -> dict[str, Any]:
         """The ``--json`` object (spec/replay.md R-P13)."""
@@ -123,6 +139,8 @@ class AuditReport:
             "environment_differences": [
                 {"key": d.key, "a": d.recorded, "b": d.current} for d in self.environment_differences
             ],
+            "overrides": [{"field": f.field, "recorded": f.recorded, "replay": f.replayed} for f in self.overrides],
+            "notes": list(self.notes),
             "divergence": None if self.divergence is None else self.divergence.to_json("a", "b"),
         }
 
@@ -132,8 +150,12 @@ class AuditReport:
         lines = [self._headline()]
         if self.a is not None:
             lines.append(f"runs: {self.a} {self.b}")
+        lines += [
+            f"override: {f.field}: recorded {show(f.recorded)}, replay {show(f.replayed)}" for f in self.overrides
+        ]
         lines += self._environment_lines()
-        if self.rows_compared == 0:
+        lines += [f"note: {n}" for n in self.notes]
+        if self.rows_compared == 0 and self.checkpoints_compared:
             lines.append(
                 "note: the command records no rows; add state.record(step, loss=...) to name the first "
                 "step that differs (checkpoints are compared either way)"
@@ -226,10 +248,24 @@ def compare_runs(
     """
     rec_a, rec_b = RunRecording(a), RunRecording(b)
     start = resume_at if what == "replay" and resume_at is not None else 0
-    if to_step is not None:  # the recording up to where the replay stops (the state after it included)
-        rec_a.rows = [r for r in rec_a.rows if r["step"] < to_step or (r["kind"] == "digests" and r["step"] == to_step)]
-        rec_a.checkpoints = {s: p for s, p in rec_a.checkpoints.items() if s <= to_step}
+    if to_step is not None:  # the recording until it first reaches where the replay stops (the state after it included)
+        ends = (
+            i
+            for i, r in enumerate(rec_a.rows)
+            if r["step"] > to_step or (r["step"] == to_step and r["kind"] != "digests")
+        )
+        cut = next(ends, len(rec_a.rows))
+        # A rollback past the cut saved its target step again: from there on RUN's files are a later timeline's.
+        later = min(
+            (r["to"] for r in rec_a.rows[cut:] if r["kind"] == "rollback" and type(r.get("to")) is int), default=None
+        )
+        rec_a.rows = rec_a.rows[:cut]  # a prefix: after a rollback, step numbers repeat
+        rec_a.checkpoints = {
+            s: p for s, p in rec_a.checkpoints.items() if s <= to_step and (later is None or s < later)
+        }
     d = first_difference(rec_a, rec_b, from_step=start)
+    if d is not None and d.kind == "checkpoint":
+        d = _altered(rec_a, d) or d
     if d is not None and explain is not None:
         d = explain(d, a, b)
     env_a, env_b = _environment(a), _environment(b)
@@ -237,7 +273,8 @@ def compare_runs(
     return AuditReport(
         what,
         tuple(command),
-        (rec_a if what == "audit" else rec_b).last_step or start,
+        (rec_a.last_step if what == "audit" else rec_b.last or rec_b.last_step)
+        or start,  # a replay: where its rows end
         resume_at,
         len([r for r in rec_b.rows if r["step"] >= start]),
         len([s for s in shared if s > start]) if what == "replay" else len(shared),
@@ -247,6 +284,33 @@ def compare_runs(
         env_a,
         tuple(diff_environment(env_a, env_b)),
     )
+
+
+#: The hint for a file that verifies but is not what its run wrote (spec/replay.md R-P06).
+_ALTERED = (
+    "the file verifies (its container checksums were re-sealed) but is not what the run wrote: it was "
+    "altered after the fact; do not resume from it"
+)
+
+
+def _recorded_mismatch(rec: RunRecording, step: int) -> tuple[str, list[str], Mapping[str, int], dict[str, int]]:
+    """The run's checkpoint at ``step`` against the digests its ``checkpoint`` row recorded when it
+    was written: (path, the names that differ, recorded, the file's); nothing differs without a row.
+
+    Raises:
+        FormatError: the file does not verify.
+    """
+    path, recorded = rec.checkpoints[step], rec.checkpoint_digests.get(step)
+    if recorded is None or os.path.isdir(path):  # a .dcp directory's state is not read here
+        return path, [], {}, {}
+    digests = leaf_digests(checkpoint_state(load(path)))
+    return path, differing_names(recorded, digests), recorded, digests
+
+
+def _altered(rec_a: RunRecording, d: Difference) -> Difference | None:
+    """A checkpoint difference where run a's own file is not what run a recorded writing: said so."""
+    path, bad, _, _ = _recorded_mismatch(rec_a, d.step)
+    return dataclasses.replace(d, file=path, hints=(_ALTERED, *d.hints)) if bad else None
 
 
 # ----------------------------------------------------------------------------- running
@@ -288,9 +352,13 @@ def stop_job(proc: subprocess.Popen[Any]) -> None:
     proc.communicate()
 
 
-def _steps_recorded(run_dir: str) -> int:
-    """Steps done by the run's ``step`` rows so far (0 before the first)."""
-    rows = [r for r in read_rows(os.path.join(run_dir, HISTORY_FILE))[0] if r["kind"] == "step"]
+def _steps_recorded(run_dir: str, since: float = 0.0) -> int:
+    """Steps done by the run's ``step`` rows written at or after ``since`` (0 before the first)."""
+    rows = [
+        r
+        for r in read_rows(os.path.join(run_dir, HISTORY_FILE))[0]
+        if r["kind"] == "step" and r.get("time", since) >= since
+    ]
     return rows[-1]["step"] + 1 if rows else 0
 
 
@@ -305,6 +373,9 @@ class _Runner:
     on_step: OnStep | None = None
     total: int | None = None  # the steps both runs train, when known (the progress callback's total)
     done: int = 0  # steps the runs before this one trained
+    accept: Sequence[int] = ()  # exit codes that end the command as its recording may have ended
+    since: float = 0.0  # progress counts rows written from then on (a replay's copied rows are not its own)
+    stopped: str = ""  # the last stderr line of a command that exited with an accepted code
 
     def run(self, run_dir: str, label: str, *, stop_at: int | None = None, extra: Sequence[str] = ()) -> int:
         """Run the command on ``run_dir``; returns its exit code (0, or 75 when it stopped as asked).
@@ -327,7 +398,10 @@ class _Runner:
                 raise
             if code not in (0, EXIT_STOPPED):
                 err.seek(0)
-                _trouble(label, code, err.read().decode("utf-8", "replace"), run_dir)
+                text = err.read().decode("utf-8", "replace")
+                if code not in self.accept:
+                    _trouble(label, code, text, run_dir)
+                self.stopped = f"exit {code}: {_last_message(text)}"
         return code
 
     def _wait(self, proc: subprocess.Popen[bytes], run_dir: str, label: str) -> int:
@@ -347,9 +421,18 @@ class _Runner:
         """Tell ``on_step`` the steps trained so far (a run that ``finished`` counts whole)."""
         if self.on_step is None or self.total is None:
             return
-        self.on_step(min(self.done + _steps_recorded(run_dir), self.total), self.total)
+        steps = _steps_recorded(run_dir, self.since)
+        if steps:  # nothing new yet: the bar stays where it is (a replay's starts at its checkpoint)
+            self.on_step(min(self.done + steps, self.total), self.total)
         if finished:
-            self.done += _steps_recorded(run_dir)
+            self.done += steps
+
+
+def _last_message(stderr: str) -> str:
+    """The first line of the last message a command wrote (``ckptkit train: ...``), or its last line."""
+    lines = stderr.strip().splitlines() or ["(nothing on stderr)"]
+    heads = [i for i, line in enumerate(lines) if re.match(r"[\w.-]+( [\w.-]+)?: ", line)]
+    return lines[heads[-1] if heads else -1]
 
 
 class _Diverged(Exception):
@@ -478,14 +561,60 @@ def replay_start(run_dir: str, from_step: int) -> tuple[int, str]:
     return max(before), ckpts[max(before)]
 
 
-def _copy_start(run_dir: str, ckpt: str, work: str) -> None:
-    """The checkpoint (file or directory, and its companions), the environment record and the history."""
+def copy_checkpoint(run_dir: str, ckpt: str, work: str) -> None:
+    """A checkpoint of RUN (file or directory) and its companions, into ``work``."""
     name = os.path.basename(ckpt)
-    os.makedirs(work)
     for f in sorted(os.listdir(run_dir)):
-        if f.startswith(name) or f in (ENVIRONMENT_FILE, HISTORY_FILE):
+        if f == name or f.startswith(name + "."):
             src, dst = os.path.join(run_dir, f), os.path.join(work, f)
             shutil.copytree(src, dst) if os.path.isdir(src) else shutil.copy2(src, dst)
+
+
+def _copy_start(run_dir: str, ckpt: str, work: str) -> None:
+    """The checkpoint (and its companions), the environment record and the history."""
+    os.makedirs(work, exist_ok=True)
+    copy_checkpoint(run_dir, ckpt, work)
+    for f in (ENVIRONMENT_FILE, HISTORY_FILE):
+        if os.path.isfile(os.path.join(run_dir, f)):
+            shutil.copy2(os.path.join(run_dir, f), os.path.join(work, f))
+
+
+def _start_difference(rec: RunRecording, start: int, notes: list[str]) -> Difference | None:
+    """R-P06: the starting checkpoint against the digests recorded when it was written (a
+    recording that keeps ``checkpoint`` rows), before anything is re-run from it."""
+    path, bad, recorded, digests = _recorded_mismatch(rec, start)
+    if rec.checkpoint_digests and start not in rec.checkpoint_digests:
+        notes.append(
+            f"the recording holds no digests for {os.path.basename(path)} (an older ckptkit wrote it): "
+            "the starting checkpoint is trusted as it is"
+        )
+    if not bad:
+        return None
+    return Difference(
+        "checkpoint",
+        start,
+        file=path,
+        tensors=tuple(named_reports(bad, recorded, digests, "values unavailable")),
+        values="the recording keeps digests, not values; replay from an earlier checkpoint "
+        "(--from a smaller step) re-derives the recorded values and measures the difference",
+        hints=(_ALTERED,),
+    )
+
+
+def _replay_dir(run_dir: str, keep_dir: str | None) -> str | None:
+    """``--out`` made absolute: empty (or new) and outside RUN.
+
+    Raises:
+        ReplayError: naming the option.
+    """
+    if keep_dir is None:
+        return None
+    out, run = os.path.abspath(keep_dir), os.path.abspath(run_dir)
+    if os.path.commonpath([out, run]) == run:
+        raise ReplayError(f"--out {out} is inside the run directory; replay never writes into RUN")
+    if os.path.isdir(out) and os.listdir(out):
+        raise ReplayError(f"--out {out} is not empty")
+    return out
 
 
 def replay_command(
@@ -494,6 +623,12 @@ def replay_command(
     argv: Sequence[str],
     *,
     to_step: int | None = None,
+    prepare: Callable[[str], None] | None = None,
+    accept: Sequence[int] = (),
+    explain: Explain | None = None,
+    overrides: Sequence[FieldDiff] = (),
+    notes: Sequence[str] = (),
+    on_step: OnStep | None = None,
     timeout: float = DEFAULT_TIMEOUT,
     keep_dir: str | None = None,
     log: Log | None = None,
@@ -501,25 +636,74 @@ def replay_command(
     """Re-run a run from its checkpoint at (or before) ``from_step`` with the command; compare.
 
     RUN is only read: the checkpoint, its companions, ``environment.json`` and
-    ``history.jsonl`` are copied into a fresh directory the command resumes from; its
-    rows and checkpoints from there on are compared with RUN's (up to ``to_step``, where
-    the command stops: its own arguments say so).
+    ``history.jsonl`` are copied into a fresh directory (``keep_dir``, else a temporary
+    one) the command resumes from; its rows and checkpoints from there on are compared
+    with RUN's (up to ``to_step``, where the command stops: its own arguments say so).
+    A starting checkpoint that is not what RUN recorded writing is the difference, and
+    nothing is run (R-P06).
+
+    Args:
+        prepare: adjusts the copy before the command runs (the trainer binds its
+            overrides' config snapshot to it and adds its rollback ring's base).
+        accept: exit codes besides 0 that end the command as its recording may have
+            ended (the trainer's "training is unstable"): the rows are compared all the same.
+        explain: says more about a difference (:data:`Explain`).
+        overrides, notes: what the caller changed on purpose, and what it has to say: reported.
+        on_step: progress: (steps done, ``to_step``).
 
     Raises:
         CheckpointNotFound: no checkpoint at or before ``from_step``.
-        ReplayError: no ``{run_dir}`` in the command.
+        ReplayError: no ``{run_dir}`` in the command, ``keep_dir`` inside RUN or not empty.
         AuditError: the command failed or timed out.
+        FormatError: a checkpoint the comparison reads does not verify.
     """
     _substitute(argv, "", ReplayError)
-    start, ckpt = replay_start(run_dir, from_step)
-    with _workdir(keep_dir, "ckptkit-replay-") as base:
-        work = os.path.join(base, "replay")
-        _copy_start(run_dir, ckpt, work)
-        kept = keep_dir is not None
+    start, _ckpt = replay_start(run_dir, from_step)
+    rec = RunRecording(run_dir)
+    said = list(notes)
+    out = _replay_dir(run_dir, keep_dir)
+    altered = _start_difference(rec, start, said)
+    if altered is not None:
+        return AuditReport(
+            "replay", tuple(argv), start, start, 0, 0, altered, overrides=tuple(overrides), notes=tuple(said)
+        )
+    to = to_step if to_step is not None else rec.last
+    runner = _Runner(argv, ReplayError, timeout, log or (lambda _m: None), on_step, to, accept=accept)
+    with _workdir(out, "ckptkit-replay-") as base:
+        work = base if out is not None else os.path.join(base, "replay")
+        _copy_start(run_dir, rec.checkpoints[start], work)
+        if prepare is not None:
+            prepare(work)
+        kept = out is not None
+        runner.since = time.time()
         try:
-            _Runner(argv, ReplayError, timeout, log or (lambda _m: None)).run(work, f"replay from step {start}")
+            if runner.run(work, f"replay from step {start}") in accept:
+                said.append(f"the replay stopped: {runner.stopped}")
         except _Diverged as e:  # the replay found itself not the recorded run, and stopped
             return AuditReport(
-                "replay", tuple(argv), e.step, start, 0, 0, e.difference, *((run_dir, work) if kept else ())
+                "replay",
+                tuple(argv),
+                e.step,
+                start,
+                0,
+                0,
+                e.difference,
+                *((run_dir, work) if kept else ()),
+                overrides=tuple(overrides),
+                notes=tuple(said),
             )
-        return compare_runs("replay", argv, run_dir, work, resume_at=start, to_step=to_step, kept=kept)
+        runner.progress(work)
+        _log_resume_notes(work, runner.since, runner.log)
+        report = compare_runs(
+            "replay", argv, run_dir, work, resume_at=start, to_step=to_step, kept=kept, explain=explain
+        )
+        return dataclasses.replace(report, overrides=tuple(overrides), notes=tuple(said))
+
+
+def _log_resume_notes(work: str, since: float, log: Log) -> None:
+    """What the replay said as it resumed (its ``resume`` row's notes: a rebuilt rollback ring, ...)."""
+    for r in read_rows(os.path.join(work, HISTORY_FILE))[0]:
+        if r["kind"] == "resume" and r.get("time", 0.0) >= since:
+            for note in r.get("notes") or ():  # not the rows it dropped: RUN's, past the start, copied
+                if not str(note).startswith("history: dropped"):
+                    log(f"replay resumed at step {r['step']}: {note}")

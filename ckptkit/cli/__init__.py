@@ -23,6 +23,7 @@ import sys
 from collections.abc import Sequence
 
 from ..errors import (
+    EXIT_UNSTABLE,
     CheckpointError,
     FormatError,
     NoConsistentCheckpoint,
@@ -37,7 +38,6 @@ __all__ = ["EXIT_OK", "EXIT_PROBLEMS", "EXIT_TROUBLE", "EXIT_UNSTABLE", "main"]
 EXIT_OK = 0
 EXIT_PROBLEMS = 1
 EXIT_TROUBLE = 2
-EXIT_UNSTABLE = 3
 
 # Subcommand name -> module in this package. Modules are imported on demand so
 # `ckptkit verify` never pays for torch.

@@ -6,8 +6,9 @@
     ckptkit replay runs/a --from 100 --threads 1 --allow-env-change
     ckptkit replay runs/b --from 20 -- python train.py --run-dir {run_dir} --steps 40   # any loop
 
-The logic is ``ckptkit.trainer.replay`` (spec/replay.md); this module is its command
-line. RUN is only read.
+The logic is the one replay engine (``ckptkit.audit.commands.replay_command``), run on the
+command after ``--`` or, without one, on the reference trainer (``ckptkit.trainer.replay``,
+spec/replay.md); this module is its command line. RUN is only read.
 """
 
 from __future__ import annotations
@@ -29,18 +30,24 @@ URL_COPIES = {"run_dir": lambda args: replay_from(args.run_dir, args.from_step)}
 _EPILOG = """\
 example:
   $ ckptkit replay runs/a --from 4
-  replay: runs/a/step-00000004.ckpt (step 4) -> step 8
-  environment: as recorded
-  IDENTICAL: 4 step(s) replayed (steps 4..7), every fingerprint bit for bit
+  replay: from the checkpoint at step 4 to step 8
+  environment: torch 2.13.0+cpu, python 3.11.7, ..., deterministic_algorithms True, ...
+  IDENTICAL: steps 4..7, every history fingerprint and 2 checkpoint(s) bit for bit (9 recorded rows)
   $ ckptkit replay runs/a --from 4 --perturb-at 5          # a deliberate 1-ulp change
   ...
-  DIVERGED at step 5 (history row step=5; 1 step(s) before it matched)
-    params_digest: recorded 1759301940082429405, replayed 12854832158268343374
-    tensors that differ from the recording (1), first computed first:
-      model:model.wte  1/8192 elements differ, max |diff| 9.31323e-10
+  DIFFERS at step 5: the step row
+    params_digest: the recording 12726245701552693584, the replay 4942022468468873759
+    tensors that differ (1), first computed first:
+      model:model.wte  1/16384 elements differ, max |diff| 9.31323e-10
+    values: both runs' step-00000006.ckpt, compared as ckptkit diff --tensors does
+    re-run of step 5 twice here: identical (deterministic in this process)
+    hint: the runs' configs differ in train.perturb_at: the likely cause
   $ echo $?
   1
 
+The replay is `ckptkit train --resume` (torchrun with as many ranks for a torchrun run) in a
+fresh process, from a copy of RUN's checkpoint at or before --from, compared row by row and
+checkpoint by checkpoint with RUN's recording (spec/replay.md).
 Any trainer flag below overrides the value in the checkpoint's config snapshot (the
 override is printed with the result); --no-perturb clears the --perturb-at testing aid.
 
@@ -88,7 +95,7 @@ def add_parser(sub: Any) -> None:
         metavar="STEP",
         help="stop when this many steps are done (default: the end of the recording)",
     )
-    g.add_argument("--json", action="store_true", help="print one JSON object (schema_version 1)")
+    g.add_argument("--json", action="store_true", help="print one JSON object (schema_version 2, the audit's)")
     g.add_argument(
         "--out",
         metavar="DIR",
@@ -116,30 +123,24 @@ def add_parser(sub: Any) -> None:
         type=float,
         default=600.0,
         metavar="SECONDS",
-        help="with -- CMD: the most the command may take (default 600)",
+        help="the most the replaying process may take (default 600)",
     )
     add_knobs(p)
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..errors import CheckpointError
     from ..trainer.config import knobs
-    from ..trainer.replay import replay
 
-    command = args.cmd
-    if not command:
-        from ..trainer.torchrun_replay import recorded_world
-
-        if recorded_world(args.run_dir) > 1:
-            return _replay_ranks(args)
-    if command:
+    if args.cmd:  # any loop: the command that made RUN
         from ..audit.commands import replay_command
 
         with Progress("replay", quiet=args.quiet) as progress:
             outcome = replay_command(
-                args.run_dir, args.from_step, command, timeout=args.timeout, keep_dir=args.out, log=progress.log
+                args.run_dir, args.from_step, args.cmd, timeout=args.timeout, keep_dir=args.out, log=progress.log
             )
         return print_verdict(outcome, args.json)
+    from ..trainer.replay import replay
+
     overrides = {key: getattr(args, key) for key, _ in knobs() if getattr(args, key, None) is not None}
     overrides.pop("train.steps", None)  # --to says where to stop
     if args.no_perturb:
@@ -157,35 +158,13 @@ def run(args: argparse.Namespace) -> int:
                 allow_env_change=args.allow_env_change,
                 threads=args.threads,
                 out_dir=args.out,
+                timeout=args.timeout,
                 log=progress.log,
                 on_step=progress.at,
             )
-    except CheckpointError:
-        raise  # the dispatcher prints it: 1 for a damaged file or a refused environment, 2 otherwise (ReplayError)
     except ValueError as e:  # an override the config refuses
         if getattr(args, "debug", False):
             raise
         print(f"ckptkit replay: {e}", file=sys.stderr)
         return 2
-    return print_verdict(report, args.json)
-
-
-def _replay_ranks(args: argparse.Namespace) -> int:
-    """A run trained under torchrun: replayed by as many ranks, with its own config (spec/trainer.md R-T14)."""
-    from ..trainer.config import knobs
-    from ..trainer.torchrun_replay import recorded_world, replay_ranks
-
-    given = [key for key, _ in knobs() if getattr(args, key, None) is not None]
-    if given or args.threads is not None or args.allow_env_change or args.no_perturb:
-        print(
-            f"ckptkit replay: {args.run_dir} was trained by {recorded_world(args.run_dir)} ranks: it is replayed "
-            "by as many ranks with its own config and environment, so trainer flags, --threads, "
-            "--allow-env-change and --no-perturb do not apply",
-            file=sys.stderr,
-        )
-        return 2
-    with Progress("replay", quiet=args.quiet) as progress:
-        report = replay_ranks(
-            args.run_dir, args.from_step, args.to_step, timeout=args.timeout, keep_dir=args.out, log=progress.log
-        )
     return print_verdict(report, args.json)

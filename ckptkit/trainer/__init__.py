@@ -8,8 +8,9 @@ Modules: ``config`` (the plan: every knob a config key), ``data`` (the byte
 stream and its offset rule), ``model`` (GPT, int8 fake quant, EMA teacher),
 ``ngram`` (the bigram table kept in the ``.ngram`` sidecar), ``history``
 (``history.jsonl``), ``loop`` (the training loop: ``train``, ``train_step``), ``parallel``
-(the loop under torchrun: DDP / FSDP2, each rank's rows, the reductions), ``torchrun_replay``
-(replaying a torchrun run with as many ranks). The format library never imports
+(the loop under torchrun: DDP / FSDP2, each rank's rows, the reductions), ``audit`` and
+``replay`` (the one audit and replay engine run on ``ckptkit train``, with the trainer's
+hooks). The format library never imports
 this package. ``spec/trainer.md`` is the contract for its files.
 """
 

@@ -21,25 +21,42 @@ import dataclasses
 import enum
 import functools
 import os
+import shutil
 import tempfile
 from collections.abc import Callable
 from typing import Any
 
-from ..audit.commands import PLACEHOLDER, AuditReport, audit_command
+import torch
+
+from ..audit.commands import PLACEHOLDER, AuditReport, audit_command, copy_checkpoint
 from ..audit.commands import compare_runs as audit_compare
-from ..audit.compare import compare_checkpoints
-from ..audit.recording import tensor_reports
-from ..errors import AuditError, CheckpointError
+from ..audit.compare import compare_checkpoints, compare_states
+from ..audit.recording import step_fields, tensor_reports
+from ..errors import AuditError, CheckpointError, ReplayError
 from ..format.snapshot import read_snapshot, snapshot_path
-from ..run import checkpoint_name, list_checkpoints
-from ..run.difference import Difference
+from ..format.tree import checkpoint_state
+from ..run import ENVIRONMENT_FILE, RunState, checkpoint_name, list_checkpoints
+from ..run.difference import Difference, Rerun
 from ..run.drift import DEFAULT_EXEMPT, diff_keys
 from ..run.files import run_checkpoints
+from ..run.fingerprint import first_divergence
 from .config import TrainerConfig, flag_name, knobs
+from .data import data_fingerprint, load_bytes
+from .digests import MODEL_PREFIX
+from .loop import Run, _after_resume, build, deterministic_torch, observed_step, run_state, spike_guard
 from .parallel import launcher
-from .replay import config_of, rerun_step
 
-__all__ = ["AUDIT_DEFAULTS", "AuditError", "AuditReport", "audit", "compare_runs", "explain", "knob_flags"]
+__all__ = [
+    "AUDIT_DEFAULTS",
+    "AuditError",
+    "AuditReport",
+    "audit",
+    "compare_runs",
+    "config_of",
+    "explain",
+    "knob_flags",
+    "rerun_step",
+]
 
 Log = Callable[[str], None]
 
@@ -154,12 +171,13 @@ def compare_runs(
 # ----------------------------------------------------------------------------- explaining
 
 
-def explain(d: Difference, a: str, b: str, *, rerun: bool, log: Log) -> Difference:
+def explain(d: Difference, a: str, b: str, *, rerun: bool, log: Log, rerun_in: str = "a") -> Difference:
     """The trainer's hook (:data:`ckptkit.audit.commands.Explain`): a step divergence with the
     tensors' values from both runs' checkpoints after the step, the step re-run twice in this
-    process (``rerun``) and the runs' strict config differences as the likely cause; a
+    process (``rerun``; from run ``rerun_in``'s checkpoint before it: a replay's is ``b``, with
+    the replay's config) and the runs' strict config differences as the likely cause; a
     checkpoint whose tensors differ while every row matched, with what that means."""
-    if d.kind == "checkpoint" and d.tensors:
+    if d.kind == "checkpoint" and d.tensors and not d.hints:  # a hint already says why (altered after the fact)
         hint = (
             "the container bytes differ while every fingerprint matched: state outside the "
             "fingerprints (see the tensors) was not reproduced"
@@ -169,7 +187,7 @@ def explain(d: Difference, a: str, b: str, *, rerun: bool, log: Log) -> Differen
         return d
     d = _with_values(d, a, b)
     if rerun:
-        d = _with_rerun(d, a, log)
+        d = _with_rerun(d, a if rerun_in == "a" else b, log)
     drift = _config_drift(a, b)
     if drift:
         d = dataclasses.replace(
@@ -203,14 +221,13 @@ def _with_rerun(d: Difference, a: str, log: Log) -> Difference:
         return d
     start, ckpt = before[-1]
     with tempfile.TemporaryDirectory(prefix="ckptkit-audit-rerun-") as tmp:
-        from .loop import deterministic_torch
-
         with deterministic_torch():
             cfg = config_of(ckpt).replace(**{"train.steps": d.step + 1})
-            again = rerun_step(cfg, ckpt, start, a, d.step, tmp, frozenset(DEFAULT_EXEMPT), log)
+            again = rerun_step(cfg, ckpt, start, d.step, tmp, frozenset(DEFAULT_EXEMPT), log)
     hint = (
-        "the step is deterministic within one process: the runs differ by process state "
-        "(thread pools, lazily initialised kernels, a global RNG seeded per process) or by the resume"
+        "the step is deterministic within one process: the runs differ by what they ran (config, "
+        "environment, code version), by process state (thread pools, lazily initialised kernels, a "
+        "global RNG seeded per process) or by the resume"
         if again.identical
         else "the step is not deterministic even within one process: see ReplayDivergence's "
         "docstring for the usual causes"
@@ -228,3 +245,76 @@ def _config_drift(a: str, b: str) -> list[str]:
     except (CheckpointError, OSError):
         return []
     return [d.key for d in diffs if d.strict]
+
+
+# ----------------------------------------------------------------------------- re-running a step
+
+
+def config_of(ckpt_path: str) -> TrainerConfig:
+    """The trainer config a checkpoint's snapshot (``<ckpt>.config.json``) records.
+
+    Raises:
+        CheckpointNotFound: no snapshot next to the checkpoint.
+        FormatError: the snapshot is damaged.
+        ReplayError: the snapshot describes another trainer's config.
+    """
+    snap = read_snapshot(snapshot_path(ckpt_path))
+    try:
+        return TrainerConfig.from_table(snap.config)
+    except (KeyError, ValueError) as e:
+        raise ReplayError(f"{snap.path}: the snapshot does not describe this trainer's config ({e})") from None
+
+
+def _restore(cfg: TrainerConfig, ckpt_path: str, work: str, exempt: frozenset[str], log: Log) -> tuple[Run, RunState]:
+    """A :class:`Run` at the checkpoint's step, restored as ``ckptkit train --resume`` would, in
+    ``work`` (a private copy of the checkpoint, its companions and its run's environment record)."""
+    os.makedirs(work, exist_ok=True)
+    for name in os.listdir(work):  # a second restore in the same place starts clean
+        os.unlink(os.path.join(work, name))
+    run_dir = os.path.dirname(ckpt_path) or "."
+    copy_checkpoint(run_dir, ckpt_path, work)
+    if os.path.isfile(os.path.join(run_dir, ENVIRONMENT_FILE)):
+        shutil.copyfile(os.path.join(run_dir, ENVIRONMENT_FILE), os.path.join(work, ENVIRONMENT_FILE))
+    data = load_bytes(cfg.data.path)
+    run = build(cfg, data)
+    rs = run_state(run, work, data_fingerprint(data), exempt=exempt)
+    spike_guard(run, rs)  # registers what the guard keeps in a checkpoint; judges each step as train() does
+    info = rs.resume(allow_env_change=True)  # the run's environment was judged by whoever asked
+    _after_resume(run, info, lambda _m: None)
+    log(f"restored {os.path.basename(ckpt_path)} at step {info.step}; stream offset {run.stream.offset}")
+    return run, rs
+
+
+def _capture(run: Run, rs: RunState, steps_done: int) -> dict[str, Any]:
+    """Everything after a step, cloned: the checkpoint's leaves and the gradients."""
+    state = {
+        k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
+        for k, v in checkpoint_state(rs.checkpoint(steps_done)).items()
+    }
+    for name, p in run.model.named_parameters():
+        if p.grad is not None:
+            state["grad:" + MODEL_PREFIX.partition(":")[2] + name] = p.grad.detach().clone()
+    return state
+
+
+def rerun_step(
+    cfg: TrainerConfig, ckpt_path: str, start: int, step: int, work: str, exempt: frozenset[str], log: Log
+) -> Rerun:
+    """Run ``step`` twice from the same state: each time restored from ``ckpt_path`` (at
+    ``start``) and re-run up to it, then ``step`` with everything captured after it.
+
+    Returns:
+        A :class:`Rerun` comparing the two step rows and the two captured states
+        (gradients, parameters, optimizer state, teacher, monitor) with
+        :func:`ckptkit.audit.compare.compare_states`.
+    """
+    captures, rows = [], []
+    for _ in range(2):
+        run, rs = _restore(cfg, ckpt_path, work, exempt, log)
+        for s in range(start, step):
+            observed_step(run, s)
+        rows.append(observed_step(run, step).row())
+        captures.append(_capture(run, rs, step + 1))
+    d = first_divergence([rows[0]], [rows[1]], step_fields(rows[0]))
+    diffs = compare_states(captures[0], captures[1])
+    return Rerun(d is None and not diffs, d.fields if d else (), tuple(tensor_reports(diffs, {})))
