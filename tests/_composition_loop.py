@@ -1,7 +1,7 @@
 """examples/spike_guard.py's loop with the knobs tests/test_compositions.py turns.
 
     python tests/_composition_loop.py --run-dir R --steps 30 [--mode on] [--spike-at S]
-        [--no-record] [--plant entropy|global --plant-from P] [--die-at K]
+        [--no-record] [--plant entropy|global|threads --plant-from P] [--die-at K]
 
 The loop, its guard, its recording and its resume are the example's (imported, not
 copied); this adds three testing aids around them:
@@ -11,7 +11,9 @@ copied); this adds three testing aids around them:
   that is *not* a function of (seed, step) -- ``entropy`` draws from the OS (two processes
   never agree), ``global`` from torch's global generator, seeded once when the process
   starts (the usual "it is seeded, so it is deterministic": a process that resumes starts
-  the stream over);
+  the stream over); ``threads``: a process that resumes from a checkpoint runs under another
+  intra-op thread count and accepts the environment change (``allow_env_change``), as a job
+  rescheduled onto another machine does (one that starts fresh does not; ``--plant-from`` is moot);
 * ``--die-at K``: the process SIGKILLs itself as step ``K`` begins (a crash, no save).
 """
 
@@ -57,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mode", choices=["off", "warn", "on"], default="on")
     p.add_argument("--spike-at", type=int)
     p.add_argument("--no-record", action="store_true")
-    p.add_argument("--plant", choices=["entropy", "global"])
+    p.add_argument("--plant", choices=["entropy", "global", "threads"])
     p.add_argument("--plant-from", type=int, default=0)
     p.add_argument("--die-at", type=int)
     args = p.parse_args(argv)
@@ -66,8 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_record:
         run.state.record = lambda *_a, **_k: None  # type: ignore[method-assign]
     now = [0]
-    if args.plant:
+    if args.plant in ("entropy", "global"):
         _plant(run, args.plant, args.plant_from, now)
+    threads = args.plant == "threads"
+    if threads and run.state.checkpoints():  # only the process that resumes
+        torch.set_num_threads(torch.get_num_threads() + 1)
     if args.plant == "global":
         torch.manual_seed(cfg.seed)
 
@@ -78,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         return sg.train_step(run, step)
 
     with run.state.preemptible():
-        start = run.state.resume_or_start()
+        start = run.state.resume_or_start(allow_env_change=threads)
         try:
             run.guard.run(step_fn, start, cfg.steps, save_every=cfg.ckpt_every)
         except ckptkit.TrainingUnstable as e:

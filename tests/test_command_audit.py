@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from ckptkit.audit.commands import audit_command
 from ckptkit.cli import main
 
 pytestmark = pytest.mark.slow
@@ -22,7 +23,9 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
 LOOP = [sys.executable, str(ROOT / "examples" / "resumable_loop.py"), "--run-dir", "{run_dir}"]
 
-# A loop without torch, with a knob for each way a command can get the protocol wrong.
+# A loop without torch (but in mode "threads"), with a knob for each way a command can get the
+# protocol wrong; in mode "threads" a process that resumes runs under another intra-op thread
+# count and accepts the change, as a job rescheduled onto another machine does.
 TOY = """
 import dataclasses, sys, time
 import ckptkit
@@ -36,7 +39,10 @@ class Cfg:
 n = {"v": 0}
 state = ckptkit.RunState(run_dir, config=Cfg())
 state.add_value("n", get=lambda: n["v"], set=lambda v: n.update(v=v))
-start = state.resume_or_start()
+if mode == "threads" and state.checkpoints():
+    import torch
+    torch.set_num_threads(torch.get_num_threads() + 1)
+start = state.resume_or_start(allow_env_change=mode == "threads")
 while mode == "forever":
     time.sleep(0.2)
 for step in range(start, 12):
@@ -89,6 +95,25 @@ def test_stop_at_picks_the_step_and_the_toy_loop_is_identical(
 ) -> None:
     assert main(["audit", "--quiet", "--stop-at", "5", "--", *toy, "ok", "{run_dir}"]) == 0
     assert "b: stopped at 5" in capsys.readouterr().out
+
+
+def test_a_resume_under_another_thread_count_is_reported_though_the_bits_agree(toy: list[str]) -> None:
+    # environment.json records the process that started run b; its resume row, the one that
+    # resumed at 5 under another thread count (R-D12): the report lists it from there
+    report = audit_command([*toy, "threads", "{run_dir}"], stop_at=5)
+    threads = report.environment["intra_op_threads"]
+    assert report.ok  # the toy's integers do not care how many threads there are
+    assert report.to_json()["environment_differences"] == [
+        {"key": "intra_op_threads", "a": threads, "b": threads + 1, "from_step": 5}
+    ]
+    text = report.describe()
+    assert "environment differs between the runs in 1 fact(s):\n" in text
+    assert (
+        f"  intra_op_threads: a {threads}, b {threads + 1} from step 5 (a resume accepted the change there)\n" in text
+    )
+    assert text.endswith(
+        "IDENTICAL: 12 steps, every history fingerprint and 1 checkpoint(s) bit for bit (24 recorded rows)"
+    )
 
 
 def _trouble(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:

@@ -508,3 +508,6 @@ def test_check_history_follows_reruns_rollbacks_and_resumes(tmp_path: Path) -> N
         "line 3 (offset 57): step row 1 out of order (expected step 2)",
         "line 4 (offset 85): resume at step 5, but the step rows before it end at 1",
     )
+    # a loop that records no step rows: its guard's rows and a resume under another environment
+    unrecorded = rows(("spike", 13, {}), ("rollback", 13, {"to": 10}), ("resume", 18, {"env_diffs": []}))
+    assert check_history(unrecorded).ok

@@ -12,6 +12,12 @@ Invariants: the audit finds a difference exactly when the plant breaks "a functi
 was drawn before the resume point), and then names the state after the planted step
 (or the resume point) and the tensor; replay agrees; ``ckptkit verify`` is clean on every
 run; ``ckptkit plot`` draws a recorded run with the rollbacks its history holds.
+
+A resumed process under another intra-op thread count (``threads``) may or may not change a
+tiny model's bits -- that is torch's business, not predictable -- so its invariant is the honest
+one: a difference is named at the resume (or in the ring rebuild just before it), or the runs
+compare identical *and* the report lists ``intra_op_threads`` with both values from the resume
+step on (spec/replay.md R-P13); without that plant the report lists no environment difference.
 """
 
 from __future__ import annotations
@@ -25,10 +31,10 @@ from pathlib import Path
 
 import pytest
 from helpers import examples
-from hypothesis import Phase, given, settings
+from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 
-from ckptkit.audit.commands import replay_command
+from ckptkit.audit.commands import AuditReport, EnvironmentDifference, compare_runs, replay_command
 from ckptkit.audit.plot import plot_run
 from ckptkit.audit.recording import RunRecording, first_difference, rebuild_difference
 from ckptkit.cli import main
@@ -70,6 +76,8 @@ class Case:
         (None: it may or may not -- a global stream first drawn after the resume point)."""
         if self.plant == "global" and self.plant_from >= resumed_at:
             return None  # whether it lines up again depends on every other draw from the stream
+        if self.plant == "threads":
+            return None  # whether a reduction splits differently is torch's business
         return self.plant is not None
 
     def first_bad(self, resumed_at: int) -> int:
@@ -102,6 +110,25 @@ def _interrupted_then_resumed(case: Case, run_dir: Path) -> Difference | None:
     return None
 
 
+def _at_or_after(d: Difference, resumed_at: int) -> bool:
+    """A difference the resumed process made: after the resume, or in the ring rebuild it ran
+    first (steps before the resume, re-run from a checkpoint under its thread count)."""
+    return d.step <= resumed_at if d.kind == "rebuild" else d.step >= resumed_at
+
+
+def _check_environment(case: Case, report: AuditReport) -> None:
+    """The report lists an environment difference exactly when a resume accepted one: the fact,
+    both runs' values and the step from which (the threads plant adds one thread)."""
+    got = report.environment_differences
+    if case.plant != "threads":
+        assert got == (), (case, got)
+        return
+    threads = report.environment["intra_op_threads"]
+    assert got == (EnvironmentDifference("intra_op_threads", threads, threads + 1, case.resumed_at()),), (case, got)
+    line = f"  intra_op_threads: a {threads}, b {threads + 1} from step {case.resumed_at()} (a resume accepted"
+    assert line in report.describe(), report.describe()
+
+
 def _check_named(case: Case, d: Difference, resumed_at: int) -> None:
     """The difference names the state after the first step whose update the resume could not reproduce."""
     first_bad = case.first_bad(resumed_at)
@@ -112,11 +139,13 @@ def _check_named(case: Case, d: Difference, resumed_at: int) -> None:
         assert d.kind == "checkpoint" and d.step > first_bad and "model:net.0.weight" in d.tensor_names, d
 
 
-def _check_rebuild_named(case: Case, d: Difference, resumed_at: int) -> None:
+def _check_rebuild_named(case: Case, d: Difference, rebuilt_from: int, resumed_at: int) -> None:
     """A ring rebuild that missed names the first state it re-ran to that the run did not record
-    (its recorded digests; without them, the resumed checkpoint's), and the tensor."""
+    (its recorded digests; without them, the resumed checkpoint's), and the tensor. It re-ran from
+    the ring's base: at or before resumed_at - K, earlier after a rollback (R-R12)."""
     assert d.kind == "rebuild" and "model:net.0.weight" in d.tensor_names, d
-    first = max(case.plant_from + 1, resumed_at - 10) if case.plant == "entropy" else resumed_at - 10
+    assert 0 <= rebuilt_from <= resumed_at - 10, (case, rebuilt_from)
+    first = max(case.plant_from + 1, rebuilt_from) if case.plant == "entropy" else rebuilt_from
     assert (first <= d.step <= resumed_at) if case.record else d.step == resumed_at, (case, d)
 
 
@@ -129,9 +158,11 @@ def _check_rebuild_named(case: Case, d: Difference, resumed_at: int) -> None:
     record=st.booleans(),
     kill=st.booleans(),
     at=st.integers(11, STEPS - 2),
-    plant=st.sampled_from([None, "entropy", "global"]),
+    plant=st.sampled_from([None, "entropy", "global", "threads"]),
     plant_from=st.integers(0, STEPS - 1),
 )
+# After the rollback at 14 the resumed ring is rebuilt from step 10, not resumed_at - K = 15.
+@example(mode="on", spike_at=14, record=True, kill=False, at=25, plant="entropy", plant_from=5)
 def test_the_audit_finds_a_planted_nondeterminism_and_only_that(
     mode: str, spike_at: int | None, record: bool, kill: bool, at: int, plant: str | None, plant_from: int
 ) -> None:
@@ -144,10 +175,13 @@ def test_the_audit_finds_a_planted_nondeterminism_and_only_that(
         d = missed or first_difference(RunRecording(a), RunRecording(b))
         expected = case.differs(case.resumed_at())
         assert expected is None or (d is not None) == expected, (case, d)
-        if missed is not None:
-            _check_rebuild_named(case, missed, case.resumed_at())
+        if case.plant == "threads":
+            assert d is None or _at_or_after(d, case.resumed_at()), (case, d)
+        elif missed is not None:
+            _check_rebuild_named(case, missed, RunRecording(b).all_rows[-1]["from"], case.resumed_at())
         elif d is not None:
             _check_named(case, d, case.resumed_at())
+        _check_environment(case, compare_runs("audit", [], str(a), str(b), resume_at=case.resumed_at()))
         assert main(["verify", str(a), "--quiet"]) == 0 and main(["verify", str(b), "--quiet"]) == 0
         _replay_agrees(case, a)
         _plot_draws_the_history(case, a, Path(tmp) / "a.png")
@@ -161,6 +195,13 @@ def _replay_agrees(case: Case, run_dir: Path) -> None:
     differs = not report.ok
     expected = case.differs(start)
     assert expected is None or differs == expected, (case, differs)
+    if case.plant == "threads":  # the replay resumes under another thread count: named, or listed
+        if report.divergence is not None:
+            assert _at_or_after(report.divergence, start), (case, report.divergence)
+        else:
+            threads = report.environment["intra_op_threads"]
+            want = EnvironmentDifference("intra_op_threads", threads, threads + 1, start)
+            assert report.environment_differences == (want,), (case, report.environment_differences)
 
 
 def _plot_draws_the_history(case: Case, run_dir: Path, png: Path) -> None:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import ckptkit
+from ckptkit.audit.commands import EnvironmentDifference, compare_runs
 from ckptkit.audit.recording import RunRecording, first_difference
 from ckptkit.run.history import read_rows
 
@@ -19,14 +20,30 @@ class Cfg:
     steps: int = 6
 
 
-def _loop(run_dir: Path, steps: int, *, nudge_at: int | None = None, resume: bool = False) -> None:
+def _loop(
+    run_dir: Path, steps: int, *, nudge_at: int | None = None, resume: bool = False, threads: int | None = None
+) -> None:
+    """The loop, from its start or resumed; ``threads``: resumed under that intra-op thread count,
+    accepting the change."""
+    if threads is None:
+        _steps(run_dir, steps, nudge_at, resume)
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _steps(run_dir, steps, nudge_at, resume, allow_env_change=True)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _steps(run_dir: Path, steps: int, nudge_at: int | None, resume: bool, allow_env_change: bool = False) -> None:
     net = torch.nn.Linear(2, 1)
     with torch.no_grad():
         net.weight.fill_(0.5)
         net.bias.zero_()
     state = ckptkit.RunState(run_dir, config=Cfg())
     state.add_model("net", net)
-    start = state.resume().step if resume else state.start()
+    start = state.resume(allow_env_change=allow_env_change).step if resume else state.start()
     for step in range(start, steps):
         with torch.no_grad():
             net.weight.add_(0.25 if step != nudge_at else 0.2500001)
@@ -50,6 +67,30 @@ def test_a_resumed_loop_drops_what_the_interrupted_run_recorded_after_its_checkp
     _loop(tmp_path / "cut", 6, resume=True)
     assert first_difference(RunRecording(tmp_path / "ref"), RunRecording(tmp_path / "cut")) is None
     assert read_rows(tmp_path / "ref" / "history.jsonl") == read_rows(tmp_path / "cut" / "history.jsonl")
+
+
+def test_each_resume_under_another_environment_and_back_is_recorded_and_reported_from_its_step(
+    tmp_path: Path,
+) -> None:
+    n = torch.get_num_threads()
+    _loop(tmp_path / "ref", 8)
+    _loop(tmp_path / "cut", 3)  # checkpoint 2
+    _loop(tmp_path / "cut", 5, resume=True, threads=n + 1)  # from 2 under n + 1; checkpoint 4
+    _loop(tmp_path / "cut", 7, resume=True)  # from 4 under the recording's n: nothing to accept
+    _loop(tmp_path / "cut", 8, resume=True, threads=n + 1)  # from 6 under n + 1 again
+    resumes = [
+        (r["step"], r["env_diffs"]) for r in read_rows(tmp_path / "cut" / "history.jsonl")[0] if r["kind"] == "resume"
+    ]
+    changed = [{"key": "intra_op_threads", "recorded": n, "current": n + 1}]
+    assert resumes == [(2, changed), (4, []), (6, changed)]  # the return to n is a row too: it ends the change
+    report = compare_runs("audit", [], str(tmp_path / "ref"), str(tmp_path / "cut"), resume_at=None)
+    assert report.ok and report.environment_differences == (
+        EnvironmentDifference("intra_op_threads", n, n + 1, 2),
+        EnvironmentDifference("intra_op_threads", n, n + 1, 6),
+    )
+    assert f"  intra_op_threads: a {n}, b {n + 1} from step 6 (a resume accepted the change there)" in report.describe()
+    reverse = compare_runs("audit", [], str(tmp_path / "cut"), str(tmp_path / "ref"), resume_at=None)
+    assert [(d.a, d.b, d.from_step) for d in reverse.environment_differences] == [(n + 1, n, 2), (n + 1, n, 6)]
 
 
 def test_the_first_difference_names_the_step_the_fields_and_the_tensor(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ import torch
 from helpers import history, record_environment, run, tiny
 
 import ckptkit
+from ckptkit.audit.commands import AuditReport
 from ckptkit.cli import main
 from ckptkit.format.snapshot import encode_snapshot
 from ckptkit.format.tree import checkpoint_state
@@ -35,7 +36,6 @@ from ckptkit.run.fingerprint import (
 from ckptkit.trainer import TrainerConfig
 from ckptkit.trainer.config import knobs
 from ckptkit.trainer.replay import replay
-from ckptkit.audit.commands import AuditReport
 
 pytestmark = pytest.mark.slow
 
@@ -234,7 +234,8 @@ def test_replay_refuses_a_different_environment_and_names_the_fact(
     assert f"intra_op_threads: recorded 977, now {torch.get_num_threads()}" in err and "--allow-env-change" in err
     code, doc = _replay(capsys, str(run_dir), "--from", "2", "--allow-env-change")
     assert code == 0  # the steps were really recorded under this thread count
-    assert [(e["key"], e["recorded"]) for e in doc["environment"]] == [("intra_op_threads", 977)]
+    threads = torch.get_num_threads()  # the replay ran under them: its resume row says so, from its start
+    assert doc["environment_differences"] == [{"key": "intra_op_threads", "a": 977, "b": threads, "from_step": 2}]
 
 
 def test_replay_trouble_is_exit_2(perturbed: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -96,7 +96,7 @@ def test_a_run_resumed_after_late_optimizer_state_writes_the_uninterrupted_bytes
     killed.state.start()
     killed.train(0, stop)  # the process ends here: nothing after `stop` steps is written
     resumed = LateLoop(base / "killed", cfg)
-    done = resumed.state.resume().step
+    done = resumed.state.resume_or_start()  # killed before its first checkpoint (stop < every): a fresh start
     resumed.train(done, steps)
     a, b = _checkpoints(base / "straight"), _checkpoints(base / "killed")
     assert sorted(a) == sorted(b)

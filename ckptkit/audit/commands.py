@@ -45,14 +45,23 @@ from ..format.checkpoint import load
 from ..format.tree import checkpoint_state
 from ..run import ENVIRONMENT_FILE, read_environment
 from ..run.difference import Difference, FieldDiff, show
-from ..run.environment import EnvDiff, diff_environment
+from ..run.environment import Fact, diff_environment
 from ..run.files import run_checkpoints
 from ..run.fingerprint import differing_names, leaf_digests
 from ..run.history import HISTORY_FILE, read_rows
 from ..run.preemption import EXIT_STOPPED, STOP_AT_ENV
 from .recording import LAYOUT_ONLY, RunRecording, first_difference, named_reports, rebuild_difference
 
-__all__ = ["PLACEHOLDER", "AuditReport", "audit_command", "compare_runs", "replay_command", "replay_start", "stop_job"]
+__all__ = [
+    "PLACEHOLDER",
+    "AuditReport",
+    "EnvironmentDifference",
+    "audit_command",
+    "compare_runs",
+    "replay_command",
+    "replay_start",
+    "stop_job",
+]
 
 PLACEHOLDER = "{run_dir}"
 DEFAULT_TIMEOUT = 600.0  # seconds per process
@@ -86,6 +95,19 @@ OnStep = Callable[[int, int], None]
 
 
 @dataclass(frozen=True)
+class EnvironmentDifference:
+    """A fact the two runs' processes differed in, from ``from_step`` on: the runs' first compared
+    step (their ``environment.json`` files), or a step a resume accepted another environment at
+    (its ``resume`` row, R-D12), so that half a run under another thread count is never reported
+    as if it ran under the recorded one (spec/replay.md R-P13)."""
+
+    key: str
+    a: Fact | None  # None: run a's process did not record the fact
+    b: Fact | None
+    from_step: int
+
+
+@dataclass(frozen=True)
 class AuditReport:
     """What an audit or a replay found; ``ok`` when nothing differs (spec/replay.md R-P13).
 
@@ -104,7 +126,7 @@ class AuditReport:
     a: str | None = None
     b: str | None = None
     environment: Mapping[str, Any] = field(default_factory=dict)  # run a's facts
-    environment_differences: tuple[EnvDiff, ...] = ()
+    environment_differences: tuple[EnvironmentDifference, ...] = ()
     overrides: tuple[FieldDiff, ...] = ()  # what a replay changed from the recorded config, on purpose
     notes: tuple[str, ...] = ()
 
@@ -137,7 +159,7 @@ class AuditReport:
             "checkpoints_compared": self.checkpoints_compared,
             "environment": dict(sorted(self.environment.items())),
             "environment_differences": [
-                {"key": d.key, "a": d.recorded, "b": d.current} for d in self.environment_differences
+                {"key": d.key, "a": d.a, "b": d.b, "from_step": d.from_step} for d in self.environment_differences
             ],
             "overrides": [{"field": f.field, "recorded": f.recorded, "replay": f.replayed} for f in self.overrides],
             "notes": list(self.notes),
@@ -184,9 +206,14 @@ class AuditReport:
         env = self.environment
         shown = ", ".join(f"{k} {env[k]}" for k in _SHOWN if k in env and env[k] != "none")
         lines = [f"environment: {shown}"] if shown else []
-        if self.environment_differences:
-            lines.append(f"environment differs between the runs in {len(self.environment_differences)} fact(s):")
-            lines += [f"  {d.key}: a {d.recorded}, b {d.current}" for d in self.environment_differences]
+        diffs = self.environment_differences
+        if diffs:
+            lines.append(f"environment differs between the runs in {len({d.key for d in diffs})} fact(s):")
+            first = self.resume_at if self.what == "replay" and self.resume_at is not None else 0
+            a, b = ("a", "b") if self.what == "audit" else ("the recording", "the replay")
+            for d in diffs:
+                since = f" from step {d.from_step} (a resume accepted the change there)" if d.from_step > first else ""
+                lines.append(f"  {d.key}: {a} {d.a}, {b} {d.b}{since}")
         return lines
 
 
@@ -268,7 +295,13 @@ def compare_runs(
         d = _altered(rec_a, d) or d
     if d is not None and explain is not None:
         d = explain(d, a, b)
-    env_a, env_b = _environment(a), _environment(b)
+    env_a = _environment(a)
+    env = _environment_differences(rec_a, env_a, rec_b, _environment(b), start)
+    before = sorted({e.key for e in env if d is not None and e.from_step <= d.step})
+    if d is not None and before:
+        since = min(e.from_step for e in env if e.key in before)
+        hint = f"the runs ran under different environments from step {since} ({', '.join(before)}): the likely cause"
+        d = dataclasses.replace(d, hints=(hint, *d.hints))
     shared = set(rec_a.checkpoints) & set(rec_b.checkpoints)
     return AuditReport(
         what,
@@ -282,7 +315,7 @@ def compare_runs(
         a if kept else None,
         b if kept else None,
         env_a,
-        tuple(diff_environment(env_a, env_b)),
+        env,
     )
 
 
@@ -311,6 +344,24 @@ def _altered(rec_a: RunRecording, d: Difference) -> Difference | None:
     """A checkpoint difference where run a's own file is not what run a recorded writing: said so."""
     path, bad, _, _ = _recorded_mismatch(rec_a, d.step)
     return dataclasses.replace(d, file=path, hints=(_ALTERED, *d.hints)) if bad else None
+
+
+def _environment_differences(
+    rec_a: RunRecording, env_a: Mapping[str, Any], rec_b: RunRecording, env_b: Mapping[str, Any], start: int
+) -> tuple[EnvironmentDifference, ...]:
+    """Every fact the runs' processes differ in from ``start`` on, and from which step: their
+    ``environment.json`` files, then at each step a ``resume`` row of either run is at, the
+    environment that process ran under (R-D12). A difference is listed where it begins."""
+    steps = sorted({start} | {s for s, _ in rec_a.resumes + rec_b.resumes if s > start})
+    out: list[EnvironmentDifference] = []
+    before: dict[str, tuple[Any, Any]] = {}
+    for s in steps:
+        now = {
+            d.key: (d.recorded, d.current) for d in diff_environment(rec_a.facts_at(env_a, s), rec_b.facts_at(env_b, s))
+        }
+        out += [EnvironmentDifference(k, *v, s) for k, v in now.items() if before.get(k) != v]
+        before = now
+    return tuple(out)
 
 
 # ----------------------------------------------------------------------------- running
@@ -688,7 +739,8 @@ def replay_command(
                 0,
                 0,
                 e.difference,
-                *((run_dir, work) if kept else ()),
+                run_dir if kept else None,
+                work if kept else None,
                 overrides=tuple(overrides),
                 notes=tuple(said),
             )

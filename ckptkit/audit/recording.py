@@ -20,6 +20,7 @@ from typing import Any
 from ..errors import CheckpointNotFound, FormatError
 from ..format.companions import same_checkpoint
 from ..run.difference import Difference, FieldDiff, TensorReport
+from ..run.environment import EnvDiff
 from ..run.files import run_checkpoints
 from ..run.fingerprint import FINGERPRINT_FIELDS, differing_names
 from ..run.history import COMPARED_KINDS, HISTORY_FILE, WALL_FIELDS, read_rows
@@ -82,7 +83,8 @@ class RunRecording:
         self.digests: dict[int, Mapping[str, int]] = {}  # the ``digests`` rows' tensors, by steps done
         self.checkpoint_digests: dict[int, Mapping[str, int]] = {}  # the ``checkpoint`` rows' tensors
         self.rollbacks: list[int] = []  # steps the loop re-ran or rolled back (spec/rollback.md)
-        self.env_overrides: list[tuple[int, tuple[str, ...]]] = []  # resumes under another environment
+        #: every ``resume`` row, in file order: (step, the environment its process ran under, by fact)
+        self.resumes: list[tuple[int, tuple[EnvDiff, ...]]] = []
         for r in self.all_rows:
             self._index(path, r)
 
@@ -97,8 +99,23 @@ class RunRecording:
             (self.digests if kind == "digests" else self.checkpoint_digests)[step] = tensors
         elif kind == "rollback" or (kind == "spike" and r.get("action") not in (None, "warn")):
             self.rollbacks.append(step)
-        elif kind == "resume" and r.get("env_overrides"):
-            self.env_overrides.append((step, tuple(r["env_overrides"])))
+        elif kind == "resume":
+            diffs = r.get("env_diffs", [])  # a row from before ckptkit recorded them: unknown, taken as none
+            if not isinstance(diffs, list):
+                raise FormatError(f"a resume row at step {step} has env_diffs that are not a list", path=path)
+            self.resumes.append((step, tuple(EnvDiff.from_json(d, "history.resume.env_diffs") for d in diffs)))
+
+    def facts_at(self, facts: Mapping[str, Any], step: int) -> dict[str, Any]:
+        """The environment the run's step ``step`` ran under: ``facts`` (its ``environment.json``)
+        as the newest ``resume`` row at or before ``step`` says that process differed (R-D12)."""
+        now = [diffs for s, diffs in self.resumes if s <= step]
+        out = dict(facts)
+        for d in now[-1] if now else ():
+            if d.current is None:
+                out.pop(d.key, None)
+            else:
+                out[d.key] = d.current
+        return out
 
     @property
     def last(self) -> int:

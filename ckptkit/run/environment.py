@@ -119,6 +119,27 @@ class EnvDiff:
         cur = "not captured now" if self.current is None else f"now {self.current}"
         return f"{self.key}: {rec}, {cur}"
 
+    def to_json(self) -> dict[str, Fact | None]:
+        """The difference as a history row holds it (a ``resume`` row's ``env_diffs``, R-D12)."""
+        return {"key": self.key, "recorded": self.recorded, "current": self.current}
+
+    @classmethod
+    def from_json(cls, obj: Any, name: str) -> EnvDiff:
+        """:meth:`to_json`'s object read back.
+
+        Raises:
+            MalformedIndex: it is not a ``{key, recorded, current}`` object of facts (``name`` says where).
+        """
+        if (
+            not isinstance(obj, Mapping)
+            or not isinstance(obj.get("key"), str)
+            or set(obj) != {"key", "recorded", "current"}
+        ):
+            raise MalformedIndex(f"must be an object with key, recorded and current (got {obj!r})", field=name)
+        sides = {k: v for k, v in obj.items() if k != "key" and v is not None}
+        _check_facts(sides, name)
+        return cls(obj["key"], obj["recorded"], obj["current"], fatal=obj["recorded"] is not None)
+
 
 def _check_facts(facts: Any, name: str) -> Mapping[str, Fact]:
     if not isinstance(facts, Mapping):

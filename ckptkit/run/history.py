@@ -389,7 +389,8 @@ def check_history(path: str | os.PathLike[str]) -> HistoryCheck:
     ``step``); each number with a ``_bits`` twin must have exactly those bits; the
     ``step`` rows of each timeline must count up by one (a re-run repeats its step;
     a ``rollback`` row restarts the count at its ``to``; a file that begins with a
-    ``start`` row counts from 0; a ``resume`` row must come where the count is).
+    ``start`` row counts from 0; a ``resume`` row must come where the count is, in a
+    history that records ``step`` rows).
     A flipped byte that keeps all of that true is not detected.
 
     Raises:
@@ -441,7 +442,7 @@ def check_history(path: str | os.PathLike[str]) -> HistoryCheck:
         elif kind == "rollback":
             expected = row["to"] if type(row.get("to")) is int else None
         elif kind == "resume":
-            if expected is not None and step != expected:
+            if expected is not None and steps and step != expected:  # a loop that records no step rows counts none
                 problems.append(f"{where}: resume at step {step}, but the step rows before it end at {expected - 1}")
             expected = step
     first_last = (min(steps), max(steps)) if steps else None

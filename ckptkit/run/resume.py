@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +39,7 @@ from .files import (
 from .group import Group, world_of
 from .store import Opened, Sidecars, Store
 
-__all__ = ["ResumeInfo", "has_checkpoints", "resume", "start"]
+__all__ = ["ResumeInfo", "has_checkpoints", "resume", "resume_row", "start"]
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,25 @@ class Resume:
     allow_legacy: bool = False
     allow_env_change: bool = False
     reshard: bool = False
+
+
+def resume_row(info: ResumeInfo, *, allow_legacy: bool, allow_env_change: bool, notes: Sequence[str]) -> dict[str, Any]:
+    """The history's ``resume`` row for ``info`` (spec/trainer.md): where the process began, from
+    which checkpoint, what it allowed and overrode. ``env_diffs`` is the environment this process
+    runs under, by fact against ``environment.json`` (R-D12): ``ckptkit audit`` reports it."""
+    return {
+        "kind": "resume",
+        "step": info.step,
+        "checkpoint": os.path.basename(info.path),
+        "allow_legacy": allow_legacy,
+        "legacy_missing": list(info.legacy_missing),
+        "allow_env_change": allow_env_change,
+        "env_overrides": [str(d) for d in info.env_overrides],
+        "env_diffs": [d.to_json() for d in info.env_overrides],
+        "resharded": info.resharded,
+        "notes": list(notes),
+        "time": time.time(),
+    }
 
 
 def start(store: Store, group: Group, run_dir: str, log: Callable[[str], None]) -> int:

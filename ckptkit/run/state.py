@@ -51,7 +51,7 @@ from .drift import DEFAULT_EXEMPT
 from .file_store import FileStore
 from .files import DCP_SUFFIX, list_checkpoints
 from .group import Alone, group_of
-from .history import History
+from .history import HISTORY_FILE, History, read_rows
 from .lease import Lease, launcher_pid, lease_for, this_job
 from .object_store import ObjectDcpStore, ObjectRunStore
 from .preemption import Stopping, StopRequests
@@ -344,7 +344,7 @@ class RunState(Registration, Stopping):
         return self._began
 
     def resume(
-        self, *, allow_legacy: bool = False, allow_env_change: bool = False, reshard: bool = False
+        self, *, allow_legacy: bool = False, allow_env_change: bool = False, reshard: bool = False, record: bool = True
     ) -> ResumeInfo:
         """Restore the newest consistent checkpoint, after every check passes.
 
@@ -356,10 +356,14 @@ class RunState(Registration, Stopping):
             allow_legacy: accept a v1 checkpoint (which lacks teacher, flags,
                 monitor and digests); the run continues loudly.
             allow_env_change: accept a different environment; the differences are
-                returned for the caller to record.
+                returned, and recorded in the run's history (``record``).
             reshard: a distributed run may resume at another world size or layout:
                 DCP reshards, data positions come from their offset rules, and
                 ``ResumeInfo.resharded`` says the run is no longer bit-comparable.
+            record: when the environment differs from the recording (or an earlier process's
+                did), write the ``resume`` row into the run's history (rank 0): the environment
+                this process runs under (R-D12), which ``ckptkit audit`` reports; False for a
+                caller that writes its own (the reference trainer).
 
         Returns:
             A :class:`ResumeInfo`.
@@ -383,7 +387,18 @@ class RunState(Registration, Stopping):
 
         info = protocol.resume(self._store, self._group, self._reg, self.run_dir, how, restore, self._log)
         self._began = info.step
+        if record and self.rank == 0 and (info.env_overrides or self._overridden_before(info.step)):
+            row = protocol.resume_row(
+                info, allow_legacy=allow_legacy, allow_env_change=allow_env_change, notes=info.notes
+            )
+            self._history_at(None).append(row)
         return info
+
+    def _overridden_before(self, step: int) -> bool:
+        """An earlier process of the run, up to ``step``, ran under another environment (its
+        ``resume`` row says so): this resume's row must say that this one does not."""
+        rows = read_rows(os.path.join(self._store.work_dir, HISTORY_FILE))[0]
+        return any(r["kind"] == "resume" and r.get("env_diffs") for r in rows if r["step"] <= step)
 
     def resume_or_start(
         self, *, allow_legacy: bool = False, allow_env_change: bool = False, reshard: bool = False

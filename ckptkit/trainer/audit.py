@@ -210,7 +210,7 @@ def _with_values(d: Difference, a: str, b: str) -> Difference:
     return dataclasses.replace(
         d,
         values=f"unavailable: the runs have no checkpoint after step {d.step} on both sides "
-        "(the audit's default --ckpt-every 1 keeps one after every step)",
+        "(--ckpt-every 1, the audit's default, keeps one after every step)",
     )
 
 
@@ -220,10 +220,9 @@ def _with_rerun(d: Difference, a: str, log: Log) -> Difference:
     if not before:
         return d
     start, ckpt = before[-1]
-    with tempfile.TemporaryDirectory(prefix="ckptkit-audit-rerun-") as tmp:
-        with deterministic_torch():
-            cfg = config_of(ckpt).replace(**{"train.steps": d.step + 1})
-            again = rerun_step(cfg, ckpt, start, d.step, tmp, frozenset(DEFAULT_EXEMPT), log)
+    with tempfile.TemporaryDirectory(prefix="ckptkit-audit-rerun-") as tmp, deterministic_torch():
+        cfg = config_of(ckpt).replace(**{"train.steps": d.step + 1})
+        again = rerun_step(cfg, ckpt, start, d.step, tmp, frozenset(DEFAULT_EXEMPT), log)
     hint = (
         "the step is deterministic within one process: the runs differ by what they ran (config, "
         "environment, code version), by process state (thread pools, lazily initialised kernels, a "
@@ -279,7 +278,7 @@ def _restore(cfg: TrainerConfig, ckpt_path: str, work: str, exempt: frozenset[st
     run = build(cfg, data)
     rs = run_state(run, work, data_fingerprint(data), exempt=exempt)
     spike_guard(run, rs)  # registers what the guard keeps in a checkpoint; judges each step as train() does
-    info = rs.resume(allow_env_change=True)  # the run's environment was judged by whoever asked
+    info = rs.resume(allow_env_change=True, record=False)  # judged by whoever asked; a scratch copy
     _after_resume(run, info, lambda _m: None)
     log(f"restored {os.path.basename(ckpt_path)} at step {info.step}; stream offset {run.stream.offset}")
     return run, rs

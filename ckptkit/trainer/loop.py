@@ -59,6 +59,7 @@ from ..run import RunState
 from ..run.drift import DEFAULT_EXEMPT
 from ..run.history import HISTORY_FILE, History, digests_row, f32_bits, f64_bits, json_float
 from ..run.preemption import RunStopped
+from ..run.resume import resume_row
 from ..run.rng import Stream, mask_stream, sample_depth, torch_generator
 from .config import RollbackSkip, TrainConfig, TrainerConfig
 from .data import ByteStream, data_fingerprint, load_bytes
@@ -816,25 +817,12 @@ def _resume(
 ) -> tuple[int, list[str]]:
     """Restore the newest consistent checkpoint and write the ``resume`` row; returns (step, notes)."""
     assert run.guard is not None
-    info = rs.resume(reshard=reshard, allow_legacy=allow_legacy, allow_env_change=allow_env_change)
+    info = rs.resume(reshard=reshard, allow_legacy=allow_legacy, allow_env_change=allow_env_change, record=False)
     start = info.step
     notes = list(info.notes) + _after_resume(run, info, log)
     notes += history.resume_at(start, run.guard.record.count)
     notes += run.guard.rebuild(start, step_fn)  # --auto-rollback on: the ring, by a checked replay (R-R12)
-    history.append(
-        {
-            "kind": "resume",
-            "step": start,
-            "checkpoint": os.path.basename(info.path),
-            "allow_legacy": allow_legacy,
-            "legacy_missing": list(info.legacy_missing),
-            "allow_env_change": allow_env_change,
-            "env_overrides": [str(d) for d in info.env_overrides],
-            "resharded": info.resharded,
-            "notes": notes,
-            "time": time.time(),
-        }
-    )
+    history.append(resume_row(info, allow_legacy=allow_legacy, allow_env_change=allow_env_change, notes=notes))
     log(f"resumed {info.path} at step {start}; stream offset {run.stream.offset}")
     return start, notes
 

@@ -36,7 +36,7 @@ from ..format.companions import rebind
 from ..format.snapshot import snapshot_path, write_snapshot
 from ..run import list_checkpoints, read_environment
 from ..run.difference import FieldDiff
-from ..run.environment import EnvDiff, capture, diff_environment
+from ..run.environment import capture, diff_environment
 from .audit import config_of, explain, knob_flags
 from .config import TrainerConfig
 from .loop import deterministic_torch, intra_op_threads
@@ -121,12 +121,7 @@ def replay(
             f"recording ends at step {rec.last}"
         )
     cfg, changed = _overrides(config_of(ckpt).replace(**{"train.steps": to}), overrides or {})
-    notes = [
-        f"the recording resumed at step {s} with an environment override ({'; '.join(envs)}); "
-        "environment.json describes the steps before it"
-        for s, envs in rec.env_overrides
-        if s < to
-    ]
+    notes: list[str] = []
     inside = sorted({s for s in rec.rollbacks if s >= start})
     if inside:  # the plain re-run of steps would not reproduce these: the guarded loop does (R-P15)
         notes.append(
@@ -135,7 +130,7 @@ def replay(
         )
     argv = [*launcher(world), "train", "--run-dir", PLACEHOLDER, "--quiet", *knob_flags(cfg), "--resume"]
     if world == 1:  # a torchrun job's environment is its ranks': they judge it as they resume
-        notes += _environment_notes(run_dir, allow_env_change, threads)
+        _judge_environment(run_dir, allow_env_change, threads)  # the replay's resume row then records it
         argv.append("--allow-env-change")  # judged here, with replay's own wording
         argv += ["--threads", str(threads)] if threads is not None else []
     return replay_command(
@@ -155,9 +150,8 @@ def replay(
     )
 
 
-def _environment_notes(run_dir: str, allow: bool, threads: int | None) -> list[str]:
-    """The environment (under ``threads``) against the recording's: refused on a difference
-    unless ``allow``, else each difference noted.
+def _judge_environment(run_dir: str, allow: bool, threads: int | None) -> None:
+    """The environment (under ``threads``) against the recording's: refused on a difference unless ``allow``.
 
     Raises:
         EnvironmentDrift: a fact differs and ``allow`` is False.
@@ -169,11 +163,6 @@ def _environment_notes(run_dir: str, allow: bool, threads: int | None) -> list[s
         lines += [f"  {d}" for d in diffs]
         lines.append(ENV_REPLAY_HINT)
         raise EnvironmentDrift("\n".join(lines), diffs)
-    return [f"environment differs from the recording (--allow-env-change): {_env_line(d)}" for d in diffs]
-
-
-def _env_line(d: EnvDiff) -> str:
-    return f"{d.key}: recorded {d.recorded}, replay {d.current}"
 
 
 def _overrides(cfg: TrainerConfig, overrides: Mapping[str, Any]) -> tuple[TrainerConfig, tuple[FieldDiff, ...]]:
