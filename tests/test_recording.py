@@ -93,6 +93,22 @@ def test_each_resume_under_another_environment_and_back_is_recorded_and_reported
     assert [(d.a, d.b, d.from_step) for d in reverse.environment_differences] == [(n + 1, n, 2), (n + 1, n, 6)]
 
 
+@pytest.mark.parametrize(("nudge_at", "likely"), [(3, True), (1, False)])
+def test_a_difference_after_a_resume_under_another_environment_names_it_as_the_likely_cause(
+    tmp_path: Path, nudge_at: int, likely: bool
+) -> None:
+    n = torch.get_num_threads()
+    _loop(tmp_path / "ref", 6)
+    _loop(tmp_path / "cut", 3, nudge_at=nudge_at)  # checkpoint 2; a nudge at 1 is before the resume
+    _loop(tmp_path / "cut", 6, nudge_at=nudge_at, resume=True, threads=n + 1)  # from 2 under n + 1
+    report = compare_runs("audit", [], str(tmp_path / "ref"), str(tmp_path / "cut"), resume_at=2)
+    d = report.divergence
+    assert d is not None and (d.kind, d.step) == ("step", nudge_at)
+    hint = "the runs ran under different environments from step 2 (intra_op_threads): the likely cause"
+    assert (d.hints[:1] == (hint,)) is likely, d.hints  # a difference before the change is not blamed on it
+    assert (hint in report.describe()) is likely
+
+
 def test_the_first_difference_names_the_step_the_fields_and_the_tensor(tmp_path: Path) -> None:
     _loop(tmp_path / "a", 6)
     _loop(tmp_path / "b", 6, nudge_at=3)

@@ -5,8 +5,8 @@
     ckptkit replay runs/a --from 20 -- python train.py --run-dir {run_dir} --steps 40
 
 The command is the user's own training script -- or the reference trainer, whose
-``ckptkit audit`` and torchrun replay are this engine run on ``python -m ckptkit train``
-(:mod:`ckptkit.trainer.audit`). It must use :class:`ckptkit.RunState` on the directory
+``ckptkit audit`` and ``ckptkit replay`` are this engine run on ``python -m ckptkit train``
+(:mod:`ckptkit.trainer.audit`, :mod:`ckptkit.trainer.replay`). It must use :class:`ckptkit.RunState` on the directory
 ``{run_dir}`` stands for, start-or-resume with :meth:`RunState.resume_or_start` (so the
 same arguments continue a stopped run), and call :meth:`RunState.step_done` after every
 step (so it honours the stop request, ``CKPTKIT_STOP_AT``). :meth:`RunState.record` adds
@@ -426,7 +426,7 @@ class _Runner:
     done: int = 0  # steps the runs before this one trained
     accept: Sequence[int] = ()  # exit codes that end the command as its recording may have ended
     since: float = 0.0  # progress counts rows written from then on (a replay's copied rows are not its own)
-    stopped: str = ""  # the last stderr line of a command that exited with an accepted code
+    stopped: str = ""  # what a command that exited with an accepted code said last (its exit code first)
 
     def run(self, run_dir: str, label: str, *, stop_at: int | None = None, extra: Sequence[str] = ()) -> int:
         """Run the command on ``run_dir``; returns its exit code (0, or 75 when it stopped as asked).
