@@ -42,12 +42,11 @@ from typing import Any
 
 from ..errors import AuditError, CheckpointError, CheckpointNotFound, ReplayDivergence, ReplayError
 from ..format.checkpoint import load
-from ..format.tree import checkpoint_state
 from ..run import ENVIRONMENT_FILE, read_environment
 from ..run.difference import Difference, FieldDiff, show
 from ..run.environment import Fact, diff_environment
 from ..run.files import run_checkpoints
-from ..run.fingerprint import differing_names, leaf_digests
+from ..run.fingerprint import checkpoint_digests, differing_names
 from ..run.history import HISTORY_FILE, read_rows
 from ..run.preemption import EXIT_STOPPED, STOP_AT_ENV
 from .recording import LAYOUT_ONLY, RunRecording, first_difference, named_reports, rebuild_difference
@@ -275,21 +274,8 @@ def compare_runs(
     """
     rec_a, rec_b = RunRecording(a), RunRecording(b)
     start = resume_at if what == "replay" and resume_at is not None else 0
-    if to_step is not None:  # the recording until it first reaches where the replay stops (the state after it included)
-        ends = (
-            i
-            for i, r in enumerate(rec_a.rows)
-            if r["step"] > to_step or (r["step"] == to_step and r["kind"] != "digests")
-        )
-        cut = next(ends, len(rec_a.rows))
-        # A rollback past the cut saved its target step again: from there on RUN's files are a later timeline's.
-        later = min(
-            (r["to"] for r in rec_a.rows[cut:] if r["kind"] == "rollback" and type(r.get("to")) is int), default=None
-        )
-        rec_a.rows = rec_a.rows[:cut]  # a prefix: after a rollback, step numbers repeat
-        rec_a.checkpoints = {
-            s: p for s, p in rec_a.checkpoints.items() if s <= to_step and (later is None or s < later)
-        }
+    if to_step is not None:
+        rec_a.stop_at(to_step)
     d = first_difference(rec_a, rec_b, from_step=start)
     if d is not None and d.kind == "checkpoint":
         d = _altered(rec_a, d) or d
@@ -297,11 +283,8 @@ def compare_runs(
         d = explain(d, a, b)
     env_a = _environment(a)
     env = _environment_differences(rec_a, env_a, rec_b, _environment(b), start)
-    before = sorted({e.key for e in env if d is not None and e.from_step <= d.step})
-    if d is not None and before:
-        since = min(e.from_step for e in env if e.key in before)
-        hint = f"the runs ran under different environments from step {since} ({', '.join(before)}): the likely cause"
-        d = dataclasses.replace(d, hints=(hint, *d.hints))
+    if d is not None:
+        d = _blame_environment(d, env)
     shared = set(rec_a.checkpoints) & set(rec_b.checkpoints)
     return AuditReport(
         what,
@@ -336,7 +319,7 @@ def _recorded_mismatch(rec: RunRecording, step: int) -> tuple[str, list[str], Ma
     path, recorded = rec.checkpoints[step], rec.checkpoint_digests.get(step)
     if recorded is None or os.path.isdir(path):  # a .dcp directory's state is not read here
         return path, [], {}, {}
-    digests = leaf_digests(checkpoint_state(load(path)))
+    digests = checkpoint_digests(load(path))
     return path, differing_names(recorded, digests), recorded, digests
 
 
@@ -344,6 +327,17 @@ def _altered(rec_a: RunRecording, d: Difference) -> Difference | None:
     """A checkpoint difference where run a's own file is not what run a recorded writing: said so."""
     path, bad, _, _ = _recorded_mismatch(rec_a, d.step)
     return dataclasses.replace(d, file=path, hints=(_ALTERED, *d.hints)) if bad else None
+
+
+def _blame_environment(d: Difference, env: Sequence[EnvironmentDifference]) -> Difference:
+    """``d`` with the environment as its likely cause, said first, when the runs differed in one before it."""
+    before = [e for e in env if e.from_step <= d.step]
+    if not before:
+        return d
+    keys = ", ".join(sorted({e.key for e in before}))
+    since = min(e.from_step for e in before)
+    hint = f"the runs ran under different environments from step {since} ({keys}): the likely cause"
+    return dataclasses.replace(d, hints=(hint, *d.hints))
 
 
 def _environment_differences(
@@ -704,7 +698,8 @@ def replay_command(
 
     Raises:
         CheckpointNotFound: no checkpoint at or before ``from_step``.
-        ReplayError: no ``{run_dir}`` in the command, ``keep_dir`` inside RUN or not empty.
+        ReplayError: no ``{run_dir}`` in the command, ``to_step`` outside the recording,
+            ``keep_dir`` inside RUN or not empty.
         AuditError: the command failed or timed out.
         FormatError: a checkpoint the comparison reads does not verify.
     """
@@ -717,6 +712,11 @@ def replay_command(
     if altered is not None:
         return AuditReport(
             "replay", tuple(argv), start, start, 0, 0, altered, overrides=tuple(overrides), notes=tuple(said)
+        )
+    if to_step is not None and not start <= to_step <= max(rec.last, start):
+        raise ReplayError(
+            f"--to {to_step} is outside the replayable range: the checkpoint is at step {start} and the "
+            f"recording ends at step {rec.last}"
         )
     to = to_step if to_step is not None else rec.last
     runner = _Runner(argv, ReplayError, timeout, log or (lambda _m: None), on_step, to, accept=accept)
@@ -756,6 +756,5 @@ def _log_resume_notes(work: str, since: float, log: Log) -> None:
     """What the replay said as it resumed (its ``resume`` row's notes: a rebuilt rollback ring, ...)."""
     for r in read_rows(os.path.join(work, HISTORY_FILE))[0]:
         if r["kind"] == "resume" and r.get("time", 0.0) >= since:
-            for note in r.get("notes") or ():  # not the rows it dropped: RUN's, past the start, copied
-                if not str(note).startswith("history: dropped"):
-                    log(f"replay resumed at step {r['step']}: {note}")
+            for note in r.get("notes") or ():
+                log(f"replay resumed at step {r['step']}: {note}")

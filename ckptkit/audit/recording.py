@@ -117,6 +117,20 @@ class RunRecording:
                 out[d.key] = d.current
         return out
 
+    def stop_at(self, step: int) -> None:
+        """Keep the recording until it first reaches ``step`` steps done (the state after it
+        included): what a replay that stops there reproduces. A prefix, since after a rollback
+        step numbers repeat; and a rollback past it saved its target step again, so from there
+        on the run's checkpoint files are a later timeline's and are left out."""
+        rows = self.rows
+        cut = next(
+            (i for i, r in enumerate(rows) if r["step"] > step or (r["step"] == step and r["kind"] != "digests")),
+            len(rows),
+        )
+        later = min((r["to"] for r in rows[cut:] if r["kind"] == "rollback" and type(r.get("to")) is int), default=None)
+        self.rows = rows[:cut]
+        self.checkpoints = {s: p for s, p in self.checkpoints.items() if s <= step and (later is None or s < later)}
+
     @property
     def last(self) -> int:
         """Steps done at the end of the recording (by its step rows)."""

@@ -56,9 +56,9 @@ from ..errors import (
     TrainingUnstable,
     UnreadableFile,
 )
-from ..format.tree import checkpoint_state, clone, digests, localized
+from ..format.tree import clone, digests, localized
 from ..run import RunState
-from ..run.fingerprint import leaf_digests
+from ..run.fingerprint import checkpoint_digests
 from ..run.history import History, f32_bits, json_float, read_rows
 from ..run.rng import global_rngs_kept
 from ._ring import Kept, Ring
@@ -639,7 +639,7 @@ class SpikeGuard:
             kept = self.ring.get(step)
             if step not in recorded or kept is None:
                 continue
-            mine = leaf_digests(checkpoint_state(localized(kept.ckpt)))
+            mine = checkpoint_digests(localized(kept.ckpt))
             both = (n for n in mine.keys() & recorded[step].keys() if not n.startswith(own))
             bad = sorted(n for n in both if mine[n] != recorded[step][n])
             if bad:
@@ -739,7 +739,7 @@ class SpikeGuard:
 def _differing_leaves(a: Kept, b: Kept) -> dict[str, dict[str, int | None]]:
     """The tensors and values two kept states differ in, named as ``ckptkit diff --tensors``
     names them, with both digests (empty when only a sidecar differs)."""
-    da, db = (leaf_digests(checkpoint_state(localized(k.ckpt))) for k in (a, b))
+    da, db = (checkpoint_digests(localized(k.ckpt)) for k in (a, b))
     return {
         n: {"recorded": da.get(n), "rebuilt": db.get(n)}
         for n in sorted(da.keys() | db.keys())

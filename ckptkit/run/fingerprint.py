@@ -47,6 +47,7 @@ __all__ = [
     "float_bits",
     "leaf_digest",
     "leaf_digests",
+    "checkpoint_digests",
     "state_digest",
     "step_rows",
     "tensor_digest",
@@ -141,6 +142,14 @@ def leaf_digests(named: Mapping[str, Any]) -> dict[str, int]:
     """:func:`leaf_digest` of every entry, keys sorted (e.g. of
     :func:`ckptkit.audit.compare.checkpoint_state`, so names match ``ckptkit diff --tensors``)."""
     return {name: leaf_digest(name, named[name]) for name in sorted(named)}
+
+
+def checkpoint_digests(ckpt: Any) -> dict[str, int]:
+    """:func:`leaf_digests` of a :class:`~ckptkit.Checkpoint`'s every leaf, by the names of
+    :func:`ckptkit.format.tree.checkpoint_state`: what a ``checkpoint`` or ``digests`` row records."""
+    from ..format.tree import checkpoint_state
+
+    return leaf_digests(checkpoint_state(ckpt))
 
 
 def differing_names(recorded: Mapping[str, Any], replayed: Mapping[str, Any]) -> list[str]:

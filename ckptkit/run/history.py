@@ -294,7 +294,7 @@ class History:
         if len(kept) < len(rows) or torn:
             notes.append(
                 f"history: dropped {len(rows) - len(kept) + torn} row(s) written after step {step} "
-                "by the interrupted run"
+                "(the run went on past the checkpoint it resumes from)"
             )
         have = {r["step"] for r in kept if r["kind"] == "step"}
         missing = [s for s in range(step) if s not in have]

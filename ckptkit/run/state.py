@@ -431,8 +431,8 @@ class RunState(Registration, Stopping):
         Raises:
             TypeError: a scalar that is not a number, string or one-element tensor.
         """
-        from ..format.tree import checkpoint_state, localized
-        from .fingerprint import leaf_digests
+        from ..format.tree import localized
+        from .fingerprint import checkpoint_digests
         from .history import digests_row, step_row
 
         if self.rank != 0 or self._replaying == "replay":
@@ -442,7 +442,7 @@ class RunState(Registration, Stopping):
             row["rerun"] = True  # the re-run of a spiking step (spec/rollback.md R-R04)
         history = self._history_at(step)
         history.append(row)
-        history.append(digests_row(step + 1, leaf_digests(checkpoint_state(localized(self.checkpoint(step + 1))))))
+        history.append(digests_row(step + 1, checkpoint_digests(localized(self.checkpoint(step + 1)))))
 
     @contextlib.contextmanager
     def replaying(self, *, rerun: bool = False) -> Iterator[None]:

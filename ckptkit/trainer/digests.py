@@ -25,8 +25,7 @@ from typing import Any
 
 import torch
 
-from ..format.tree import checkpoint_state
-from ..run.fingerprint import combine, leaf_digests, tensor_digest
+from ..run.fingerprint import checkpoint_digests, combine, tensor_digest
 from .parallel import full_tensor
 
 __all__ = [
@@ -66,7 +65,7 @@ def checkpoint_row(rs: Any, step: int) -> dict[str, Any]:
     (spec/trainer.md R-T14).
     """
     file = os.path.basename(rs.checkpoint_path(step))
-    tensors = {} if rs.world_size > 1 else leaf_digests(checkpoint_state(rs.checkpoint(step)))
+    tensors = {} if rs.world_size > 1 else checkpoint_digests(rs.checkpoint(step))
     return {"kind": "checkpoint", "step": step, "file": file, "tensors": tensors}
 
 
