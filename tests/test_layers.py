@@ -22,7 +22,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "ckptkit"
 
-#: floor of each folder (a top-level module not listed is a face or alias: the top floor)
+#: floor of each folder (a top-level module not listed is the face: the top floor)
 FLOORS = {
     "errors": 0,
     "format": 1,
@@ -234,13 +234,8 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
 
 
 def test_ls_ckptkit_shows_the_floors() -> None:
-    """The top level holds the floors, the tools, the face, errors, testing and the
-    one-line aliases docs/api.md keeps (each nothing but a star import of its new home)."""
+    """The top level holds the floors, the tools, the face, errors and testing: no aliases."""
     folders = sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists())
     assert folders == ["audit", "cli", "distributed", "format", "guard", "integrations", "run", "trainer"]
-    aliases = {"compare", "environment", "fingerprint", "history", "plot", "rng", "rollback_record"}
     files = {p.stem for p in PACKAGE.glob("*.py")}
-    assert files == {"__init__", "__main__", "errors", "testing"} | aliases
-    for name in aliases:
-        body = [n for n in ast.parse((PACKAGE / f"{name}.py").read_text()).body if not isinstance(n, ast.Expr)]
-        assert all(isinstance(n, ast.ImportFrom) for n in body), name
+    assert files == {"__init__", "__main__", "errors", "testing"}

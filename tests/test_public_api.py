@@ -152,38 +152,3 @@ def test_every_error_is_a_checkpoint_error_and_the_builtin_a_caller_would_catch(
         obj = getattr(ckptkit, name)
         if inspect.isclass(obj) and issubclass(obj, Exception):
             assert issubclass(obj, ckptkit.CheckpointError), name
-
-
-def test_the_module_paths_docs_api_documents_are_the_moved_modules_names():
-    """``ckptkit.rng`` and the other documented paths kept working when the package was
-    regrouped into floors: each holds the very objects of its new home, and its __all__."""
-    import ckptkit.audit.compare
-    import ckptkit.audit.plot
-    import ckptkit.compare
-    import ckptkit.environment
-    import ckptkit.fingerprint
-    import ckptkit.guard.rollback_record
-    import ckptkit.history
-    import ckptkit.plot
-    import ckptkit.rng
-    import ckptkit.rollback_record
-    import ckptkit.run.environment
-    import ckptkit.run.fingerprint
-    import ckptkit.run.history
-    import ckptkit.run.rng
-
-    for alias, home in (
-        (ckptkit.rng, ckptkit.run.rng),
-        (ckptkit.compare, ckptkit.audit.compare),
-        (ckptkit.fingerprint, ckptkit.run.fingerprint),
-        (ckptkit.environment, ckptkit.run.environment),
-        (ckptkit.plot, ckptkit.audit.plot),
-        (ckptkit.history, ckptkit.run.history),
-        (ckptkit.rollback_record, ckptkit.guard.rollback_record),
-    ):
-        assert alias.__all__ == home.__all__, alias.__name__
-        for name in home.__all__:
-            assert getattr(alias, name) is getattr(home, name), f"{alias.__name__}.{name}"
-    # the names docs and messages spell out
-    assert ckptkit.rollback_record.skipped_batches is ckptkit.guard.rollback_record.skipped_batches
-    assert callable(ckptkit.history.kept_rows) and callable(ckptkit.compare.flatten) and ckptkit.rng.Stream.MASK

@@ -3,7 +3,7 @@
 Two runs that should be the same are compared by fingerprints, not by eye:
 
 * :func:`float_bits` — a loss or grad-norm as the hex of its exact bit pattern (the
-  history's own, :mod:`ckptkit.history`);
+  history's own, :mod:`ckptkit.run.history`);
 * :func:`tensor_digest` — xxh3-64 over a tensor's name, dtype, shape and exact bytes,
   so a single flipped bit, a reshape or a renamed tensor all change it;
 * :func:`state_digest` — an order-independent digest of many named tensors: the
@@ -214,7 +214,7 @@ def first_divergence_in_files(
     Works on any JSON Lines history whose step rows carry ``step`` and the
     fingerprint ``fields`` (no reference trainer needed; a row without ``kind`` is a
     step row): ``a`` is the recording, ``b`` the run compared with it. Rows are read
-    as every history is (:func:`ckptkit.history.read_rows`: a torn last line is
+    as every history is (:func:`ckptkit.run.history.read_rows`: a torn last line is
     dropped) and taken as :func:`step_rows` does; only steps both files hold are compared.
 
     Raises:
