@@ -212,3 +212,23 @@ def _rule_row(rule: str) -> str:
         if line.startswith(f"| {rule} |"):
             return line
     raise AssertionError(f"{rule} has no row in spec/validation.md")
+
+
+SPEC = ROOT / "spec"
+_RULE_ID = re.compile(r"(?<![\w-])((?:R|RS|G)-[A-Z]*)\d+")
+
+
+def test_the_spec_index_lists_every_spec_file() -> None:
+    index = (SPEC / "README.md").read_text()
+    listed = set(re.findall(r"^\| \[([\w.-]+\.md)\]\(\1\) \|", index, flags=re.M))
+    files = {p.name for p in SPEC.glob("*.md")} - {"README.md"}
+    assert files - listed == set(), "spec/README.md's index leaves out these files"
+    assert listed - files == set(), "spec/README.md's index lists files spec/ does not have"
+
+
+def test_the_spec_index_names_every_rule_prefix_the_files_use() -> None:
+    index = (SPEC / "README.md").read_text()
+    named = set(re.findall(r"^\| `((?:R|RS|G)-[A-Z]*)`", index, flags=re.M))
+    used = {m for p in SPEC.glob("*.md") for m in _RULE_ID.findall(p.read_text())}
+    assert used - named == set(), "rule prefixes spec/ uses but spec/README.md does not name"
+    assert named - used == set(), "rule prefixes spec/README.md names but no spec file uses"
