@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptkit.audit.commands import audit_command
+from ckptkit.audit.commands import AuditPlan, audit_command
 from ckptkit.cli import main
 
 pytestmark = pytest.mark.slow
@@ -100,7 +100,7 @@ def test_stop_at_picks_the_step_and_the_toy_loop_is_identical(
 def test_a_resume_under_another_thread_count_is_reported_though_the_bits_agree(toy: list[str]) -> None:
     # environment.json records the process that started run b; its resume row, the one that
     # resumed at 5 under another thread count (R-D12): the report lists it from there
-    report = audit_command([*toy, "threads", "{run_dir}"], stop_at=5)
+    report = audit_command(AuditPlan(command=[*toy, "threads", "{run_dir}"], stop_at=5))
     threads = report.environment["intra_op_threads"]
     assert report.ok  # the toy's integers do not care how many threads there are
     assert report.to_json()["environment_differences"] == [
@@ -141,6 +141,15 @@ def test_a_command_that_ignores_the_stop_request_is_refused(toy: list[str], caps
     err = _trouble(["audit", "--quiet", "--", *toy, "ignore-stop", "{run_dir}"], capsys)
     assert "b: the command ignored the stop request (CKPTKIT_STOP_AT=6) and ran to its end" in err
     assert "call state.step_done(step + 1) after every step" in err
+
+
+@pytest.mark.parametrize("tool", ["audit", "replay"])
+def test_a_timeout_that_is_not_positive_is_refused_before_anything_runs(
+    tool: str, toy: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    where = [str(tmp_path), "--from", "0"] if tool == "replay" else []
+    err = _trouble([tool, *where, "--quiet", "--timeout", "0", "--", *toy, "ok", "{run_dir}"], capsys)
+    assert f"ckptkit {tool}: --timeout must be > 0 (got 0)" in err
 
 
 def test_a_command_that_never_ends_times_out_and_is_killed(toy: list[str], capsys: pytest.CaptureFixture[str]) -> None:

@@ -34,7 +34,7 @@ from helpers import examples
 from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 
-from ckptkit.audit.commands import AuditReport, EnvironmentDifference, compare_runs, replay_command
+from ckptkit.audit.commands import AuditReport, EnvironmentDifference, ReplayPlan, compare_runs, replay_command
 from ckptkit.audit.plot import plot_run
 from ckptkit.audit.recording import RunRecording, first_difference, rebuild_difference
 from ckptkit.cli import main
@@ -191,7 +191,8 @@ def _replay_agrees(case: Case, run_dir: Path) -> None:
     """Replaying run a from its checkpoint at or before ``at`` differs exactly as a resume there would."""
     start = EVERY * (case.at // EVERY)
     argv = [a if a != str(run_dir) else "{run_dir}" for a in case.argv(run_dir)]
-    report = replay_command(str(run_dir), start, argv, timeout=300)  # a ring rebuild that missed is a difference
+    plan = ReplayPlan(run_dir=str(run_dir), from_step=start, command=argv, timeout=300)
+    report = replay_command(plan)  # a ring rebuild that missed is a difference
     differs = not report.ok
     expected = case.differs(start)
     assert expected is None or differs == expected, (case, differs)

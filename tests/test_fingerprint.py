@@ -1,4 +1,4 @@
-"""Fingerprints are exact and order-independent; first_divergence names the first step."""
+"""Fingerprints are exact and order-independent."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ckptkit.run.fingerprint import first_divergence, float_bits, state_digest, tensor_digest
+from ckptkit.run.fingerprint import float_bits, state_digest, tensor_digest
 
 
 def test_float_bits_are_the_exact_pattern_at_the_values_own_width():
@@ -40,14 +40,3 @@ def test_state_digest_ignores_order_but_not_a_swap_of_contents(order):
     assert state_digest([named[i] for i in order]) == state_digest(named)
     swapped = [("t0", named[1][1]), ("t1", named[0][1]), *named[2:]]
     assert state_digest(swapped) != state_digest(named)
-
-
-def test_first_divergence_names_the_first_differing_step_and_field():
-    rec = [{"step": s, "loss_bits": f"0x{s}", "params_digest": s} for s in range(1, 6)]
-    rep = [dict(r) for r in rec]
-    assert first_divergence(rec, rep) is None
-    rep[3]["params_digest"] = 99
-    rep[4]["loss_bits"] = "0xff"
-    d = first_divergence(rec, rep)
-    assert (d.step, d.field_names) == (4, ("params_digest",))
-    assert d.describe() == "step 4: params_digest: recorded 4, replayed 99"

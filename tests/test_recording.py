@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import torch
 
 import ckptkit
 from ckptkit.audit.commands import EnvironmentDifference, compare_runs
-from ckptkit.audit.recording import RunRecording, first_difference
+from ckptkit.audit.recording import RunRecording, first_difference, first_row_difference
 from ckptkit.run.history import read_rows
 
 
@@ -162,3 +163,45 @@ def test_one_rule_for_the_same_checkpoint_sets_the_encoding_aside_and_names_a_di
     assert d is not None and (d.kind, d.step, d.file, d.tensors) == ("checkpoint", 4, "a", ())
     assert d.values == "both runs' a: every tensor and value is bitwise equal, only the bytes differ"
     assert d.layout_only and d.hints == (LAYOUT_ONLY,)
+
+
+def test_first_row_difference_names_the_first_differing_step_and_field():
+    rec = [{"kind": "step", "step": s, "loss_bits": f"0x{s}", "params_digest": s} for s in range(1, 6)]
+    rep = [dict(r) for r in rec]
+    assert first_row_difference(rec, rep) is None
+    rep[3]["params_digest"] = 99
+    rep[4]["loss_bits"] = "0xff"
+    d = first_row_difference(rec, rep, ["loss_bits", "params_digest"])
+    assert (d.step, d.field_names) == (4, ("params_digest",))
+    assert d.describe() == "step 4: params_digest: recorded 4, replayed 99"
+
+
+@pytest.mark.parametrize(
+    ("recorded", "replayed"), [(1, 1.0), (1, True), (0.0, False), ([1], [1.0]), ({"a": 1}, {"a": True})]
+)
+def test_recorded_values_of_another_type_differ_though_python_calls_them_equal(recorded: object, replayed: object):
+    # a row read back as 1 where the other run wrote 1.0 is not the same recording (dict != said it was)
+    a, b = [{"kind": "step", "step": 0, "x": recorded}], [{"kind": "step", "step": 0, "x": replayed}]
+    d = first_row_difference(a, b)
+    assert d is not None and (d.step, d.field_names) == (0, ("x",))
+
+
+def test_a_nan_recorded_by_both_runs_is_the_same_value_and_a_missing_field_differs():
+    nan = float("nan")
+    assert (
+        first_row_difference([{"kind": "step", "step": 0, "x": nan}], [{"kind": "step", "step": 0, "x": nan * 1}])
+        is None
+    )
+    d = first_row_difference([{"kind": "step", "step": 0, "x": None}], [{"kind": "step", "step": 0}])
+    assert d is not None and d.field_names == ("x",)
+
+
+def test_two_recordings_whose_rows_hold_1_and_1_0_differ_there(tmp_path: Path) -> None:
+    # the engine compared rows with dict !=, which calls 1 and 1.0 equal; the trainer's re-run did not
+    for name, loss in (("a", 1), ("b", 1.0)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "history.jsonl").write_text(
+            json.dumps({"kind": "step", "step": 0, "loss": loss, "time": 1.0}) + "\n"
+        )
+    d = first_difference(RunRecording(tmp_path / "a"), RunRecording(tmp_path / "b"))
+    assert d is not None and (d.kind, d.step, d.field_names) == ("step", 0, ("loss",))

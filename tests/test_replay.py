@@ -19,6 +19,7 @@ from helpers import history, record_environment, run, tiny
 
 import ckptkit
 from ckptkit.audit.commands import AuditReport
+from ckptkit.audit.recording import first_divergence_in_files
 from ckptkit.cli import main
 from ckptkit.format.snapshot import encode_snapshot
 from ckptkit.format.tree import checkpoint_state
@@ -27,7 +28,6 @@ from ckptkit.run.difference import Difference, FieldDiff, Rerun
 from ckptkit.run.fingerprint import (
     combine,
     differing_names,
-    first_divergence_in_files,
     leaf_digest,
     leaf_digests,
     state_digest,
@@ -302,7 +302,15 @@ def test_a_rerun_that_differs_in_its_row_but_in_no_tensor_is_described_not_crash
     tensor matches; the report names the field and no tensor (it raised ValueError before)."""
     rerun = Rerun(False, fields=(FieldDiff("loss_bits", "0x40a00000", "0x40a00001"),))
     d = Difference("step", 7, fields=(FieldDiff("loss_bits", "0x40a00000", "0x40a00002"),), rerun=rerun)
-    text = AuditReport("replay", ("ckptkit", "train"), 10, 5, 3, 0, d).describe()
+    text = AuditReport(
+        what="replay",
+        command=("ckptkit", "train"),
+        steps=10,
+        resume_at=5,
+        rows_compared=3,
+        checkpoints_compared=0,
+        divergence=d,
+    ).describe()
     assert (
         "  re-run of step 7 twice here: DIFFERS (nondeterministic in this process):\n"
         "    loss_bits: first 0x40a00000, second 0x40a00001\n"

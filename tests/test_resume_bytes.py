@@ -105,9 +105,22 @@ def test_a_run_resumed_after_late_optimizer_state_writes_the_uninterrupted_bytes
         assert not differ, f"step {s} (resumed from {done}): {differ} differ"
 
 
+def _report(divergence: Difference) -> AuditReport:
+    """A replay's report from step 20 to 40 that found ``divergence``."""
+    return AuditReport(
+        what="replay",
+        command=("ckptkit", "train"),
+        steps=40,
+        resume_at=20,
+        rows_compared=50,
+        checkpoints_compared=2,
+        divergence=divergence,
+    )
+
+
 def test_a_checkpoint_that_differs_only_in_bytes_is_reported_as_exactly_that() -> None:
     layout = Difference("checkpoint", 30, file="step-00000030.dcp")
-    report = AuditReport("replay", ("ckptkit", "train"), 40, 20, 50, 2, layout)
+    report = _report(layout)
     assert not report.ok
     assert report.describe().splitlines()[1:] == [
         (
@@ -120,5 +133,5 @@ def test_a_checkpoint_that_differs_only_in_bytes_is_reported_as_exactly_that() -
     state = Difference(
         "checkpoint", 30, tensors=(TensorReport("model.w", "1/4 elements differ"),), file="step-00000030.dcp"
     )
-    text = AuditReport("replay", ("ckptkit",), 40, 20, 50, 2, state).describe()
+    text = _report(state).describe()
     assert "(every recorded row matched)" in text and "usual causes:" in text and "in bytes only" not in text

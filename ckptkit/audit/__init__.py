@@ -9,18 +9,21 @@ audit and replay of any loop's command, and the plot of a run. Stands on
 from __future__ import annotations
 
 from ..run.difference import Difference
-from .commands import AuditReport, audit_command, replay_command
+from .commands import AuditPlan, AuditReport, ReplayPlan, audit_command, replay_command
 from .compare import TensorDiff, compare_checkpoints, compare_states
-from .recording import RunRecording, first_difference
+from .recording import RunRecording, first_difference, first_divergence_in_files
 
 __all__ = [
+    "AuditPlan",
     "AuditReport",
     "Difference",
+    "ReplayPlan",
     "RunRecording",
     "TensorDiff",
     "audit_command",
     "compare_checkpoints",
     "compare_states",
     "first_difference",
+    "first_divergence_in_files",
     "replay_command",
 ]

@@ -53,8 +53,10 @@ from .recording import LAYOUT_ONLY, RunRecording, first_difference, named_report
 
 __all__ = [
     "PLACEHOLDER",
+    "AuditPlan",
     "AuditReport",
     "EnvironmentDifference",
+    "ReplayPlan",
     "audit_command",
     "compare_runs",
     "replay_command",
@@ -106,7 +108,7 @@ class EnvironmentDifference:
     from_step: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class AuditReport:
     """What an audit or a replay found; ``ok`` when nothing differs (spec/replay.md R-P13).
 
@@ -287,18 +289,18 @@ def compare_runs(
         d = _blame_environment(d, env)
     shared = set(rec_a.checkpoints) & set(rec_b.checkpoints)
     return AuditReport(
-        what,
-        tuple(command),
-        (rec_a.last_step if what == "audit" else rec_b.last or rec_b.last_step)
+        what=what,
+        command=tuple(command),
+        steps=(rec_a.last_step if what == "audit" else rec_b.last or rec_b.last_step)
         or start,  # a replay: where its rows end
-        resume_at,
-        len([r for r in rec_b.rows if r["step"] >= start]),
-        len([s for s in shared if s > start]) if what == "replay" else len(shared),
-        d,
-        a if kept else None,
-        b if kept else None,
-        env_a,
-        env,
+        resume_at=resume_at,
+        rows_compared=len([r for r in rec_b.rows if r["step"] >= start]),
+        checkpoints_compared=len([s for s in shared if s > start]) if what == "replay" else len(shared),
+        divergence=d,
+        a=a if kept else None,
+        b=b if kept else None,
+        environment=env_a,
+        environment_differences=env,
     )
 
 
@@ -513,48 +515,66 @@ def _workdir(keep_dir: str | None, prefix: str) -> Iterator[str]:
 # ----------------------------------------------------------------------------- audit
 
 
-def audit_command(
-    argv: Sequence[str],
-    *,
-    stop_at: int | None = None,
-    interrupt: bool = True,
-    stop_with: Callable[[int], Sequence[str]] | None = None,
-    resume_args: Sequence[str] = (),
-    steps: int | None = None,
-    explain: Explain | None = None,
-    on_step: OnStep | None = None,
-    timeout: float = DEFAULT_TIMEOUT,
-    keep_dir: str | None = None,
-    log: Log | None = None,
-) -> AuditReport:
-    """Run the command uninterrupted and stopped-at-``stop_at``-then-resumed; compare.
+@dataclass(frozen=True, kw_only=True)
+class AuditPlan:
+    """What :func:`audit_command` runs: the command, how run b is stopped and resumed, and the hooks.
 
-    Args:
-        argv: the command, with ``{run_dir}`` in its arguments.
+    Attributes:
+        command: the command, with ``{run_dir}`` in its arguments.
         stop_at: the step run b stops at (default: half of run a's end).
         interrupt: False: run b is a second uninterrupted run (two fresh processes compared).
         stop_with: the arguments that make the command itself end at step ``k`` and exit 0
             (the trainer's ``--steps k``); None: the stop request ``CKPTKIT_STOP_AT=k``, which
             the command must answer with exit 75. (torchrun reports a rank's exit 75 as a
             failure: a torchrun command needs ``stop_with``.)
-        resume_args: arguments the resuming process gets besides ``argv`` (the trainer's
+        resume_args: arguments the resuming process gets besides ``command`` (the trainer's
             ``--resume``; a loop that resumes-or-starts needs none).
         steps: the steps each run trains, when known (the progress callback's total).
         explain: says more about a difference (:data:`Explain`).
         on_step: progress: (steps both runs recorded so far, their total).
-        timeout: seconds each process may take.
+        timeout: seconds each process may take (``--timeout``), > 0.
         keep_dir: keep the runs in ``keep_dir/a`` and ``keep_dir/b`` (empty or new).
         log: progress lines.
 
     Raises:
-        AuditError: no ``{run_dir}``, a process failed or timed out, the command saved no
-            checkpoint or ignored the stop request, ``stop_at`` outside the run.
+        ValueError: ``timeout`` is not > 0.
+        AuditError: no command, or no ``{run_dir}`` in it.
     """
-    runner = _Runner(argv, AuditError, timeout, log or (lambda _m: None), on_step, None if steps is None else 2 * steps)
-    _substitute(argv, "", AuditError)
-    with _workdir(keep_dir, "ckptkit-audit-") as base:
+
+    command: Sequence[str]
+    stop_at: int | None = None
+    interrupt: bool = True
+    stop_with: Callable[[int], Sequence[str]] | None = None
+    resume_args: Sequence[str] = ()
+    steps: int | None = None
+    explain: Explain | None = None
+    on_step: OnStep | None = None
+    timeout: float = DEFAULT_TIMEOUT
+    keep_dir: str | None = None
+    log: Log | None = None
+
+    def __post_init__(self) -> None:
+        _check_timeout(self.timeout)
+        _substitute(self.command, "", AuditError)
+
+
+def _check_timeout(timeout: float) -> None:
+    if not timeout > 0:
+        raise ValueError(f"--timeout must be > 0 (got {timeout:g})")
+
+
+def audit_command(plan: AuditPlan) -> AuditReport:
+    """Run the command uninterrupted and stopped-at-``stop_at``-then-resumed; compare.
+
+    Raises:
+        AuditError: a process failed or timed out, the command saved no checkpoint or
+            ignored the stop request, ``stop_at`` outside the run.
+    """
+    total = None if plan.steps is None else 2 * plan.steps
+    runner = _Runner(plan.command, AuditError, plan.timeout, plan.log or (lambda _m: None), plan.on_step, total)
+    with _workdir(plan.keep_dir, "ckptkit-audit-") as base:
         a, b = os.path.join(base, "a"), os.path.join(base, "b")
-        kept = keep_dir is not None
+        kept = plan.keep_dir is not None
         k: int | None = None
         try:
             runner.run(a, "a (uninterrupted)")
@@ -563,15 +583,33 @@ def audit_command(
                 raise AuditError(f"a: the command saved no checkpoint in {PLACEHOLDER} ({a}): {_HINT}")
             runner.total = runner.total or 2 * end
             runner.progress(a, finished=True)
-            k = (max(1, end // 2) if stop_at is None else stop_at) if interrupt else None
+            k = (max(1, end // 2) if plan.stop_at is None else plan.stop_at) if plan.interrupt else None
             if k is None:
                 runner.run(b, "b (uninterrupted)")
             else:
-                _stop_and_resume(runner, b, k, end, stop_with, resume_args)
+                _stop_and_resume(runner, b, k, end, plan.stop_with, plan.resume_args)
         except _Diverged as e:  # run b found itself not the same run, and stopped
-            return AuditReport("audit", tuple(argv), e.step, k, 0, 0, e.difference, *((a, b) if kept else ()))
+            return _stopped_report("audit", plan.command, e, k, (a, b) if kept else None)
         runner.progress(b)
-        return compare_runs("audit", argv, a, b, resume_at=k, kept=kept, explain=explain)
+        return compare_runs("audit", plan.command, a, b, resume_at=k, kept=kept, explain=plan.explain)
+
+
+def _stopped_report(
+    what: str, command: Sequence[str], e: _Diverged, resume_at: int | None, runs: tuple[str, str] | None
+) -> AuditReport:
+    """The report of a run b that stopped as it found itself not the same run (nothing compared)."""
+    a, b = runs or (None, None)
+    return AuditReport(
+        what=what,
+        command=tuple(command),
+        steps=e.step,
+        resume_at=resume_at,
+        rows_compared=0,
+        checkpoints_compared=0,
+        divergence=e.difference,
+        a=a,
+        b=b,
+    )
 
 
 def _stop_and_resume(
@@ -662,23 +700,54 @@ def _replay_dir(run_dir: str, keep_dir: str | None) -> str | None:
     return out
 
 
-def replay_command(
-    run_dir: str,
-    from_step: int,
-    argv: Sequence[str],
-    *,
-    to_step: int | None = None,
-    prepare: Callable[[str], None] | None = None,
-    accept: Sequence[int] = (),
-    explain: Explain | None = None,
-    overrides: Sequence[FieldDiff] = (),
-    notes: Sequence[str] = (),
-    on_step: OnStep | None = None,
-    timeout: float = DEFAULT_TIMEOUT,
-    keep_dir: str | None = None,
-    log: Log | None = None,
-) -> AuditReport:
-    """Re-run a run from its checkpoint at (or before) ``from_step`` with the command; compare.
+@dataclass(frozen=True, kw_only=True)
+class ReplayPlan:
+    """What :func:`replay_command` re-runs: RUN from its checkpoint at (or before) ``from_step``
+    with the command, up to ``to_step``, and the hooks.
+
+    Attributes:
+        run_dir: the recorded run (RUN); only read.
+        from_step: the replay starts at RUN's newest checkpoint at or before it (``--from``).
+        command: the command, with ``{run_dir}`` in its arguments.
+        to_step: where the command stops (its own arguments say so; ``--to``); None: RUN's end.
+        prepare: adjusts the copy before the command runs (the trainer binds its
+            overrides' config snapshot to it and adds its rollback ring's base).
+        accept: exit codes besides 0 that end the command as its recording may have
+            ended (the trainer's "training is unstable"): the rows are compared all the same.
+        explain: says more about a difference (:data:`Explain`).
+        overrides, notes: what the caller changed on purpose, and what it has to say: reported.
+        on_step: progress: (steps done, ``to_step``).
+        timeout: seconds the replaying process may take (``--timeout``), > 0.
+        keep_dir: the replay's run directory (``--out``: empty or new, outside RUN); None: a
+            temporary one.
+        log: progress lines.
+
+    Raises:
+        ValueError: ``timeout`` is not > 0.
+        ReplayError: no command, or no ``{run_dir}`` in it.
+    """
+
+    run_dir: str
+    from_step: int
+    command: Sequence[str]
+    to_step: int | None = None
+    prepare: Callable[[str], None] | None = None
+    accept: Sequence[int] = ()
+    explain: Explain | None = None
+    overrides: Sequence[FieldDiff] = ()
+    notes: Sequence[str] = ()
+    on_step: OnStep | None = None
+    timeout: float = DEFAULT_TIMEOUT
+    keep_dir: str | None = None
+    log: Log | None = None
+
+    def __post_init__(self) -> None:
+        _check_timeout(self.timeout)
+        _substitute(self.command, "", ReplayError)
+
+
+def replay_command(plan: ReplayPlan) -> AuditReport:
+    """Re-run a run from its checkpoint at (or before) ``plan.from_step`` with the command; compare.
 
     RUN is only read: the checkpoint, its companions, ``environment.json`` and
     ``history.jsonl`` are copied into a fresh directory (``keep_dir``, else a temporary
@@ -687,69 +756,68 @@ def replay_command(
     A starting checkpoint that is not what RUN recorded writing is the difference, and
     nothing is run (R-P06).
 
-    Args:
-        prepare: adjusts the copy before the command runs (the trainer binds its
-            overrides' config snapshot to it and adds its rollback ring's base).
-        accept: exit codes besides 0 that end the command as its recording may have
-            ended (the trainer's "training is unstable"): the rows are compared all the same.
-        explain: says more about a difference (:data:`Explain`).
-        overrides, notes: what the caller changed on purpose, and what it has to say: reported.
-        on_step: progress: (steps done, ``to_step``).
-
     Raises:
         CheckpointNotFound: no checkpoint at or before ``from_step``.
-        ReplayError: no ``{run_dir}`` in the command, ``to_step`` outside the recording,
-            ``keep_dir`` inside RUN or not empty.
+        ReplayError: ``to_step`` outside the recording, ``keep_dir`` inside RUN or not empty.
         AuditError: the command failed or timed out.
         FormatError: a checkpoint the comparison reads does not verify.
     """
-    _substitute(argv, "", ReplayError)
-    start, _ckpt = replay_start(run_dir, from_step)
-    rec = RunRecording(run_dir)
-    said = list(notes)
-    out = _replay_dir(run_dir, keep_dir)
+    start, _ckpt = replay_start(plan.run_dir, plan.from_step)
+    rec = RunRecording(plan.run_dir)
+    said = list(plan.notes)
+    out = _replay_dir(plan.run_dir, plan.keep_dir)
     altered = _start_difference(rec, start, said)
-    if altered is not None:
-        return AuditReport(
-            "replay", tuple(argv), start, start, 0, 0, altered, overrides=tuple(overrides), notes=tuple(said)
+    if altered is None:
+        report = _replayed(plan, rec, start, out, said)
+    else:
+        report = AuditReport(
+            what="replay",
+            command=tuple(plan.command),
+            steps=start,
+            resume_at=start,
+            rows_compared=0,
+            checkpoints_compared=0,
+            divergence=altered,
         )
+    return dataclasses.replace(report, overrides=tuple(plan.overrides), notes=tuple(said))
+
+
+def _replayed(plan: ReplayPlan, rec: RunRecording, start: int, out: str | None, said: list[str]) -> AuditReport:
+    """The command run on a copy of RUN's checkpoint at ``start`` (into ``out``), and compared;
+    what it said as it stopped, into ``said``."""
+    to_step = plan.to_step
     if to_step is not None and not start <= to_step <= max(rec.last, start):
         raise ReplayError(
             f"--to {to_step} is outside the replayable range: the checkpoint is at step {start} and the "
             f"recording ends at step {rec.last}"
         )
     to = to_step if to_step is not None else rec.last
-    runner = _Runner(argv, ReplayError, timeout, log or (lambda _m: None), on_step, to, accept=accept)
+    log = plan.log or (lambda _m: None)
+    runner = _Runner(plan.command, ReplayError, plan.timeout, log, plan.on_step, to, accept=plan.accept)
     with _workdir(out, "ckptkit-replay-") as base:
         work = base if out is not None else os.path.join(base, "replay")
-        _copy_start(run_dir, rec.checkpoints[start], work)
-        if prepare is not None:
-            prepare(work)
+        _copy_start(plan.run_dir, rec.checkpoints[start], work)
+        if plan.prepare is not None:
+            plan.prepare(work)
         kept = out is not None
         runner.since = time.time()
         try:
-            if runner.run(work, f"replay from step {start}") in accept:
+            if runner.run(work, f"replay from step {start}") in plan.accept:
                 said.append(f"the replay stopped: {runner.stopped}")
         except _Diverged as e:  # the replay found itself not the recorded run, and stopped
-            return AuditReport(
-                "replay",
-                tuple(argv),
-                e.step,
-                start,
-                0,
-                0,
-                e.difference,
-                run_dir if kept else None,
-                work if kept else None,
-                overrides=tuple(overrides),
-                notes=tuple(said),
-            )
+            return _stopped_report("replay", plan.command, e, start, (plan.run_dir, work) if kept else None)
         runner.progress(work)
         _log_resume_notes(work, runner.since, runner.log)
-        report = compare_runs(
-            "replay", argv, run_dir, work, resume_at=start, to_step=to_step, kept=kept, explain=explain
+        return compare_runs(
+            "replay",
+            plan.command,
+            plan.run_dir,
+            work,
+            resume_at=start,
+            to_step=to_step,
+            kept=kept,
+            explain=plan.explain,
         )
-        return dataclasses.replace(report, overrides=tuple(overrides), notes=tuple(said))
 
 
 def _log_resume_notes(work: str, since: float, log: Log) -> None:

@@ -24,7 +24,7 @@ __all__ = ["TensorDiff", "checkpoint_state", "compare_checkpoints", "compare_sta
 _KINDS = ("changed", "only_old", "only_new")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TensorDiff:
     """One difference between two states.
 
@@ -63,7 +63,9 @@ def _tensor_diff(name: str, a: Any, b: Any) -> TensorDiff | None:
     import torch
 
     if a.dtype != b.dtype or a.shape != b.shape:
-        return TensorDiff(name, "changed", f"{a.dtype}{list(a.shape)} -> {b.dtype}{list(b.shape)}", numel=a.numel())
+        return TensorDiff(
+            name=name, kind="changed", detail=f"{a.dtype}{list(a.shape)} -> {b.dtype}{list(b.shape)}", numel=a.numel()
+        )
     if a.numel() == 0:
         return None
     ia, ib = _int_view(a), _int_view(b)
@@ -81,7 +83,14 @@ def _tensor_diff(name: str, a: Any, b: Any) -> TensorDiff | None:
         mad = float((fa.to(torch.complex128) - fb.to(torch.complex128)).abs().max())
     else:
         mad = float((fa.double() - fb.double()).abs().max())
-    return TensorDiff(name, "changed", f"{n}/{a.numel()} elements differ, max |diff| {mad:.6g}", n, a.numel(), mad)
+    return TensorDiff(
+        name=name,
+        kind="changed",
+        detail=f"{n}/{a.numel()} elements differ, max |diff| {mad:.6g}",
+        n_diff=n,
+        numel=a.numel(),
+        max_abs_diff=mad,
+    )
 
 
 def _same_value(a: Any, b: Any) -> bool:
@@ -105,9 +114,9 @@ def compare_states(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[Tenso
     out = []
     for name in sorted(set(old) | set(new)):
         if name not in new:
-            out.append(TensorDiff(name, "only_old", "only in the first"))
+            out.append(TensorDiff(name=name, kind="only_old", detail="only in the first"))
         elif name not in old:
-            out.append(TensorDiff(name, "only_new", "only in the second"))
+            out.append(TensorDiff(name=name, kind="only_new", detail="only in the second"))
         else:
             a, b = old[name], new[name]
             if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
@@ -115,7 +124,7 @@ def compare_states(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[Tenso
                 if d is not None:
                     out.append(d)
             elif not _same_value(a, b):
-                out.append(TensorDiff(name, "changed", f"{a!r} -> {b!r}"))
+                out.append(TensorDiff(name=name, kind="changed", detail=f"{a!r} -> {b!r}"))
     return out
 
 

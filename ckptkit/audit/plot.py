@@ -80,7 +80,7 @@ _REWIND_LIMIT = 10_000
 _LOSS_NAME = re.compile(r"^(loss.*|.+_loss)$")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class RunSeries:
     """What a plot of a recording draws, as plain values (no matplotlib).
 
@@ -128,7 +128,7 @@ class RunSeries:
         return sorted(names, key=lambda n: n != "loss")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class PlotSummary:
     """What :func:`plot_run` drew and where (the CLI prints it)."""
 

@@ -5,14 +5,19 @@ Writing is the run's: every row goes through the run's one history
 ``digests`` rows, the guard its ``spike`` and ``rollback`` rows, the trainer its own).
 
 Reading is here, once, for every comparison: :class:`RunRecording` is a run
-directory's rows, indexed by step, and its checkpoints; :func:`first_difference` walks
-two of them in order and returns the first step at which they differ as the one
-:class:`~ckptkit.run.difference.Difference` type, or None. ``ckptkit audit`` and
-``ckptkit replay`` (of the trainer and of any loop's command) report it.
+directory's rows, indexed by step, and its checkpoints; :func:`first_row_difference` is
+the one search for where two recordings part: it walks two runs' rows in order and returns
+the first that differs (recorded values compared type-strictly: :func:`same_value`) as the
+one :class:`~ckptkit.run.difference.Difference` type, or None. :func:`first_difference`
+runs it on two recordings, then compares their checkpoints; ``ckptkit audit`` and
+``ckptkit replay`` (of the trainer and of any loop's command) report it, the trainer's
+re-run of a step compares its two rows with it, and :func:`first_divergence_in_files` runs
+it on any two JSON Lines histories.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -22,8 +27,8 @@ from ..format.companions import same_checkpoint
 from ..run.difference import Difference, FieldDiff, TensorReport
 from ..run.environment import EnvDiff
 from ..run.files import run_checkpoints
-from ..run.fingerprint import FINGERPRINT_FIELDS, differing_names
-from ..run.history import COMPARED_KINDS, HISTORY_FILE, WALL_FIELDS, read_rows
+from ..run.fingerprint import FINGERPRINT_FIELDS, differing_names, step_rows
+from ..run.history import HISTORY_FILE, WALL_FIELDS, compared_rows, read_rows
 from .compare import TensorDiff, compare_checkpoints, compare_states
 
 __all__ = [
@@ -32,10 +37,11 @@ __all__ = [
     "checkpoint_difference",
     "first_checkpoint_difference",
     "first_difference",
+    "first_divergence_in_files",
+    "first_row_difference",
     "named_reports",
     "rebuild_difference",
-    "row_difference",
-    "row_fields",
+    "same_value",
     "step_fields",
     "tensor_reports",
 ]
@@ -75,9 +81,7 @@ class RunRecording:
             raise CheckpointNotFound(f"{path}: no history; replay compares a re-run with the run's history.jsonl")
         self.all_rows: list[dict[str, Any]] = read_rows(path)[0]  # every row, in file order
         #: the rows two runs of the same loop must agree on, without wall time, in order
-        self.rows = [
-            {k: v for k, v in r.items() if k not in WALL_FIELDS} for r in self.all_rows if r["kind"] in COMPARED_KINDS
-        ]
+        self.rows = compared_rows(self.all_rows)
         self.checkpoints = run_checkpoints(self.run_dir)
         self.steps: dict[int, dict[str, Any]] = {}
         self.digests: dict[int, Mapping[str, int]] = {}  # the ``digests`` rows' tensors, by steps done
@@ -154,14 +158,84 @@ def first_difference(a: RunRecording, b: RunRecording, *, from_step: int = 0) ->
     """
     rows_a = [r for r in a.rows if r["step"] >= from_step]
     rows_b = [r for r in b.rows if r["step"] >= from_step]
+    d = first_row_difference(rows_a, rows_b)
+    if d is not None:
+        return d
+    both = [s for s in set(a.checkpoints) & set(b.checkpoints) if s >= from_step]
+    return first_checkpoint_difference(a.checkpoints, b.checkpoints, both)
+
+
+def first_row_difference(
+    rows_a: Sequence[Mapping[str, Any]], rows_b: Sequence[Mapping[str, Any]], fields: Sequence[str] | None = None
+) -> Difference | None:
+    """Where two runs' rows part: the first row, in order, that differs from its counterpart, or a
+    different number of rows; None when they agree. Two rows differ when their ``kind`` (a row
+    without one is a step row) or ``step`` does, or any of ``fields`` (default: every key) is in
+    one row only or differs by :func:`same_value`. ``rows_a`` is the recording.
+
+    Example:
+        >>> first_row_difference([{"step": 1, "x": "0x1"}], [{"step": 1, "x": "0x2"}], ["x"]).describe()
+        "step 1: x: recorded '0x1', replayed '0x2'"
+    """
     for i, (ra, rb) in enumerate(zip(rows_a, rows_b, strict=False)):
-        if ra != rb:
-            return row_difference(rows_a, rows_b, i)
+        if not _same_row(ra, rb) or _row_fields(ra, rb, fields):
+            return _row_difference(rows_a, rows_b, i, fields)
     if len(rows_a) != len(rows_b):
         last = (rows_a or rows_b)[min(len(rows_a), len(rows_b)) - 1]["step"] if min(len(rows_a), len(rows_b)) else 0
         return Difference("rows", last, fields=(FieldDiff("rows", len(rows_a), len(rows_b)),))
-    both = [s for s in set(a.checkpoints) & set(b.checkpoints) if s >= from_step]
-    return first_checkpoint_difference(a.checkpoints, b.checkpoints, both)
+    return None
+
+
+def same_value(a: Any, b: Any) -> bool:
+    """Recorded values compared as the bits they stand for: of one type (``1``, ``1.0`` and
+    ``True`` differ), NaN equal to NaN, tables and lists entry by entry."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same_value(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, float):
+        return a == b or (math.isnan(a) and math.isnan(b))
+    return bool(a == b)
+
+
+def _same_row(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """The same row: of one kind, at one step."""
+    return same_value(a.get("kind", "step"), b.get("kind", "step")) and same_value(a.get("step"), b.get("step"))
+
+
+def first_divergence_in_files(
+    path_a: str | os.PathLike[str],
+    path_b: str | os.PathLike[str],
+    fields: Sequence[str] = FINGERPRINT_FIELDS,
+) -> Difference | None:
+    """The first step whose fingerprints differ between two history files, or None.
+
+    Works on any JSON Lines history whose step rows carry ``step`` and the
+    fingerprint ``fields`` (no reference trainer needed; a row without ``kind`` is a
+    step row): ``a`` is the recording, ``b`` the run compared with it. Rows are read
+    as every history is (:func:`ckptkit.history.read_rows`: a torn last line is
+    dropped) and taken as :func:`~ckptkit.run.fingerprint.step_rows` does; only steps
+    both files hold are compared (:func:`first_row_difference`).
+
+    Raises:
+        CheckpointNotFound: a file does not exist.
+        FormatError: a line is not a JSON object with an integer ``step``.
+
+    Example::
+
+        d = first_divergence_in_files("runs/a/history.jsonl", "runs/b/history.jsonl")
+        print("identical" if d is None else d.describe())
+    """
+    rows = []
+    for path in (os.fspath(path_a), os.fspath(path_b)):
+        if not os.path.isfile(path):
+            raise CheckpointNotFound(f"{path}: no such history file (compare two JSON Lines histories)")
+        rows.append(step_rows(read_rows(path, any_kind=True)[0]))
+    both = {r["step"] for r in rows[0]} & {r["step"] for r in rows[1]}
+    a, b = ([r for r in side if r["step"] in both] for side in rows)
+    return first_row_difference(a, b, fields)
 
 
 def rebuild_difference(row: Mapping[str, Any]) -> Difference:
@@ -187,26 +261,29 @@ def rebuild_difference(row: Mapping[str, Any]) -> Difference:
     )
 
 
-def row_difference(rows_a: Sequence[Mapping[str, Any]], rows_b: Sequence[Mapping[str, Any]], i: int) -> Difference:
+def _row_difference(
+    rows_a: Sequence[Mapping[str, Any]], rows_b: Sequence[Mapping[str, Any]], i: int, fields: Sequence[str] | None
+) -> Difference:
     """The difference at row ``i`` (which differs), with the tensors named by the next
     ``digests`` rows of both runs (the state after that step), when both have one."""
     ra, rb = rows_a[i], rows_b[i]
-    if ra["kind"] != rb["kind"] or ra["step"] != rb["step"]:  # not the same row: every field differs
-        return Difference("rows", min(ra["step"], rb["step"]), row_fields(ra, rb))
-    if ra["kind"] == "digests":
+    kind = ra.get("kind", "step")
+    if not _same_row(ra, rb):  # not the same row: every field differs
+        return Difference("rows", min(ra["step"], rb["step"]), _row_fields(ra, rb))
+    if kind == "digests" and (fields is None or "tensors" in fields):
         bad = differing_names(ra["tensors"], rb["tensors"])
         return Difference(
             "digests", ra["step"], tensors=tuple(named_reports(bad, ra["tensors"], rb["tensors"], "values unavailable"))
         )
-    da = next((r for r in rows_a[i:] if r["kind"] == "digests"), None)
-    db = next((r for r in rows_b[i:] if r["kind"] == "digests"), None)
+    da = next((r for r in rows_a[i:] if r.get("kind") == "digests"), None)
+    db = next((r for r in rows_b[i:] if r.get("kind") == "digests"), None)
     tensors: list[TensorReport] = []
     values = "the recording keeps digests, not values"
     if da is not None and db is not None and da["step"] == db["step"]:
         bad = differing_names(da["tensors"], db["tensors"])
         tensors = named_reports(bad, da["tensors"], db["tensors"], "values unavailable")
         values += f"; tensors named from the digests after {da['step']} steps"
-    return Difference(ra["kind"], ra["step"], row_fields(ra, rb), tuple(tensors), values)
+    return Difference(kind, ra["step"], _row_fields(ra, rb, fields), tuple(tensors), values)
 
 
 def first_checkpoint_difference(a: Mapping[int, str], b: Mapping[int, str], steps: Iterable[int]) -> Difference | None:
@@ -299,6 +376,12 @@ def named_reports(
     return sorted(out, key=lambda t: _rank(t.name))
 
 
-def row_fields(a: Mapping[str, Any], b: Mapping[str, Any]) -> tuple[FieldDiff, ...]:
-    """Every key whose value differs between two history rows, sorted (``a`` recorded, ``b`` replayed)."""
-    return tuple(FieldDiff(k, a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k))
+def _row_fields(
+    a: Mapping[str, Any], b: Mapping[str, Any], fields: Sequence[str] | None = None
+) -> tuple[FieldDiff, ...]:
+    """Each of ``fields`` (default: every key, sorted) in one row only or differing by
+    :func:`same_value` between two history rows (``a`` recorded, ``b`` replayed)."""
+    keys = sorted(set(a) | set(b)) if fields is None else fields
+    return tuple(
+        FieldDiff(k, a.get(k), b.get(k)) for k in keys if (k in a) != (k in b) or not same_value(a.get(k), b.get(k))
+    )

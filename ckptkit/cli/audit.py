@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_command(args: argparse.Namespace, command: list[str]) -> int:
     """``ckptkit audit [--stop-at K] -- CMD ARGS...``: any loop (ckptkit.audit.commands)."""
-    from ..audit.commands import audit_command
+    from ..audit.commands import AuditPlan, audit_command
     from ..trainer.config import knobs
 
     given = [key for key, _ in knobs() if getattr(args, key, None) is not None]
@@ -178,11 +178,13 @@ def _run_command(args: argparse.Namespace, command: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
-    if args.timeout <= 0:
-        print(f"ckptkit audit: --timeout must be > 0 (got {args.timeout:g})", file=sys.stderr)
-        return 2
     with Progress("audit", quiet=args.quiet) as progress:
-        report = audit_command(
-            command, stop_at=args.stop_at, timeout=args.timeout, keep_dir=args.keep_dir, log=progress.log
-        )
+        try:
+            plan = AuditPlan(
+                command=command, stop_at=args.stop_at, timeout=args.timeout, keep_dir=args.keep_dir, log=progress.log
+            )
+        except ValueError as e:  # --timeout
+            print(f"ckptkit audit: {e}", file=sys.stderr)
+            return 2
+        report = audit_command(plan)
     return print_verdict(report, args.json)

@@ -132,12 +132,22 @@ def run(args: argparse.Namespace) -> int:
     from ..trainer.config import knobs
 
     if args.cmd:  # any loop: the command that made RUN
-        from ..audit.commands import replay_command
+        from ..audit.commands import ReplayPlan, replay_command
 
         with Progress("replay", quiet=args.quiet) as progress:
-            outcome = replay_command(
-                args.run_dir, args.from_step, args.cmd, timeout=args.timeout, keep_dir=args.out, log=progress.log
-            )
+            try:
+                plan = ReplayPlan(
+                    run_dir=args.run_dir,
+                    from_step=args.from_step,
+                    command=args.cmd,
+                    timeout=args.timeout,
+                    keep_dir=args.out,
+                    log=progress.log,
+                )
+            except ValueError as e:  # --timeout
+                print(f"ckptkit replay: {e}", file=sys.stderr)
+                return 2
+            outcome = replay_command(plan)
         return print_verdict(outcome, args.json)
     from ..trainer.replay import replay
 

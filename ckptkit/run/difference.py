@@ -1,12 +1,12 @@
 """Where two runs part: the one difference type every comparison returns.
 
 A replay against its recording, the trainer's two-run audit, an outside loop's
-command audit and :func:`ckptkit.run.fingerprint.first_divergence` all answer the same
+command audit and :func:`ckptkit.audit.first_divergence_in_files` all answer the same
 question (the first step at which two runs are not the same run, and in what), so
 they answer it with one type: :class:`Difference`. Reports (``ckptkit replay``,
 ``ckptkit audit``) print it; ``--json`` writes :meth:`Difference.to_json`
-(spec/replay.md R-P09). It lives on the run floor because the fingerprints'
-:func:`~ckptkit.run.fingerprint.first_divergence` returns it; nothing here imports torch.
+(spec/replay.md R-P09). It lives on the run floor, under the audit that searches for it
+(:func:`ckptkit.audit.recording.first_row_difference`); nothing here imports torch.
 """
 
 from __future__ import annotations

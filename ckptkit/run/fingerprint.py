@@ -1,4 +1,4 @@
-"""Exact, comparable fingerprints of training state, and the first divergence between runs.
+"""Exact, comparable fingerprints of training state.
 
 Two runs that should be the same are compared by fingerprints, not by eye:
 
@@ -14,10 +14,11 @@ Two runs that should be the same are compared by fingerprints, not by eye:
   checkpoint can be fingerprinted tensor by tensor, named as :func:`ckptkit.audit.compare.flatten`
   names it;
 * :func:`combine` — the order-independent sum behind :func:`state_digest`;
-* :func:`first_divergence` — the first step at which two histories differ, and in
-  which field, as the one :class:`~ckptkit.run.difference.Difference` type;
-  :func:`first_divergence_in_files` does it for two JSON Lines files;
-* :func:`differing_names` — which named digests differ between two digest maps.
+* :func:`differing_names` — which named digests differ between two digest maps;
+* :func:`step_rows` — a history's step rows, one per step.
+
+Where two recordings part is audit's concept, searched once:
+:func:`ckptkit.audit.recording.first_row_difference`.
 
 Implements ``spec/replay.md``. Usable by any trainer: only ``tensor_digest`` and
 ``state_digest`` need torch, and they import it lazily.
@@ -25,25 +26,20 @@ Implements ``spec/replay.md``. Usable by any trainer: only ``tensor_digest`` and
 
 from __future__ import annotations
 
-import math
-import os
 import struct
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import xxhash
 
-from ..errors import CheckpointNotFound, UnsupportedValue
-from .difference import Difference, FieldDiff
-from .history import float_bits, read_rows
+from ..errors import UnsupportedValue
+from .history import float_bits
 from .rng import mix64
 
 __all__ = [
     "FINGERPRINT_FIELDS",
     "combine",
     "differing_names",
-    "first_divergence",
-    "first_divergence_in_files",
     "float_bits",
     "leaf_digest",
     "leaf_digests",
@@ -162,37 +158,6 @@ def differing_names(recorded: Mapping[str, Any], replayed: Mapping[str, Any]) ->
     return sorted(n for n in set(recorded) | set(replayed) if recorded.get(n) != replayed.get(n))
 
 
-def first_divergence(
-    recorded: Sequence[Mapping[str, Any]],
-    replayed: Sequence[Mapping[str, Any]],
-    fields: Sequence[str] = FINGERPRINT_FIELDS,
-) -> Difference | None:
-    """The first step whose fingerprints differ between two histories, or None.
-
-    Rows are matched by their ``step`` key; only steps present in both are compared,
-    in ascending order. A field present in one row and absent in the other differs.
-
-    Example:
-        >>> first_divergence([{"step": 1, "x": "0x1"}], [{"step": 1, "x": "0x2"}], ["x"]).describe()
-        "step 1: x: recorded '0x1', replayed '0x2'"
-    """
-    by_step = {r["step"]: r for r in replayed}
-    for row in sorted(recorded, key=lambda r: r["step"]):
-        other = by_step.get(row["step"])
-        if other is None:
-            continue
-        bad = tuple(f for f in fields if (f in row or f in other) and not _same(row.get(f), other.get(f)))
-        if bad:
-            return Difference("step", row["step"], tuple(FieldDiff(f, row.get(f), other.get(f)) for f in bad))
-    return None
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
-        return True
-    return type(a) is type(b) and a == b
-
-
 def step_rows(rows: Iterable[Mapping[str, Any]], kind: str = "step") -> list[Mapping[str, Any]]:
     """The rows of ``kind`` (rows without a ``kind`` count as steps) that have an int
     ``step``, one per step: a later row for the same step replaces an earlier one (a
@@ -202,33 +167,3 @@ def step_rows(rows: Iterable[Mapping[str, Any]], kind: str = "step") -> list[Map
         if r.get("kind", "step") == kind and isinstance(r.get("step"), int) and not isinstance(r["step"], bool):
             by_step[r["step"]] = r
     return [by_step[s] for s in sorted(by_step)]
-
-
-def first_divergence_in_files(
-    path_a: str | os.PathLike[str],
-    path_b: str | os.PathLike[str],
-    fields: Sequence[str] = FINGERPRINT_FIELDS,
-) -> Difference | None:
-    """The first step whose fingerprints differ between two history files, or None.
-
-    Works on any JSON Lines history whose step rows carry ``step`` and the
-    fingerprint ``fields`` (no reference trainer needed; a row without ``kind`` is a
-    step row): ``a`` is the recording, ``b`` the run compared with it. Rows are read
-    as every history is (:func:`ckptkit.run.history.read_rows`: a torn last line is
-    dropped) and taken as :func:`step_rows` does; only steps both files hold are compared.
-
-    Raises:
-        CheckpointNotFound: a file does not exist.
-        FormatError: a line is not a JSON object with an integer ``step``.
-
-    Example::
-
-        d = first_divergence_in_files("runs/a/history.jsonl", "runs/b/history.jsonl")
-        print("identical" if d is None else d.describe())
-    """
-    rows = []
-    for path in (os.fspath(path_a), os.fspath(path_b)):
-        if not os.path.isfile(path):
-            raise CheckpointNotFound(f"{path}: no such history file (compare two JSON Lines histories)")
-        rows.append(step_rows(read_rows(path, any_kind=True)[0]))
-    return first_divergence(rows[0], rows[1], fields)

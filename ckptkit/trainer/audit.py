@@ -28,10 +28,10 @@ from typing import Any
 
 import torch
 
-from ..audit.commands import PLACEHOLDER, AuditReport, audit_command, copy_checkpoint
+from ..audit.commands import PLACEHOLDER, AuditPlan, AuditReport, audit_command, copy_checkpoint
 from ..audit.commands import compare_runs as audit_compare
 from ..audit.compare import compare_checkpoints, compare_states
-from ..audit.recording import step_fields, tensor_reports
+from ..audit.recording import first_row_difference, step_fields, tensor_reports
 from ..errors import AuditError, CheckpointError, ReplayError
 from ..format.snapshot import read_snapshot, snapshot_path
 from ..format.tree import checkpoint_state
@@ -39,7 +39,6 @@ from ..run import ENVIRONMENT_FILE, RunState, checkpoint_name, list_checkpoints
 from ..run.difference import Difference, Rerun
 from ..run.drift import DEFAULT_EXEMPT, diff_keys
 from ..run.files import run_checkpoints
-from ..run.fingerprint import first_divergence
 from .config import TrainerConfig, flag_name, knobs
 from .data import data_fingerprint, load_bytes
 from .digests import MODEL_PREFIX
@@ -132,8 +131,8 @@ def audit(
     if resume_at is not None and not 1 <= resume_at < steps:
         raise ValueError(f"--resume-at must be in 1 ..= {steps - 1} (--steps {steps}) (got {resume_at})")
     argv = [*launcher(nproc), "train", "--run-dir", PLACEHOLDER, "--quiet", *knob_flags(cfg)]
-    return audit_command(
-        argv,
+    plan = AuditPlan(
+        command=argv,
         stop_at=resume_at,
         interrupt=resume_at is not None,
         stop_with=lambda k: ["--steps", str(k)],  # torchrun reports the stop request's exit 75 as a failure
@@ -144,6 +143,7 @@ def audit(
         keep_dir=None if work_dir is None else os.fspath(work_dir),
         log=log,
     )
+    return audit_command(plan)
 
 
 def compare_runs(
@@ -314,6 +314,6 @@ def rerun_step(
             observed_step(run, s)
         rows.append(observed_step(run, step).row())
         captures.append(_capture(run, rs, step + 1))
-    d = first_divergence([rows[0]], [rows[1]], step_fields(rows[0]))
+    d = first_row_difference([rows[0]], [rows[1]], step_fields(rows[0]))
     diffs = compare_states(captures[0], captures[1])
     return Rerun(d is None and not diffs, d.fields if d else (), tuple(tensor_reports(diffs, {})))

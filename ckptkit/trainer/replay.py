@@ -29,7 +29,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..audit.commands import PLACEHOLDER, AuditReport, copy_checkpoint, replay_command, replay_start
+from ..audit.commands import PLACEHOLDER, AuditReport, ReplayPlan, copy_checkpoint, replay_command, replay_start
 from ..audit.recording import RunRecording
 from ..errors import EXIT_UNSTABLE, CheckpointError, EnvironmentDrift, ReplayError
 from ..format.companions import rebind
@@ -128,10 +128,10 @@ def replay(
         _judge_environment(run_dir, allow_env_change, threads)  # the replay's resume row then records it
         argv.append("--allow-env-change")  # judged here, with replay's own wording
         argv += ["--threads", str(threads)] if threads is not None else []
-    return replay_command(
-        run_dir,
-        from_step,
-        argv,
+    plan = ReplayPlan(
+        run_dir=run_dir,
+        from_step=from_step,
+        command=argv,
         to_step=to,
         prepare=functools.partial(_prepare, cfg, run_dir, start, ckpt, bool(changed)),
         accept=(EXIT_UNSTABLE,),  # a recording may have ended so too: its rows say whether it did
@@ -143,6 +143,7 @@ def replay(
         keep_dir=None if out_dir is None else os.fspath(out_dir),
         log=log,
     )
+    return replay_command(plan)
 
 
 def _judge_environment(run_dir: str, allow: bool, threads: int | None) -> None:
