@@ -215,7 +215,7 @@ def first_divergence_in_files(
     Works on any JSON Lines history whose step rows carry ``step`` and the
     fingerprint ``fields`` (no reference trainer needed; a row without ``kind`` is a
     step row): ``a`` is the recording, ``b`` the run compared with it. Rows are read
-    as every history is (:func:`ckptkit.history.read_rows`: a torn last line is
+    as every history is (:func:`ckptkit.run.history.read_rows`: a torn last line is
     dropped) and taken as :func:`~ckptkit.run.fingerprint.step_rows` does; only steps
     both files hold are compared (:func:`first_row_difference`).
 
