@@ -132,24 +132,12 @@ def read_layout(src: Source) -> Layout:
     """
     head = src.pread(0, min(src.size, 8), "magic") if src.size else b""
     if head[:4] == _MAGIC_PREFIX:
-        return _read_v2(src, head)
+        return _read_v2(src)
     return _read_v1(src, head)
 
 
-def _read_v2(src: Source, head: bytes) -> Layout:
-    if len(head) < 8 or head[4] != 0 or head[7] != 0:
-        raise BadMagic(
-            "malformed magic",
-            path=src.path,
-            offset=0,
-            field="magic",
-            expected=repr(MAGIC),
-            actual=repr(head),
-            hint="R-001",
-        )
-    version = struct.unpack_from("<H", head, 5)[0]
-    if version != VERSION:
-        raise _version_error(src, version)
+def _read_v2(src: Source) -> Layout:
+    check_magic(src, MAGIC, "container", "R-001", refused="malformed magic", version_error=_version_error)
     return _read_v2_body(src)
 
 
@@ -206,6 +194,53 @@ def _version_error(src: Source, version: int) -> FormatError:
         expected=f"version {VERSION} (or a legacy v1 file)",
         actual=version,
         hint=f"{newer} (R-002)",
+    )
+
+
+def check_magic(
+    src: Source,
+    magic: bytes,
+    what: str,
+    rule: str,
+    *,
+    refused: str | None = None,
+    hint: str | None = None,
+    version_error: Callable[[Source, int], FormatError] | None = None,
+) -> None:
+    """Refuse a file whose 8-byte magic ``[4 bytes][0][u16 version][0]`` is not ``magic``.
+
+    One check for the container, the sidecar and the distributed files, which open alike.
+
+    Raises:
+        BadMagic: a foreign or malformed magic (``refused``, default "not a ckptkit
+            ``what``"; ``hint`` defaults to ``rule``).
+        UnsupportedVersion: another version ("``what`` version N is not supported"),
+            or what ``version_error(src, version)`` returns.
+    """
+    head = src.pread(0, min(src.size, 8), "magic")
+    if head[:4] != magic[:4] or len(head) < 8 or head[4] or head[7]:
+        raise BadMagic(
+            refused or f"not a ckptkit {what}",
+            path=src.path,
+            offset=0,
+            field="magic",
+            expected=repr(magic),
+            actual=repr(head),
+            hint=hint or rule,
+        )
+    version, expected = struct.unpack_from("<H", head, 5)[0], struct.unpack_from("<H", magic, 5)[0]
+    if version == expected:
+        return
+    if version_error is not None:
+        raise version_error(src, version)
+    raise UnsupportedVersion(
+        f"{what} version {version} is not supported",
+        path=src.path,
+        offset=5,
+        field="magic",
+        expected=expected,
+        actual=version,
+        hint=f"a newer ckptkit wrote it; upgrade ckptkit ({rule})",
     )
 
 
