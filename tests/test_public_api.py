@@ -73,7 +73,6 @@ PUBLIC = [
     "WorldSizeChanged",
     "__version__",
     "assert_field_coverage",
-    "check_field_coverage",
     "check_resume",
     "diff_keys",
     "import_torch_checkpoint",
