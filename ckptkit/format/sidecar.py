@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import FormatError, SidecarMismatch
+from ._checks import check_u64
 from .atomic import atomic_write
 from .container import (
     Layout,
@@ -85,9 +86,8 @@ def write_sidecar(path: str | os.PathLike[str], *, train_step: int, table_step: 
     """
     from .codec import plan_trees
 
-    for name, v in (("train_step", train_step), ("table_step", table_step)):
-        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 2**64:
-            raise ValueError(f"{name} must be an integer in [0, 2**64) (got {v!r})")
+    check_u64("train_step", train_step)
+    check_u64("table_step", table_step)
     if tree is None:
         raise ValueError("a sidecar needs a state tree (got None)")
     (plan,), keep = plan_trees({"table": tree}, start=_HEADER.size)
