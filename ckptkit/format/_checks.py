@@ -8,14 +8,14 @@ keep their own exception where a file, not a caller, is wrong (``MalformedIndex`
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import Any, TypeGuard
 
 __all__ = ["as_int", "check_int", "check_u64", "is_int", "is_number"]
 
 _U64_END = 2**64
 
 
-def is_int(value: Any, least: int | None = 0, below: int | None = None) -> bool:
+def is_int(value: Any, least: int | None = 0, below: int | None = None) -> TypeGuard[int]:
     """True for an ``int`` (not a bool) in ``[least, below)``; ``None`` leaves a bound open."""
     if isinstance(value, bool) or not isinstance(value, int):
         return False

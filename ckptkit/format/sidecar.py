@@ -25,18 +25,10 @@ from typing import Any
 
 from ..errors import FormatError, SidecarMismatch
 from ._checks import check_u64
+from ._read import check_tensors
+from ._verify import Report, section_infos
 from .atomic import atomic_write
-from .container import (
-    Layout,
-    Report,
-    Source,
-    check_magic,
-    check_skeleton,
-    check_tensors,
-    read_framed,
-    section_infos,
-    write_framed,
-)
+from .container import Layout, Source, check_magic, check_skeleton, read_framed, write_framed
 
 __all__ = [
     "SIDECAR_VERSION",
@@ -157,7 +149,7 @@ def sidecar_digest(path: str | os.PathLike[str]) -> int:
 
 
 def sidecar_report(path: str | os.PathLike[str]) -> Report:
-    """:func:`verify_sidecar` as a :class:`~ckptkit.format.container.Report` (for ``ckptkit verify``).
+    """:func:`verify_sidecar` as a :class:`~ckptkit.format.Report` (for ``ckptkit verify``).
 
     Raises:
         CheckpointNotFound: no such file.
