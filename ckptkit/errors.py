@@ -41,17 +41,6 @@ around a load keeps working::
 
     RunStopped (SystemExit)                   not an error: a requested stop saved the run (exit 75)
 
-    StorageFault (Exception)                  how one object-storage request failed; inside the store only
-    ├── ObjectMissing                         no object at the key
-    ├── WriteConflict                         a conditional write found the object there (HTTP 412/409)
-    ├── TransientFault                        throttling, a 5xx, a dropped connection: worth retrying
-    └── RequestRefused                        anything else: access denied, no bucket, a bad request
-
-``StorageFault`` stands apart too: it is the answer of one storage request
-(:class:`ckptkit.format.objectstore.Backend`), which the object store turns into a
-``CheckpointError`` naming the object (after retries, for a ``TransientFault``); none
-reaches a caller.
-
 ``RunStopped`` stands apart on purpose: a loop's ``except Exception`` must not
 swallow a preemption, and uncaught it ends the process with :data:`EXIT_STOPPED`.
 
@@ -86,11 +75,9 @@ __all__ = [
     "LegacyCheckpoint",
     "MalformedIndex",
     "NoConsistentCheckpoint",
-    "ObjectMissing",
     "ReplayDivergence",
     "ReplayError",
     "ReplicaDivergence",
-    "RequestRefused",
     "ReservedBitSet",
     "ResumeRefused",
     "RunDirInUse",
@@ -98,17 +85,14 @@ __all__ = [
     "SaveFailed",
     "SidecarMismatch",
     "StateMismatch",
-    "StorageFault",
     "StreamOffsetMismatch",
     "TrainingUnstable",
-    "TransientFault",
     "TruncatedFile",
     "UnreadableFile",
     "UnsupportedOption",
     "UnsupportedValue",
     "UnsupportedVersion",
     "WorldSizeChanged",
-    "WriteConflict",
 ]
 
 
@@ -476,24 +460,3 @@ class RunStopped(SystemExit):
     def __init__(self, step: int, path: str, reason: str) -> None:
         super().__init__(EXIT_STOPPED)
         self.step, self.path, self.reason = step, path, reason
-
-
-class StorageFault(Exception):
-    """How one object-storage request failed (spec/objectstore.md): a backend's answer, turned
-    into a :class:`CheckpointError` naming the object by the store, never seen by a caller."""
-
-
-class ObjectMissing(StorageFault):
-    """No object at the key."""
-
-
-class WriteConflict(StorageFault):
-    """A conditional write found the object there already (HTTP 412, or 409 for one in flight)."""
-
-
-class TransientFault(StorageFault):
-    """Throttling (503 SlowDown), a 5xx, a dropped connection: another attempt may succeed (R-O20)."""
-
-
-class RequestRefused(StorageFault):
-    """A failure another attempt meets again: access denied, no such bucket, a bad request."""

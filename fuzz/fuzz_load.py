@@ -268,6 +268,8 @@ def _import_readers() -> None:
     import ckptkit.cli
     import ckptkit.cli.inspect_cmd
     import ckptkit.cli.verify
+    import ckptkit.format._read
+    import ckptkit.format._verify
     import ckptkit.format.checkpoint
     import ckptkit.format.codec
     import ckptkit.format.container

@@ -26,9 +26,10 @@ from ckptkit.errors import (
     UnsupportedValue,
     UnsupportedVersion,
 )
+from ckptkit.format import verify
 from ckptkit.format.checkpoint import Checkpoint, load, save
 from ckptkit.format.codec import encode_tree
-from ckptkit.format.container import FLAG_FP32_FALLBACK, verify
+from ckptkit.format.container import FLAG_FP32_FALLBACK
 from ckptkit.format.section import plan_section
 
 DTYPES = [

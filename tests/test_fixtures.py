@@ -20,8 +20,10 @@ from helpers import fixture_generator
 
 from ckptkit import errors
 from ckptkit.cli import main
+from ckptkit.format import verify
+from ckptkit.format._verify import section_infos
 from ckptkit.format.checkpoint import Checkpoint, load, save
-from ckptkit.format.container import LEGACY_MISSING, Source, read_layout, section_infos, verify
+from ckptkit.format.container import LEGACY_MISSING, Source, read_layout
 from ckptkit.format.sidecar import read_sidecar, verify_sidecar, write_sidecar
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -123,3 +123,14 @@ def test_an_uncommitted_distributed_step_is_debris_and_a_start_removes_it(
     removed = "step-00000010.dcp, step-00000010.dcp.config.json"
     assert said == [f"removed what interrupted saves left (none of it a checkpoint): {removed}"]
     assert sorted(os.listdir(tmp_path)) == ["environment.json", "lease.json"]  # the run holds its directory
+
+
+def test_a_name_with_a_digit_int_cannot_read_is_no_checkpoint(tmp_path: Path) -> None:
+    """One rule names a checkpoint (run/files.py's, which the CLI uses too): a name whose
+    "digits" are a superscript is a stray file, not a step that crashes the listing."""
+    from ckptkit.run.files import list_checkpoints, step_of
+
+    (tmp_path / "step-0000000\u00b2.ckpt").write_bytes(b"")
+    (tmp_path / checkpoint_name(7)).write_bytes(b"")
+    assert step_of("step-0000000\u00b2.ckpt") is None
+    assert list_checkpoints(tmp_path) == [(7, str(tmp_path / checkpoint_name(7)))]

@@ -128,7 +128,7 @@ def test_a_million_references_to_one_tensor_cost_a_pointer_each_not_an_object(tm
 _COUNTS_CHILD = textwrap.dedent("""
     import json, resource, sys
 
-    from ckptkit.format.container import verify
+    from ckptkit.format import verify
 
     def status(key):
         with open("/proc/self/status") as f:

@@ -284,7 +284,7 @@ def test_a_retried_conditional_put_that_meets_its_own_first_attempt_succeeded(s3
             self.calls += 1
             etag = backend.put(key, data, if_absent=if_absent)
             if self.calls == 1:
-                from ckptkit.errors import TransientFault
+                from ckptkit.format.objectstore import TransientFault
 
                 raise TransientFault("connection reset after the server stored it")
             return etag

@@ -26,13 +26,11 @@ from ckptkit.errors import (
     ChecksumMismatch,
     CommitConflict,
     IncompleteCheckpoint,
-    RequestRefused,
-    TransientFault,
 )
 from ckptkit.format import commit as commit_module
 from ckptkit.format import objectstore
 from ckptkit.format.commit import RECORD_SUFFIX, remove
-from ckptkit.format.objectstore import Backend
+from ckptkit.format.objectstore import Backend, RequestRefused, TransientFault
 from ckptkit.format.urls import parse
 
 pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")

@@ -20,6 +20,7 @@ import xxhash
 from helpers import bits, same
 
 import ckptkit.format._io as _fileio
+import ckptkit.format._read as _read
 import ckptkit.format.container as container
 from ckptkit import (
     AsyncSaver,
@@ -250,8 +251,8 @@ def test_load_into_strided_destinations_goes_through_a_temporary(tmp_path):
 
 
 def test_a_corrupt_tensor_met_while_restoring_in_threads_is_the_earliest_in_the_file(tmp_path, monkeypatch):
-    monkeypatch.setattr(container, "_PARALLEL_MIN", 0)  # threads even for a small file
-    monkeypatch.setattr(container, "_READ_PIECE", 64)  # many pieces per tensor
+    monkeypatch.setattr(_read, "_PARALLEL_MIN", 0)  # threads even for a small file
+    monkeypatch.setattr(_read, "_READ_PIECE", 64)  # many pieces per tensor
     path, ckpt = saved(tmp_path)
     dest = {k: torch.zeros_like(v) for k, v in state().items() if k not in ("nested", "tied", "wT")}
     got = load(path, into={"model": {"net": dest}}, strict=False)
@@ -273,7 +274,8 @@ def test_chunk_size_changes_neither_the_bytes_nor_what_is_read(tmp_path, monkeyp
     zref = tmp_path / "zref.ckpt"
     save(zref, ckpt, compression="zstd")
     monkeypatch.setattr(container, "_CHUNK", chunk)
-    monkeypatch.setattr(container, "_READ_PIECE", chunk)
+    monkeypatch.setattr(_read, "_CHUNK", chunk)
+    monkeypatch.setattr(_read, "_READ_PIECE", chunk)
     monkeypatch.setattr(_fileio, "_WRITE_BEHIND", 256)  # write-behind after every few pieces
     for codec, want in (("raw", ref), ("zstd", zref)):
         p = tmp_path / f"{codec}-{chunk}.ckpt"
@@ -293,7 +295,7 @@ def test_saves_are_the_same_bytes_without_write_behind(tmp_path, monkeypatch):
 def test_verify_through_small_mapped_windows_finds_a_flipped_byte(tmp_path, monkeypatch):
     monkeypatch.setattr(_fileio, "_MAP_MIN", 0)
     monkeypatch.setattr(_fileio, "_WINDOW", 4096)
-    monkeypatch.setattr(container, "_PARALLEL_MIN", 0)  # threads even for a small file
+    monkeypatch.setattr(_read, "_PARALLEL_MIN", 0)  # threads even for a small file
     big = torch.arange(5000, dtype=torch.float32)  # 20000 bytes: several windows
     path = tmp_path / "v.ckpt"
     save(path, Checkpoint(step=1, model={"a": torch.ones(3), "big": big}, optim={"c": torch.ones(100)}))
@@ -309,7 +311,7 @@ def test_verify_through_small_mapped_windows_finds_a_flipped_byte(tmp_path, monk
 
 
 def test_a_corrupt_zstd_tensor_is_found_by_the_streamed_verify_and_load(tmp_path, monkeypatch):
-    monkeypatch.setattr(container, "_CHUNK", 10)
+    monkeypatch.setattr(_read, "_CHUNK", 10)
     path = tmp_path / "z.ckpt"
     save(path, Checkpoint(step=1, model={"a": torch.arange(40.0), "b": torch.arange(30.0)}), compression="zstd")
     with Source(path) as src:

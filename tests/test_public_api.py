@@ -73,7 +73,6 @@ PUBLIC = [
     "WorldSizeChanged",
     "__version__",
     "assert_field_coverage",
-    "check_field_coverage",
     "check_resume",
     "diff_keys",
     "import_torch_checkpoint",
@@ -109,7 +108,8 @@ def test_every_public_attribute_of_the_package_is_exported():
 
 
 def test_every_exception_class_is_in_the_tree_drawn_in_errors_py():
-    """Every exception ckptkit defines lives in errors.py and is drawn in its docstring."""
+    """Every exception ckptkit defines lives in errors.py and is drawn in its docstring; the
+    object store's request faults, which never reach a caller, live and are drawn in its module."""
     import ckptkit.cli
     import ckptkit.trainer
 
@@ -130,9 +130,9 @@ def test_every_exception_class_is_in_the_tree_drawn_in_errors_py():
         and obj.__module__.startswith("ckptkit")
         and not name.startswith("_")
     }
-    assert {module for module, _ in defined} == {"ckptkit.errors"}, sorted(defined)
-    drawn = ckptkit.errors.__doc__ or ""
-    for _, name in sorted(defined):
+    assert {module for module, _ in defined} == {"ckptkit.errors", "ckptkit.format.objectstore"}, sorted(defined)
+    for module, name in sorted(defined):
+        drawn = sys.modules[module].__doc__ or ""
         assert f" {name} (" in drawn or f"── {name}" in drawn, name
 
 

@@ -37,7 +37,7 @@ from ckptkit.format.snapshot import (
     write_snapshot,
 )
 from ckptkit.run.drift import DEFAULT_EXEMPT, KeyDiff, check_resume, diff_keys
-from ckptkit.run.field_coverage import assert_field_coverage, check_field_coverage
+from ckptkit.run.field_coverage import assert_field_coverage
 
 # --------------------------------------------------------------------------- configs
 
@@ -520,10 +520,15 @@ def test_coverage_passes_on_a_good_nested_config():
     assert str(report) == "field coverage ok: the snapshot carries 8 of 9 fields"
 
 
+def _problems(cfg, **kwargs) -> tuple[str, ...]:
+    """The problems the failing check lists, one a line."""
+    with pytest.raises(AssertionError) as e:
+        assert_field_coverage(cfg, **kwargs)
+    return tuple(str(e.value).split("\n  ")[1:])
+
+
 def test_coverage_fails_on_a_field_opted_out_without_a_reason():
-    report = check_field_coverage(Cfg)
-    assert not report.ok
-    assert report.problems == (
+    problems = (
         "count: the snapshot carries 8 keys, the config has 9 fields (0 exempt and absent)",
         (
             'train.log_dir: excluded from the snapshot (metadata={"snapshot": False}) without a reason; '
@@ -532,12 +537,11 @@ def test_coverage_fails_on_a_field_opted_out_without_a_reason():
     )
     with pytest.raises(AssertionError) as e:
         assert_field_coverage(Cfg)
-    assert str(e.value) == "field coverage: 2 problems:\n  " + "\n  ".join(report.problems)
+    assert str(e.value) == "field coverage: 2 problems:\n  " + "\n  ".join(problems)
 
 
 def test_coverage_fails_on_an_exemption_without_a_reason_or_field():
-    report = check_field_coverage(Cfg, exempt_fields={"train.log_dir": "  ", "train.gone": "old"})
-    assert report.problems == (
+    assert _problems(Cfg, exempt_fields={"train.log_dir": "  ", "train.gone": "old"}) == (
         "train.gone: declared in exempt_fields but the config has no such field",
         "train.log_dir: declared in exempt_fields without a reason; write why it cannot change a step",
     )
@@ -549,8 +553,7 @@ def test_coverage_fails_on_a_snapshot_function_that_drops_a_field():
         del table["train"]["rand_depth"]  # the ADR-0021 item 5 bug
         return table
 
-    report = check_field_coverage(Cfg(), exempt_fields={"train.log_dir": "output path"}, snapshot=dropping)
-    assert report.problems == (
+    assert _problems(Cfg(), exempt_fields={"train.log_dir": "output path"}, snapshot=dropping) == (
         "count: the snapshot carries 7 keys, the config has 9 fields (1 exempt and absent)",
         "train.rand_depth: a field of the config the snapshot does not carry",
     )
@@ -562,8 +565,7 @@ def test_coverage_fails_on_a_key_the_snapshot_carries_but_never_changes():
         table["seed"] = 1  # written, but not from the config: decoration
         return table
 
-    report = check_field_coverage(Cfg(), exempt_fields={"train.log_dir": "output path"}, snapshot=decorating)
-    assert report.problems == (
+    assert _problems(Cfg(), exempt_fields={"train.log_dir": "output path"}, snapshot=decorating) == (
         "seed: flipping 1 -> 2 does not reach diff_keys (the snapshot carries it but does not change: decoration)",
     )
 
@@ -572,16 +574,14 @@ def test_coverage_fails_on_a_key_the_snapshot_carries_that_is_no_field():
     def extra(cfg):
         return {**snapshot_config(cfg), "note": "x"}
 
-    report = check_field_coverage(Flat, snapshot=extra)
-    assert report.problems == (
+    assert _problems(Flat, snapshot=extra) == (
         "count: the snapshot carries 4 keys, the config has 3 fields (0 exempt and absent)",
         "note: in the snapshot but not a field of the config",
     )
 
 
 def test_coverage_classes_exempt_fields_by_the_exempt_set():
-    report = check_field_coverage(Flat, exempt={"lr"})
-    assert report.ok  # lr flips as exempt, steps as strict: each as the set says
+    assert assert_field_coverage(Flat, exempt={"lr"}).ok  # lr flips as exempt, steps as strict: each as the set says
 
 
 @dataclass
@@ -595,28 +595,27 @@ class NeedsFlip:
 
 
 def test_coverage_asks_for_flips_where_no_automatic_flip_exists_and_uses_them():
-    report = check_field_coverage(NeedsFlip)
-    assert report.problems == (
+    assert _problems(NeedsFlip) == (
         (
             "mode: flipping 'a' -> 'ax' fails (ValueError: mode must be 'a' or 'b' (got 'ax')); "
             'pass flips={"mode": <another valid value>}'
         ),
         'opaque: no automatic flip for None; pass flips={"opaque": <another valid value>}',
     )
-    assert check_field_coverage(NeedsFlip, flips={"opaque": 3, "mode": "b"}).ok
+    assert assert_field_coverage(NeedsFlip, flips={"opaque": 3, "mode": "b"}).ok
 
 
 def test_coverage_flips_optional_enum_and_tuple_fields_automatically():
     Opt = dataclasses.make_dataclass("Opt", [("x", int | None, None), ("e", Act, Act.RELU), ("t", tuple, (1, "a"))])
-    assert check_field_coverage(Opt).ok
+    assert assert_field_coverage(Opt).ok
 
 
 def test_coverage_refuses_a_class_that_needs_arguments():
     Req = dataclasses.make_dataclass("Req", [("depth", int)])
     with pytest.raises(TypeError) as e:
-        check_field_coverage(Req)
+        assert_field_coverage(Req)
     assert str(e.value).startswith("Req cannot be built without arguments (")
-    assert check_field_coverage(Req(depth=2)).ok
+    assert assert_field_coverage(Req(depth=2)).ok
 
 
 # --------------------------------------------------------------------------- properties
@@ -747,7 +746,7 @@ def test_random_configs_round_trip_through_the_file_and_pass_their_own_resume(cf
     assert check_resume(snap, cfg) == []
     # A None annotated NoneType has no other value to flip to: the test supplies one.
     flips = {p: 0 for p in _leaf_paths(cfg) if _get(cfg, p) is None}
-    assert check_field_coverage(cfg, flips=flips).ok
+    assert assert_field_coverage(cfg, flips=flips).ok
 
 
 @settings(max_examples=examples(8))

@@ -16,8 +16,9 @@ from helpers import fixture_generator
 
 from ckptkit import BadTensorValue, MalformedIndex, open_checkpoint
 from ckptkit.cli import main
+from ckptkit.format import verify
 from ckptkit.format.checkpoint import Checkpoint, load, save
-from ckptkit.format.container import Source, read_layout, verify
+from ckptkit.format.container import Source, read_layout
 
 GENERATE = fixture_generator()
 

@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from ckptkit.format.container import Source, read_layout, section_infos
+from ckptkit.format._verify import section_infos
+from ckptkit.format.container import Source, read_layout
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "fixtures"

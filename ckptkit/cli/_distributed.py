@@ -23,7 +23,7 @@ from ..distributed.format import (
     verify_directory,
 )
 from ..errors import CheckpointError, CheckpointNotFound
-from ..run.files import list_run_dir
+from ..run.files import DCP_SUFFIX, list_run_dir, step_of
 
 __all__ = [
     "diff_directories",
@@ -35,8 +35,6 @@ __all__ = [
     "report_json",
     "run_contents",
 ]
-
-_DCP = ".dcp"  # a distributed run's checkpoint directories: step-00000120.dcp (spec/runstate.md)
 
 
 def is_distributed_dir(path: str) -> bool:
@@ -57,10 +55,11 @@ def run_contents(run_dir: str) -> tuple[list[str], list[str]]:
     steps, sidecars = [], []
     for name in sorted(list_run_dir(run_dir)):
         path = os.path.join(run_dir, name)
-        stem, sep, kind = name.rpartition(_DCP + ".")
-        if name.startswith("step-") and name.endswith(_DCP) and os.path.isdir(path):
+        stem, sep, kind = name.rpartition(DCP_SUFFIX + ".")
+        if step_of(name, DCP_SUFFIX) is not None and os.path.isdir(path):
             steps.append(path)
-        elif sep and stem.startswith("step-") and kind.isidentifier():  # step-N.dcp.ngram, not .config.json
+        # step-N.dcp.ngram, not step-N.dcp.config.json
+        elif sep and step_of(stem + DCP_SUFFIX, DCP_SUFFIX) is not None and kind.isidentifier():
             sidecars.append(path)
     return steps, sidecars
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import re
 import sys
 from collections.abc import Callable, Mapping
 
@@ -14,13 +13,10 @@ from ..format.urls import is_url, local_only, parse, require_client
 from ..run.files import list_run_dir
 from ..run.local_copy import Select, local_copy
 
-__all__ = ["CKPT_RE", "Copies", "copy_urls", "expand_checkpoints", "refuse_urls"]
+__all__ = ["Copies", "copy_urls", "expand_checkpoints", "refuse_urls"]
 
 #: A command's arguments read through a local copy (its ``URL_COPIES``): the steps it needs, given its arguments.
 Copies = Mapping[str, Callable[[argparse.Namespace], Select]]
-
-#: Checkpoint file names inside a run directory: step-<zero-padded step>.ckpt
-CKPT_RE = re.compile(r"^step-(\d{8,})\.ckpt$")
 
 
 def _is_checkpoint_or_sidecar(name: str) -> bool:

@@ -11,8 +11,9 @@ import os
 from typing import Any
 
 from ..errors import CheckpointNotFound, FormatError, IncompleteCheckpoint
+from ..format._verify import Report, layout_report, verify_source
 from ..format.commit import RECORD_SUFFIX, fetch, listing, read_record
-from ..format.container import Report, Source, layout_report, verify_source
+from ..format.container import Source
 from ..format.objectstore import ObjectStore, store_for
 from ..format.urls import StorageURL, parse
 from ..run.files import CKPT_SUFFIX, DCP_SUFFIX

@@ -30,8 +30,8 @@ from typing import Any
 from ..errors import CheckpointError, CheckpointNotFound, FormatError
 from ..format.snapshot import SNAPSHOT_SUFFIX, Snapshot, read_snapshot, snapshot_path
 from ..run.drift import DEFAULT_EXEMPT, KeyDiff, diff_keys
+from ..run.files import list_checkpoints
 from ..run.local_copy import newest_step
-from ._paths import CKPT_RE
 
 __all__ = ["URL_COPIES", "add_parser", "run"]
 
@@ -105,13 +105,8 @@ class _Unavailable(Exception):
 
 
 def _newest_checkpoint(directory: str) -> str | None:
-    best: tuple[int, str] | None = None
-    for name in os.listdir(directory):
-        m = CKPT_RE.match(name)
-        if m and os.path.isfile(os.path.join(directory, name)):
-            key = (int(m.group(1)), name)
-            best = key if best is None or key > best else best
-    return None if best is None else os.path.join(directory, best[1])
+    files = [(step, path) for step, path in list_checkpoints(directory) if os.path.isfile(path)]
+    return max(files)[1] if files else None
 
 
 def _side(path: str) -> tuple[Snapshot, str | None]:

@@ -11,7 +11,8 @@ import json
 from typing import Any
 
 from ..errors import CheckpointNotFound
-from ..format.container import Source, layout_report, read_layout
+from ..format._verify import layout_report
+from ..format.container import Source, read_layout
 from ..format.section import TensorRef
 from ..format.urls import is_url
 from ..format.values import TypedValue

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import CheckpointError, CheckpointNotFound, UnreadableFile
-from ..format.container import Report, verify
+from ..format._verify import Report, verify
 from ..format.urls import is_url
 from ._paths import expand_checkpoints
 from ._progress import Progress

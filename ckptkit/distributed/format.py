@@ -39,10 +39,9 @@ from ..errors import (
     IncompleteCheckpoint,
     MalformedIndex,
     UnreadableFile,
-    UnsupportedVersion,
 )
 from ..format.atomic import atomic_write
-from ..format.container import Layout, Source, check_skeleton, read_framed, write_framed
+from ..format.container import Layout, Source, check_magic, check_skeleton, read_framed, write_framed
 from ..format.section import DTYPE_SIZES, MAX_NDIM, SectionIndex, TensorRecord, TensorRef, check_plain, plan_section
 
 __all__ = [
@@ -212,33 +211,8 @@ def stored_record(dtype: str, c: Chunk) -> tuple[str, tuple[int, ...]]:
 # ---------------------------------------------------------------------------- reading
 
 
-def _check_magic(src: Source, magic: bytes, what: str, rule: str) -> None:
-    head = src.pread(0, min(src.size, 8), "magic")
-    if head[:4] != magic[:4] or len(head) < 8 or head[4] or head[7]:
-        raise BadMagic(
-            f"not a ckptkit distributed {what}",
-            path=src.path,
-            offset=0,
-            field="magic",
-            expected=repr(magic),
-            actual=repr(head),
-            hint=f"the file is damaged or foreign ({rule})",
-        )
-    version = struct.unpack_from("<H", head, 5)[0]
-    if version != FORMAT_VERSION:
-        raise UnsupportedVersion(
-            f"distributed {what} version {version} is not supported",
-            path=src.path,
-            offset=5,
-            field="magic",
-            expected=FORMAT_VERSION,
-            actual=version,
-            hint=f"a newer ckptkit wrote it; upgrade ckptkit ({rule})",
-        )
-
-
 def _meta_layout(src: Source) -> Layout:
-    _check_magic(src, _META_MAGIC, "metadata file", "R-DC01")
+    check_magic(src, _META_MAGIC, "distributed metadata file", "R-DC01", hint="the file is damaged or foreign (R-DC01)")
     _, world, n = _META_HEADER.unpack(src.pread(0, _META_HEADER.size, "metadata header"))
     sections, trailer_at, digest = read_framed(src, _META_HEADER.size, {"metadata": n}, {"metadata": 16}, _META_END)
     return Layout(
@@ -248,7 +222,7 @@ def _meta_layout(src: Source) -> Layout:
 
 def data_layout(src: Source) -> tuple[Layout, int]:
     """Parse a data file's frame; returns the layout (``step`` holds the rank) and the world size."""
-    _check_magic(src, _DATA_MAGIC, "data file", "R-DC02")
+    check_magic(src, _DATA_MAGIC, "distributed data file", "R-DC02", hint="the file is damaged or foreign (R-DC02)")
     _, rank, world, n = _DATA_HEADER.unpack(src.pread(0, _DATA_HEADER.size, "data header"))
     sections, trailer_at, digest = read_framed(src, _DATA_HEADER.size, {"data": n}, {"data": 24}, _DATA_END)
     return Layout(

@@ -73,6 +73,7 @@ from ..errors import (
     UnsupportedValue,
     UnsupportedVersion,
 )
+from ..format._checks import check_int
 from ..format.atomic import exchange, fsync_dir
 from ..format.codec import check_tensor, decode_tree, dtype_name, memory_available, tensor_bytes, torch_dtype
 from ..format.container import Source
@@ -414,10 +415,8 @@ def _check_writer_options(single_file_per_rank: bool, thread_count: int, copy_ah
             f"single_file_per_rank={single_file_per_rank!r}: ckptkit's format is one data file per rank "
             "(spec/distributed.md §1), never one file per tensor; leave it at True"
         )
-    if isinstance(thread_count, bool) or not isinstance(thread_count, int) or thread_count < 1:
-        raise ValueError(f"thread_count must be an int >= 1 (got {thread_count!r})")
-    if isinstance(copy_ahead, bool) or not isinstance(copy_ahead, int) or copy_ahead < 0:
-        raise ValueError(f"per_thread_copy_ahead must be an int >= 0 (got {copy_ahead!r})")
+    check_int("thread_count", thread_count, least=1)
+    check_int("per_thread_copy_ahead", copy_ahead)
     if fmt is not None and getattr(fmt, "name", fmt) != "TORCH_SAVE":
         raise UnsupportedOption(
             f"serialization_format={fmt!r}: ckptkit writes its own format (raw chunk bytes, plain msgpack), "

@@ -10,9 +10,10 @@ companions.md are the contract.
 
 from __future__ import annotations
 
+from ._verify import Report, SectionInfo, verify
 from .asyncsave import AsyncSaver
 from .checkpoint import Checkpoint, import_torch_checkpoint, load, save
-from .container import FLAG_FP32_FALLBACK, VERSION, Report, SectionInfo, verify
+from .container import FLAG_FP32_FALLBACK, VERSION
 from .lazy import LazyCheckpoint, open_checkpoint
 from .sidecar import Sidecar, read_sidecar, write_sidecar
 from .snapshot import Snapshot, read_snapshot, write_snapshot

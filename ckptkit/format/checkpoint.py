@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InsufficientMemory, UnsupportedValue
+from ._checks import check_u64, is_int
 from .atomic import atomic_write
 from .container import (
     FLAG_FP32_FALLBACK,
@@ -66,9 +67,8 @@ class Checkpoint:
     version: int = VERSION
 
     def __post_init__(self) -> None:
-        if isinstance(self.step, bool) or not isinstance(self.step, int) or not 0 <= self.step < 2**64:
-            raise ValueError(f"step must be an integer in [0, 2**64) (got {self.step!r})")
-        if isinstance(self.flags, bool) or not isinstance(self.flags, int) or self.flags < 0:
+        check_u64("step", self.step)
+        if not is_int(self.flags):
             raise ValueError(f"flags must be a non-negative integer (got {self.flags!r})")
         unknown = self.flags & ~sum(1 << b for b in FLAG_NAMES)
         if unknown:

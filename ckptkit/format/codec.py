@@ -29,7 +29,8 @@ from typing import Any, TypeGuard
 import torch
 
 from ..errors import InsufficientMemory, MalformedIndex, StateMismatch, UnsupportedValue, UnsupportedVersion
-from .container import Source, read_tensors
+from ._read import read_tensors
+from .container import Source
 from .section import (
     CODECS,
     DTYPE_SIZES,
@@ -291,7 +292,7 @@ def read_section_tensors(src: Source, sec: SectionIndex, max_memory: int | None 
 
     Raises:
         InsufficientMemory: the tensors would not fit (before anything is allocated).
-        ChecksumMismatch, BadTensorValue, MalformedIndex: as :func:`~ckptkit.format.container.read_tensors`.
+        ChecksumMismatch, BadTensorValue, MalformedIndex: as :func:`~ckptkit.format._read.read_tensors`.
     """
     check_memory(src.path, ((sec, i) for i in range(len(sec.tensors))), max_memory)
     made = [empty_like_record(sec.tensors.dtype(i), sec.tensors.shape(i)) for i in range(len(sec.tensors))]
@@ -338,7 +339,7 @@ def load_sections(
         StateMismatch: ``into`` does not fit the file (every problem listed);
             raised before any byte is read.
         InsufficientMemory: the new tensors would not fit (before anything is allocated).
-        ChecksumMismatch, MalformedIndex, TruncatedFile: as :func:`~ckptkit.format.container.read_tensors`.
+        ChecksumMismatch, MalformedIndex, TruncatedFile: as :func:`~ckptkit.format._read.read_tensors`.
             Destinations filled before the failure keep what was read: treat
             them as garbage and restore again from a good checkpoint.
     """

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import xxhash
 
 from ..errors import CheckpointNotFound, ChecksumMismatch, CommitConflict, FormatError, IncompleteCheckpoint
+from ._checks import is_int
 from .objectstore import ObjectStore
 from .urls import StorageURL
 
@@ -110,7 +111,7 @@ def _entry(obj: object, name: str, bad: object) -> Entry:
     key, size, digest = obj["key"], obj["size"], obj["xxh3"]
     if not isinstance(key, str) or not (key == name or key.startswith(name + ".")) or "/" in key:
         raise bad("objects[].key", f"{name} or {name}.<companion>", key)
-    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+    if not is_int(size):
         raise bad("objects[].size", "an integer >= 0", size)
     if not isinstance(digest, str) or len(digest) != 16 or digest.strip("0123456789abcdef"):
         raise bad("objects[].xxh3", "16 lowercase hex digits", digest)

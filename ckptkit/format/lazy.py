@@ -27,12 +27,12 @@ import os
 import threading
 from typing import TYPE_CHECKING, Any
 
+from ._read import check_mapped
 from .container import (
     SECTIONS,
     Layout,
     Source,
     check_flags,
-    check_mapped,
     check_skeleton,
     read_layout,
 )

@@ -3,9 +3,15 @@
 Two layers (spec/objectstore.md):
 
 - a :class:`Backend` does one request per call and says what went wrong with one of the
-  four ``StorageFault`` classes of :mod:`ckptkit.errors`: ``ObjectMissing``, ``WriteConflict``
-  (a conditional write lost, R-O11), ``TransientFault`` (throttling, a 5xx, a reset
-  connection: worth retrying) and ``RequestRefused`` (permissions, no bucket, ...).
+  four :class:`StorageFault` classes (they live here, not in :mod:`ckptkit.errors`: none
+  reaches a caller)::
+
+    StorageFault (Exception)      how one object-storage request failed; inside the store only
+    ├── ObjectMissing             no object at the key
+    ├── WriteConflict             a conditional write found the object there (HTTP 412/409, R-O11)
+    ├── TransientFault            throttling, a 5xx, a dropped connection: worth retrying
+    └── RequestRefused            anything else: access denied, no bucket, a bad request
+
   :class:`S3Backend` is boto3's client; fault-injection tests put a wrapper between it and the store;
 - :class:`ObjectStore` turns them into ckptkit's: transient failures are retried with
   capped exponential backoff (R-O20), large objects go up as parallel multipart uploads
@@ -31,23 +37,18 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
-from ..errors import (
-    CheckpointError,
-    CheckpointNotFound,
-    CommitConflict,
-    ObjectMissing,
-    RequestRefused,
-    SaveFailed,
-    TransientFault,
-    UnreadableFile,
-    WriteConflict,
-)
+from ..errors import CheckpointError, CheckpointNotFound, CommitConflict, SaveFailed, UnreadableFile
 from .urls import StorageURL, require_client
 
 __all__ = [
     "Backend",
+    "ObjectMissing",
     "ObjectStore",
+    "RequestRefused",
     "S3Backend",
+    "StorageFault",
+    "TransientFault",
+    "WriteConflict",
     "intercept",
     "store_for",
 ]
@@ -57,6 +58,29 @@ T = TypeVar("T")
 #: Objects larger than this go up in parts of this size, in parallel (R-O21); S3's minimum part is 5 MiB.
 PART_SIZE = 64 << 20
 _THREADS = 8
+
+# ---------------------------------------------------------------------------- faults
+
+
+class StorageFault(Exception):
+    """How one object-storage request failed (spec/objectstore.md): a backend's answer, turned
+    into a :class:`CheckpointError` naming the object by the store, never seen by a caller."""
+
+
+class ObjectMissing(StorageFault):
+    """No object at the key."""
+
+
+class WriteConflict(StorageFault):
+    """A conditional write found the object there already (HTTP 412, or 409 for one in flight)."""
+
+
+class TransientFault(StorageFault):
+    """Throttling (503 SlowDown), a 5xx, a dropped connection: another attempt may succeed (R-O20)."""
+
+
+class RequestRefused(StorageFault):
+    """A failure another attempt meets again: access denied, no such bucket, a bad request."""
 
 
 class Backend(Protocol):

@@ -23,9 +23,12 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import BadMagic, FormatError, SidecarMismatch, UnsupportedVersion
+from ..errors import FormatError, SidecarMismatch
+from ._checks import check_u64
+from ._read import check_tensors
+from ._verify import Report, section_infos
 from .atomic import atomic_write
-from .container import Layout, Report, Source, check_skeleton, check_tensors, read_framed, section_infos, write_framed
+from .container import Layout, Source, check_magic, check_skeleton, read_framed, write_framed
 
 __all__ = [
     "SIDECAR_VERSION",
@@ -75,9 +78,8 @@ def write_sidecar(path: str | os.PathLike[str], *, train_step: int, table_step: 
     """
     from .codec import plan_trees
 
-    for name, v in (("train_step", train_step), ("table_step", table_step)):
-        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 2**64:
-            raise ValueError(f"{name} must be an integer in [0, 2**64) (got {v!r})")
+    check_u64("train_step", train_step)
+    check_u64("table_step", table_step)
     if tree is None:
         raise ValueError("a sidecar needs a state tree (got None)")
     (plan,), keep = plan_trees({"table": tree}, start=_HEADER.size)
@@ -89,28 +91,7 @@ def write_sidecar(path: str | os.PathLike[str], *, train_step: int, table_step: 
 
 
 def _layout(src: Source) -> tuple[Layout, int]:
-    head = src.pread(0, min(src.size, 8), "magic")
-    if head[:4] != _MAGIC[:4] or len(head) < 8 or head[4] or head[7]:
-        raise BadMagic(
-            "not a ckptkit sidecar",
-            path=src.path,
-            offset=0,
-            field="magic",
-            expected=repr(_MAGIC),
-            actual=repr(head),
-            hint="R-020",
-        )
-    version = struct.unpack_from("<H", head, 5)[0]
-    if version != SIDECAR_VERSION:
-        raise UnsupportedVersion(
-            f"sidecar version {version} is not supported",
-            path=src.path,
-            offset=5,
-            field="magic",
-            expected=SIDECAR_VERSION,
-            actual=version,
-            hint="a newer ckptkit wrote it; upgrade ckptkit (R-020)",
-        )
+    check_magic(src, _MAGIC, "sidecar", "R-020")
     _, train_step, table_step, n = _HEADER.unpack(src.pread(0, _HEADER.size, "sidecar header"))
     sections, trailer_at, digest = read_framed(src, _HEADER.size, {"table": n}, {"table": 24}, _END)
     layout = Layout(
@@ -168,7 +149,7 @@ def sidecar_digest(path: str | os.PathLike[str]) -> int:
 
 
 def sidecar_report(path: str | os.PathLike[str]) -> Report:
-    """:func:`verify_sidecar` as a :class:`~ckptkit.format.container.Report` (for ``ckptkit verify``).
+    """:func:`verify_sidecar` as a :class:`~ckptkit.format.Report` (for ``ckptkit verify``).
 
     Raises:
         CheckpointNotFound: no such file.

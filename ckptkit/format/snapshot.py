@@ -9,7 +9,7 @@ is carried whole is :mod:`ckptkit.run.field_coverage`.
 Invariants:
 
 - Every field is written. The only opt-out is ``field(metadata={"snapshot": False})``,
-  and :func:`~ckptkit.run.field_coverage.check_field_coverage` fails unless the opt-out is
+  and :func:`~ckptkit.run.field_coverage.assert_field_coverage` fails unless the opt-out is
   declared with a reason.
 - Same config, same bytes: sorted keys, 2-space indent, ASCII, trailing newline.
 - Floats round-trip exactly (shortest ``repr``); NaN and infinities are refused.

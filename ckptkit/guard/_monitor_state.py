@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import MalformedIndex
+from ..format._checks import is_int
 
 __all__ = ["SPIKE_REASONS", "DetectorState", "ReportState", "exact_keys", "typed"]
 
@@ -124,7 +125,7 @@ def _refused(steps: list[Any], history: int) -> tuple[int, ...]:
     where = "monitor.report"
     _at_most(steps, history, "refused")
     for i, s in enumerate(steps):
-        if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+        if not is_int(s):
             raise MalformedIndex(f"must be an int >= 0 (got {s!r})", field=f"{where}.refused[{i}]")
     return tuple(steps)
 
@@ -164,7 +165,7 @@ def typed(d: Mapping[str, Any], key: str, kind: type, where: str) -> Any:
 
 def _int(d: Mapping[str, Any], key: str, where: str) -> int:
     v = d[key]
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+    if not is_int(v):
         raise MalformedIndex(f"must be an int >= 0 (got {v!r})", field=f"{where}.{key}")
     return v
 

@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from ..format._checks import check_int
+
 __all__ = ["MODES", "RollbackConfig"]
 
 MODES = ("off", "warn", "on")
@@ -51,8 +53,7 @@ class RollbackConfig:
             raise ValueError(f"mode must be one of {', '.join(MODES)} (got {mode!r})")
         object.__setattr__(self, "mode", mode)
         for name, value, least in (("k", self.k, 0), ("bound", self.bound, 1), ("cap", self.cap, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise ValueError(f"{name} must be an int >= {least} (got {value!r})")
+            check_int(name, value, least)
         lr_drop = self.lr_drop
         if not (isinstance(lr_drop, float) and math.isfinite(lr_drop) and 0.0 < lr_drop <= 1.0):
             raise ValueError(f"lr_drop must be a float, finite, > 0 and <= 1 (got {lr_drop!r})")

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from ..format._checks import check_int, is_int
+
 __all__ = ["GradSpike"]
 
 
@@ -34,10 +36,8 @@ class GradSpike:
     """
 
     def __init__(self, modules: Sequence[Any], *, at: int, repeat: int = 2, factor: float = 10.0) -> None:
-        if isinstance(at, bool) or not isinstance(at, int) or at < 0:
-            raise ValueError(f"at must be an int >= 0 (got {at!r})")
-        if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
-            raise ValueError(f"repeat must be an int >= 1 (got {repeat!r})")
+        check_int("at", at)
+        check_int("repeat", repeat, least=1)
         self.modules, self.at, self.repeat, self.factor = list(modules), at, repeat, factor
         self.arrivals = 0
         self._handles: list[Any] = []
@@ -68,7 +68,7 @@ class GradSpike:
         Raises:
             MalformedIndex: the stored count is not an int >= 0.
         """
-        if isinstance(arrivals, bool) or not isinstance(arrivals, int) or arrivals < 0:
+        if not is_int(arrivals):
             from ..errors import MalformedIndex
 
             raise MalformedIndex(f"must be an int >= 0 (got {arrivals!r})", field="values.spike_injection")

@@ -36,11 +36,11 @@ import bisect
 import collections
 import dataclasses
 import math
-import operator
 from collections.abc import Mapping
 from typing import Any, SupportsFloat
 
 from ..errors import ConfigDrift, MalformedIndex, UnsupportedVersion
+from ..format._checks import as_int, is_int, is_number
 from ._monitor_state import SPIKE_REASONS, DetectorState, ReportState, exact_keys, typed
 
 __all__ = ["REASONS", "STATE_VERSION", "SpikeConfig", "SpikeMonitor", "Verdict"]
@@ -70,11 +70,11 @@ class SpikeConfig:
     def __post_init__(self) -> None:
         for name in ("window", "min_history", "history"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
+            if not is_int(value, least=None):
                 raise TypeError(f"{name} must be an int (got {type(value).__name__})")
         for name in ("multiplier", "floor"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
+            if not is_number(value):
                 raise TypeError(f"{name} must be a number (got {type(value).__name__})")
             object.__setattr__(self, name, float(value))  # one type in state_dict
         if self.window < 1:
@@ -296,7 +296,7 @@ class SpikeMonitor:
                 or ``grad_norm`` is negative.
             TypeError: ``step`` is not an int, or a value is not a number.
         """
-        step = _check_step("step", step)
+        step = as_int("step", step)
         last = self._detector.last_step
         if last is not None and step <= last:
             raise ValueError(f"step must be > the last observed step {last} (got {step})")
@@ -319,7 +319,7 @@ class SpikeMonitor:
         Raises:
             ValueError / TypeError: ``step`` is not an int >= 0.
         """
-        self._report.refuse(_check_step("step", step))
+        self._report.refuse(as_int("step", step))
 
     @property
     def last_step(self) -> int | None:
@@ -419,7 +419,7 @@ class SpikeMonitor:
         if not isinstance(state, Mapping):
             raise MalformedIndex(f"state must be a dict (got {type(state).__name__})", field="monitor")
         version = state.get("version")
-        if isinstance(version, bool) or not isinstance(version, int):
+        if not is_int(version, least=None):
             raise MalformedIndex(f"version must be an int (got {type(version).__name__})", field="monitor.version")
         if version != STATE_VERSION:
             raise UnsupportedVersion(
@@ -434,18 +434,6 @@ class SpikeMonitor:
         detector = DetectorState.from_dict(typed(state, "detector", dict, "monitor"), window=self.config.window)
         report = ReportState.from_dict(typed(state, "report", dict, "monitor"), history=self.config.history)
         return detector, report
-
-
-def _check_step(name: str, step: Any) -> int:
-    if isinstance(step, bool):
-        raise TypeError(f"{name} must be an int (got bool)")
-    try:
-        s = operator.index(step)
-    except TypeError:
-        raise TypeError(f"{name} must be an int (got {type(step).__name__})") from None
-    if s < 0:
-        raise ValueError(f"{name} must be >= 0 (got {s})")
-    return s
 
 
 def _check_same_config(recorded: SpikeConfig, configured: SpikeConfig) -> None:

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..errors import MalformedIndex, UnsupportedVersion
+from ..format._checks import is_int
 
 __all__ = ["RECORD_VERSION", "VALUE_NAME", "RollbackEvent", "RollbackRecord", "skipped_batches"]
 
@@ -96,7 +97,7 @@ class RollbackRecord:
         if not isinstance(state, Mapping):
             raise MalformedIndex(f"must be a dict (got {type(state).__name__})", field=where)
         version = state.get("version")
-        if isinstance(version, bool) or not isinstance(version, int):
+        if not is_int(version, least=None):
             raise MalformedIndex(f"version must be an int (got {type(version).__name__})", field=f"{where}.version")
         if version != RECORD_VERSION:
             raise UnsupportedVersion(

@@ -56,6 +56,7 @@ from ..errors import (
     TrainingUnstable,
     UnreadableFile,
 )
+from ..format._checks import is_number
 from ..format.tree import clone, digests, localized
 from ..run import RunState
 from ..run.fingerprint import checkpoint_digests
@@ -133,7 +134,7 @@ def _scalars(result: Any, step: int) -> tuple[float, float]:
                     "clip_grad_norm_(...) or its .item()"
                 )
             v = v.item()
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
+        if not is_number(v):
             raise TypeError(
                 f"step {step}: step_fn must return the step's grad norm as a number "
                 f"(got {type(v).__name__} for the {name}); return e.g. clip_grad_norm_(...).item()"

@@ -24,7 +24,8 @@ from typing import Any
 import xxhash
 
 from ..errors import CheckpointError, CheckpointNotFound, ChecksumMismatch, FormatError, IncompleteCheckpoint
-from ..format.container import Report, Source, read_layout, verify
+from ..format._verify import Report, verify
+from ..format.container import Source, read_layout
 from ..run.drift import DEFAULT_EXEMPT
 from ..run.files import list_run_dir
 
@@ -146,7 +147,7 @@ class FolderCheck:
 
     Attributes:
         path: the folder.
-        report: :func:`~ckptkit.format.container.verify`'s report on the commit, or None when absent.
+        report: :func:`~ckptkit.format.verify`'s report on the commit, or None when absent.
         files: the record's files (relative path -> size and digest); empty when it cannot be read.
         problems: every problem found, as ckptkit errors; empty when the folder is intact.
     """

@@ -31,6 +31,7 @@ import os
 from typing import Any
 
 from ..errors import CheckpointNotFound, FormatError, UnsupportedValue
+from ..format._checks import is_int
 from ..format.checkpoint import import_torch_checkpoint
 from .hf_folder import STATE_FILE, folder_step
 
@@ -91,7 +92,7 @@ def import_trainer_folder(folder: str | os.PathLike[str]) -> TrainerImport:
         )
     state = _json(os.path.join(path, "trainer_state.json"))
     step = state.get("global_step", folder_step(path))
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+    if not is_int(step):
         raise FormatError("global_step is not a step count", path=os.path.join(path, "trainer_state.json"), actual=step)
     parts = {
         name: import_torch_checkpoint(os.path.join(path, file)) if os.path.exists(os.path.join(path, file)) else None

@@ -60,6 +60,7 @@ import os
 from typing import TYPE_CHECKING, Any, TypeGuard
 
 from ..errors import CommitConflict, FormatError, UnsupportedValue
+from ..format._checks import is_int
 from ..format.checkpoint import Checkpoint, load, save
 from ..format.section import check_plain
 from ..format.urls import is_url, parse
@@ -132,7 +133,7 @@ def to_container(checkpoint: dict[str, Any]) -> Checkpoint:
     optim = {k: checkpoint[k] for k in _OPTIM_KEYS if k in checkpoint}
     rest = {k: v for k, v in checkpoint.items() if k not in _MODEL_KEYS and k not in _OPTIM_KEYS}
     step = checkpoint.get("global_step", 0)
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+    if not is_int(step):
         step = 0
     return Checkpoint(
         step=step, model=model or None, optim=optim or None, monitor={"layout": LAYOUT, "checkpoint": rest}

@@ -12,7 +12,7 @@ or a tool (``tests/test_layers.py``). spec/runstate.md is the contract.
 from __future__ import annotations
 
 from .drift import DEFAULT_EXEMPT, KeyDiff, check_resume, diff_keys
-from .field_coverage import assert_field_coverage, check_field_coverage
+from .field_coverage import assert_field_coverage
 from .files import CKPT_SUFFIX, DCP_SUFFIX, ENVIRONMENT_FILE, checkpoint_name, list_checkpoints, read_environment
 from .history import History
 from .rng import mask_stream, numpy_generator, step_rng, torch_generator
@@ -28,7 +28,6 @@ __all__ = [
     "ResumeInfo",
     "RunState",
     "assert_field_coverage",
-    "check_field_coverage",
     "check_resume",
     "checkpoint_name",
     "diff_keys",

@@ -24,12 +24,12 @@ from ..errors import UnsupportedValue
 from ..format.snapshot import in_snapshot, is_config_instance, snapshot_config
 from .drift import DEFAULT_EXEMPT, diff_flat, exempt_set, flatten, is_exempt, prefixes
 
-__all__ = ["CoverageReport", "assert_field_coverage", "check_field_coverage"]
+__all__ = ["CoverageReport", "assert_field_coverage"]
 
 
 @dataclasses.dataclass(frozen=True)
 class CoverageReport:
-    """What :func:`check_field_coverage` found.
+    """What :func:`assert_field_coverage` found.
 
     Attributes:
         fields: every leaf field of the config, as dotted paths, sorted.
@@ -151,7 +151,7 @@ def _replace(cfg: Any, path: str, value: Any) -> Any:
     return clone
 
 
-def check_field_coverage(
+def assert_field_coverage(
     cfg_type_or_instance: Any,
     *,
     exempt_fields: Mapping[str, str] | None = None,
@@ -159,7 +159,7 @@ def check_field_coverage(
     exempt: Iterable[str] = DEFAULT_EXEMPT,
     snapshot: Callable[[Any], Mapping[str, Any]] = snapshot_config,
 ) -> CoverageReport:
-    """Check the field-coverage invariant of a config type (R-S12).
+    """Check the field-coverage invariant of a config type (R-S12); a pytest helper.
 
     (a) The snapshot carries every leaf field of the config, nested tables
     included, compared by name and by count; a field left out (``metadata=
@@ -183,17 +183,17 @@ def check_field_coverage(
             :func:`snapshot_config`.
 
     Returns:
-        A :class:`CoverageReport`; ``report.ok`` is True when nothing is wrong.
+        The :class:`CoverageReport` of a config with nothing wrong.
 
     Raises:
+        AssertionError: a problem; the message lists every one. (Raised
+            explicitly, so it survives ``python -O``.)
         TypeError: the argument is not a dataclass, or the class cannot be built
             without arguments.
 
     Example:
-        >>> exempt = {"train.log_dir": "output path only"}
-        >>> report = check_field_coverage(TrainConfig, exempt_fields=exempt)  # doctest: +SKIP
-        >>> report.ok  # doctest: +SKIP
-        True
+        >>> def test_snapshot_carries_every_train_field():  # doctest: +SKIP
+        ...     assert_field_coverage(TrainConfig, exempt_fields={"train.log_dir": "output path only"})
     """
     cfg = _instance_of(cfg_type_or_instance)
     exempt_fields = dict(exempt_fields or {})
@@ -205,7 +205,7 @@ def check_field_coverage(
         table = flatten(snapshot(cfg), "", {})
     except (UnsupportedValue, TypeError, ValueError) as e:
         problems.append(("", f"the snapshot of the config fails: {e}"))
-        return CoverageReport(tuple(all_fields), (), tuple(p for _, p in sorted(problems)))
+        return _verdict(CoverageReport(tuple(all_fields), (), tuple(p for _, p in sorted(problems))))
     written = sorted(table)
     allowed_absent = {p for p in all_fields if _covered_by(p, exempt_fields)}
     problems += _carry_problems(leaves, all_fields, written, allowed_absent)
@@ -214,7 +214,13 @@ def check_field_coverage(
             problem = _flip_problem(cfg, path, flips, table, snapshot, exempt_set(exempt))
             if problem:
                 problems.append((path, problem))
-    return CoverageReport(tuple(all_fields), tuple(written), tuple(p for _, p in sorted(problems)))
+    return _verdict(CoverageReport(tuple(all_fields), tuple(written), tuple(p for _, p in sorted(problems))))
+
+
+def _verdict(report: CoverageReport) -> CoverageReport:
+    if not report.ok:
+        raise AssertionError(str(report))
+    return report
 
 
 def _instance_of(cfg: Any) -> Any:
@@ -225,7 +231,7 @@ def _instance_of(cfg: Any) -> Any:
         except TypeError as e:
             raise TypeError(f"{cfg.__qualname__} cannot be built without arguments ({e}); pass an instance") from None
     if not is_config_instance(cfg):
-        raise TypeError(f"check_field_coverage needs a dataclass or an instance (got {type(cfg).__name__})")
+        raise TypeError(f"assert_field_coverage needs a dataclass or an instance (got {type(cfg).__name__})")
     return cfg
 
 
@@ -323,29 +329,3 @@ def _flip_problem(
             f"(expected changed, {'exempt' if want_exempt else 'strict'})"
         )
     return None
-
-
-def assert_field_coverage(
-    cfg_type_or_instance: Any,
-    *,
-    exempt_fields: Mapping[str, str] | None = None,
-    flips: Mapping[str, Any] | None = None,
-    exempt: Iterable[str] = DEFAULT_EXEMPT,
-    snapshot: Callable[[Any], Mapping[str, Any]] = snapshot_config,
-) -> CoverageReport:
-    """Pytest helper: :func:`check_field_coverage`, raising when it finds a problem.
-
-    Raises:
-        AssertionError: the report is not ok; the message lists every problem.
-            (Raised explicitly, so it survives ``python -O``.)
-
-    Example:
-        >>> def test_snapshot_carries_every_train_field():  # doctest: +SKIP
-        ...     assert_field_coverage(TrainConfig, exempt_fields={"train.log_dir": "output path only"})
-    """
-    report = check_field_coverage(
-        cfg_type_or_instance, exempt_fields=exempt_fields, flips=flips, exempt=exempt, snapshot=snapshot
-    )
-    if not report.ok:
-        raise AssertionError(str(report))
-    return report

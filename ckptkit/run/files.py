@@ -129,7 +129,7 @@ def run_checkpoints(run_dir: str | os.PathLike[str]) -> dict[int, str]:
 def step_of(name: str, suffix: str = CKPT_SUFFIX) -> int | None:
     """The step a checkpoint name says (``step-00000120.ckpt`` -> 120); None for any other name."""
     digits = name[len(_PREFIX) : -len(suffix)]
-    if name.startswith(_PREFIX) and name.endswith(suffix) and digits.isdigit() and len(digits) >= 8:
+    if name.startswith(_PREFIX) and name.endswith(suffix) and digits.isdecimal() and len(digits) >= 8:
         return int(digits)
     return None
 
@@ -217,15 +217,8 @@ def retain(
     for name in sorted(os.listdir(run_dir)):
         head, sep, _kind = name.partition(suffix + ".")
         container = os.path.join(run_dir, head + suffix)
-        digits = head[len(_PREFIX) :]
-        if (
-            sep
-            and head.startswith(_PREFIX)
-            and digits.isdigit()
-            and container not in kept
-            and oldest is not None
-            and int(digits) < oldest
-        ):
+        step = step_of(head + suffix, suffix)
+        if sep and step is not None and container not in kept and oldest is not None and step < oldest:
             try:
                 os.unlink(os.path.join(run_dir, name))
             except FileNotFoundError:

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from ..errors import CheckpointNotFound, FormatError
+from ..format._checks import is_number
 from ..format.atomic import write_bytes_atomic
 from ..format.container import open_regular
 from ..format.urls import local_only
@@ -371,7 +372,7 @@ def _bits_problems(row: dict[str, Any]) -> list[str]:
         if not key.endswith("_bits") or twin not in row or not isinstance(bits, str) or not _BITS.fullmatch(bits):
             continue
         value = row[twin]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        if not is_number(value) or not math.isfinite(value):
             continue  # null, or "NaN"/"Infinity": no exact twin to compare
         if len(bits) == 10 and abs(value) > 3.4028234663852886e38:
             want = None  # no float32 holds it: the number was altered

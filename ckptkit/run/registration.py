@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..errors import UnsupportedValue
+from ..format._checks import is_int
 from ..format.container import FLAG_NAMES
 from ..format.section import check_plain
 from ..format.sidecar import sidecar_path
@@ -111,7 +112,7 @@ class Registration:
         """
         self._reg.check_name("data position", name, self._reg.data)
         pos = get()
-        if isinstance(pos, bool) or not isinstance(pos, int) or pos < 0:
+        if not is_int(pos):
             raise UnsupportedValue(f"data position {name!r} must be a non-negative int (got {pos!r})")
         self._reg.data[name] = Entry(get, set, expected)
 

@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..format._checks import as_int
+
 if TYPE_CHECKING:  # pragma: no cover - typing only; torch is imported lazily
     import torch
 
@@ -104,19 +106,6 @@ def mix64(z: int) -> int:
     return z ^ (z >> 31)
 
 
-def _u64(name: str, value: Any) -> int:
-    """Return ``value`` as a Python int in [0, 2**64), or raise naming the argument."""
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int (got bool)")
-    try:
-        v = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int (got {type(value).__name__})") from None
-    if not 0 <= v <= _MASK64:
-        raise ValueError(f"{name} must be in [0, 2**64) (got {v})")
-    return v
-
-
 def _absorb(h: int, x: int) -> int:
     # One splitmix64 output from state (h ^ x): mix64((h ^ x) + GAMMA).
     return mix64(((h ^ x) + GAMMA) & _MASK64)
@@ -153,8 +142,8 @@ def draw(seed: int, step: int, index: int, stream: int = 0) -> int:
         >>> draw(0, 0, 0) == draw(0, 0, 0)
         True
     """
-    key = _key(_u64("seed", seed), _u64("step", step), _u64("stream", stream))
-    return mix64(key + (_u64("index", index) + 1) * GAMMA)
+    key = _key(as_int("seed", seed, u64=True), as_int("step", step, u64=True), as_int("stream", stream, u64=True))
+    return mix64(key + (as_int("index", index, u64=True) + 1) * GAMMA)
 
 
 def uniform(seed: int, step: int, index: int, stream: int = 0) -> float:
@@ -178,18 +167,6 @@ def _mix64_np(z: np.ndarray) -> np.ndarray:
         return mixed
 
 
-def _count(name: str, n: Any) -> int:
-    if isinstance(n, bool):
-        raise TypeError(f"{name} must be an int (got bool)")
-    try:
-        v = operator.index(n)
-    except TypeError:
-        raise TypeError(f"{name} must be an int (got {type(n).__name__})") from None
-    if v < 0:
-        raise ValueError(f"{name} must be >= 0 (got {v})")
-    return v
-
-
 def draws(seed: int, step: int, n: int, stream: int = 0) -> np.ndarray:
     """``draw(seed, step, i, stream)`` for ``i = 0 .. n-1``, vectorised.
 
@@ -208,8 +185,8 @@ def draws(seed: int, step: int, n: int, stream: int = 0) -> np.ndarray:
         >>> int(draws(1, 2, 3)[2]) == draw(1, 2, 2)
         True
     """
-    n = _count("n", n)
-    key = _key(_u64("seed", seed), _u64("step", step), _u64("stream", stream))
+    n = as_int("n", n)
+    key = _key(as_int("seed", seed, u64=True), as_int("step", step, u64=True), as_int("stream", stream, u64=True))
     # (index + 1) * GAMMA + key, wrapping: the Weyl sequence of splitmix64.
     with np.errstate(over="ignore"):
         counters = np.arange(1, n + 1, dtype=np.uint64) * _NP_GAMMA + np.uint64(key)
@@ -331,23 +308,20 @@ def mask_stream(
         >>> bool(mask_stream(8, 0.0, 2, seed=1, step=0).any())
         False
     """
-    t = _count("t", t)
-    if isinstance(mask_span, bool) or not isinstance(mask_span, (int, np.integer)):
-        raise TypeError(f"mask_span must be an int (got {type(mask_span).__name__})")
-    if mask_span < 1:
-        raise ValueError(f"mask_span must be >= 1 (got {mask_span})")
+    t = as_int("t", t)
+    span = as_int("mask_span", mask_span, least=1)
     if isinstance(mask_frac, bool) or not isinstance(mask_frac, (int, float, np.integer, np.floating)):
         raise TypeError(f"mask_frac must be a number (got {type(mask_frac).__name__})")
     frac = float(mask_frac)
     if not 0.0 <= frac <= 1.0:  # also refuses NaN
         raise ValueError(f"mask_frac must be in [0, 1] (got {mask_frac})")
-    n = 1 if rows is None else _count("rows", rows)
-    p = frac / int(mask_span)
+    n = 1 if rows is None else as_int("rows", rows)
+    p = frac / span
     starts = (uniforms(seed, step, n * t, stream) < p).reshape(n, t)
     # masked[r, i] = any(starts[r, max(0, i - span + 1) : i + 1]) via a prefix count per row.
     counts = np.concatenate((np.zeros((n, 1), np.int64), np.cumsum(starts, axis=1, dtype=np.int64)), axis=1)
     hi = np.arange(1, t + 1)
-    lo = np.maximum(hi - int(mask_span), 0)
+    lo = np.maximum(hi - span, 0)
     mask = (counts[:, hi] - counts[:, lo]) > 0
     return mask[0] if rows is None else mask
 

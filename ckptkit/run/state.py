@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from ..errors import LeaseLost
+from ..format._checks import is_int
 from ..format.checkpoint import Checkpoint
 from ..format.snapshot import encode_snapshot
 from ..format.urls import is_url
@@ -112,7 +113,7 @@ class RunState(Registration, Stopping):
         process_group: Any = None,
         lease: Lease | None = None,
     ) -> None:
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        if not is_int(keep, least=1):
             raise ValueError(f"keep must be >= 1 (got {keep!r})")
         if not isinstance(async_save, bool):
             raise ValueError(f"async_save must be True or False (got {async_save!r})")

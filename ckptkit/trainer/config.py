@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..format._checks import check_u64, is_int, is_number
 from ..guard.monitor import SpikeConfig
 
 __all__ = [
@@ -227,8 +228,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _positive(self, "ckpt_every", "log_every", "keep", "mask_span", "min_depth")
         _non_negative(self, "steps", "warmup_iters")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**64:
-            raise ValueError(f"--seed must be an integer in [0, 2**64) (got {self.seed!r})")
+        check_u64("--seed", self.seed)
         _finite(self, "lr", low=0.0, strict=True)
         _finite(self, "min_lr", low=0.0)
         if self.min_lr > self.lr:
@@ -356,7 +356,7 @@ def _flag(name: str) -> str:
 
 def _int_value(obj: Any, name: str) -> int:
     value = getattr(obj, name)
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value, least=None):
         raise ValueError(f"{_flag(name)} must be an integer (got {value!r})")
     return value
 
@@ -380,7 +380,7 @@ def _finite(
 ) -> None:
     for name in names:
         value = getattr(obj, name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if not is_number(value):
             raise ValueError(f"{_flag(name)} must be a number (got {value!r})")
         # One type in the snapshot: an int literal and argparse's float are the same knob.
         object.__setattr__(obj, name, float(value))

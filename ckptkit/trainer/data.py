@@ -26,6 +26,8 @@ import numpy as np
 import torch
 import xxhash
 
+from ..format._checks import check_int
+
 __all__ = ["ByteStream", "data_fingerprint", "load_bytes"]
 
 
@@ -62,9 +64,7 @@ class ByteStream:
 
     def seek(self, offset: int) -> None:
         """Put the stream at an absolute offset (restoring a checkpoint)."""
-        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
-            raise ValueError(f"stream offset must be an int >= 0 (got {offset!r})")
-        self.offset = offset
+        self.offset = check_int("stream offset", offset)
 
     def next_batch(self, batch: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's rows of the next global batch as ``(inputs, targets)``, each
