@@ -266,8 +266,8 @@ def read_file(path: str, buf: bytearray) -> None:
 
 def ckpt_extents(path: str, net: GPT, teacher: GPT, opt: torch.optim.Optimizer) -> list[tuple[int, memoryview]]:
     """(file offset, destination) for every tensor of the ckptkit file, via its index."""
-    from ckptkit.format.codec import match_destinations
-    from ckptkit.format.container import Source, read_layout
+    from ckptkit.format._codec import match_destinations
+    from ckptkit.format._container import Source, read_layout
 
     with Source(path) as src:
         layout = read_layout(src)

@@ -110,9 +110,9 @@ def _round(bucket: str, state: dict[str, Any], first_ckptkit: bool, peer: bool) 
 
 
 def _commit_costs(bucket: str, counts: list[int]) -> dict[str, Any]:
-    from ckptkit.format.commit import RECORD_SUFFIX, commit, listing
-    from ckptkit.format.objectstore import store_for
-    from ckptkit.format.urls import parse
+    from ckptkit.format._commit import RECORD_SUFFIX, commit, listing
+    from ckptkit.format._objectstore import store_for
+    from ckptkit.format._urls import parse
 
     base = parse(f"s3://{bucket}/commits-{uuid.uuid4().hex[:8]}")
     store = store_for(base)

@@ -30,7 +30,8 @@ from typing import Any
 
 import torch
 
-from ckptkit.trainer import TrainerConfig, loop, train
+from ckptkit.trainer import TrainerConfig, train
+from ckptkit.trainer import _loop as loop
 
 VARIANTS = ("plain", "fingerprints", "ring")
 

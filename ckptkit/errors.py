@@ -362,7 +362,7 @@ class RunDirInUse(ResumeRefused):
     R-LS03): the message names it (host, pid, ranks, start, last heartbeat) and what to do.
 
     Attributes:
-        holder: the :class:`ckptkit.run.lease.Holder` found there.
+        holder: the :class:`ckptkit.run._lease.Holder` found there.
     """
 
     def __init__(self, message: str, holder: Any = None) -> None:

@@ -32,9 +32,9 @@ from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from .guard.faults import GradSpike
+from .guard._faults import GradSpike
 from .run import RunState
-from .run.rng import global_rng_state
+from .run._rng import global_rng_state
 
 __all__ = ["GradSpike", "Run", "assert_resume_equivalent", "assert_step_leaves_global_rng_alone", "interruptions"]
 
@@ -100,7 +100,7 @@ def assert_resume_equivalent(
 
     Raises:
         AssertionError: naming the files that differ and, for the container, every
-            tensor or value that differs (via :mod:`ckptkit.audit.compare`).
+            tensor or value that differs (via :mod:`ckptkit.audit._compare`).
     """
     if any(not 0 < s < steps for s in stops):
         raise ValueError(f"stops must lie in 1..{steps - 1} (got {sorted(stops)})")
@@ -113,7 +113,7 @@ def assert_resume_equivalent(
         return
     lines = [f"resumed at {sorted(stops)} differs from the uninterrupted run in {', '.join(differing)}"]
     if ".ckpt" in differing:
-        from .audit.compare import compare_checkpoints
+        from .audit._compare import compare_checkpoints
 
         for d in compare_checkpoints(straight, resumed)[:20]:
             lines.append(f"  {d.kind:<8} {d.name}: {d.detail}")
@@ -143,7 +143,7 @@ def assert_step_leaves_global_rng_alone(fn: Callable[[], Any]) -> None:
 
     Checks Python's ``random``, numpy's legacy global generator and torch's CPU (and,
     when initialised, CUDA) generators. A step whose randomness comes from
-    ``(seed, step)`` (:mod:`ckptkit.run.rng`) leaves all of them alone.
+    ``(seed, step)`` (:mod:`ckptkit.run._rng`) leaves all of them alone.
 
     Raises:
         AssertionError: naming each global generator that changed.

@@ -15,7 +15,7 @@ One history, every writer: ``state.record`` writes a ``step`` row (and a
 PRD's ``rollbacks: [{step, reason, lr_after}]``), all through the run's own
 ``history.jsonl`` (``RunState.history``), so ``ckptkit verify``, ``ckptkit plot``,
 ``ckptkit audit`` and ``ckptkit replay`` read the whole story;
-``ckptkit.run.history.kept_rows`` reads the loss curve of the run as it stands.
+``ckptkit.run.kept_rows`` reads the loss curve of the run as it stands.
 ``--global-draw`` is a TESTING AID too: the step also draws from the global
 generator (a determinism bug), which ``ckptkit audit -- python examples/spike_guard.py
 --run-dir {run_dir} --steps 40 --global-draw`` must find.
@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 import ckptkit
-from ckptkit.guard.rollback_record import skipped_batches  # ckptkit
+from ckptkit.guard import skipped_batches  # ckptkit
 from ckptkit.testing import GradSpike  # ckptkit (testing aid)
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 import ckptkit
-from ckptkit.run.history import kept_rows, read_rows
+from ckptkit.run import kept_rows, read_rows
 
 pytestmark = pytest.mark.slow
 
@@ -71,7 +71,7 @@ def test_the_guard_and_record_compose_verify_and_plot_read_the_whole_run(
 ) -> None:
     """One history for every writer: every execution's step row, the spike and rollback rows,
     in order; ``ckptkit verify`` is clean and ``ckptkit plot`` draws the rollback and its LR drop."""
-    from ckptkit.audit.plot import read_series
+    from ckptkit.audit import read_series
     from ckptkit.cli import main as ckptkit_main
 
     assert main(["--run-dir", str(tmp_path), "--steps", "50", "--spike-at", "30"]) == 0

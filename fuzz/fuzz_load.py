@@ -265,16 +265,6 @@ def run_hypothesis(
 
 def _import_readers() -> None:
     """Import every reader before the memory cap is measured (and, for atheris, instrumented)."""
-    import ckptkit.cli
-    import ckptkit.cli.inspect_cmd
-    import ckptkit.cli.verify
-    import ckptkit.format._read
-    import ckptkit.format._verify
-    import ckptkit.format.checkpoint
-    import ckptkit.format.codec
-    import ckptkit.format.container
-    import ckptkit.format.section
-    import ckptkit.format.sidecar  # noqa: F401
 
 
 def main(argv: list[str] | None = None) -> int:

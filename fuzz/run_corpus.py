@@ -1,7 +1,7 @@
 """Run a hostile corpus through every reader under an address-space cap.
 
     python fuzz/run_corpus.py                                  # fixtures/hostile, 512 MiB cap, table
-    python fuzz/run_corpus.py --json out.json --mem-mib 512    # what tests/test_hostile.py reads
+    python fuzz/run_corpus.py --json out.json --mem-mib 512    # what tests/format/test_hostile.py reads
     python fuzz/run_corpus.py --dir /tmp/corpus                # a corpus written with generate.py --out
 
 The cap is this process's address space after the imports plus ``--mem-mib``: a
@@ -49,10 +49,10 @@ def run(directory: str, mem_mib: int) -> dict:
     # Import everything before measuring the baseline.
     import zstandard  # noqa: F401
 
-    import ckptkit.cli.inspect_cmd
-    import ckptkit.cli.verify
-    import ckptkit.format.checkpoint
-    import ckptkit.format.codec  # noqa: F401
+    import ckptkit.cli._inspect_cmd
+    import ckptkit.cli._verify
+    import ckptkit.format._checkpoint
+    import ckptkit.format._codec  # noqa: F401
 
     quiet_threads()
     scratch = tempfile.TemporaryDirectory(prefix="ckptkit-corpus-")

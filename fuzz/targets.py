@@ -1,7 +1,7 @@
 """Run every ckptkit reader on one file and classify what happened.
 
 Shared by the fuzz harness (``fuzz/fuzz_load.py``), the corpus runner
-(``fuzz/run_corpus.py``) and ``tests/test_hostile.py``. A reader may succeed or
+(``fuzz/run_corpus.py``) and ``tests/format/test_hostile.py``. A reader may succeed or
 raise a :class:`ckptkit.errors.CheckpointError`; anything else -- ``struct.error``,
 ``IndexError``, ``KeyError``, ``UnicodeDecodeError``, ``MemoryError``,
 ``OverflowError``, ``RecursionError``, a torch ``RuntimeError``, a CLI
@@ -82,7 +82,8 @@ def _cli(argv: list[str]) -> str:
 
 def declared_tensor_bytes(path: str, kind: str) -> int:
     """Bytes of tensor memory the file asks a loader to allocate (0 if it does not parse)."""
-    from ckptkit.format import container, sidecar
+    from ckptkit.format import _container as container
+    from ckptkit.format import _sidecar as sidecar
 
     try:
         with container.Source(path) as src:
@@ -114,7 +115,7 @@ def exercise(
     if declared_tensor_bytes(path, kind) > max_load_bytes:
         skip = (*skip, "load", "read_sidecar")
     import ckptkit
-    from ckptkit.format import sidecar
+    from ckptkit.format import _sidecar as sidecar
 
     def verify_report() -> str | None:
         r = ckptkit.verify(path)
@@ -181,11 +182,11 @@ def reseal(data: bytes) -> bytes:
     as ``bin8``, and the skeleton digest. Returns ``data`` unchanged when the
     structure does not parse (then the structural check is what gets tested)."""
     from ckptkit.errors import CheckpointError
-    from ckptkit.format import container
+    from ckptkit.format import _container as container
 
     if data[:4] == b"DMSC":
         try:
-            from ckptkit.format import sidecar
+            from ckptkit.format import _sidecar as sidecar
 
             with container.Source(data=data) as src:
                 layout, _ = sidecar._layout(src)
@@ -222,7 +223,8 @@ def index_sites(data: bytes) -> list[tuple[int, int]]:
     """``(start, index_len)`` of each section index in a v2 container or sidecar
     (for structure-aware mutation); empty when the structure does not parse."""
     from ckptkit.errors import CheckpointError
-    from ckptkit.format import container, sidecar
+    from ckptkit.format import _container as container
+    from ckptkit.format import _sidecar as sidecar
 
     try:
         with container.Source(data=data) as src:
@@ -237,7 +239,7 @@ def replace_index(data: bytes, start: int, index_len: int, new_index: bytes) -> 
     the section's ``index_len``, the padding to the 64-byte boundary, and the
     section length in the container header (v2 only). Digests are not touched
     (see :func:`reseal`)."""
-    from ckptkit.format.section import align_up
+    from ckptkit.format._section import align_up
 
     old_data_start = align_up(start + 8 + index_len)
     new_data_start = align_up(start + 8 + len(new_index))

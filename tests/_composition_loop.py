@@ -1,4 +1,4 @@
-"""examples/spike_guard.py's loop with the knobs tests/test_compositions.py turns.
+"""examples/spike_guard.py's loop with the knobs tests/audit/test_compositions.py turns.
 
     python tests/_composition_loop.py --run-dir R --steps 30 [--mode on] [--spike-at S]
         [--no-record] [--plant entropy|global|threads --plant-from P] [--die-at K]

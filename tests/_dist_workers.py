@@ -98,7 +98,8 @@ class RankPool:
 
 def assert_same(a: Any, b: Any) -> None:
     """Two state trees are bitwise equal (every tensor, every value)."""
-    from ckptkit.audit.compare import compare_states, flatten
+    from ckptkit.audit import compare_states
+    from ckptkit.format._tree import flatten
 
     assert compare_states(flatten(a, "s"), flatten(b, "s")) == []
 
@@ -168,7 +169,7 @@ def save_plain(path: str, value: float) -> None:
 
 def save_and_die(path: str, dying_rank: int) -> str:
     """Rank ``dying_rank`` is SIGKILLed half way through writing its data file."""
-    from ckptkit.distributed import format as fmt
+    from ckptkit.distributed import _format as fmt
 
     if dist.get_rank() == dying_rank:
         real = fmt.write_framed
@@ -211,7 +212,7 @@ def async_saves(first: str, third: str) -> list[str]:
 
 
 def dtensor_overwrite_and_reshard(path: str) -> dict[str, Any]:
-    """DCP's DTensor storage behaviours through ckptkit's Writer/Reader (tests/test_dcp_dropin.py):
+    """DCP's DTensor storage behaviours through ckptkit's Writer/Reader (tests/distributed/test_dcp_dropin.py):
     a row-sharded DTensor saved twice into one directory (DCP's default overwrite=True),
     then loaded as column shards and as a replicated DTensor; each rank's full views."""
     import torch.distributed.checkpoint as dcp

@@ -1,4 +1,4 @@
-"""One Hugging Face ``Trainer`` run in its own process, for tests/test_transformers.py.
+"""One Hugging Face ``Trainer`` run in its own process, for tests/integrations/test_transformers.py.
 
     python tests/_hf_worker.py OUT [--stop 25] [--resume] [--ga 2] [--lr 0.02] [--seed 2] [--save-steps 5]
         [--save-only-model] [--scheduler-kwargs '{"a.b": 1}'] [--plain]

@@ -1,4 +1,4 @@
-"""Rank-side script of tests/test_multinode.py: run on each node of a 2-node torchrun job, in a
+"""Rank-side script of tests/run/test_multinode.py: run on each node of a 2-node torchrun job, in a
 working directory of its own, with ``python tests/_multinode_worker.py s3://bucket/prefix [TRAIN...]``.
 
 First, given ``TRAIN`` (``ckptkit train``'s arguments), it runs the reference trainer in this
@@ -23,7 +23,7 @@ import torch.distributed as dist
 from _runstate_workers import _differs, train
 
 import ckptkit.distributed as ckd
-from ckptkit.distributed.objects import RemoteCheckpoint
+from ckptkit.distributed._objects import RemoteCheckpoint
 
 
 def _plain(url: str, rank: int, world: int) -> None:

@@ -135,7 +135,7 @@ def train(run_dir: str, layout: str, until: int, async_save: bool = False) -> di
 def restore_in_memory(layout: str) -> list[str]:
     """Keep a copy at step 2 (as the spike guard's ring does), train on, restore it: the
     run is back at step 2 bit for bit, and the kept copy's digests match the live state."""
-    from ckptkit.format.tree import clone, digests
+    from ckptkit.format._tree import clone, digests
 
     loop = Loop("/nonexistent-never-saved", layout)
     for _ in range(2):
@@ -157,19 +157,20 @@ def restore_in_memory(layout: str) -> list[str]:
 
 
 def _differs(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
-    from ckptkit.audit.compare import compare_states, flatten
+    from ckptkit.audit import compare_states
+    from ckptkit.format._tree import flatten
 
     return [str(d) for d in compare_states(flatten(a, "s"), flatten(b, "s"))]
 
 
 def guarded(run_dir: str, layout: str, until: int, spike_at: int) -> dict[str, Any]:
     """The loop under ``SpikeGuard(mode="on")``, a spike injected at ``spike_at``: what each rank saw."""
-    from ckptkit.guard.rollback_record import skipped_batches
+    from ckptkit.guard._rollback_record import skipped_batches
     from ckptkit.testing import GradSpike
 
     loop = Loop(run_dir, layout, rule=lambda rank, world, step, values: rank + (step + skipped_batches(values)) * world)
-    history = ckptkit.History(run_dir) if loop.rank == 0 else None
-    monitor = ckptkit.SpikeMonitor(ckptkit.SpikeConfig(window=4, min_history=2))
+    history = ckptkit.run.History(run_dir) if loop.rank == 0 else None
+    monitor = ckptkit.guard.SpikeMonitor(ckptkit.SpikeConfig(window=4, min_history=2))
     inject = GradSpike([loop.model], at=spike_at)
     said: list[str] = []
     guard = ckptkit.SpikeGuard(loop.rs, "on", monitor=monitor, k=2, history=history, inject=inject, log=said.append)
@@ -178,7 +179,7 @@ def guarded(run_dir: str, layout: str, until: int, spike_at: int) -> dict[str, A
         if history is not None and start == 0:
             history.start_fresh()
         guard.run(loop.step, start, until, save_every=2)
-        from ckptkit.format.tree import clone, localized
+        from ckptkit.format._tree import clone, localized
 
         # this rank's own copy (DDP: the whole replicated model; FSDP2: its shards)
         here = localized(clone(loop.rs.checkpoint(until)))
@@ -231,7 +232,7 @@ def _writes_failing_on(rank: int, how: str) -> Iterator[None]:
     import os
     import signal
 
-    from ckptkit.distributed import format as fmt
+    from ckptkit.distributed import _format as fmt
 
     real = fmt.write_framed
 

@@ -1,4 +1,6 @@
-"""One rank of a torchtitan job whose job config selects ckptkit's CheckpointManager (tests/test_torchtitan.py).
+"""One rank of a torchtitan job whose job config selects ckptkit's CheckpointManager.
+
+The test that forks it: tests/integrations/test_torchtitan.py.
 
 ``run(PHASE, RANK, WORLD, INIT_FILE, OUT)`` on 2 gloo ranks (the test forks them from a forkserver
 that imported torchtitan once; ``python tests/_torchtitan_worker.py PHASE RANK WORLD INIT_FILE OUT``

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+
+# The tests sit in one folder per floor; their shared helpers (helpers.py, the worker scripts) sit
+# here, imported as top-level modules from every folder.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 @pytest.fixture(scope="module")

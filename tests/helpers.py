@@ -26,9 +26,10 @@ import torch
 from hypothesis import settings
 
 import ckptkit
-from ckptkit import RunState, SpikeConfig, SpikeMonitor
-from ckptkit.run import checkpoint_name
-from ckptkit.trainer import StepResult, TrainerConfig, compared_rows, read_rows, train
+from ckptkit import RunState, SpikeConfig
+from ckptkit.guard import SpikeMonitor
+from ckptkit.run import checkpoint_name, compared_rows, read_rows
+from ckptkit.trainer import StepResult, TrainerConfig, train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -139,7 +140,7 @@ def assert_same_run(a: Path, b: Path, step: int) -> None:
 def record_environment(run_dir: Path, facts: dict[str, object]) -> None:
     """Make ``run_dir`` look recorded under ``facts``: its environment.json, and the
     digest of it its checkpoints bind (R-C03) -- an edit alone is damage."""
-    from ckptkit.format.companions import rebind
+    from ckptkit.format._companions import rebind
     from ckptkit.run import list_checkpoints
 
     (run_dir / "environment.json").write_text(json.dumps(facts, sort_keys=True, indent=2) + "\n")

@@ -3,27 +3,35 @@
 Compare (``ckptkit diff --tensors``), a loop's recording and its first difference,
 audit and replay of any loop's command, and the plot of a run. Stands on
 :mod:`ckptkit.run` and :mod:`ckptkit.guard`; no tool is imported here
-(``tests/test_layers.py``). spec/replay.md is the contract.
+(``tests/meta/test_layers.py``). spec/replay.md is the contract.
 """
 
 from __future__ import annotations
 
-from ..run.difference import Difference
-from .commands import AuditPlan, AuditReport, ReplayPlan, audit_command, replay_command
-from .compare import TensorDiff, compare_checkpoints, compare_states
-from .recording import RunRecording, first_difference, first_divergence_in_files
+from ..run._difference import Difference
+from ._commands import AuditPlan, AuditReport, ReplayPlan, audit_command, replay_command
+from ._compare import TensorDiff, compare_checkpoints, compare_states
+from ._plot import PlotSummary, RunSeries, plot_run, read_series, render, spike_config_of
+from ._recording import RunRecording, first_difference, first_divergence_in_files, first_row_difference
 
 __all__ = [
     "AuditPlan",
     "AuditReport",
     "Difference",
+    "PlotSummary",
     "ReplayPlan",
     "RunRecording",
+    "RunSeries",
     "TensorDiff",
     "audit_command",
     "compare_checkpoints",
     "compare_states",
     "first_difference",
     "first_divergence_in_files",
+    "first_row_difference",
+    "plot_run",
+    "read_series",
+    "render",
     "replay_command",
+    "spike_config_of",
 ]

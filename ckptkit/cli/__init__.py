@@ -33,7 +33,7 @@ from ..errors import (
 )
 from ._paths import copy_urls, refuse_urls
 
-__all__ = ["EXIT_OK", "EXIT_PROBLEMS", "EXIT_TROUBLE", "EXIT_UNSTABLE", "main"]
+__all__ = ["main"]  # the entry point; cli/ is no import surface
 
 EXIT_OK = 0
 EXIT_PROBLEMS = 1
@@ -42,13 +42,13 @@ EXIT_TROUBLE = 2
 # Subcommand name -> module in this package. Modules are imported on demand so
 # `ckptkit verify` never pays for torch.
 _COMMANDS = {
-    "verify": "verify",
-    "inspect": "inspect_cmd",
-    "diff": "diff",
-    "train": "train",
-    "replay": "replay",
-    "audit": "audit",
-    "plot": "plot",
+    "verify": "_verify",
+    "inspect": "_inspect_cmd",
+    "diff": "_diff",
+    "train": "_train",
+    "replay": "_replay",
+    "audit": "_audit",
+    "plot": "_plot",
 }
 
 

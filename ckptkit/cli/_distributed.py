@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from ..distributed.format import (
+from ..distributed._format import (
     DCP_DEFAULT_METADATA,
     METADATA_NAME,
     DirMetadata,
@@ -23,7 +23,7 @@ from ..distributed.format import (
     verify_directory,
 )
 from ..errors import CheckpointError, CheckpointNotFound
-from ..run.files import DCP_SUFFIX, list_run_dir, step_of
+from ..run._files import DCP_SUFFIX, list_run_dir, step_of
 
 __all__ = [
     "diff_directories",
@@ -71,7 +71,7 @@ def read_run_record(path: str) -> dict[str, Any] | None:
     Raises:
         CheckpointError: the metadata cannot be read, or the record is malformed (R-C01).
     """
-    from ..format.companions import record_of
+    from ..format._companions import record_of
 
     run = read_metadata(path, check_files=False).values.get("run")
     if isinstance(run, tuple) and len(run) == 1:
@@ -226,8 +226,8 @@ def diff_directories(args: Any, tensor_lines: Callable[[list[dict[str, Any]]], l
 
 def directory_tensor_diffs(a: str, b: str) -> list[dict[str, Any]]:
     """The logical tensors of two distributed checkpoint directories that differ, bitwise."""
-    from ..audit.compare import compare_states  # imports torch: only here
-    from ..distributed.storage import logical_state
+    from ..audit._compare import compare_states  # imports torch: only here
+    from ..distributed._storage import logical_state
 
     out = []
     left, right = logical_state(a), logical_state(b)

@@ -9,9 +9,9 @@ import sys
 from collections.abc import Callable, Mapping
 
 from ..errors import CheckpointNotFound
-from ..format.urls import is_url, local_only, parse, require_client
-from ..run.files import list_run_dir
-from ..run.local_copy import Select, local_copy
+from ..format._urls import is_url, local_only, parse, require_client
+from ..run._files import list_run_dir
+from ..run._local_copy import Select, local_copy
 
 __all__ = ["Copies", "copy_urls", "expand_checkpoints", "refuse_urls"]
 

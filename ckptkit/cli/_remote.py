@@ -11,12 +11,12 @@ import os
 from typing import Any
 
 from ..errors import CheckpointNotFound, FormatError, IncompleteCheckpoint
+from ..format._commit import RECORD_SUFFIX, fetch, listing, read_record
+from ..format._container import Source
+from ..format._objectstore import ObjectStore, store_for
+from ..format._urls import StorageURL, parse
 from ..format._verify import Report, layout_report, verify_source
-from ..format.commit import RECORD_SUFFIX, fetch, listing, read_record
-from ..format.container import Source
-from ..format.objectstore import ObjectStore, store_for
-from ..format.urls import StorageURL, parse
-from ..run.files import CKPT_SUFFIX, DCP_SUFFIX
+from ..run._files import CKPT_SUFFIX, DCP_SUFFIX
 
 __all__ = ["fetch_checkpoint", "inspect_distributed", "verify_urls"]
 
@@ -76,15 +76,15 @@ def _verify_distributed(where: str, size: int) -> Report:
     import shutil
     import tempfile
 
-    from ..distributed.format import verify_directory
-    from ..distributed.objects import RemoteCheckpoint, check_listed
+    from ..distributed._format import verify_directory
+    from ..distributed._objects import RemoteCheckpoint, check_listed
 
     tmp = tempfile.mkdtemp(prefix="ckptkit-verify-")
     try:
         remote = RemoteCheckpoint.at(where)
         report = verify_directory(remote.fetch_all(tmp))
         if report.ok:
-            from ..distributed.format import read_metadata
+            from ..distributed._format import read_metadata
 
             check_listed(remote, remote.entries(), read_metadata(os.path.join(tmp, remote.name), check_files=False))
     except (IncompleteCheckpoint, FormatError) as e:
@@ -102,7 +102,7 @@ def inspect_distributed(text: str, as_json: bool, size: Any) -> int:
     import shutil
     import tempfile
 
-    from ..distributed.objects import RemoteCheckpoint
+    from ..distributed._objects import RemoteCheckpoint
     from ._distributed import inspect_directory
 
     tmp = tempfile.mkdtemp(prefix="ckptkit-inspect-")
@@ -116,6 +116,6 @@ def inspect_distributed(text: str, as_json: bool, size: Any) -> int:
 
 def fetch_checkpoint(text: str) -> bytes:
     """The committed checkpoint object at ``text`` (``inspect``), its record's size and digest checked."""
-    from ..format.remote import get_checkpoint
+    from ..format._remote import get_checkpoint
 
     return get_checkpoint(text)

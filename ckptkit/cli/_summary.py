@@ -1,7 +1,7 @@
 """The lines ``ckptkit train`` ends with, read back from what the run wrote.
 
 Every figure but the wall time comes from the run directory after the run:
-``history.jsonl`` (read with :mod:`ckptkit.run.history`) and the checkpoint files
+``history.jsonl`` (read with :mod:`ckptkit.run._history`) and the checkpoint files
 on disk. So the summary cannot name a checkpoint that retention deleted, or a
 step whose row never reached the file. "This call" is everything after the
 history's last ``start`` or ``resume`` row. Counts say steps done (``now at
@@ -17,9 +17,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..format.urls import is_url, join
-from ..run.files import is_fallback_note, run_checkpoints
-from ..run.history import HISTORY_FILE, read_rows
+from ..format._urls import is_url, join
+from ..run._files import is_fallback_note, run_checkpoints
+from ..run._history import HISTORY_FILE, read_rows
 from ._width import fit, fit_command
 
 __all__ = ["TrainSummary", "extend_command", "summarize"]
@@ -106,8 +106,8 @@ def _read_rows(history: str) -> tuple[list[dict[str, Any]], bool]:
         return read_rows(history)
     import tempfile
 
-    from ..format.objectstore import store_for
-    from ..format.urls import parse
+    from ..format._objectstore import store_for
+    from ..format._urls import parse
 
     url = parse(history)
     with tempfile.TemporaryDirectory(prefix="ckptkit-") as tmp:
@@ -120,10 +120,10 @@ def _read_rows(history: str) -> tuple[list[dict[str, Any]], bool]:
 def _checkpoints(run_dir: str) -> list[tuple[int, str]]:
     """Every checkpoint in the run directory (an ``s3://`` run's: the committed ones)."""
     if is_url(run_dir):
-        from ..format.commit import listing
-        from ..format.objectstore import store_for
-        from ..format.urls import parse
-        from ..run.files import step_of
+        from ..format._commit import listing
+        from ..format._objectstore import store_for
+        from ..format._urls import parse
+        from ..run._files import step_of
 
         found = {
             (step_of(n, suffix), n)

@@ -12,7 +12,7 @@ import os
 from typing import Any
 
 from ..errors import CheckpointNotFound
-from ..format.container import Source, read_layout
+from ..format._container import Source, read_layout
 from ..integrations.hf_folder import (
     CONFIG_FILE,
     STATE_FILE,

@@ -21,13 +21,13 @@ from typing import Any
 __all__ = ["AsyncSaver", "LoadPlanner", "Reader", "Writer", "load", "save", "verify_directory"]
 
 _LAZY = {
-    "AsyncSaver": "save_load",
-    "load": "save_load",
-    "save": "save_load",
-    "LoadPlanner": "storage",
-    "Reader": "storage",
-    "Writer": "storage",
-    "verify_directory": "format",
+    "AsyncSaver": "_save_load",
+    "load": "_save_load",
+    "save": "_save_load",
+    "LoadPlanner": "_storage",
+    "Reader": "_storage",
+    "Writer": "_storage",
+    "verify_directory": "_format",
 }
 
 

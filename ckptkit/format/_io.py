@@ -1,6 +1,6 @@
 """The file I/O engine under the container format: how bytes move, not what they mean.
 
-Private. :mod:`ckptkit.format.container` (the format rules) reads and writes through it:
+Private. :mod:`ckptkit.format._container` (the format rules) reads and writes through it:
 positional reads and read-only mmap windows (:class:`Source`), write-behind with
 Linux ``sync_file_range`` through ctypes (:class:`WriteBehind`), and a keyed thread
 pool that reports the earliest failure in file order (:func:`run_keyed`) over a plain
@@ -245,7 +245,7 @@ class WriteBehind:
     Without it, a save copies everything into the page cache and only then does
     the final fsync start the disk: the two phases add up. With it the disk
     writes while the rest is still being copied, and the fsync (still done, by
-    :func:`ckptkit.format.atomic.atomic_write`) waits only for the tail. It is a hint:
+    :func:`ckptkit.format._atomic.atomic_write`) waits only for the tail. It is a hint:
     durability comes from the fsync, and where the call is missing or fails
     (other systems, some file systems) nothing changes but speed.
     """

@@ -1,8 +1,8 @@
 """Private: the container's tensor engine: reading tensors into their destinations and
 hashing them against their digests, in parallel, with bounded memory (R-007, R-008).
 
-:mod:`~ckptkit.format.container` says where the bytes lie and what a digest must be
-(:class:`~ckptkit.format.container.TensorCheck`); this module moves them: raw sections
+:mod:`~ckptkit.format._container` says where the bytes lie and what a digest must be
+(:class:`~ckptkit.format._container.TensorCheck`); this module moves them: raw sections
 by positional reads hashed piece by piece, a zstd section decoded as a stream (one frame,
 the window bounded, never held whole), small tensors in batches, the earliest failure in
 the file reported. ``spec/performance.md`` says why each knob has its value.
@@ -17,9 +17,9 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from ..errors import FormatError, MalformedIndex
+from ._container import _CHUNK, Layout, TensorCheck
 from ._io import Source, cpus, run_keyed
-from .container import _CHUNK, Layout, TensorCheck
-from .section import SectionIndex
+from ._section import SectionIndex
 
 __all__ = ["MAX_ZSTD_WINDOW", "check_all_tensors", "check_mapped", "check_tensors", "read_tensors"]
 

@@ -1,7 +1,7 @@
 """Private: ``ckptkit verify`` of a container: every byte checked, a :class:`Report`, never a
 raise for bad bytes (spec/container.md, spec/validation.md).
 
-The layout and the skeleton are :mod:`~ckptkit.format.container`'s checks, the tensors
+The layout and the skeleton are :mod:`~ckptkit.format._container`'s checks, the tensors
 :mod:`~ckptkit.format._read`'s; this module runs them in order and turns what they find
 into the report ``ckptkit verify`` and ``ckptkit inspect`` print.
 """
@@ -12,10 +12,10 @@ import os
 from dataclasses import dataclass
 
 from ..errors import CheckpointError, FormatError, IncompleteCheckpoint, InsufficientMemory, UnreadableFile
+from ._container import _CHUNK, _V1_SECTIONS, Layout, check_flags, check_skeleton, read_layout
 from ._io import Source
 from ._read import check_all_tensors
-from .container import _CHUNK, _V1_SECTIONS, Layout, check_flags, check_skeleton, read_layout
-from .urls import is_url
+from ._urls import is_url
 
 __all__ = ["Report", "SectionInfo", "layout_report", "section_infos", "verify", "verify_source"]
 
@@ -102,7 +102,7 @@ def verify(path: str | os.PathLike[str]) -> Report:
 
 def _remote_source(url: str) -> Source:
     """The committed object at ``url`` (its record's size and digest checked, R-O14)."""
-    from .remote import get_checkpoint
+    from ._remote import get_checkpoint
 
     return Source(url, data=get_checkpoint(url))
 

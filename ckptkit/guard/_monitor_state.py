@@ -1,6 +1,6 @@
 """The spike monitor's stored state, validated whole before any of it is used (R-M09..R-M12).
 
-Private: :mod:`ckptkit.guard.monitor` reads a ``state_dict`` through these frozen
+Private: :mod:`ckptkit.guard._monitor` reads a ``state_dict`` through these frozen
 dataclasses. Each part checks its keys and types in ``from_dict`` and its
 invariants in ``__post_init__``, so a monitor never holds a half-loaded state.
 A malformed state raises :class:`~ckptkit.errors.MalformedIndex` naming the key.

@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..format.checkpoint import Checkpoint
-from ..format.tree import digests, local, tensors
+from ..format._checkpoint import Checkpoint
+from ..format._tree import digests, local, tensors
 
 __all__ = ["Kept", "Ring"]
 

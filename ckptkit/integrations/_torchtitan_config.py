@@ -25,8 +25,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import ConfigDrift, UnsupportedValue
-from ..format.snapshot import is_config_instance, normalize_value
-from ..run.drift import KeyDiff, check_resume, flatten
+from ..format._snapshot import is_config_instance, normalize_value
+from ..run._drift import KeyDiff, check_resume, flatten
 
 __all__ = ["EXEMPT_KEYS", "EXEMPT_TABLES", "STRICT_KEYS", "check_job", "job_table"]
 

@@ -24,10 +24,10 @@ from typing import Any
 import xxhash
 
 from ..errors import CheckpointError, CheckpointNotFound, ChecksumMismatch, FormatError, IncompleteCheckpoint
+from ..format._container import Source, read_layout
 from ..format._verify import Report, verify
-from ..format.container import Source, read_layout
-from ..run.drift import DEFAULT_EXEMPT
-from ..run.files import list_run_dir
+from ..run._drift import DEFAULT_EXEMPT
+from ..run._files import list_run_dir
 
 __all__ = [
     "CONFIG_FILE",

@@ -31,8 +31,8 @@ import os
 from typing import Any
 
 from ..errors import CheckpointNotFound, FormatError, UnsupportedValue
+from ..format._checkpoint import import_torch_checkpoint
 from ..format._checks import is_int
-from ..format.checkpoint import import_torch_checkpoint
 from .hf_folder import STATE_FILE, folder_step
 
 __all__ = ["TrainerImport", "import_trainer_folder"]

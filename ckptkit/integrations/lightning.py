@@ -60,10 +60,10 @@ import os
 from typing import TYPE_CHECKING, Any, TypeGuard
 
 from ..errors import CommitConflict, FormatError, UnsupportedValue
+from ..format._checkpoint import Checkpoint, load, save
 from ..format._checks import is_int
-from ..format.checkpoint import Checkpoint, load, save
-from ..format.section import check_plain
-from ..format.urls import is_url, parse
+from ..format._section import check_plain
+from ..format._urls import is_url, parse
 from ._extra import missing_extra
 from .lightning_file import LAYOUT
 
@@ -100,7 +100,7 @@ def _check(checkpoint: dict[str, Any]) -> None:
     """Refuse a checkpoint the container cannot carry, naming the Lightning key path."""
     import torch
 
-    from ..format.codec import check_tensor
+    from ..format._codec import check_tensor
 
     def tensor(value: Any, at: str) -> Any:
         if isinstance(value, torch.Tensor):
@@ -198,8 +198,8 @@ def _save(name: str, ckpt: Checkpoint, compression: str | dict[str, str], level:
 def _remove(name: str) -> None:
     """Delete the checkpoint ``name``: a local file, or an object's record first, then its objects (R-O17)."""
     if is_url(name):
-        from ..format.commit import remove
-        from ..format.remote import locate
+        from ..format._commit import remove
+        from ..format._remote import locate
 
         remove(*locate(name))
         return

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..format.container import Source, read_layout
+from ..format._container import Source, read_layout
 
 __all__ = ["LAYOUT", "hyper_parameters"]
 

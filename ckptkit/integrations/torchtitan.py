@@ -46,13 +46,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
-from ..distributed.format import METADATA_NAME, read_metadata
-from ..distributed.save_load import load as ckd_load
-from ..distributed.save_load import save as ckd_save
-from ..distributed.save_load import translate
-from ..distributed.storage import Writer
+from ..distributed._format import METADATA_NAME, read_metadata
+from ..distributed._save_load import load as ckd_load
+from ..distributed._save_load import save as ckd_save
+from ..distributed._save_load import translate
+from ..distributed._storage import Writer
 from ..errors import MalformedIndex, ResumeRefused, StateMismatch, UnsupportedOption, UnsupportedValue
-from ..format.section import check_plain
+from ..format._section import check_plain
 from ._extra import missing_extra
 from ._torchtitan_config import EXEMPT_KEYS, EXEMPT_TABLES, STRICT_KEYS, check_job, job_table
 

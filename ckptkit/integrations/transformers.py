@@ -31,7 +31,7 @@ Trainer has ``torch.load``-ed the optimizer, scheduler and RNG files; it can nei
 those states out of pickle nor commit before rotation. The overrides are Trainer's own
 save and load hooks (``_save_checkpoint``, ``_save_optimizer_and_scheduler``,
 ``_save_scaler``, ``_save_rng_state`` and their ``_load_*`` twins), private names tested
-against the pinned release (``tests/test_transformers.py``).
+against the pinned release (``tests/integrations/test_transformers.py``).
 
 Known limits: one process (no DDP, FSDP or DeepSpeed: refused when the Trainer is built);
 ``TrainingArguments`` values the snapshot cannot carry (an object inside ``fsdp_config``)
@@ -52,11 +52,11 @@ import shutil
 from typing import Any
 
 from ..errors import CheckpointNotFound, ResumeRefused, UnsupportedValue
-from ..format.atomic import write_bytes_atomic
-from ..format.checkpoint import Checkpoint, load, save
-from ..format.snapshot import encode_snapshot, read_snapshot
-from ..run.drift import check_resume
-from ..run.environment import Fact, capture, check_environment
+from ..format._atomic import write_bytes_atomic
+from ..format._checkpoint import Checkpoint, load, save
+from ..format._snapshot import encode_snapshot, read_snapshot
+from ..run._drift import check_resume
+from ..run._environment import Fact, capture, check_environment
 from ._extra import missing_extra
 from .hf_folder import CONFIG_FILE, CONFIG_TYPE, EXEMPT, LAYOUT, STATE_FILE, check_folder, file_record, newest_intact
 
@@ -75,7 +75,7 @@ _PLAIN = (type(None), bool, int, float, str, enum.Enum)
 
 
 def environment() -> dict[str, Fact]:
-    """The run's environment (:func:`ckptkit.run.environment.capture`) plus the transformers and accelerate versions."""
+    """The run's environment facts (what ``environment.json`` records) plus the transformers and accelerate versions."""
     from importlib.metadata import version
 
     return dict(

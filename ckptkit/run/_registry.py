@@ -1,6 +1,6 @@
 """What a run registered, and how it is checked against a checkpoint and restored.
 
-Private: the parts behind :class:`ckptkit.run.state.RunState`. A :class:`Registry`
+Private: the parts behind :class:`ckptkit.run.RunState`. A :class:`Registry`
 holds every registered object and accessor; it builds a checkpoint's contents,
 refuses a checkpoint that does not match them (:class:`~ckptkit.errors.StateMismatch`,
 :class:`~ckptkit.errors.StreamOffsetMismatch`), and restores one into them
@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import StateMismatch, StreamOffsetMismatch
-from ..format.checkpoint import Checkpoint
-from ..format.container import FLAG_NAMES
+from ..format._checkpoint import Checkpoint
+from ..format._container import FLAG_NAMES
 
 __all__ = ["LOCAL", "Access", "Entry", "Registry", "has_state_dict"]
 
@@ -271,7 +271,7 @@ def _layout_problems(where: str, stored: Mapping[str, Any], live: Mapping[str, A
     not) is refused whole, not half-loaded."""
     import torch  # lazily: ``import ckptkit`` stays torch-free for the format tools
 
-    from ..format.codec import dtype_name
+    from ..format._codec import dtype_name
 
     for key in sorted(set(live) | set(stored)):
         at = f"{where}[{key!r}]"

@@ -1,24 +1,23 @@
-"""The reference trainer: a tiny byte-level GPT, and the first user of :class:`~ckptkit.run.state.RunState`.
+"""The reference trainer: a tiny byte-level GPT, and the first user of :class:`~ckptkit.RunState`.
 
     ckptkit train --run-dir runs/a --steps 200
     ckptkit train --run-dir runs/a --steps 400 --resume
     torchrun --nproc_per_node 2 -m ckptkit train --run-dir runs/d --steps 40 --ckpt-every 10
 
-Modules: ``config`` (the plan: every knob a config key), ``data`` (the byte
-stream and its offset rule), ``model`` (GPT, int8 fake quant, EMA teacher),
-``ngram`` (the bigram table kept in the ``.ngram`` sidecar), ``history``
-(``history.jsonl``), ``loop`` (the training loop: ``train``, ``train_step``), ``parallel``
-(the loop under torchrun: DDP / FSDP2, each rank's rows, the reductions), ``audit`` and
-``replay`` (the one audit and replay engine run on ``ckptkit train``, with the trainer's
-hooks). The format library never imports
-this package. ``spec/trainer.md`` is the contract for its files.
+Its rooms, private behind this face: ``_config`` (the plan: every knob a config key),
+``_data`` (the byte stream and its offset rule), ``_model`` (GPT, int8 fake quant, EMA
+teacher), ``_ngram`` (the bigram table kept in the ``.ngram`` sidecar), ``_digests`` (what a
+step row fingerprints), ``_loop`` (the training loop: ``train``, ``train_step``),
+``_parallel`` (the loop under torchrun: DDP / FSDP2, each rank's rows, the reductions),
+``_audit`` and ``_replay`` (the one audit and replay engine run on ``ckptkit train``, with
+the trainer's hooks). The library never imports this package. ``spec/trainer.md`` is the
+contract for its files.
 """
 
 from __future__ import annotations
 
-from ..run.history import compared_rows, read_rows
-from .config import DataConfig, ModelConfig, TrainConfig, TrainerConfig
-from .loop import StepResult, TrainResult, train, train_step
+from ._config import DataConfig, ModelConfig, TrainConfig, TrainerConfig
+from ._loop import StepResult, TrainResult, train, train_step
 
 __all__ = [
     "DataConfig",
@@ -27,8 +26,6 @@ __all__ = [
     "TrainConfig",
     "TrainResult",
     "TrainerConfig",
-    "compared_rows",
-    "read_rows",
     "train",
     "train_step",
 ]

@@ -1,4 +1,4 @@
-"""TESTING AID for tests/test_trainer_distributed.py: one rank SIGKILLs itself half way through a save
+"""TESTING AID for tests/trainer/test_trainer_distributed.py: one rank SIGKILLs itself half way through a save
 (or rank 0 half way through retention's delete, ``CKPTKIT_TEST_DIE_IN_DELETE`` below).
 
 Put this directory on ``PYTHONPATH`` and set ``CKPTKIT_TEST_DIE_IN_SAVE=RANK:STEP``: the
@@ -16,7 +16,7 @@ from typing import Any
 _WANT = os.environ.get("CKPTKIT_TEST_DIE_IN_SAVE", "")
 
 if _WANT and _WANT.partition(":")[0] == os.environ.get("RANK"):
-    from ckptkit.distributed import format as _fmt
+    from ckptkit.distributed import _format as _fmt
 
     _step = int(_WANT.partition(":")[2])
     _real = _fmt.write_framed
@@ -38,7 +38,7 @@ if _WANT and _WANT.partition(":")[0] == os.environ.get("RANK"):
 _DELETE = os.environ.get("CKPTKIT_TEST_DIE_IN_DELETE", "")
 
 if _DELETE and os.environ.get("RANK") == "0":
-    from ckptkit.run import dcp_store as _store
+    from ckptkit.run import _dcp_store as _store
 
     _name = f"step-{int(_DELETE):08d}.dcp"
     _real_delete = _store.DcpStore.delete
@@ -60,7 +60,7 @@ _FILE_SAVE = os.environ.get("CKPTKIT_TEST_DIE_IN_FILE_SAVE", "")
 _FILE_DELETE = os.environ.get("CKPTKIT_TEST_DIE_IN_FILE_DELETE", "")
 
 if (_FILE_SAVE or _FILE_DELETE) and "RANK" not in os.environ:
-    from ckptkit.run import file_store as _files
+    from ckptkit.run import _file_store as _files
 
     def _die() -> None:
         os.kill(os.getpid(), signal.SIGKILL)

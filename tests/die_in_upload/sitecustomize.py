@@ -1,4 +1,4 @@
-"""TESTING AID for tests/test_objectstore_run.py: a run SIGKILLs itself in the middle of an upload.
+"""TESTING AID for tests/run/test_objectstore_run.py: a run SIGKILLs itself in the middle of an upload.
 
 Put this directory on ``PYTHONPATH`` and set ``CKPTKIT_TEST_DIE_AT_PUT=NAME``: the process
 SIGKILLs itself when it is about to put the object whose key ends in ``/NAME`` -- a real
@@ -14,7 +14,7 @@ from typing import Any
 _WANT = os.environ.get("CKPTKIT_TEST_DIE_AT_PUT", "")
 
 if _WANT:
-    from ckptkit.format import objectstore as _store
+    from ckptkit.format import _objectstore as _store
 
     _real = _store.S3Backend.put
 

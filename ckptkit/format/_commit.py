@@ -1,0 +1,371 @@
+"""The commit record: how a checkpoint on object storage commits without a rename.
+
+A checkpoint named ``N`` under a prefix is its data objects (``N`` and its companions
+``N.<suffix>``), written first with conditional puts, and then its commit record
+``N.commit.json``, written once with ``If-None-Match: *``: the record lists every
+object's key, size and xxh3-64, and its creation is the commit (spec/objectstore.md
+R-O10..R-O19). A reader trusts only what a record lists and checks every object's size
+and digest as it reads it; objects without a record are an incomplete save, which the
+next save of that name removes. Retention removes the record first, then the objects.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import xxhash
+
+from ..errors import CheckpointNotFound, ChecksumMismatch, CommitConflict, FormatError, IncompleteCheckpoint
+from ._checks import is_int
+from ._objectstore import ObjectStore
+from ._urls import StorageURL
+
+__all__ = [
+    "RECORD_FORMAT",
+    "RECORD_SUFFIX",
+    "STALE_AFTER",
+    "Entry",
+    "Written",
+    "begin",
+    "commit",
+    "decode_record",
+    "encode_record",
+    "finish",
+    "leftovers",
+    "listing",
+    "put_objects",
+    "read_committed",
+    "read_record",
+    "remove",
+    "sweep",
+]
+
+#: The record of checkpoint ``N`` is the object ``N.commit.json`` (R-O10).
+RECORD_SUFFIX = ".commit.json"
+RECORD_FORMAT = "ckptkit-commit"
+_VERSION = 1
+_MAX_RECORD = 1 << 20  # a record of a few thousand objects is ~100 KiB (R-O13)
+#: A save removes another save's objects without a record only once the newest is this old
+#: (seconds): younger ones are a live writer's (R-O16). A resume removes them at once.
+STALE_AFTER = 60.0
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One object a commit record lists: its key (relative to the record's prefix), size, xxh3-64."""
+
+    key: str
+    size: int
+    xxh3: int
+
+
+def encode_record(name: str, entries: Iterable[Entry]) -> bytes:
+    """The record's exact bytes (R-O12): canonical JSON, keys sorted, no spaces, objects by key, one newline."""
+    objects = [{"key": e.key, "size": e.size, "xxh3": f"{e.xxh3:016x}"} for e in sorted(entries, key=lambda e: e.key)]
+    doc = {"checkpoint": name, "format": RECORD_FORMAT, "objects": objects, "version": _VERSION}
+    return (json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True) + "\n").encode("ascii")
+
+
+def decode_record(data: bytes, where: str, name: str) -> list[Entry]:
+    """A record's entries, every rule of R-O12/R-O13 checked.
+
+    Raises:
+        FormatError: not this format, another checkpoint's record, an object outside the
+            checkpoint, a bad size or digest field; the message names the record and field.
+    """
+
+    def bad(field: str, expected: object, actual: object) -> FormatError:
+        rule = "R-O12" if field in ("json", "bytes") else "R-O13"
+        return FormatError(
+            "not a valid commit record", path=where, field=field, expected=expected, actual=actual, hint=rule
+        )
+
+    try:
+        doc = json.loads(data.decode("ascii"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise bad("json", "canonical ASCII JSON", type(e).__name__) from None
+    if not isinstance(doc, dict) or doc.get("format") != RECORD_FORMAT:
+        raise bad("format", RECORD_FORMAT, doc.get("format") if isinstance(doc, dict) else type(doc).__name__)
+    if doc.get("version") != _VERSION:
+        raise bad("version", _VERSION, doc.get("version"))
+    if doc.get("checkpoint") != name:
+        raise bad("checkpoint", name, doc.get("checkpoint"))
+    objects = doc.get("objects")
+    if not isinstance(objects, list) or not objects:
+        raise bad("objects", "a non-empty list", objects)
+    entries = [_entry(o, name, bad) for o in objects]
+    if [e.key for e in entries] != sorted({e.key for e in entries}) or entries[0].key != name:
+        raise bad("objects", f"distinct keys, sorted, the first {name!r}", [e.key for e in entries])
+    if encode_record(name, entries) != data:
+        raise bad("bytes", "the canonical encoding of its contents", "other bytes")
+    return entries
+
+
+def _entry(obj: object, name: str, bad: object) -> Entry:
+    assert callable(bad)
+    if not isinstance(obj, dict) or sorted(obj) != ["key", "size", "xxh3"]:
+        raise bad("objects[]", "{key, size, xxh3}", obj)
+    key, size, digest = obj["key"], obj["size"], obj["xxh3"]
+    if not isinstance(key, str) or not (key == name or key.startswith(name + ".")) or "/" in key:
+        raise bad("objects[].key", f"{name} or {name}.<companion>", key)
+    if not is_int(size):
+        raise bad("objects[].size", "an integer >= 0", size)
+    if not isinstance(digest, str) or len(digest) != 16 or digest.strip("0123456789abcdef"):
+        raise bad("objects[].xxh3", "16 lowercase hex digits", digest)
+    return Entry(key, size, int(digest, 16))
+
+
+def _key(base: StorageURL, name: str) -> str:
+    return f"{base.key}/{name}" if base.key else name
+
+
+# ---------------------------------------------------------------------- writing
+
+
+def commit(store: ObjectStore, base: StorageURL, name: str, objects: Sequence[tuple[str, bytes | memoryview]]) -> None:
+    """Write checkpoint ``name`` under ``base``: its objects (the first named ``name``), then its record.
+
+    A committed ``name`` is never touched; what an interrupted save of ``name`` left is removed
+    first, once :data:`STALE_AFTER` seconds old (R-O16). Every put is conditional, so a racing
+    writer cannot overwrite an object, and before its record this save checks that each of its
+    objects is still the one it put.
+
+    Raises:
+        CommitConflict: ``name`` is committed already, or another writer created one of its
+            objects or its record first (R-O11): this save committed nothing.
+        SaveFailed: a write failed; earlier checkpoints are intact, and the objects this save
+            created are removed where the store still answers.
+    """
+    begin(store, base, name)
+    finish(store, base, name, put_objects(store, base, name, objects))
+
+
+def begin(store: ObjectStore, base: StorageURL, name: str) -> None:
+    """Before any object of a save of ``name``: refuse a committed ``name`` (R-O11), clean what an
+    interrupted save of it left once :data:`STALE_AFTER` old (R-O16).
+
+    Raises:
+        CommitConflict: ``name`` is committed, or another writer's objects of it are younger.
+    """
+    record_key = _key(base, name + RECORD_SUFFIX)
+    if store.head(record_key) is not None:
+        raise CommitConflict(
+            f"{store.url(record_key)}: step already committed; a checkpoint on object storage is "
+            "written once (R-O11): delete it first, or save under another name",
+            path=store.url(record_key),
+        )
+    sweep(store, base, name, older_than=STALE_AFTER)
+
+
+#: What a put of one object of a save hands its commit: its record entry and the ETag it got.
+Written = tuple[Entry, str]
+
+
+def put_objects(
+    store: ObjectStore, base: StorageURL, name: str, objects: Sequence[tuple[str, bytes | memoryview]]
+) -> list[Written]:
+    """Put each ``(key relative to base, bytes)`` with a conditional put (R-O11), in order.
+
+    Several writers of one checkpoint (the ranks of a distributed save, R-O30) each put theirs
+    and hand the result to the one that calls :func:`finish`.
+
+    Raises:
+        CommitConflict: another writer created one of them first (named).
+        SaveFailed: a put failed; the objects this call created are removed where the store answers.
+    """
+    written: list[Written] = []
+    try:
+        for rel, data in objects:
+            etag = store.put(_key(base, rel), data, if_absent=True)
+            written.append((Entry(rel, len(data), xxhash.xxh3_64_intdigest(data)), etag))
+    except CommitConflict as e:  # nothing removed: on a conflict, a key may be the winner's now
+        raise _conflict(store, base, name, e) from None
+    except Exception:
+        _undo(store, base, written)
+        raise
+    return written
+
+
+def finish(store: ObjectStore, base: StorageURL, name: str, written: Sequence[Written]) -> None:
+    """Commit ``name``: check every written object is still the one put (R-O11), then create the
+    record listing them all with ``If-None-Match: *``: the commit.
+
+    Raises:
+        CommitConflict: an object was replaced or removed, or the record exists (R-O11).
+        SaveFailed: the record's put failed; the objects are removed where the store answers.
+    """
+    try:
+        _still_mine(store, [(_key(base, e.key), etag) for e, etag in written])
+        store.put(_key(base, name + RECORD_SUFFIX), encode_record(name, [e for e, _ in written]), if_absent=True)
+    except CommitConflict as e:
+        raise _conflict(store, base, name, e) from None
+    except Exception:
+        _undo(store, base, written)
+        raise
+
+
+def _conflict(store: ObjectStore, base: StorageURL, name: str, e: CommitConflict) -> CommitConflict:
+    return CommitConflict(
+        f"{e}: another writer is saving {store.url(_key(base, name))}; exactly one commits (R-O11)",
+        path=store.url(_key(base, name)),
+    )
+
+
+def _undo(store: ObjectStore, base: StorageURL, written: Sequence[Written]) -> None:
+    """Best effort: a crash leaves them to the next save's sweep (R-O16)."""
+    for e, _etag in written:
+        try:
+            store.delete(_key(base, e.key))
+        except Exception:  # noqa: BLE001 - the first error is the one raised
+            break
+
+
+def _still_mine(store: ObjectStore, created: list[tuple[str, str]]) -> None:
+    """Before the record: every object is still the one this save put (R-O11). Another save of the
+    same name may have cleaned them away as an interrupted save's (R-O16) and written its own.
+
+    Raises:
+        CommitConflict: one was replaced or removed; this save commits nothing.
+    """
+    for key, etag in created:
+        if store.etag(key) != etag:
+            raise CommitConflict(f"{store.url(key)}: replaced by another writer", path=store.url(key))
+
+
+def leftovers(store: ObjectStore, base: StorageURL, name: str) -> list[tuple[str, float]]:
+    """``(key, last modified)`` of ``name``'s objects when it has no record (an interrupted save,
+    or one in progress), else ``[]``."""
+    prefix = _key(base, name)
+    found = [(k, m) for k, _, m in store.list(prefix) if k == prefix or k.startswith(prefix + ".")]
+    if any(k == prefix + RECORD_SUFFIX for k, _ in found):
+        return []
+    return found
+
+
+def sweep(store: ObjectStore, base: StorageURL, name: str, *, older_than: float | None = None) -> list[str]:
+    """Remove what an interrupted save of ``name`` left (R-O16); returns the keys removed.
+
+    Args:
+        older_than: only when the newest of them is that many seconds old (a save's own
+            cleaning); None (a resume's): whatever their age, the writer being gone.
+
+    Raises:
+        CommitConflict: with ``older_than``, they are younger: another writer is saving ``name``.
+    """
+    gone = leftovers(store, base, name)
+    if gone and older_than is not None:
+        age = time.time() - max(m for _, m in gone)
+        if age < older_than:
+            raise CommitConflict(
+                f"{store.url(_key(base, name))}: another writer is saving it ({len(gone)} object(s) without a "
+                f"record, the newest {max(age, 0):.0f} s old); a save removes an interrupted save's objects once "
+                f"they are {older_than:.0f} s old, a resume at once (R-O16)",
+                path=store.url(_key(base, name)),
+            )
+    for key, _m in gone:
+        store.delete(key)
+    return [key for key, _m in gone]
+
+
+def remove(store: ObjectStore, base: StorageURL, name: str) -> None:
+    """Uncommit ``name`` and remove its objects: the record first, then the objects (R-O17)."""
+    prefix = _key(base, name)
+    try:
+        entries = read_record(store, base, name)
+    except (CheckpointNotFound, FormatError):
+        entries = []
+    store.delete(prefix + RECORD_SUFFIX)
+    for key in sorted({_key(base, e.key) for e in entries} | {k for k, _m in leftovers(store, base, name)}):
+        store.delete(key)
+
+
+# ---------------------------------------------------------------------- reading
+
+
+def listing(store: ObjectStore, base: StorageURL, suffix: str) -> dict[str, bool]:
+    """``{name: committed}`` for every checkpoint name ending in ``suffix`` directly under ``base``
+    (one LIST: the objects of a save in progress or interrupted appear with ``False``)."""
+    head = _key(base, "")
+    out: dict[str, bool] = {}
+    for key, _size, _modified in store.list(head):
+        rel = key[len(head) :]
+        if "/" in rel:
+            continue
+        if rel.endswith(suffix + RECORD_SUFFIX):
+            out[rel[: -len(RECORD_SUFFIX)]] = True
+        elif rel.endswith(suffix):
+            out.setdefault(rel, False)
+    return out
+
+
+def read_record(store: ObjectStore, base: StorageURL, name: str) -> list[Entry]:
+    """The entries of ``name``'s record.
+
+    Raises:
+        IncompleteCheckpoint: no record: the save did not commit (the objects it left named).
+        FormatError: the record breaks R-O12/R-O13.
+    """
+    key = _key(base, name + RECORD_SUFFIX)
+    try:
+        data = store.get(key)
+    except CheckpointNotFound:
+        left = [k.rpartition("/")[2] for k, _m in leftovers(store, base, name)]
+        if not left:
+            raise CheckpointNotFound(f"{store.url(_key(base, name))}: no such checkpoint") from None
+        raise IncompleteCheckpoint(
+            f"{store.url(_key(base, name))}: not committed (no commit record {name}{RECORD_SUFFIX}; objects "
+            f"without a record: {', '.join(left)}); an interrupted save, which the next save removes (R-O15)",
+            (name + RECORD_SUFFIX,),
+        ) from None
+    if len(data) > _MAX_RECORD:
+        raise FormatError(
+            "commit record too large", path=store.url(key), expected=f"<= {_MAX_RECORD}", actual=len(data)
+        )
+    return decode_record(data, store.url(key), name)
+
+
+def read_committed(
+    store: ObjectStore, base: StorageURL, name: str, only: Iterable[str] | None = None
+) -> dict[str, bytes]:
+    """The objects ``name``'s record lists (``only``: those of them), each checked (R-O14).
+
+    Raises:
+        IncompleteCheckpoint: no record, or a listed object is missing (named).
+        ChecksumMismatch, FormatError: an object's size or xxh3-64 differs from its record's (named).
+    """
+    entries = read_record(store, base, name)
+    wanted = None if only is None else set(only)
+    out: dict[str, bytes] = {}
+    for e in entries:
+        if wanted is None or e.key in wanted:
+            out[e.key] = fetch(store, base, e)
+    return out
+
+
+def fetch(store: ObjectStore, base: StorageURL, e: Entry) -> bytes:
+    """One listed object's bytes, its size and digest checked against the record (R-O14)."""
+    url = store.url(_key(base, e.key))
+    try:
+        data = store.get(_key(base, e.key), e.size)
+    except CheckpointNotFound:
+        raise IncompleteCheckpoint(
+            f"{url}: listed by its commit record but missing; the checkpoint is damaged", (e.key,)
+        ) from None
+    if len(data) != e.size:
+        raise FormatError(
+            "object size differs from its commit record", path=url, field="size", expected=e.size, actual=len(data)
+        )
+    digest = xxhash.xxh3_64_intdigest(data)
+    if digest != e.xxh3:
+        raise ChecksumMismatch(
+            "object bytes differ from its commit record",
+            path=url,
+            field="xxh3",
+            expected=f"{e.xxh3:016x}",
+            actual=f"{digest:016x}",
+            hint="the object was changed after its commit; use another checkpoint",
+        )
+    return data

@@ -1,0 +1,435 @@
+"""Objects in an S3 (or S3-compatible) bucket: the storage operations a commit is built of.
+
+Two layers (spec/objectstore.md):
+
+- a :class:`Backend` does one request per call and says what went wrong with one of the
+  four :class:`StorageFault` classes (they live here, not in :mod:`ckptkit.errors`: none
+  reaches a caller)::
+
+    StorageFault (Exception)      how one object-storage request failed; inside the store only
+    ├── ObjectMissing             no object at the key
+    ├── WriteConflict             a conditional write found the object there (HTTP 412/409, R-O11)
+    ├── TransientFault            throttling, a 5xx, a dropped connection: worth retrying
+    └── RequestRefused            anything else: access denied, no bucket, a bad request
+
+  :class:`S3Backend` is boto3's client; fault-injection tests put a wrapper between it and the store;
+- :class:`ObjectStore` turns them into ckptkit's: transient failures are retried with
+  capped exponential backoff (R-O20), large objects go up as parallel multipart uploads
+  and come down as parallel ranged reads (R-O21), and what is left is a ``SaveFailed``,
+  ``UnreadableFile``, ``CheckpointNotFound`` or :class:`~ckptkit.errors.CommitConflict`
+  that names the object.
+
+Why boto3 (docs/storage.md): it is the reference S3 client, speaks conditional writes
+(``If-None-Match: *`` on a put and on completing a multipart upload), reads the standard
+AWS environment variables and config files (``AWS_ENDPOINT_URL`` for an S3-compatible
+server) and lets a test inject an HTTP 503 into the real client (botocore's events).
+Nothing here imports boto3 before an ``s3://`` URL is used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol, TypeVar
+
+from ..errors import CheckpointError, CheckpointNotFound, CommitConflict, SaveFailed, UnreadableFile
+from ._urls import StorageURL, require_client
+
+__all__ = [
+    "Backend",
+    "ObjectMissing",
+    "ObjectStore",
+    "RequestRefused",
+    "S3Backend",
+    "StorageFault",
+    "TransientFault",
+    "WriteConflict",
+    "intercept",
+    "store_for",
+]
+
+T = TypeVar("T")
+
+#: Objects larger than this go up in parts of this size, in parallel (R-O21); S3's minimum part is 5 MiB.
+PART_SIZE = 64 << 20
+_THREADS = 8
+
+# ---------------------------------------------------------------------------- faults
+
+
+class StorageFault(Exception):
+    """How one object-storage request failed (spec/objectstore.md): a backend's answer, turned
+    into a :class:`CheckpointError` naming the object by the store, never seen by a caller."""
+
+
+class ObjectMissing(StorageFault):
+    """No object at the key."""
+
+
+class WriteConflict(StorageFault):
+    """A conditional write found the object there already (HTTP 412, or 409 for one in flight)."""
+
+
+class TransientFault(StorageFault):
+    """Throttling (503 SlowDown), a 5xx, a dropped connection: another attempt may succeed (R-O20)."""
+
+
+class RequestRefused(StorageFault):
+    """A failure another attempt meets again: access denied, no such bucket, a bad request."""
+
+
+class Backend(Protocol):
+    """One request per call against one bucket; failures are the four classes above."""
+
+    bucket: str
+
+    def put(self, key: str, data: bytes, *, if_absent: bool) -> str: ...
+    def start_multipart(self, key: str) -> str: ...
+    def put_part(self, key: str, upload: str, number: int, data: bytes) -> str: ...
+    def finish_multipart(self, key: str, upload: str, etags: list[str], *, if_absent: bool) -> str: ...
+    def abort_multipart(self, key: str, upload: str) -> None: ...
+    def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes: ...
+    def read(self, key: str) -> tuple[bytes, str]: ...
+    def replace(self, key: str, data: bytes, etag: str) -> str: ...
+    def delete_if(self, key: str, etag: str) -> None: ...
+    def head(self, key: str) -> int | None: ...
+    def etag(self, key: str) -> str | None: ...
+    def list(self, prefix: str) -> list[tuple[str, int, float]]: ...
+    def delete(self, key: str) -> None: ...
+
+
+_THROTTLE = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed"}
+
+
+def _classify(e: Exception) -> Exception:
+    """A botocore exception as one of the four classes."""
+    from botocore.exceptions import (
+        BotoCoreError,
+        ClientError,
+        HTTPClientError,
+        IncompleteReadError,
+        NoCredentialsError,
+        ResponseStreamingError,
+    )
+    from botocore.exceptions import ConnectionError as Dropped
+
+    _DROPPED = (Dropped, HTTPClientError, IncompleteReadError, ResponseStreamingError)
+
+    if isinstance(e, ClientError):
+        code = str(e.response.get("Error", {}).get("Code", ""))
+        status = int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+        what = f"{code or 'error'} (HTTP {status})"
+        if status == 412 or code in ("PreconditionFailed", "ConditionalRequestConflict"):
+            return WriteConflict(what)
+        if code in ("NoSuchKey", "404", "NotFound"):
+            return ObjectMissing(what)
+        if status >= 500 or code in _THROTTLE:
+            return TransientFault(what)
+        return RequestRefused(what)
+    if isinstance(e, _DROPPED):  # connection reset, closed, timed out, endpoint unreachable, body cut off
+        return TransientFault(f"{type(e).__name__}: {e}")
+    if isinstance(e, NoCredentialsError):
+        return RequestRefused(f"{e}; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE (R-O03)")
+    if isinstance(e, BotoCoreError):
+        return RequestRefused(f"{type(e).__name__}: {e}")
+    return e
+
+
+class S3Backend:
+    """boto3's S3 client for one bucket; endpoint and credentials the way every AWS tool finds them
+    (``AWS_ENDPOINT_URL``/``AWS_ENDPOINT_URL_S3``, ``AWS_ACCESS_KEY_ID``..., ``~/.aws/config``)."""
+
+    def __init__(self, bucket: str) -> None:
+        require_client()
+        import boto3
+        from botocore.config import Config
+
+        self.bucket = bucket
+        # One attempt per call: ObjectStore retries, so that a test's injected fault is retried the same way.
+        config = Config(retries={"total_max_attempts": 1, "mode": "standard"}, max_pool_connections=2 * _THREADS)
+        self.client = boto3.session.Session().client("s3", config=config)
+
+    def _call(self, fn: Callable[..., T], **kw: Any) -> T:
+        try:
+            return fn(Bucket=self.bucket, **kw)
+        except Exception as e:
+            raise _classify(e) from e
+
+    def put(self, key: str, data: bytes, *, if_absent: bool) -> str:
+        extra = {"IfNoneMatch": "*"} if if_absent else {}
+        return str(self._call(self.client.put_object, Key=key, Body=data, **extra)["ETag"])
+
+    def start_multipart(self, key: str) -> str:
+        return str(self._call(self.client.create_multipart_upload, Key=key)["UploadId"])
+
+    def put_part(self, key: str, upload: str, number: int, data: bytes) -> str:
+        r = self._call(self.client.upload_part, Key=key, UploadId=upload, PartNumber=number, Body=data)
+        return str(r["ETag"])
+
+    def finish_multipart(self, key: str, upload: str, etags: list[str], *, if_absent: bool) -> str:
+        parts = {"Parts": [{"ETag": t, "PartNumber": i + 1} for i, t in enumerate(etags)]}
+        extra = {"IfNoneMatch": "*"} if if_absent else {}
+        done = self._call(
+            self.client.complete_multipart_upload, Key=key, UploadId=upload, MultipartUpload=parts, **extra
+        )
+        return str(done["ETag"])
+
+    def abort_multipart(self, key: str, upload: str) -> None:
+        self._call(self.client.abort_multipart_upload, Key=key, UploadId=upload)
+
+    def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        extra = {} if start is None else {"Range": f"bytes={start}-{'' if end is None else end - 1}"}
+        body = self._call(self.client.get_object, Key=key, **extra)["Body"]
+        try:
+            return bytes(body.read())
+        except Exception as e:
+            raise _classify(e) from e
+
+    def read(self, key: str) -> tuple[bytes, str]:
+        """The whole object and the ETag of exactly those bytes (one GET)."""
+        r = self._call(self.client.get_object, Key=key)
+        try:
+            return bytes(r["Body"].read()), str(r["ETag"])
+        except Exception as e:
+            raise _classify(e) from e
+
+    def replace(self, key: str, data: bytes, etag: str) -> str:
+        """Overwrite ``key`` only while it is still the object of ``etag`` (``If-Match``); its new ETag."""
+        return str(self._call(self.client.put_object, Key=key, Body=data, IfMatch=etag)["ETag"])
+
+    def delete_if(self, key: str, etag: str) -> None:
+        """Remove ``key`` only while it is still the object of ``etag`` (``If-Match``)."""
+        self._call(self.client.delete_object, Key=key, IfMatch=etag)
+
+    def head(self, key: str) -> int | None:
+        try:
+            return int(self._call(self.client.head_object, Key=key)["ContentLength"])
+        except ObjectMissing:
+            return None
+
+    def etag(self, key: str) -> str | None:
+        try:
+            return str(self._call(self.client.head_object, Key=key)["ETag"])
+        except ObjectMissing:
+            return None
+
+    def list(self, prefix: str) -> list[tuple[str, int, float]]:
+        out: list[tuple[str, int, float]] = []
+        token: dict[str, str] = {}
+        while True:
+            page = self._call(self.client.list_objects_v2, Prefix=prefix, **token)
+            out += [(o["Key"], int(o["Size"]), o["LastModified"].timestamp()) for o in page.get("Contents", [])]
+            if not page.get("IsTruncated"):
+                return sorted(out)
+            token = {"ContinuationToken": page["NextContinuationToken"]}
+
+    def delete(self, key: str) -> None:
+        self._call(self.client.delete_object, Key=key)
+
+
+_WRAP: list[Callable[[Backend], Backend]] = []
+_CLIENTS: dict[tuple[str, ...], S3Backend] = {}
+_LOCK = threading.Lock()
+_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID", "AWS_PROFILE", "AWS_DEFAULT_REGION")
+
+
+@contextlib.contextmanager
+def intercept(wrap: Callable[[Backend], Backend]) -> Iterator[None]:
+    """While open, every store :func:`store_for` hands out talks through ``wrap(backend)``: the
+    hook a fault-injection test uses to fail the k-th storage operation (tests/format/test_objectstore_faults.py)."""
+    _WRAP.append(wrap)
+    try:
+        yield
+    finally:
+        _WRAP.remove(wrap)
+
+
+def store_for(url: StorageURL) -> ObjectStore:
+    """The store of ``url``'s bucket (one client per bucket and environment, reused)."""
+    require_client()  # before a cached client: the extra may have gone (R-O02)
+    ident = (url.bucket, *(os.environ.get(k, "") for k in _ENV))
+    with _LOCK:
+        backend: Backend | None = _CLIENTS.get(ident)
+        if backend is None:
+            backend = _CLIENTS[ident] = S3Backend(url.bucket)
+    for wrap in _WRAP:
+        backend = wrap(backend)
+    return ObjectStore(backend, url.scheme)
+
+
+class ObjectStore:
+    """A bucket, in ckptkit's terms: retried, parallel, every failure a ckptkit error naming the object.
+
+    Args:
+        backend: the requests.
+        scheme: for the URLs the messages name.
+        part_size: objects above it are multipart (parts of this size, ``_THREADS`` at once).
+        attempts: tries of one request before its transient failure is final (R-O20).
+        backoff: seconds before the second try; doubled each time, capped at 2 s, jittered.
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        scheme: str = "s3",
+        *,
+        part_size: int = PART_SIZE,
+        attempts: int = 6,
+        backoff: float = 0.05,
+    ) -> None:
+        self.backend, self.scheme, self.part_size = backend, scheme, part_size
+        self.attempts, self.backoff = attempts, backoff
+
+    def url(self, key: str) -> str:
+        return f"{self.scheme}://{self.backend.bucket}/{key}"
+
+    def _retry(self, op: str, key: str, fn: Callable[[], T], *, writing: bool) -> T:
+        """``fn()``, again after each transient failure; the last one, or a refusal, as a ckptkit error."""
+        for attempt in range(self.attempts):
+            try:
+                return fn()
+            except TransientFault as e:
+                if attempt == self.attempts - 1:
+                    raise _failed(f"{self.url(key)}: {op} failed {self.attempts} times, last: {e}", writing) from e
+                time.sleep(min(2.0, self.backoff * 2**attempt) * random.uniform(0.5, 1.0))
+            except ObjectMissing:
+                raise CheckpointNotFound(f"{self.url(key)}: no such object") from None
+            except WriteConflict as e:
+                raise CommitConflict(f"{self.url(key)}: already exists ({e})", path=self.url(key)) from None
+            except RequestRefused as e:
+                raise _failed(f"{self.url(key)}: {op} refused: {e}", writing) from e
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    # ------------------------------------------------------------------ writes
+
+    def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> str:
+        """Create (``if_absent``: only create, R-O11) the object ``key`` holding ``data``; its ETag.
+
+        A conditional put retried after a transient failure may meet its own first attempt,
+        which the store carried out before the connection dropped: a conflict is then ours
+        when the object there holds exactly ``data`` (R-O20).
+        """
+        attempt = self._own_retry(key, data)
+        if len(data) > self.part_size:
+            return self._put_parts(key, data, if_absent, attempt)
+        body = bytes(data)
+        return self._retry(
+            "put", key, lambda: attempt(lambda: self.backend.put(key, body, if_absent=if_absent)), writing=True
+        )
+
+    def replace(self, key: str, data: bytes, etag: str) -> str:
+        """Overwrite the small object ``key`` with ``data`` only while it is the object of ``etag``
+        (``If-Match``: the run-directory lease's renewal and takeover, spec/lease.md R-LS11); its new ETag.
+
+        Raises:
+            CommitConflict: it is another object now (``CheckpointNotFound``: there is none).
+        """
+        attempt = self._own_retry(key, data)
+        return self._retry("replace", key, lambda: attempt(lambda: self.backend.replace(key, data, etag)), writing=True)
+
+    def delete_if(self, key: str, etag: str) -> None:
+        """Remove ``key`` only while it is the object of ``etag`` (``If-Match``).
+
+        Raises:
+            CommitConflict: it is another object now (``CheckpointNotFound``: there is none).
+        """
+        self._retry("delete", key, lambda: self.backend.delete_if(key, etag), writing=True)
+
+    def _own_retry(self, key: str, data: bytes | memoryview) -> Callable[[Callable[[], str]], str]:
+        """Runs a conditional write's attempts: a conflict met by a retry is the write's own first
+        attempt when the object holds exactly ``data`` (R-O20)."""
+        tried = [False]
+
+        def attempt(fn: Callable[[], str]) -> str:
+            try:
+                return fn()
+            except WriteConflict:
+                if tried[0] and self._holds(key, data):
+                    return self.etag(key) or ""
+                raise
+            finally:
+                tried[0] = True
+
+        return attempt
+
+    def etag(self, key: str) -> str | None:
+        """The object's ETag (what a put of it returned), or None when there is none."""
+        return self._retry("head", key, lambda: self.backend.etag(key), writing=False)
+
+    def _holds(self, key: str, data: bytes | memoryview) -> bool:
+        try:
+            return self.backend.head(key) == len(data) and self.get(key, len(data)) == bytes(data)
+        except (TransientFault, ObjectMissing, RequestRefused, CheckpointError):
+            return False
+
+    def _put_parts(
+        self, key: str, data: bytes | memoryview, if_absent: bool, attempt: Callable[[Callable[[], str]], str]
+    ) -> str:
+        """A multipart upload of ``data``, its parts in parallel, completed conditionally."""
+        view = memoryview(data)
+        upload = self._retry("start upload", key, lambda: self.backend.start_multipart(key), writing=True)
+        try:
+            spans = [(i, min(i + self.part_size, len(view))) for i in range(0, len(view), self.part_size)]
+
+            def part(n: int) -> str:
+                a, b = spans[n]
+                chunk = bytes(view[a:b])
+                return self._retry(
+                    f"part {n + 1}", key, lambda: self.backend.put_part(key, upload, n + 1, chunk), writing=True
+                )
+
+            etags = _parallel(part, len(spans))
+            finish = lambda: self.backend.finish_multipart(key, upload, etags, if_absent=if_absent)  # noqa: E731
+            return self._retry("complete upload", key, lambda: attempt(finish), writing=True)
+        except Exception:
+            with contextlib.suppress(Exception):
+                self.backend.abort_multipart(key, upload)
+            raise
+
+    def delete(self, key: str) -> None:
+        """Remove ``key`` (no error if it is gone)."""
+        self._retry("delete", key, lambda: self.backend.delete(key), writing=True)
+
+    # ------------------------------------------------------------------ reads
+
+    def get(self, key: str, size: int | None = None) -> bytes:
+        """The object's bytes; ``size`` known (from a commit record): large ones in parallel ranges."""
+        if size is None or size <= self.part_size:
+            return self._retry("get", key, lambda: self.backend.get(key), writing=False)
+        spans = [(i, min(i + self.part_size, size)) for i in range(0, size, self.part_size)]
+
+        def piece(n: int) -> bytes:
+            a, b = spans[n]
+            return self._retry(f"range {a}-{b}", key, lambda: self.backend.get(key, a, b), writing=False)
+
+        return b"".join(_parallel(piece, len(spans)))
+
+    def read(self, key: str) -> tuple[bytes, str]:
+        """A small object's bytes and the ETag of exactly those bytes (for a later ``replace``)."""
+        return self._retry("get", key, lambda: self.backend.read(key), writing=False)
+
+    def head(self, key: str) -> int | None:
+        """The object's size, or None when there is none."""
+        return self._retry("head", key, lambda: self.backend.head(key), writing=False)
+
+    def list(self, prefix: str) -> list[tuple[str, int, float]]:
+        """``(key, size, last modified)`` of every object whose key starts with ``prefix``, sorted
+        (the time in seconds since the epoch, as the store's clock gave it)."""
+        return self._retry("list", prefix, lambda: self.backend.list(prefix), writing=False)
+
+
+def _failed(message: str, writing: bool) -> Exception:
+    return SaveFailed(message) if writing else UnreadableFile(message)
+
+
+def _parallel(fn: Callable[[int], T], n: int) -> list[T]:
+    """``[fn(0), ..., fn(n - 1)]`` on up to ``_THREADS`` threads; the first failure is raised."""
+    if n <= 1:
+        return [fn(i) for i in range(n)]
+    with ThreadPoolExecutor(min(n, _THREADS), thread_name_prefix="ckptkit-s3") as pool:
+        return list(pool.map(fn, range(n)))

@@ -1,0 +1,403 @@
+"""The files of a run directory: checkpoint names, discovery, retention, a step's companions.
+
+The layout both stores and every tool that reads a run directory (verify, replay,
+audit, recording) share: a step's name (``step-00000120.ckpt`` or ``.dcp``), how
+checkpoints are found and which are kept, the environment record, and writing and
+checking a step's companions. The names, discovery and the environment record are
+public through :mod:`ckptkit.run` (spec/runstate.md "Files in the run directory").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import shutil
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, TypeVar
+
+import xxhash
+
+from ..errors import CheckpointNotFound, FormatError, NoConsistentCheckpoint, ResumeRefused, UnreadableFile
+from ..format._atomic import clean_stale_temps, write_bytes_atomic
+from ..format._companions import ENVIRONMENT_FILE, check_companions, file_digest, make_record, record_of
+from ..format._sidecar import Sidecar, read_sidecar, sidecar_path, write_sidecar
+from ..format._snapshot import Snapshot, read_small_file, read_snapshot, snapshot_path
+
+__all__ = [
+    "CKPT_SUFFIX",
+    "DCP_SUFFIX",
+    "ENVIRONMENT_FILE",
+    "LocalRunDir",
+    "check_step",
+    "checkpoint_name",
+    "debris",
+    "fallback_notes",
+    "is_fallback_note",
+    "list_checkpoints",
+    "list_run_dir",
+    "newest_consistent",
+    "read_companions",
+    "read_environment",
+    "read_sidecars",
+    "refuse_existing",
+    "remove_companions",
+    "remove_debris",
+    "restorable",
+    "retain",
+    "run_checkpoints",
+    "step_of",
+    "sweep_note",
+    "whole_checkpoints",
+    "write_companions",
+]
+
+T = TypeVar("T")
+
+_PREFIX, CKPT_SUFFIX = "step-", ".ckpt"
+#: A distributed run's checkpoints are ``ckptkit.distributed`` directories, ``step-00000120.dcp/``.
+DCP_SUFFIX = ".dcp"
+
+
+def checkpoint_name(step: int, suffix: str = CKPT_SUFFIX) -> str:
+    """File name of the checkpoint at ``step``: ``step-00000120.ckpt`` (8+ digits, sortable);
+    ``suffix=DCP_SUFFIX`` names a distributed run's checkpoint directory."""
+    return f"{_PREFIX}{step:08d}{suffix}"
+
+
+def read_environment(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """The environment facts a run recorded when it started (``environment.json``).
+
+    Raises:
+        CheckpointNotFound: the record is missing.
+        UnreadableFile: it is no readable regular file (R-025).
+        FormatError: it is not valid JSON, or over 16 MiB.
+    """
+    env_path = os.path.join(os.fspath(run_dir), ENVIRONMENT_FILE)
+    data = read_small_file(
+        env_path, "environment record", missing="the run's environment record is missing", hint="R-025"
+    )
+    try:
+        facts = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise FormatError(f"not valid JSON: {e}", path=env_path, field="environment") from None
+    if not isinstance(facts, dict):
+        raise FormatError("not a JSON object", path=env_path, field="environment", actual=type(facts).__name__)
+    return facts
+
+
+def list_checkpoints(run_dir: str | os.PathLike[str], suffix: str = CKPT_SUFFIX) -> list[tuple[int, str]]:
+    """``(step, path)`` of every checkpoint file in ``run_dir``, oldest first
+    (``suffix=DCP_SUFFIX``: every distributed checkpoint directory, committed or not)."""
+    run_dir = os.fspath(run_dir)
+    out = []
+    for name in list_run_dir(run_dir):
+        step = step_of(name, suffix)
+        if step is not None:
+            out.append((step, os.path.join(run_dir, name)))
+    return sorted(out)
+
+
+def list_run_dir(run_dir: str) -> list[str]:
+    """The names in ``run_dir`` (none when it does not exist).
+
+    Raises:
+        UnreadableFile: it cannot be listed (no permission, not a directory) (R-025).
+    """
+    try:
+        return os.listdir(run_dir)
+    except FileNotFoundError:
+        return []
+    except OSError as e:
+        code = errno.errorcode.get(e.errno or 0, "error")
+        raise UnreadableFile(
+            f"{run_dir}: cannot list the run directory ({code}: {e.strerror}); "
+            "check its permissions, or run as its owner",
+            errno=e.errno,
+            path=run_dir,
+        ) from None
+
+
+def run_checkpoints(run_dir: str | os.PathLike[str]) -> dict[int, str]:
+    """Step -> path of every committed checkpoint in ``run_dir``, of either store: ``.ckpt``
+    files, or a distributed run's ``.dcp`` directories (:func:`whole_checkpoints`: debris an
+    interrupted save left is not a checkpoint, so no comparison ever reads it)."""
+    return dict(whole_checkpoints(run_dir) + whole_checkpoints(run_dir, DCP_SUFFIX))
+
+
+def step_of(name: str, suffix: str = CKPT_SUFFIX) -> int | None:
+    """The step a checkpoint name says (``step-00000120.ckpt`` -> 120); None for any other name."""
+    digits = name[len(_PREFIX) : -len(suffix)]
+    if name.startswith(_PREFIX) and name.endswith(suffix) and digits.isdecimal() and len(digits) >= 8:
+        return int(digits)
+    return None
+
+
+def debris(run_dir: str | os.PathLike[str], suffix: str | None = None) -> list[tuple[str, str]]:
+    """What an interrupted save or deletion left in ``run_dir``, never a checkpoint (R-023):
+    ``(name, why)``, sorted (``suffix``: of one store's names only; None: of both). A
+    ``step-N.dcp/`` without ``metadata.ckdcp`` never committed (a kill during its save, or
+    during retention, which uncommits first); a companion (``step-N<suffix>.config.json``,
+    ``.<kind>``) whose checkpoint is not there was written before a container that never
+    came, or outlived one retention deleted. Only a run's one writer removes it, where no
+    save of its own is in flight (start, resume)."""
+    from ..distributed._format import METADATA_NAME
+
+    run_dir = os.fspath(run_dir)
+    out = []
+    for sfx in [suffix] if suffix else [CKPT_SUFFIX, DCP_SUFFIX]:
+        whole = set()
+        for _step, path in list_checkpoints(run_dir, sfx):
+            name = os.path.basename(path)
+            if sfx == DCP_SUFFIX and not os.path.isfile(os.path.join(path, METADATA_NAME)):
+                out.append(
+                    (name, f"an uncommitted checkpoint (no {METADATA_NAME}): its save or its deletion was cut off")
+                )
+            else:
+                whole.add(name)
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+            for name in os.listdir(run_dir):
+                head, sep, _kind = name.partition(sfx + ".")
+                if sep and head.startswith(_PREFIX) and head[len(_PREFIX) :].isdigit() and head + sfx not in whole:
+                    out.append((name, f"a companion without its checkpoint ({head + sfx} is not a whole checkpoint)"))
+    return sorted(out)
+
+
+def whole_checkpoints(run_dir: str | os.PathLike[str], suffix: str = CKPT_SUFFIX) -> list[tuple[int, str]]:
+    """:func:`list_checkpoints` without :func:`debris`: what a run directory holds that was
+    committed, whole or damaged."""
+    left = {name for name, _why in debris(run_dir, suffix)}
+    return [(s, p) for s, p in list_checkpoints(run_dir, suffix) if os.path.basename(p) not in left]
+
+
+def remove_debris(run_dir: str | os.PathLike[str]) -> list[str]:
+    """Remove :func:`debris` (of both stores' names); returns the names removed (one that will
+    not go is left, and said again next time)."""
+    gone = []
+    for name, _why in debris(run_dir):
+        path = os.path.join(os.fspath(run_dir), name)
+        try:
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            continue
+        gone.append(name)
+    return gone
+
+
+def sweep_note(removed: list[str]) -> list[str]:
+    """The one line a start or resume says about what it removed (nothing: no line)."""
+    if not removed:
+        return []
+    names = sorted(os.path.basename(p.rstrip(os.sep)) for p in removed)
+    shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+    return [f"removed what interrupted saves left (none of it a checkpoint): {shown}"]
+
+
+def retain(
+    run_dir: str, keep: int, delete: Callable[[str], None], log: Callable[[str], None], suffix: str = CKPT_SUFFIX
+) -> None:
+    """Delete all but the newest ``keep`` checkpoints, and companions orphaned by a
+    crash mid-delete (``delete`` removes a container and its companions). The new
+    checkpoint is already committed, so a failure here is reported and retried by the
+    next save, never raised."""
+    ckpts = list_checkpoints(run_dir, suffix)
+    for _step, path in ckpts[:-keep]:
+        try:
+            delete(path)
+        except OSError as e:
+            log(f"retention: cannot delete {path} ({e.strerror}); will retry at the next save")
+    kept = {p for _s, p in list_checkpoints(run_dir, suffix)}
+    oldest = ckpts[-keep:][0][0] if ckpts else None
+    for name in sorted(os.listdir(run_dir)):
+        head, sep, _kind = name.partition(suffix + ".")
+        container = os.path.join(run_dir, head + suffix)
+        step = step_of(head + suffix, suffix)
+        if sep and step is not None and container not in kept and oldest is not None and step < oldest:
+            try:
+                os.unlink(os.path.join(run_dir, name))
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                log(f"retention: cannot delete orphan {name} ({e.strerror})")
+
+
+def write_companions(path: str, step: int, config: bytes, sidecars: Mapping[str, tuple[int, Any]]) -> dict[str, Any]:
+    """Write the snapshot, then each sidecar (stamped ``step``), of the checkpoint at ``path``,
+    and return its companion record (spec/companions.md): their digests and that of the
+    run's ``environment.json``, for the checkpoint, written after them, to carry.
+
+    Raises:
+        SaveFailed: a write failed; earlier checkpoints are intact.
+        UnsupportedValue: a sidecar value the codec cannot carry.
+    """
+    write_bytes_atomic(snapshot_path(path), config)
+    bound = {
+        kind: write_sidecar(sidecar_path(path, kind), train_step=step, table_step=table_step, tree=tree)
+        for kind, (table_step, tree) in sidecars.items()
+    }
+    env_path = os.path.join(os.path.dirname(path), ENVIRONMENT_FILE)
+    env = file_digest(env_path, "environment record") if os.path.exists(env_path) else None
+    return make_record(snapshot=xxhash.xxh3_64_intdigest(config), environment=env, sidecars=bound)
+
+
+def check_step(path: str, named: int, stored: int, *, field: str, what: str, offset: int | None = None) -> None:
+    """A checkpoint's stored step must be the one its name says.
+
+    Raises:
+        FormatError: it is not (a checkpoint renamed or copied over another).
+    """
+    if stored != named:
+        raise FormatError(
+            f"{what} does not match the {'file' if offset is not None else 'directory'} name",
+            path=path,
+            offset=offset,
+            field=field,
+            expected=named,
+            actual=stored,
+            hint="a checkpoint renamed or copied over another; resume from another",
+        )
+
+
+def remove_companions(path: str, kinds: Iterable[str]) -> None:
+    """Remove the snapshot and the sidecars of ``kinds`` beside the checkpoint at ``path`` (the
+    checkpoint itself goes first: a crash in between leaves orphans retention sweeps, never a
+    checkpoint without its companions)."""
+    for p in [snapshot_path(path), *(sidecar_path(path, k) for k in kinds)]:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(p)
+
+
+def read_sidecars(path: str, step: int, kinds: Iterable[str]) -> dict[str, Sidecar]:
+    """Each sidecar of ``kinds`` beside the checkpoint at ``path``, checked to be stamped ``step``.
+
+    Raises:
+        CheckpointNotFound: a sidecar is missing.
+        FormatError: one is damaged or belongs to another step (R-021).
+    """
+    return {kind: read_sidecar(sidecar_path(path, kind), expect_step=step) for kind in kinds}
+
+
+def restorable(sidecars: Mapping[str, Sidecar]) -> dict[str, tuple[int, Any]]:
+    """``kind -> (table_step, tree)``: read sidecars in the form ``RunState.restore`` takes."""
+    return {kind: (sc.table_step, sc.tree) for kind, sc in sidecars.items()}
+
+
+def read_companions(path: str, step: int, kinds: Iterable[str], tree: Any) -> dict[str, Sidecar]:
+    """The companions of the checkpoint at ``path`` (its companion record in ``tree``, the
+    checkpoint's monitor state), checked: the snapshot is there and parses, each sidecar of
+    ``kinds`` is stamped ``step``, and every digest the record holds matches. A damaged or
+    swapped companion is damage, like a damaged container (spec/companions.md): a resume
+    skips the checkpoint, never reports it as drift.
+
+    Returns:
+        The sidecars by kind.
+
+    Raises:
+        CheckpointNotFound: the snapshot or a sidecar is missing.
+        FormatError: a companion is damaged or does not match the record.
+    """
+    if not os.path.exists(snapshot_path(path)):
+        if record_of(tree, path) is None:  # no companions ever: a ckptkit.save file, not a run's checkpoint
+            raise CheckpointNotFound(
+                f"{snapshot_path(path)}: config snapshot is missing, and {os.path.basename(path)} records no "
+                "companions: a file written by ckptkit.save, not RunState.save, has no config or environment to "
+                "resume; move it out of the run directory, load it into the registered objects and let "
+                "state.save(step) write the run's first checkpoint (docs/adopting.md section 5)"
+            )
+        raise CheckpointNotFound(f"{snapshot_path(path)}: config snapshot is missing")
+    sidecars = read_sidecars(path, step, kinds)
+    check_companions(path, record_of(tree, path), sidecars=sidecars)
+    read_snapshot(snapshot_path(path))
+    return sidecars
+
+
+def refuse_existing(run_dir: str, existing: list[tuple[int, str]]) -> None:
+    """``start()`` never overwrites: refuse a run directory that already holds checkpoints.
+
+    Raises:
+        ResumeRefused: ``existing`` is not empty.
+    """
+    if existing:
+        raise ResumeRefused(
+            f"{run_dir}: already holds {len(existing)} checkpoint(s), newest "
+            f"{os.path.basename(existing[-1][1])}; resume it (--resume) or use a new run directory"
+        )
+
+
+def newest_consistent(
+    run_dir: str, candidates: list[tuple[int, str]], check: Callable[[int, str], T]
+) -> tuple[T, str, list[tuple[str, str]]]:
+    """The newest of ``candidates`` that ``check(step, path)`` accepts: ``(what check returned,
+    its path, (path, why) for each newer one it refused)``. A refusal is a
+    :class:`FormatError`, :class:`CheckpointNotFound` or :class:`UnreadableFile` (damage or a
+    piece that cannot be read, never drift).
+
+    Raises:
+        CheckpointNotFound: no candidates.
+        NoConsistentCheckpoint: none accepted (each refusal listed).
+    """
+    if not candidates:
+        raise CheckpointNotFound(f"{run_dir}: no checkpoints to resume from")
+    skipped: list[tuple[str, str]] = []
+    for named_step, path in reversed(candidates):
+        try:
+            return check(named_step, path), path, skipped
+        except (FormatError, CheckpointNotFound, UnreadableFile) as e:  # damaged or unreadable: the same (R-026)
+            skipped.append((path, str(e)))
+    detail = "; ".join(f"{os.path.basename(p)}: {why}" for p, why in skipped)
+    raise NoConsistentCheckpoint(f"{run_dir}: no consistent checkpoint to resume from ({detail})")
+
+
+def fallback_notes(skipped: list[tuple[str, str]], path: str, step: int) -> list[str]:
+    """The lines a resume says for the checkpoints it passed over (:func:`is_fallback_note`)."""
+    notes = [f"{_SKIPPED}{os.path.basename(p)}: {why}" for p, why in skipped]
+    if skipped:
+        notes.append(f"{_FELL_BACK}{os.path.basename(path)} (step {step})")
+    return notes
+
+
+_SKIPPED, _FELL_BACK = "skipped ", "falling back to "
+
+
+def is_fallback_note(note: str) -> bool:
+    """Whether a resume note says a checkpoint was passed over: a diagnostic no ``--quiet`` silences."""
+    return note.startswith((_SKIPPED, _FELL_BACK))
+
+
+class LocalRunDir:
+    """What both local stores (one file per step, DCP directories) share of the
+    :class:`~ckptkit.run._store.Store` protocol: the run directory is a local folder."""
+
+    run_dir: str
+
+    @property
+    def work_dir(self) -> str:
+        """Where the run's appended files (``history.jsonl``) live: the run directory itself."""
+        return self.run_dir
+
+    def begin(self, environment: bytes) -> None:
+        """Rank 0, a fresh run: make the directory, remove dead writers' temp files, record the environment."""
+        os.makedirs(self.run_dir, exist_ok=True)
+        clean_stale_temps(self.run_dir)
+        write_bytes_atomic(os.path.join(self.run_dir, ENVIRONMENT_FILE), environment)
+
+    def environment(self) -> dict[str, Any]:
+        return read_environment(self.run_dir)
+
+    def snapshot(self, path: str) -> Snapshot:
+        return read_snapshot(snapshot_path(path))
+
+    def any_checkpoints(self) -> bool:
+        """A checkpoint of either store is in the directory (``resume_or_start``); what an
+        interrupted save left is none (R-023)."""
+        return any(whole_checkpoints(self.run_dir, s) for s in (CKPT_SUFFIX, DCP_SUFFIX))
+
+    def began(self) -> bool:
+        began = os.path.isfile(os.path.join(self.run_dir, ENVIRONMENT_FILE))
+        return began or any(debris(self.run_dir, suffix) for suffix in (CKPT_SUFFIX, DCP_SUFFIX))

@@ -1,0 +1,323 @@
+"""One writer per run directory: the run-directory lease (spec/lease.md R-LS01..R-LS13).
+
+A job holds its run directory's lease from its start or resume to its close: rank 0
+acquires it (recording host, pid, start time, ranks and the launcher), refreshes its
+heartbeat before every save, and releases it at ``close()``. A second job refuses
+(:class:`~ckptkit.errors.RunDirInUse`, naming the holder and what to do); a lease whose
+holder is gone -- a dead pid on this host, or a heartbeat older than the lease's time to
+live -- is taken over, and the takeover is said.
+
+:class:`Lease` is the one interface: :class:`FileLease` implements it with a file in the
+run directory (created by a hard link, which never replaces: the local form of a
+conditional put); :class:`ObjectLease` implements the same four methods on an ``s3://``
+run prefix with ``If-None-Match`` / ``If-Match`` requests. :func:`lease_for` picks one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ..errors import CheckpointNotFound, CommitConflict, LeaseLost, RunDirInUse, UnreadableFile
+from ..format._atomic import create_exclusive, pid_alive, write_bytes_atomic
+from ..format._container import open_regular
+from ..format._objectstore import store_for
+from ..format._urls import is_url, parse
+
+__all__ = [
+    "DEFAULT_TTL_S",
+    "LEASE_FILE",
+    "FileLease",
+    "Holder",
+    "Lease",
+    "ObjectLease",
+    "gone",
+    "launcher_pid",
+    "lease_for",
+    "this_job",
+]
+
+#: The lease's file in the run directory.
+LEASE_FILE = "lease.json"
+#: How long a holder on another host stays live without a heartbeat (seconds); a heartbeat
+#: comes with every save, so a run that saves less often than this should pass a longer one.
+DEFAULT_TTL_S = 6 * 3600.0
+_LAUNCHED = "TORCHELASTIC_RUN_ID"  # set by torchrun in every rank it starts
+
+
+@dataclass(frozen=True)
+class Holder:
+    """The job that holds (or held) a run directory's lease.
+
+    Attributes:
+        host: ``socket.gethostname()`` of its rank 0.
+        pid: its rank 0's process id there.
+        started: when it acquired the lease (Unix seconds).
+        ranks: its world size.
+        launcher: the pid of the launcher (torchrun's agent) that started its ranks, or None.
+        heartbeat: its last refresh (Unix seconds).
+        token: unique per acquisition: what tells this job's lease from a later one's.
+    """
+
+    host: str
+    pid: int
+    started: float
+    ranks: int
+    launcher: int | None
+    heartbeat: float
+    token: str
+
+    def describe(self) -> str:
+        launched = f", launcher pid {self.launcher}" if self.launcher is not None else ""
+        return (
+            f"pid {self.pid} on {self.host} ({self.ranks} rank(s){launched}; started {_when(self.started)}, "
+            f"last heartbeat {_when(self.heartbeat)})"
+        )
+
+
+def _when(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
+
+
+def launcher_pid() -> int | None:
+    """The pid of the torchrun agent that started this process (its parent), or None outside torchrun."""
+    return os.getppid() if _LAUNCHED in os.environ else None
+
+
+def this_job(ranks: int) -> Holder:
+    """The calling process as a lease holder: this host, this pid, now; under torchrun its launcher."""
+    now = time.time()
+    return Holder(socket.gethostname(), os.getpid(), now, ranks, launcher_pid(), now, uuid.uuid4().hex)
+
+
+def gone(holder: Holder, ttl_s: float, now: float | None = None) -> str | None:
+    """Why ``holder`` no longer runs (R-LS04), or None while it may: a pid that does not exist on
+    this host, or no heartbeat for longer than ``ttl_s``."""
+    now = time.time() if now is None else now
+    if holder.host == socket.gethostname() and not pid_alive(holder.pid):
+        return f"no process {holder.pid} runs on this host"
+    if now - holder.heartbeat > ttl_s:
+        return f"no heartbeat for {now - holder.heartbeat:.0f} s (the lease lives {ttl_s:.0f} s)"
+    return None
+
+
+class Lease(Protocol):
+    """A run directory's lease: at most one job holds it (spec/lease.md §2)."""
+
+    def holder(self) -> Holder | None:
+        """Who holds it now (None: nobody)."""
+        ...
+
+    def acquire(self, me: Holder) -> str | None:
+        """Hold it as ``me``: atomically when nobody does; over a holder that is gone (the line
+        saying so is returned); silently over this same process's earlier lease.
+
+        Raises:
+            RunDirInUse: a live job holds it (or won a race for it).
+        """
+        ...
+
+    def refresh(self) -> None:
+        """Renew the heartbeat; before every save.
+
+        Raises:
+            LeaseLost: another job holds it now (this job must not write).
+        """
+        ...
+
+    def release(self) -> None:
+        """Give it up if this job still holds it (``close()``)."""
+        ...
+
+
+def lease_for(run_dir: str | os.PathLike[str], ttl_s: float = DEFAULT_TTL_S) -> Lease:
+    """The lease of ``run_dir``: an :class:`ObjectLease` on an ``s3://`` prefix, else a :class:`FileLease`."""
+    return ObjectLease(os.fspath(run_dir), ttl_s) if is_url(run_dir) else FileLease(run_dir, ttl_s)
+
+
+def _check_ttl(ttl_s: float) -> float:
+    if not ttl_s > 0:
+        raise ValueError(f"ttl_s must be > 0 seconds (got {ttl_s!r})")
+    return float(ttl_s)
+
+
+def _decode(raw: bytes, unusable: Callable[[str], RunDirInUse]) -> Holder:
+    try:
+        doc = json.loads(raw)
+        return Holder(**{f.name: doc[f.name] for f in dataclasses.fields(Holder)})
+    except (ValueError, TypeError, KeyError):
+        raise unusable("is not a lease ckptkit wrote") from None
+
+
+def _unusable(path: str, run_dir: str, why: str) -> RunDirInUse:
+    return RunDirInUse(f"{path}: the run directory's lease {why}; if no job uses {run_dir}, delete it and start again")
+
+
+def _judge(run_dir: str, held: Holder | None, me: Holder, ttl_s: float) -> str | None:
+    """The line saying a takeover of ``held`` by ``me`` (None: nobody held it, or this very process did).
+
+    Raises:
+        RunDirInUse: ``held`` is another job, and it may still run (R-LS03).
+    """
+    if held is None or (held.host == me.host and held.pid == me.pid):
+        return None
+    why = gone(held, ttl_s)
+    if why is None:
+        raise RunDirInUse(
+            f"{run_dir}: in use by another job, {held.describe()}: one writer per run directory; "
+            f"wait for it to end or stop it (kill {held.pid} on {held.host}), or use another run directory",
+            held,
+        )
+    return f"took over the run directory's lease from {held.describe()}: {why}"
+
+
+def _raced(run_dir: str, now: Holder | None) -> RunDirInUse:
+    return RunDirInUse(f"{run_dir}: another job took the lease over while this one did", now)
+
+
+def _lost(run_dir: str, held: Holder | None) -> LeaseLost:
+    who = "nobody holds it now" if held is None else f"it is held by {held.describe()}"
+    return LeaseLost(
+        f"{run_dir}: this job no longer holds the run directory's lease ({who}): "
+        "it stops before writing, so the run directory keeps one writer"
+    )
+
+
+class FileLease:
+    """:class:`Lease` as ``lease.json`` in the run directory (R-LS01, R-LS02).
+
+    Args:
+        run_dir: the run directory.
+        ttl_s: how long a holder on another host is live without a heartbeat.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike[str], ttl_s: float = DEFAULT_TTL_S) -> None:
+        self.ttl_s = _check_ttl(ttl_s)
+        self.run_dir = os.fspath(run_dir)
+        self.path = os.path.join(self.run_dir, LEASE_FILE)
+        self.mine: Holder | None = None
+
+    def holder(self) -> Holder | None:
+        try:  # opened without blocking and checked to be a file, as every file of the run (R-025)
+            fd, _size = open_regular(self.path, "lease")
+        except CheckpointNotFound:
+            return None
+        except UnreadableFile as e:
+            raise self._unusable(f"cannot be read ({str(e).removeprefix(self.path + ': ')})") from None
+        with os.fdopen(fd, "rb") as f:
+            return _decode(f.read(1 << 16), self._unusable)
+
+    def _unusable(self, why: str) -> RunDirInUse:
+        return _unusable(self.path, self.run_dir, why)
+
+    def acquire(self, me: Holder) -> str | None:
+        os.makedirs(self.run_dir, exist_ok=True)
+        if create_exclusive(self.path, _encode(me)):
+            self.mine = me
+            return None
+        note = _judge(self.run_dir, self.holder(), me, self.ttl_s)
+        write_bytes_atomic(self.path, _encode(me))
+        now = self.holder()
+        if now is None or now.token != me.token:  # another job took it over in the same instant
+            raise _raced(self.run_dir, now)
+        self.mine = me
+        return note
+
+    def refresh(self) -> None:
+        assert self.mine is not None, "refresh() before acquire()"
+        held = self.holder()
+        if held is None or held.token != self.mine.token:
+            raise _lost(self.run_dir, held)
+        self.mine = dataclasses.replace(self.mine, heartbeat=time.time())
+        write_bytes_atomic(self.path, _encode(self.mine))
+
+    def release(self) -> None:
+        if self.mine is None:
+            return
+        with contextlib.suppress(RunDirInUse):
+            held = self.holder()
+            if held is not None and held.token == self.mine.token:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.path)
+        self.mine = None
+
+
+class ObjectLease:
+    """:class:`Lease` as the object ``lease.json`` under an ``s3://`` run prefix (R-LS10..R-LS13):
+    created with ``If-None-Match: *``, renewed and taken over with ``If-Match`` on the ETag last
+    written or read, released with a DELETE ``If-Match``; no read-back, the store decides.
+
+    Args:
+        run_dir: the run prefix, ``s3://bucket/prefix``.
+        ttl_s: how long a holder on another host is live without a heartbeat.
+    """
+
+    def __init__(self, run_dir: str, ttl_s: float = DEFAULT_TTL_S) -> None:
+        self.ttl_s = _check_ttl(ttl_s)
+        url = parse(run_dir)
+        self.run_dir, self.key, self.path = run_dir, url.child(LEASE_FILE).key, str(url.child(LEASE_FILE))
+        self.objects = store_for(url)
+        self.mine: Holder | None = None
+        self._etag = ""  # of the lease object this job wrote last
+
+    def _read(self) -> tuple[Holder, str] | None:
+        try:
+            raw, etag = self.objects.read(self.key)
+        except CheckpointNotFound:
+            return None
+        return _decode(raw, lambda why: _unusable(self.path, self.run_dir, why)), etag
+
+    def holder(self) -> Holder | None:
+        found = self._read()
+        return None if found is None else found[0]
+
+    def acquire(self, me: Holder) -> str | None:
+        body = _encode(me)
+        for _ in range(2):  # a second time only when the holder released it between the two requests
+            try:
+                self._etag = self.objects.put(self.key, body, if_absent=True)
+                self.mine = me
+                return None
+            except CommitConflict:
+                found = self._read()
+            if found is not None:
+                note = _judge(self.run_dir, found[0], me, self.ttl_s)
+                try:  # over exactly the lease judged gone: a renewal or takeover since then wins
+                    self._etag = self.objects.replace(self.key, body, found[1])
+                except (CommitConflict, CheckpointNotFound):
+                    raise _raced(self.run_dir, self.holder()) from None
+                self.mine = me
+                return note
+        raise _raced(self.run_dir, self.holder())
+
+    def refresh(self) -> None:
+        assert self.mine is not None, "refresh() before acquire()"
+        renewed = dataclasses.replace(self.mine, heartbeat=time.time())
+        try:  # only while the object is the one this job wrote last (R-LS11)
+            self._etag = self.objects.replace(self.key, _encode(renewed), self._etag)
+        except (CommitConflict, CheckpointNotFound):
+            raise _lost(self.run_dir, self.holder()) from None
+        self.mine = renewed
+
+    def release(self) -> None:
+        if self.mine is None:
+            return
+        with contextlib.suppress(RunDirInUse):
+            found = self._read()
+        if found is not None and found[0].token == self.mine.token:
+            with contextlib.suppress(CommitConflict, CheckpointNotFound):  # taken over in between: theirs
+                self.objects.delete_if(self.key, found[1])
+        self.mine = None
+
+
+def _encode(h: Holder) -> bytes:
+    doc: dict[str, Any] = dataclasses.asdict(h)
+    return (json.dumps(doc, sort_keys=True, indent=2) + "\n").encode()

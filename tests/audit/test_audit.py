@@ -1,0 +1,188 @@
+"""``ckptkit audit -- CMD`` and ``ckptkit replay RUN --from S -- CMD``: any loop (spec/replay.md "Any loop").
+
+Real processes: the user's command runs as a child, once uninterrupted and once
+stopped at a step (CKPTKIT_STOP_AT) and resumed in a new process.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from ckptkit.audit._commands import AuditPlan, audit_command
+from ckptkit.cli import main
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+LOOP = [sys.executable, str(ROOT / "examples" / "resumable_loop.py"), "--run-dir", "{run_dir}"]
+
+# A loop without torch (but in mode "threads"), with a knob for each way a command can get the
+# protocol wrong; in mode "threads" a process that resumes runs under another intra-op thread
+# count and accepts the change, as a job rescheduled onto another machine does.
+TOY = """
+import dataclasses, sys, time
+import ckptkit
+
+mode, run_dir = sys.argv[1], sys.argv[2]
+
+@dataclasses.dataclass
+class Cfg:
+    steps: int = 12
+
+n = {"v": 0}
+state = ckptkit.RunState(run_dir, config=Cfg())
+state.add_value("n", get=lambda: n["v"], set=lambda v: n.update(v=v))
+if mode == "threads" and state.checkpoints():
+    import torch
+    torch.set_num_threads(torch.get_num_threads() + 1)
+start = state.resume_or_start(allow_env_change=mode == "threads")
+while mode == "forever":
+    time.sleep(0.2)
+for step in range(start, 12):
+    n["v"] += step
+    state.record(step, n=n["v"])
+    if mode != "ignore-stop":
+        state.step_done(step + 1)
+state.save(12)
+"""
+
+
+@pytest.fixture(autouse=True)
+def private_tempdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Audit's work directories go under this test's own temp dir, so the leftover check
+    sees only what this test made (other processes on the machine use the shared /tmp)."""
+    private = tmp_path / "tmp"
+    private.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(private))
+
+
+def _leftovers() -> set[str]:
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), "ckptkit-audit-*")))
+
+
+@pytest.fixture
+def toy(tmp_path: Path) -> list[str]:
+    script = tmp_path / "toy.py"
+    script.write_text(TOY)
+    return [sys.executable, str(script)]
+
+
+def test_the_example_loop_audits_identical(capsys: pytest.CaptureFixture[str]) -> None:
+    before = _leftovers()
+    assert main(["audit", "--quiet", "--", *LOOP, "--steps", "40"]) == 0
+    out = capsys.readouterr().out
+    assert "audit: a: 40 steps uninterrupted; b: stopped at 20, resumed in a fresh process" in out
+    assert "IDENTICAL: 40 steps, every history fingerprint and 1 checkpoint(s) bit for bit (80 recorded rows)" in out
+    assert "environment: torch " in out  # the one report shows the runs' environment, for any loop
+    assert _leftovers() == before  # nothing left behind
+
+
+def test_dropout_from_the_global_generator_differs_and_the_tensor_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["audit", "--quiet", "--json", "--", *LOOP, "--steps", "40", "--global-dropout"]) == 1
+    out = capsys.readouterr().out
+    assert '"ok": false' in out and '"model:net.0.weight"' in out
+
+
+def test_stop_at_picks_the_step_and_the_toy_loop_is_identical(
+    toy: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["audit", "--quiet", "--stop-at", "5", "--", *toy, "ok", "{run_dir}"]) == 0
+    assert "b: stopped at 5" in capsys.readouterr().out
+
+
+def test_a_resume_under_another_thread_count_is_reported_though_the_bits_agree(toy: list[str]) -> None:
+    # environment.json records the process that started run b; its resume row, the one that
+    # resumed at 5 under another thread count (R-D12): the report lists it from there
+    report = audit_command(AuditPlan(command=[*toy, "threads", "{run_dir}"], stop_at=5))
+    threads = report.environment["intra_op_threads"]
+    assert report.ok  # the toy's integers do not care how many threads there are
+    assert report.to_json()["environment_differences"] == [
+        {"key": "intra_op_threads", "a": threads, "b": threads + 1, "from_step": 5}
+    ]
+    text = report.describe()
+    assert "environment differs between the runs in 1 fact(s):\n" in text
+    assert (
+        f"  intra_op_threads: a {threads}, b {threads + 1} from step 5 (a resume accepted the change there)\n" in text
+    )
+    assert text.endswith(
+        "IDENTICAL: 12 steps, every history fingerprint and 1 checkpoint(s) bit for bit (24 recorded rows)"
+    )
+
+
+def _trouble(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    before = _leftovers()
+    assert main(argv) == 2
+    assert _leftovers() == before
+    return capsys.readouterr().err
+
+
+def test_a_command_without_run_dir_is_refused(toy: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    err = _trouble(["audit", "--", *toy, "ok", "/tmp/x"], capsys)
+    assert "ckptkit audit: the command has no {run_dir}: write {run_dir} where its run directory goes" in err
+
+
+def test_a_command_that_never_uses_runstate_is_refused_with_a_hint(capsys: pytest.CaptureFixture[str]) -> None:
+    err = _trouble(["audit", "--quiet", "--", sys.executable, "-c", "import sys", "{run_dir}"], capsys)
+    assert re.search(
+        r"a: the command saved no checkpoint in \{run_dir\} \(.*\): the command must use "
+        r"ckptkit\.RunState on \{run_dir\}",
+        err,
+    )
+
+
+def test_a_command_that_ignores_the_stop_request_is_refused(toy: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    err = _trouble(["audit", "--quiet", "--", *toy, "ignore-stop", "{run_dir}"], capsys)
+    assert "b: the command ignored the stop request (CKPTKIT_STOP_AT=6) and ran to its end" in err
+    assert "call state.step_done(step + 1) after every step" in err
+
+
+@pytest.mark.parametrize("tool", ["audit", "replay"])
+def test_a_timeout_that_is_not_positive_is_refused_before_anything_runs(
+    tool: str, toy: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    where = [str(tmp_path), "--from", "0"] if tool == "replay" else []
+    err = _trouble([tool, *where, "--quiet", "--timeout", "0", "--", *toy, "ok", "{run_dir}"], capsys)
+    assert f"ckptkit {tool}: --timeout must be > 0 (got 0)" in err
+
+
+def test_a_command_that_never_ends_times_out_and_is_killed(toy: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    err = _trouble(["audit", "--quiet", "--timeout", "1", "--", *toy, "forever", "{run_dir}"], capsys)
+    assert "a (uninterrupted): the command did not finish within 1 s (--timeout)" in err
+
+
+def test_stop_at_past_the_end_is_refused(toy: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    err = _trouble(["audit", "--quiet", "--stop-at", "12", "--", *toy, "ok", "{run_dir}"], capsys)
+    assert "--stop-at 12 is outside the run: run a ended at step 12; pick 1..11" in err
+
+
+def test_trainer_flags_with_a_command_are_refused(toy: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    err = _trouble(["audit", "--steps", "4", "--", *toy, "ok", "{run_dir}"], capsys)
+    assert "the trainer's flags (and --resume-at) audit `ckptkit train`" in err
+
+
+def test_replay_of_an_outside_run_from_a_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    argv = [a.replace("{run_dir}", str(run)) for a in LOOP]
+    assert os.spawnv(os.P_WAIT, sys.executable, [*argv, "--steps", "60"]) == 0
+    files = sorted(os.listdir(run))
+    assert main(["replay", str(run), "--from", "55", "--quiet", "--", *LOOP, "--steps", "60"]) == 0
+    out = capsys.readouterr().out
+    assert "replay: from the checkpoint at step 50 to step 60" in out
+    assert re.search(r"IDENTICAL: steps 50\.\.59, every history fingerprint and 1 checkpoint\(s\) bit for bit", out)
+    assert sorted(os.listdir(run)) == files  # RUN is only read
+    assert main(["replay", str(run), "--from", "50", "--quiet", "--", *LOOP, "--steps", "60", "--global-dropout"]) == 2
+    assert "ckptkit replay: replay from step 50: the command exited 1" in capsys.readouterr().err  # config drift
+
+
+def test_replay_without_a_checkpoint_before_from_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["replay", str(tmp_path), "--from", "3", "--", *LOOP]) == 2
+    assert (
+        f"ckptkit replay: {tmp_path}: no checkpoint at or before step 3 (checkpoints: none)" in capsys.readouterr().err
+    )

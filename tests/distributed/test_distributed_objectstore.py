@@ -1,0 +1,142 @@
+"""ckptkit.distributed on object storage, in one process against the real S3 HTTP server
+(spec/objectstore.md R-O30..R-O34). Two nodes that share no filesystem: tests/run/test_multinode.py."""
+
+from __future__ import annotations
+
+import boto3
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import xxhash
+
+import ckptkit
+import ckptkit.distributed as ckd
+from ckptkit.errors import ChecksumMismatch, CommitConflict, IncompleteCheckpoint, UnsupportedOption
+from ckptkit.format._commit import Entry, encode_record
+
+
+def state_of() -> dict:
+    return {"model": {"w": torch.arange(12.0).reshape(3, 4), "b": torch.ones(4)}, "step": 7, "names": ["a"]}
+
+
+def _blank() -> dict:
+    return {"model": {"w": torch.zeros(3, 4), "b": torch.zeros(4)}, "step": 0, "names": []}
+
+
+def _objects(url: str) -> dict[str, bytes]:
+    bucket, _, prefix = url.removeprefix("s3://").partition("/")
+    client = boto3.client("s3")
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])]
+    return {k[len(prefix) + 1 :]: client.get_object(Bucket=bucket, Key=k)["Body"].read() for k in keys}
+
+
+def _put(url: str, rel: str, data: bytes) -> None:
+    bucket, _, prefix = url.removeprefix("s3://").partition("/")
+    boto3.client("s3").put_object(Bucket=bucket, Key=f"{prefix}/{rel}", Body=data)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP itself in one process
+def test_a_distributed_checkpoint_on_s3_is_the_local_files_as_objects_listed_by_one_record(s3, tmp_path) -> None:
+    """R-O30, R-O31, R-O18, R-DC22: the objects hold the local files' bytes; the record lists each with
+    size and xxh3."""
+    ckd.save(state_of(), f"{s3}/ck/step-1", companions={"config.json": b'{"lr": 1}\n'})
+    ckd.save(state_of(), tmp_path / "step-1")
+    objects = _objects(f"{s3}/ck")
+    assert sorted(objects) == ["step-1", "step-1.commit.json", "step-1.config.json", "step-1.rank-00000.ckdcp"]
+    assert objects["step-1"] == (tmp_path / "step-1" / "metadata.ckdcp").read_bytes()
+    assert objects["step-1.rank-00000.ckdcp"] == (tmp_path / "step-1" / "rank-00000.ckdcp").read_bytes()
+    listed = {k: v for k, v in objects.items() if k != "step-1.commit.json"}
+    entries = [Entry(k, len(v), xxhash.xxh3_64_intdigest(v)) for k, v in listed.items()]
+    assert objects["step-1.commit.json"] == encode_record("step-1", entries)
+    out = _blank()
+    ckd.load(out, f"{s3}/ck/step-1")
+    assert torch.equal(out["model"]["w"], state_of()["model"]["w"]) and out["step"] == 7 and out["names"] == ["a"]
+    dcp_out = _blank()  # DCP itself, through the Writer/Reader classes
+    dcp.load(dcp_out, storage_reader=ckd.Reader(f"{s3}/ck/step-1"))
+    assert torch.equal(dcp_out["model"]["b"], torch.ones(4))
+
+
+def test_a_committed_s3_checkpoint_is_written_once_whatever_overwrite_says(s3) -> None:
+    """R-O32, R-DC25: a second save of a committed id commits nothing and changes nothing."""
+    ckd.save(state_of(), f"{s3}/ck/step-1")
+    before = _objects(f"{s3}/ck")
+    with pytest.raises(CommitConflict) as e:
+        ckd.save({**state_of(), "step": 8}, f"{s3}/ck/step-1", overwrite=True)
+    assert str(e.value) == (
+        f"{s3}/ck/step-1.commit.json: step already committed; a checkpoint on object storage is written once "
+        "(R-O11): delete it first, or save under another name"
+    )
+    assert _objects(f"{s3}/ck") == before
+
+
+def test_a_load_trusts_only_what_the_record_lists_and_names_each_object_it_refuses(s3) -> None:
+    """R-O15, R-O33, R-DC23, R-DC24: no record; a changed byte; a rank file the record does not list."""
+    url = f"{s3}/ck/step-1"
+    ckd.save(state_of(), url)
+    objects = _objects(f"{s3}/ck")
+    rank = bytearray(objects["step-1.rank-00000.ckdcp"])
+    rank[-40] ^= 1
+    _put(f"{s3}/ck", "step-1.rank-00000.ckdcp", bytes(rank))
+    with pytest.raises(ChecksumMismatch) as bad:
+        ckd.load(_blank(), url)
+    assert bad.value.path == f"{url}.rank-00000.ckdcp" and "differ from its commit record" in str(bad.value)
+    meta = objects["step-1"]
+    _put(
+        f"{s3}/ck",
+        "step-1.commit.json",
+        encode_record("step-1", [Entry("step-1", len(meta), xxhash.xxh3_64_intdigest(meta))]),
+    )
+    with pytest.raises(IncompleteCheckpoint) as unlisted:
+        ckd.load(_blank(), url)
+    assert str(unlisted.value) == (
+        f"{url}: step-1.rank-00000.ckdcp (rank 0) is not listed by its commit record step-1.commit.json (R-O33)"
+    )
+    boto3.client("s3").delete_object(Bucket=s3.removeprefix("s3://"), Key="ck/step-1.commit.json")
+    with pytest.raises(IncompleteCheckpoint) as uncommitted:
+        ckd.load(_blank(), url)
+    assert str(uncommitted.value) == (
+        f"{url}: not committed (no commit record step-1.commit.json; objects without a record: step-1, "
+        "step-1.rank-00000.ckdcp); an interrupted save, which the next save removes (R-O15)"
+    )
+    with pytest.raises(ckptkit.CheckpointNotFound, match=rf"^{s3}/ck/step-9: no such checkpoint$"):
+        ckd.load(_blank(), f"{s3}/ck/step-9")
+
+
+def test_companions_are_committed_with_an_object_checkpoint_only(tmp_path) -> None:
+    with pytest.raises(UnsupportedOption) as e:
+        ckd.Writer(tmp_path / "c", companions={"config.json": b"{}"})
+    assert str(e.value) == (
+        f"{tmp_path / 'c'}: companions are committed with a checkpoint on object storage only (R-O30); beside a "
+        "local directory write them as files"
+    )
+
+
+@pytest.mark.filterwarnings("ignore::ResourceWarning")
+@pytest.mark.parametrize("mode", ["error", "crash", "transient"])
+def test_a_distributed_save_failing_at_every_request_commits_whole_or_nothing_and_blocks_no_next_save(
+    s3, mode, monkeypatch
+) -> None:
+    """R-O31, R-O34 (G-53 for ckptkit.distributed): for every k, a failure, a crash or a transient
+    fault at the k-th storage request of a save leaves the checkpoint loaded whole or refused as not
+    committed (never partial), and the next save of it commits."""
+    from _store_faults import requests_of, under
+
+    from ckptkit.format import _commit as commit_module
+
+    monkeypatch.setattr(commit_module, "STALE_AFTER", 0.0)  # the next save comes later (R-O16)
+    n = requests_of(lambda: ckd.save(state_of(), f"{s3}/count/step-1"))
+    assert n == 7  # HEAD record, LIST leftovers, PUT rank file, PUT metadata, HEAD both (still ours), PUT record
+    for k in range(1, n + 1):
+        url = f"{s3}/ck/step-{k}"
+        _r, error, _made = under(k, mode, lambda: ckd.save(state_of(), url))  # noqa: B023 - called at once
+        out, refused = _blank(), None
+        try:
+            ckd.load(out, url)
+        except ckptkit.CheckpointNotFound as e:  # IncompleteCheckpoint included: no record, nothing loaded
+            refused = e
+        if refused is not None:
+            assert error is not None, f"request {k}: the save returned but {url} is not loadable: {refused}"
+            ckd.save(state_of(), url)  # what it left does not block the next save
+            ckd.load(out, url)
+        assert torch.equal(out["model"]["w"], state_of()["model"]["w"]) and out["step"] == 7, k
+        assert mode != "transient" or error is None, f"request {k}: a transient fault was not retried: {error}"
