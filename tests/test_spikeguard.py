@@ -357,7 +357,7 @@ def test_a_guard_takes_its_knobs_in_one_rollback_config(tmp_path: Path) -> None:
     state = ckptkit.RunState(tmp_path, config=Cfg())
     with pytest.raises(TypeError, match=re.escape("SpikeGuard: config must be a ckptkit.RollbackConfig (got str)")):
         ckptkit.SpikeGuard(state, "on")  # type: ignore[arg-type]
-    guard = ckptkit.SpikeGuard(state)
+    guard = ckptkit.SpikeGuard(state, ckptkit.RollbackConfig())
     assert guard.config == ckptkit.RollbackConfig() and guard.mode == "warn"
 
 

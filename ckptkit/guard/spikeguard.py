@@ -192,8 +192,8 @@ class SpikeGuard:
 
     Args:
         state: the run's :class:`RunState`, everything registered.
-        config: what it does with a spike, a :class:`~ckptkit.RollbackConfig` (default:
-            mode ``"warn"``, the PRD's); :attr:`config` holds it.
+        config: what it does with a spike, a :class:`~ckptkit.RollbackConfig`
+            (``RollbackConfig()``: mode ``"warn"``, the PRD's); :attr:`config` holds it.
         monitor: the spike monitor; registered as ``"spike"`` unless ``state``
             already registers it (default: ``SpikeMonitor()``, window 50, 3x median).
         lr: the LR schedule ``lr(step)`` of a loop that sets the LR itself every step
@@ -216,7 +216,7 @@ class SpikeGuard:
     def __init__(
         self,
         state: RunState,
-        config: RollbackConfig = RollbackConfig(),
+        config: RollbackConfig,
         *,
         monitor: SpikeMonitor | None = None,
         lr: Callable[[int], float] | None = None,
