@@ -460,7 +460,13 @@ def test_a_rerun_recorded_from_on_step_is_marked_and_the_run_verifies(tmp_path: 
     whoever calls ``record``): ``ckptkit verify RUN`` is clean (it said "step row 9 out of order")."""
     from ckptkit.cli import main
 
-    toy = Toy(tmp_path, "on", spike_at=9, repeat=repeat, on_step=lambda e: toy.state.record(e.step, grad_norm=e.result))
+    states: list[ckptkit.RunState] = []
+
+    def record(e: ckptkit.Executed) -> None:  # after step_fn returned: outside it
+        states[0].record(e.step, grad_norm=e.result)
+
+    toy = Toy(tmp_path, "on", spike_at=9, repeat=repeat, on_step=record)
+    states.append(toy.state)
     toy.guard.run(toy.step, toy.start(), 14, save_every=2)
     toy.state.close()
     steps = [r for r in rows(tmp_path, "step") if r["step"] == 9]

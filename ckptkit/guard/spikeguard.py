@@ -230,12 +230,13 @@ class SpikeGuard:
             raise TypeError(f"SpikeGuard: config must be a ckptkit.RollbackConfig (got {type(config).__name__})")
         self.config = cfg = config
         self.state, self.mode, self.k, self.lr_drop = state, cfg.mode, cfg.k, cfg.lr_drop
+        self._run = state.guard_view()  # data positions, the LR, the history's timeline, replays
         self.bound, self.cap, self.on_step = cfg.bound, cfg.cap, on_step
         self.log: Log = log or (lambda _msg: None)
         self._lr, self._prepare, self._inject = lr, prepare, inject
         self.save: Callable[[int], object] = save or self._default_save
         self.monitor = monitor or SpikeMonitor()
-        name = state.monitor_name(self.monitor)
+        name = self._run.monitor_name(self.monitor)
         if name is None:
             state.add_monitor("spike", self.monitor)
         self._monitor_name = name or "spike"
@@ -245,7 +246,7 @@ class SpikeGuard:
         if self.on:
             # Per rank: a rollback's skipped data positions are each rank's own (the rest is the same on every rank).
             state.add_value(VALUE_NAME, get=lambda: self.record.state(), set=self._load_record, per_rank=True)
-            state.use_timeline(lambda: self.record.count)  # a resumed history keeps the restored timeline's rows
+            self._run.use_timeline(lambda: self.record.count)  # a resumed history keeps the restored timeline's rows
             self._keeps.add(f"value:{VALUE_NAME}")
         if inject is not None:
             state.add_value(INJECTION_VALUE, get=inject.state, set=inject.load)
@@ -267,7 +268,7 @@ class SpikeGuard:
         return self.record.lr_scale
 
     def _data_position(self, name: str | None) -> str:
-        positions = sorted(self.state.data_positions())
+        positions = sorted(self._run.data_positions())
         if name is None and len(positions) == 1:
             return positions[0]
         if name is not None and name in positions:
@@ -372,7 +373,7 @@ class SpikeGuard:
     def _execute(self, n: int, step_fn: StepFn, fx: _Effects, *, rerun: bool) -> Executed:
         lr = self._lr_now(n)
         # The re-run's rows say so (R-R04), whether the loop records it in step_fn or in on_step.
-        with self.state.replaying(rerun=True) if rerun else contextlib.nullcontext():
+        with self._run.replaying(rerun=True) if rerun else contextlib.nullcontext():
             if self._inject is not None:
                 self._inject.arm(n)
             try:
@@ -388,7 +389,7 @@ class SpikeGuard:
     def _lr_now(self, step: int) -> float:
         if self._lr is not None:
             return self._lr(step) * self.record.lr_scale
-        return self.state.lr()
+        return self._run.lr()
 
     # ------------------------------------------------------------------ rollback
 
@@ -404,7 +405,7 @@ class SpikeGuard:
         skipped = None
         if self.data is not None:
             start = target.ckpt.monitor["data"][self.data]
-            skipped = {"start": start, "end": self.state.data_positions()[self.data], "batches": n + 1 - to}
+            skipped = {"start": start, "end": self._run.data_positions()[self.data], "batches": n + 1 - to}
         for s in range(to, n + 1):  # every update this rollback takes back (R-M06)
             self.monitor.refuse(s)
         self._restore(target, keep_data=self.data is not None)
@@ -455,12 +456,12 @@ class SpikeGuard:
         stored = (target.ckpt.monitor or {}).get("values", {}).get(VALUE_NAME)
         at_target = RollbackRecord.from_state(stored).lr_scale if stored is not None else 1.0
         lr_at_target = self._lr_now(to)
-        self.state.scale_lr(new / at_target)
+        self._run.scale_lr(new / at_target)
         return lr_at_target * old / at_target, self._lr_now(to)
 
     def _check_offset_rule(self, to: int) -> None:
-        for name, position in self.state.data_positions().items():
-            want = self.state.expected_position(name, to)
+        for name, position in self._run.data_positions().items():
+            want = self._run.expected_position(name, to)
             if want is not None and position != want:
                 raise StreamOffsetMismatch(
                     f"rollback to step {to}: data position {name!r} is {position}, but its rule expects {want} "
@@ -563,7 +564,7 @@ class SpikeGuard:
             return []
         here, timeline = self._capture(start), self.record.count
         # The replay redraws nothing the resumed run then trusts, and records nothing (R-R12).
-        with global_rngs_kept(), self.state.replaying():
+        with global_rngs_kept(), self._run.replaying():
             frm, note = self._replay_from(max(start - self.k, 0))
             self._replay(frm, start, timeline, step_fn)
         now = self._capture(start)

@@ -59,7 +59,7 @@ from .registration import Registration
 from .resume import ResumeInfo
 from .store import Sidecars, Store
 
-__all__ = ["ResumeInfo", "RunState"]
+__all__ = ["GuardView", "ResumeInfo", "RunState"]
 
 
 class RunState(Registration, Stopping):
@@ -170,33 +170,10 @@ class RunState(Registration, Stopping):
         """How many processes the run has (1 in one process)."""
         return self._group.world
 
-    # ------------------------------------------------------------------ what a guard or loop asks of a run
-
-    def data_positions(self) -> dict[str, int]:
-        """Every registered data position, by name, where the stream is now."""
-        return {name: entry.get() for name, entry in self._reg.data.items()}
-
-    def expected_position(self, name: str, step: int) -> int | None:
-        """Where data position ``name``'s offset rule says the stream must be after ``step``
-        steps, given the registered values as they are now (None: it has no rule)."""
-        values = {n: e.get() for n, e in self._reg.values.items()}  # as a checkpoint at `step` would hold them
-        want = self._reg.data[name].expected_at(step, values)
-        return None if want is None else int(want)
-
-    def monitor_name(self, monitor: Any) -> str | None:
-        """The name ``monitor`` (this very object) is registered under, or None."""
-        return next((n for n, m in self._reg.monitors.items() if m is monitor), None)
-
-    def lr(self) -> float:
-        """The LR of the first registered optimizer's first param group (NaN: none is registered)."""
-        return self._reg.lr()
-
-    def scale_lr(self, factor: float) -> None:
-        """Multiply the LR of what is registered by ``factor``: every optimizer's param groups
-        (and their ``initial_lr``) and every scheduler's base LRs, so that closed-form and
-        chainable schedules alike keep the change for the rest of the run (a spike rollback's
-        LR drop, spec/rollback.md R-R06)."""
-        self._reg.scale_lr(factor)
+    def guard_view(self) -> GuardView:
+        """What a spike guard (:class:`~ckptkit.SpikeGuard`) asks of and does to the run beyond a
+        loop's calls: data positions, the monitor's name, the LR, the history's timeline, replays."""
+        return GuardView(self)
 
     # ------------------------------------------------------------------ save
 
@@ -428,7 +405,7 @@ class RunState(Registration, Stopping):
         digest of every tensor and value registered, after the step (spec/replay.md "Any
         loop"). ``ckptkit audit -- CMD`` and ``ckptkit replay RUN --from S -- CMD`` compare
         these rows and name the first step and tensor that differ. The re-run of a spiking
-        step (the spike guard's, :meth:`replaying`) is marked ``"rerun": true``, whoever records it.
+        step (the spike guard's, :meth:`GuardView.replaying`) is marked ``"rerun": true``, whoever records it.
 
         The rows go through :attr:`history`: the rows an interrupted run wrote after the
         resumed step (in the resumed rollback timeline) are dropped once, whoever writes first.
@@ -464,18 +441,6 @@ class RunState(Registration, Stopping):
         self._history.append(row)
         self._history.append(digests_row(step + 1, digests))
 
-    @contextlib.contextmanager
-    def replaying(self, *, rerun: bool = False) -> Iterator[None]:
-        """While open, the loop's steps are not new steps of the run: a ring rebuild's replay
-        (:meth:`record` writes nothing: their rows exist) or, with ``rerun``, a spiking step
-        re-run from the state before it (its step row says ``"rerun": true``, R-R04)."""
-        was = self._replaying
-        self._replaying = "rerun" if rerun and was is None else "replay"  # a re-run inside a replay: a replay
-        try:
-            yield
-        finally:
-            self._replaying = was
-
     @property
     def history(self) -> History:
         """The run's ``history.jsonl``: one :class:`~ckptkit.History` for every writer in this
@@ -488,12 +453,6 @@ class RunState(Registration, Stopping):
         this process.
         """
         return self._history
-
-    def use_timeline(self, get: Callable[[], int]) -> None:
-        """The history's timeline after a resume is ``get()`` (the number of rollbacks the
-        restored state lives after): a resumed history keeps that timeline's rows. The spike
-        guard sets it; without one the timeline is 0 (spec/rollback.md R-R10)."""
-        self._timeline = get
 
     def _opening(self) -> tuple[int, int]:
         """Where the run's history opens: the step this process began at, and its timeline."""
@@ -553,3 +512,55 @@ class _Silent(History):
 
     def hold(self, row: dict[str, Any]) -> None:
         pass
+
+
+class GuardView:
+    """What a spike guard asks of and does to a :class:`RunState` beyond a loop's calls
+    (:meth:`RunState.guard_view`): one small face, so the run's own stays what a loop calls."""
+
+    def __init__(self, state: RunState) -> None:
+        self._state = state
+
+    def data_positions(self) -> dict[str, int]:
+        """Every registered data position, by name, where the stream is now."""
+        return {name: entry.get() for name, entry in self._state._reg.data.items()}
+
+    def expected_position(self, name: str, step: int) -> int | None:
+        """Where data position ``name``'s offset rule says the stream must be after ``step``
+        steps, given the registered values as they are now (None: it has no rule)."""
+        values = {n: e.get() for n, e in self._state._reg.values.items()}  # as a checkpoint at `step` would hold them
+        want = self._state._reg.data[name].expected_at(step, values)
+        return None if want is None else int(want)
+
+    def monitor_name(self, monitor: Any) -> str | None:
+        """The name ``monitor`` (this very object) is registered under, or None."""
+        return next((n for n, m in self._state._reg.monitors.items() if m is monitor), None)
+
+    def lr(self) -> float:
+        """The LR of the first registered optimizer's first param group (NaN: none is registered)."""
+        return self._state._reg.lr()
+
+    def scale_lr(self, factor: float) -> None:
+        """Multiply the LR of what is registered by ``factor``: every optimizer's param groups
+        (and their ``initial_lr``) and every scheduler's base LRs, so that closed-form and
+        chainable schedules alike keep the change for the rest of the run (a spike rollback's
+        LR drop, spec/rollback.md R-R06)."""
+        self._state._reg.scale_lr(factor)
+
+    def use_timeline(self, get: Callable[[], int]) -> None:
+        """The history's timeline after a resume is ``get()`` (the number of rollbacks the
+        restored state lives after): a resumed history keeps that timeline's rows. The spike
+        guard sets it; without one the timeline is 0 (spec/rollback.md R-R10)."""
+        self._state._timeline = get
+
+    @contextlib.contextmanager
+    def replaying(self, *, rerun: bool = False) -> Iterator[None]:
+        """While open, the loop's steps are not new steps of the run: a ring rebuild's replay
+        (:meth:`RunState.record` writes nothing: their rows exist) or, with ``rerun``, a spiking step
+        re-run from the state before it (its step row says ``"rerun": true``, R-R04)."""
+        was = self._state._replaying
+        self._state._replaying = "rerun" if rerun and was is None else "replay"  # a re-run inside a replay: a replay
+        try:
+            yield
+        finally:
+            self._state._replaying = was
