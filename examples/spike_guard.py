@@ -145,7 +145,9 @@ def make_run(cfg: Config, run_dir: Path) -> Run:
         expected=lambda step, values: step + skipped_batches(values),
     )  # ckptkit
     inject = None if cfg.spike_at is None else GradSpike([net], at=cfg.spike_at, repeat=cfg.spike_repeat)  # ckptkit
-    guard = ckptkit.SpikeGuard(state, cfg.mode, inject=inject)  # ckptkit: its rows go to the run's history
+    guard = ckptkit.SpikeGuard(
+        state, ckptkit.RollbackConfig(mode=cfg.mode), inject=inject
+    )  # ckptkit: rows in the run's history
     return Run(cfg, net, opt, sched, data, state, guard)
 
 

@@ -169,15 +169,13 @@ def guarded(run_dir: str, layout: str, until: int, spike_at: int) -> dict[str, A
     from ckptkit.testing import GradSpike
 
     loop = Loop(run_dir, layout, rule=lambda rank, world, step, values: rank + (step + skipped_batches(values)) * world)
-    history = ckptkit.run.History(run_dir) if loop.rank == 0 else None
     monitor = ckptkit.guard.SpikeMonitor(ckptkit.SpikeConfig(window=4, min_history=2))
     inject = GradSpike([loop.model], at=spike_at)
     said: list[str] = []
-    guard = ckptkit.SpikeGuard(loop.rs, "on", monitor=monitor, k=2, history=history, inject=inject, log=said.append)
+    config = ckptkit.RollbackConfig(mode="on", k=2)
+    guard = ckptkit.SpikeGuard(loop.rs, config, monitor=monitor, inject=inject, log=said.append)
     try:
         start = loop.rs.resume_or_start()
-        if history is not None and start == 0:
-            history.start_fresh()
         guard.run(loop.step, start, until, save_every=2)
         from ckptkit.format._tree import clone, localized
 
@@ -195,8 +193,6 @@ def guarded(run_dir: str, layout: str, until: int, spike_at: int) -> dict[str, A
         }
     finally:
         loop.rs.close()
-        if history is not None:
-            history.close()
 
 
 def resume_at_this_world_size(run_dir: str, layout: str, reshard: bool) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """Spike rollback for any RunState loop: the PRD's auto-rollback as a library class.
 
-    guard = ckptkit.SpikeGuard(state, mode="on", history=ckptkit.run.History(run_dir))
+    guard = ckptkit.SpikeGuard(state, ckptkit.RollbackConfig(mode="on"))
     guard.run(step_fn, start, stop, save_every=50)       # step_fn(step) -> grad norm
 
 or, for a loop that wants control, one call per step::
@@ -60,7 +60,7 @@ from ..format._checks import is_number
 from ..format._tree import clone, digests, localized
 from ..run import RunState
 from ..run._fingerprint import checkpoint_digests
-from ..run._history import History, f32_bits, json_float, read_rows
+from ..run._history import f32_bits, json_float
 from ..run._rng import global_rngs_kept
 from ._config import MODES, RollbackConfig
 from ._monitor import SpikeMonitor, Verdict
@@ -155,9 +155,8 @@ class _Effects:
         self.guard, self.live = guard, live
 
     def row(self, row: dict[str, Any]) -> None:
-        history = self.guard.rows_to() if self.live else None
-        if history is not None:
-            history.append(row)
+        if self.live:
+            self.guard.state.history.append(row)
 
     def executed(self, e: Executed) -> None:
         if self.live and self.guard.on_step is not None:
@@ -188,69 +187,57 @@ class SpikeGuard:
     Construct it after registering the run's state and before ``resume()``: the
     state at construction is the replay base of last resort for rebuilding the ring.
 
+    Its ``spike`` and ``rollback`` rows go into the run's history (:attr:`RunState.history`,
+    R-R10); a step the guard re-runs is recorded ``"rerun": true`` by :meth:`RunState.record`,
+    from ``step_fn`` or ``on_step`` alike.
+
     Args:
         state: the run's :class:`RunState`, everything registered.
-        mode: ``"off"``, ``"warn"`` (default, the PRD's) or ``"on"``.
+        config: what it does with a spike, a :class:`~ckptkit.RollbackConfig`
+            (``RollbackConfig()``: mode ``"warn"``, the PRD's); :attr:`config` holds it.
         monitor: the spike monitor; registered as ``"spike"`` unless ``state``
             already registers it (default: ``SpikeMonitor()``, window 50, 3x median).
-        k: roll back to K steps before the spike (default 10).
-        lr_drop: multiply the LR by this at every rollback (default 0.5).
-        skip_data: skip the data the steps N-K..N read (the data position keeps its
-            place). Needs a registered data position; ``False`` replays the same data.
-        data: the data position to skip (default: the only one registered).
-        bound: the ``bound``-th consecutive spike stops the run (default 3).
-        cap: a spike that would need rollback number ``cap + 1`` stops the run (default 10).
         lr: the LR schedule ``lr(step)`` of a loop that sets the LR itself every step
             (it multiplies by :attr:`lr_scale`). Without it the guard scales the
             registered optimizers' LR and the registered schedulers' base LRs.
-        history: where ``spike`` and ``rollback`` rows go (R-R10).
-        save: ``save(step)`` writes a checkpoint (default: ``history.sync()`` then
+        save: ``save(step)`` writes a checkpoint (default: ``state.history.sync()`` then
             ``state.save(step)``).
         on_step: called with every :class:`Executed` (the loop's own row, progress).
         prepare: run after the construction state is restored for a replay from
             step 0 (what the loop does before its first step, e.g. probes).
         inject: TESTING AID, a :class:`ckptkit.testing.GradSpike`.
         log: progress and notes (default: ignore).
-        config: the knobs ``mode`` .. ``cap`` as one :class:`~ckptkit.RollbackConfig`
-            (then leave them at their defaults); :attr:`config` holds them either way.
+
+    The hooks are keyword arguments, not config: they are the loop's code, not its settings.
 
     Raises:
-        ValueError: a bad knob, or ``skip_data`` with no (or an ambiguous) data position.
+        ValueError: ``skip_data`` with no (or an ambiguous) data position.
     """
 
     def __init__(
         self,
         state: RunState,
-        mode: str = "warn",
+        config: RollbackConfig,
         *,
         monitor: SpikeMonitor | None = None,
-        k: int = 10,
-        lr_drop: float = 0.5,
-        skip_data: bool = True,
-        data: str | None = None,
-        bound: int = 3,
-        cap: int = 10,
         lr: Callable[[int], float] | None = None,
-        history: History | None = None,
         save: Callable[[int], object] | None = None,
         on_step: Callable[[Executed], None] | None = None,
         prepare: Callable[[], object] | None = None,
         inject: GradSpike | None = None,
         log: Log | None = None,
-        config: RollbackConfig | None = None,
     ) -> None:
-        knobs = RollbackConfig(mode, k, lr_drop, skip_data, data, bound, cap)  # validates each knob
-        if config is not None and knobs != RollbackConfig():
-            raise ValueError("SpikeGuard: pass the rollback knobs in config= or one by one, not both")
-        self.config = cfg = config or knobs
+        if not isinstance(config, RollbackConfig):
+            raise TypeError(f"SpikeGuard: config must be a ckptkit.RollbackConfig (got {type(config).__name__})")
+        self.config = cfg = config
         self.state, self.mode, self.k, self.lr_drop = state, cfg.mode, cfg.k, cfg.lr_drop
-        self.bound, self.cap, self.history, self.on_step = cfg.bound, cfg.cap, history, on_step
-        self._runs = self._adopt(history)
+        self._run = state.guard_view()  # data positions, the LR, the history's timeline, replays
+        self.bound, self.cap, self.on_step = cfg.bound, cfg.cap, on_step
         self.log: Log = log or (lambda _msg: None)
         self._lr, self._prepare, self._inject = lr, prepare, inject
         self.save: Callable[[int], object] = save or self._default_save
         self.monitor = monitor or SpikeMonitor()
-        name = state.monitor_name(self.monitor)
+        name = self._run.monitor_name(self.monitor)
         if name is None:
             state.add_monitor("spike", self.monitor)
         self._monitor_name = name or "spike"
@@ -260,7 +247,7 @@ class SpikeGuard:
         if self.on:
             # Per rank: a rollback's skipped data positions are each rank's own (the rest is the same on every rank).
             state.add_value(VALUE_NAME, get=lambda: self.record.state(), set=self._load_record, per_rank=True)
-            state.use_timeline(lambda: self.record.count)  # a resumed history keeps the restored timeline's rows
+            self._run.use_timeline(lambda: self.record.count)  # a resumed history keeps the restored timeline's rows
             self._keeps.add(f"value:{VALUE_NAME}")
         if inject is not None:
             state.add_value(INJECTION_VALUE, get=inject.state, set=inject.load)
@@ -268,16 +255,9 @@ class SpikeGuard:
         self._leave_out = frozenset(
             {f"monitors.{self._monitor_name}.report", f"values.{VALUE_NAME}", f"values.{INJECTION_VALUE}"}
         )
-        self.ring = Ring(k) if self.on else None
+        self.ring = Ring(cfg.k) if self.on else None
         self._genesis = self._capture(0) if self.on else None
         self._live, self._quiet = _Effects(self, live=True), _Effects(self, live=False)
-
-    def rows_to(self) -> History | None:
-        """Where the guard's rows go: the run's history (:attr:`RunState.history`), which is the
-        ``history`` given when it is this run's file; rank 0 writes a distributed run's."""
-        if self.history is not None and self.history is not self._runs:
-            return self.history
-        return self.state.history if self.state.rank == 0 else None
 
     @property
     def on(self) -> bool:
@@ -288,19 +268,8 @@ class SpikeGuard:
         """Multiplies the LR: 1.0 until a rollback drops it (R-R06)."""
         return self.record.lr_scale
 
-    def _adopt(self, history: History | None) -> History | None:
-        """A ``history`` of the run's own file becomes the run's (one writer object for the guard,
-        ``record`` and the loop, R-R10); another file stays the guard's alone."""
-        if history is None:
-            return None
-        try:
-            self.state.use_history(history)
-        except ValueError:
-            return None
-        return history
-
     def _data_position(self, name: str | None) -> str:
-        positions = sorted(self.state.data_positions())
+        positions = sorted(self._run.data_positions())
         if name is None and len(positions) == 1:
             return positions[0]
         if name is not None and name in positions:
@@ -309,20 +278,18 @@ class SpikeGuard:
             raise ValueError(
                 "SpikeGuard(mode='on') skips the spike's data through a registered data position, and "
                 "this RunState registers none: register it with state.add_data_position(...), or pass "
-                "skip_data=False to replay the same data after a rollback"
+                "RollbackConfig(skip_data=False) to replay the same data after a rollback"
             )
         raise ValueError(
             f"SpikeGuard: data={name!r} names no registered data position "
-            f"(registered: {', '.join(positions)}); pass data=<one of them>"
+            f"(registered: {', '.join(positions)}); pass RollbackConfig(data=<one of them>)"
         )
 
     def _load_record(self, stored: Any) -> None:
         self.record = RollbackRecord.from_state(stored)
 
     def _default_save(self, step: int) -> str:
-        history = self.rows_to()
-        if history is not None and history.prepared:
-            history.sync()
+        self.state.history.sync()
         return self.state.save(step)
 
     # ------------------------------------------------------------------ the loop
@@ -406,23 +373,24 @@ class SpikeGuard:
 
     def _execute(self, n: int, step_fn: StepFn, fx: _Effects, *, rerun: bool) -> Executed:
         lr = self._lr_now(n)
-        if self._inject is not None:
-            self._inject.arm(n)
-        try:
-            with self.state.replaying(rerun=True) if rerun else contextlib.nullcontext():
-                result = step_fn(n)
-        finally:
+        # The re-run's rows say so (R-R04), whether the loop records it in step_fn or in on_step.
+        with self._run.replaying(rerun=True) if rerun else contextlib.nullcontext():
             if self._inject is not None:
-                self._inject.disarm()
-        grad_norm, loss = _scalars(result, n)
-        e = Executed(n, result, self.monitor.observe(n, grad_norm, loss), lr, rerun)
-        fx.executed(e)
+                self._inject.arm(n)
+            try:
+                result = step_fn(n)
+            finally:
+                if self._inject is not None:
+                    self._inject.disarm()
+            grad_norm, loss = _scalars(result, n)
+            e = Executed(n, result, self.monitor.observe(n, grad_norm, loss), lr, rerun)
+            fx.executed(e)
         return e
 
     def _lr_now(self, step: int) -> float:
         if self._lr is not None:
             return self._lr(step) * self.record.lr_scale
-        return self.state.lr()
+        return self._run.lr()
 
     # ------------------------------------------------------------------ rollback
 
@@ -438,7 +406,7 @@ class SpikeGuard:
         skipped = None
         if self.data is not None:
             start = target.ckpt.monitor["data"][self.data]
-            skipped = {"start": start, "end": self.state.data_positions()[self.data], "batches": n + 1 - to}
+            skipped = {"start": start, "end": self._run.data_positions()[self.data], "batches": n + 1 - to}
         for s in range(to, n + 1):  # every update this rollback takes back (R-M06)
             self.monitor.refuse(s)
         self._restore(target, keep_data=self.data is not None)
@@ -489,12 +457,12 @@ class SpikeGuard:
         stored = (target.ckpt.monitor or {}).get("values", {}).get(VALUE_NAME)
         at_target = RollbackRecord.from_state(stored).lr_scale if stored is not None else 1.0
         lr_at_target = self._lr_now(to)
-        self.state.scale_lr(new / at_target)
+        self._run.scale_lr(new / at_target)
         return lr_at_target * old / at_target, self._lr_now(to)
 
     def _check_offset_rule(self, to: int) -> None:
-        for name, position in self.state.data_positions().items():
-            want = self.state.expected_position(name, to)
+        for name, position in self._run.data_positions().items():
+            want = self._run.expected_position(name, to)
             if want is not None and position != want:
                 raise StreamOffsetMismatch(
                     f"rollback to step {to}: data position {name!r} is {position}, but its rule expects {want} "
@@ -506,9 +474,8 @@ class SpikeGuard:
         rec = self.record
         bound_hit = consecutive >= self.bound
         fx.row(self._spike_row(first, "unstable", rerun))
-        history = self.rows_to()
-        if history is not None and fx.live and history.prepared:
-            history.sync()
+        if fx.live:
+            self.state.history.sync()
         # The bound lists the chain's rollbacks; the cap, every rollback of the run.
         chain = list(rec.rollbacks[len(rec.rollbacks) - (consecutive - 1) :]) if consecutive > 1 else []
         chain = chain if bound_hit else list(rec.rollbacks)
@@ -598,7 +565,7 @@ class SpikeGuard:
             return []
         here, timeline = self._capture(start), self.record.count
         # The replay redraws nothing the resumed run then trusts, and records nothing (R-R12).
-        with global_rngs_kept(), self.state.replaying():
+        with global_rngs_kept(), self._run.replaying():
             frm, note = self._replay_from(max(start - self.k, 0))
             self._replay(frm, start, timeline, step_fn)
         now = self._capture(start)
@@ -607,10 +574,9 @@ class SpikeGuard:
         miss = self._ring_miss(here, now)
         if differ or miss is not None:
             at, tensors = miss if miss is not None else (start, _differing_leaves(here, now))
-            history = self.rows_to()
-            if history is not None:  # the divergence, where audit and replay read it (R-R12)
-                history.append({"kind": "rebuild", "step": at, "from": frm, "to": start, "tensors": tensors})
-                history.sync()
+            history = self.state.history  # the divergence, where audit and replay read it (R-R12)
+            history.append({"kind": "rebuild", "step": at, "from": frm, "to": start, "tensors": tensors})
+            history.sync()
             first = ", ".join(sorted(tensors)[:5]) or "a sidecar"
             raise ReplayDivergence(
                 f"rebuilding the rollback ring: replaying steps {frm}..{start} from {note} did not reproduce "
@@ -626,10 +592,9 @@ class SpikeGuard:
         """The first rebuilt ring state whose tensors differ from the run's recorded ``digests``
         row for that step (the state after it, :meth:`RunState.record`), as ``(steps done, {name:
         {recorded, rebuilt}})``; None when every recorded one matches (or none was recorded)."""
-        history = self.rows_to()
-        if self.ring is None or history is None or not os.path.exists(history.path):
+        if self.ring is None:
             return None
-        recorded = {r["step"]: r["tensors"] for r in read_rows(history.path)[0] if r["kind"] == "digests"}
+        recorded = {r["step"]: r["tensors"] for r in self.state.history.rows() if r["kind"] == "digests"}
         # The guard's own state (its monitor, its record) moves after the loop records a step: the
         # loop's state is what the recorded row and the ring state must agree on.
         own = tuple(

@@ -37,7 +37,7 @@ import math
 import os
 import re
 import struct
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import IO, Any
 
@@ -238,13 +238,51 @@ class History:
 
     Args:
         run_dir: the run directory (must exist).
+        at: ``() -> (step, timeline)``, where the file is made the run's (:meth:`open`) by its
+            first writer: the step this process began at and the rollbacks the state lives after
+            (``RunState.history`` gives it; without it, :meth:`begin` first).
+        log: called with what opening the file noted when a writer opened it.
     """
 
-    def __init__(self, run_dir: str | os.PathLike[str]) -> None:
+    def __init__(
+        self,
+        run_dir: str | os.PathLike[str],
+        *,
+        at: Callable[[], tuple[int, int]] | None = None,
+        log: Callable[[str], None] | None = None,
+    ) -> None:
         self._file: IO[bytes] | None = None
+        self._at, self._log = at, log or (lambda _msg: None)
+        self._held: dict[str, Any] | None = None  # RunState's resume row, until the next row (hold())
         self.prepared = False  # start_fresh() or resume_at() made the file this run's, in this process
         # An s3:// run's history is written in RunState.work_dir (spec/objectstore.md R-O23).
         self.path = os.path.join(local_only(run_dir, "ckptkit.run.History"), HISTORY_FILE)
+
+    def open(self) -> list[str]:
+        """Make the file the run's at ``at()`` (:meth:`begin`), once; returns what that noted, for a
+        writer that records the notes itself (the reference trainer's ``resume`` row). Every other
+        writer opens it by appending, and the notes are logged.
+
+        Raises:
+            ValueError: the history has no ``at`` (and no begin has run), or ``at`` raised it.
+        """
+        if self.prepared:
+            return []
+        if self._at is None:
+            raise ValueError(f"{self.path}: History.start_fresh(), resume_at() or begin() first")
+        return self.begin(*self._at())
+
+    def hold(self, row: dict[str, Any]) -> None:
+        """Write ``row`` before the next row appended, unless that one is a row of the same kind
+        and step (a loop's own ``resume`` row, with its own notes, replaces ``RunState``'s); or at
+        :meth:`sync` or :meth:`close`."""
+        self._held = row
+
+    def rows(self) -> list[dict[str, Any]]:
+        """Every complete row of the file, once it is the run's (:meth:`open`, notes logged)."""
+        for note in self.open():
+            self._log(note)
+        return read_rows(self.path)[0]
 
     def begin(self, step: int, timeline: int = 0) -> list[str]:
         """Make the file this run's history at ``step`` once per process: :meth:`start_fresh`
@@ -309,13 +347,21 @@ class History:
         return notes
 
     def _open(self) -> None:
-        self.close()
+        self._close()
         self._file = open(self.path, "ab")  # noqa: SIM115 - held open for the run, closed in close()
         self.prepared = True
 
     def append(self, row: dict[str, Any]) -> None:
         """Append one row and flush it to the OS (fsync waits for :meth:`sync`); a history
-        closed after it was prepared opens again for appending."""
+        with ``at`` opens first (:meth:`open`), one closed after it was prepared opens again."""
+        for note in self.open() if self._at is not None else ():
+            self._log(note)
+        held, self._held = self._held, None
+        if held is not None and (held["kind"], held["step"]) != (row["kind"], row["step"]):
+            self._write(held)
+        self._write(row)
+
+    def _write(self, row: dict[str, Any]) -> None:
         if self._file is None:
             if not self.prepared:
                 raise ValueError(f"{self.path}: History.start_fresh(), resume_at() or begin() first")
@@ -325,17 +371,25 @@ class History:
         self._file.flush()
 
     def sync(self) -> None:
-        """Make every appended row durable; called before each checkpoint is written."""
+        """Make every appended row (and a held one) durable; called before each checkpoint is written."""
+        if self._held is not None:
+            self.append(self._held)
         if self._file is not None:
             os.fsync(self._file.fileno())
 
     def close(self) -> None:
+        """Write a held row, then close the file."""
+        if self._held is not None:
+            self.append(self._held)
+        self._close()
+
+    def _close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
 
     def __del__(self) -> None:  # a history dropped unclosed (its run ended) closes its file
-        self.close()
+        self._close()
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,7 @@ from ._registry import Registry
 from ._resume import ResumeInfo
 from ._store import Sidecars, Store
 
-__all__ = ["ResumeInfo", "RunState"]
+__all__ = ["GuardView", "ResumeInfo", "RunState"]
 
 
 class RunState(Registration, Stopping):
@@ -128,12 +128,14 @@ class RunState(Registration, Stopping):
         self._after_restore: list[Callable[[], None]] = []
         self._stops = StopRequests()
         self._resume_hint: str | None = None
-        self._history: History | None = None  # the run's history.jsonl, opened by its first writer
         self._began: int | None = None  # the step start() or resume() began this process at
         self._timeline: Callable[[], int] | None = None  # rollbacks the restored state lives after (the guard's)
         self._replaying: str | None = None  # inside replaying(): "replay" or "rerun"
         self._group = group_of(process_group)
         self._store = self._open_store(async_save)
+        # The run's history.jsonl, opened by its first writer; a distributed run's is rank 0's.
+        work = self._store.work_dir
+        self._history = History(work, at=self._opening, log=self._log) if self.rank == 0 else _Silent(work)
         self._lease: Lease = lease if lease is not None else lease_for(self.run_dir)  # a file, or an object on s3://
         self._leased = False
         self._launcher = launcher_pid()  # this rank's torchrun agent; None outside torchrun
@@ -169,33 +171,10 @@ class RunState(Registration, Stopping):
         """How many processes the run has (1 in one process)."""
         return self._group.world
 
-    # ------------------------------------------------------------------ what a guard or loop asks of a run
-
-    def data_positions(self) -> dict[str, int]:
-        """Every registered data position, by name, where the stream is now."""
-        return {name: entry.get() for name, entry in self._reg.data.items()}
-
-    def expected_position(self, name: str, step: int) -> int | None:
-        """Where data position ``name``'s offset rule says the stream must be after ``step``
-        steps, given the registered values as they are now (None: it has no rule)."""
-        values = {n: e.get() for n, e in self._reg.values.items()}  # as a checkpoint at `step` would hold them
-        want = self._reg.data[name].expected_at(step, values)
-        return None if want is None else int(want)
-
-    def monitor_name(self, monitor: Any) -> str | None:
-        """The name ``monitor`` (this very object) is registered under, or None."""
-        return next((n for n, m in self._reg.monitors.items() if m is monitor), None)
-
-    def lr(self) -> float:
-        """The LR of the first registered optimizer's first param group (NaN: none is registered)."""
-        return self._reg.lr()
-
-    def scale_lr(self, factor: float) -> None:
-        """Multiply the LR of what is registered by ``factor``: every optimizer's param groups
-        (and their ``initial_lr``) and every scheduler's base LRs, so that closed-form and
-        chainable schedules alike keep the change for the rest of the run (a spike rollback's
-        LR drop, spec/rollback.md R-R06)."""
-        self._reg.scale_lr(factor)
+    def guard_view(self) -> GuardView:
+        """What a spike guard (:class:`~ckptkit.SpikeGuard`) asks of and does to the run beyond a
+        loop's calls: data positions, the monitor's name, the LR, the history's timeline, replays."""
+        return GuardView(self)
 
     # ------------------------------------------------------------------ save
 
@@ -291,8 +270,7 @@ class RunState(Registration, Stopping):
             SaveFailed: the background write failed.
         """
         try:
-            if self._history is not None:
-                self._history.close()
+            self._history.close()
             self._store.close()
         finally:
             if self._leased and self.rank == 0:  # after the last save committed (or failed)
@@ -345,7 +323,7 @@ class RunState(Registration, Stopping):
         return self._began
 
     def resume(
-        self, *, allow_legacy: bool = False, allow_env_change: bool = False, reshard: bool = False, record: bool = True
+        self, *, allow_legacy: bool = False, allow_env_change: bool = False, reshard: bool = False
     ) -> ResumeInfo:
         """Restore the newest consistent checkpoint, after every check passes.
 
@@ -357,14 +335,14 @@ class RunState(Registration, Stopping):
             allow_legacy: accept a v1 checkpoint (which lacks teacher, flags,
                 monitor and digests); the run continues loudly.
             allow_env_change: accept a different environment; the differences are
-                returned, and recorded in the run's history (``record``).
+                returned, and recorded in the run's history: when the environment differs from
+                the recording (or an earlier process's did), rank 0 writes the ``resume`` row,
+                the environment this process runs under (R-D12), which ``ckptkit audit``
+                reports. It goes in before the history's next row; a loop that writes its own
+                ``resume`` row for the step (with its own notes: the reference trainer) replaces it.
             reshard: a distributed run may resume at another world size or layout:
                 DCP reshards, data positions come from their offset rules, and
                 ``ResumeInfo.resharded`` says the run is no longer bit-comparable.
-            record: when the environment differs from the recording (or an earlier process's
-                did), write the ``resume`` row into the run's history (rank 0): the environment
-                this process runs under (R-D12), which ``ckptkit audit`` reports; False for a
-                caller that writes its own (the reference trainer).
 
         Returns:
             A :class:`ResumeInfo`.
@@ -388,11 +366,11 @@ class RunState(Registration, Stopping):
 
         info = protocol.resume(self._store, self._group, self._reg, self.run_dir, how, restore, self._log)
         self._began = info.step
-        if record and self.rank == 0 and (info.env_overrides or self._overridden_before(info.step)):
+        if self.rank == 0 and (info.env_overrides or self._overridden_before(info.step)):
             row = protocol.resume_row(
                 info, allow_legacy=allow_legacy, allow_env_change=allow_env_change, notes=info.notes
             )
-            self._history_at(None).append(row)
+            self._history.hold(row)
         return info
 
     def _overridden_before(self, step: int) -> bool:
@@ -415,91 +393,75 @@ class RunState(Registration, Stopping):
             return self.resume(allow_legacy=allow_legacy, allow_env_change=allow_env_change, reshard=reshard).step
         return self.start()
 
-    def record(self, step: int, **scalars: Any) -> None:
+    def record(
+        self,
+        step: int,
+        *,
+        fields: Mapping[str, Any] | None = None,
+        digests: Mapping[str, int] | None = None,
+        **scalars: Any,
+    ) -> None:
         """Record step ``step`` (0-based, just finished) in ``history.jsonl``: a ``step`` row
         with the loop's scalars (floats also as exact bits) and a ``digests`` row with the
         digest of every tensor and value registered, after the step (spec/replay.md "Any
         loop"). ``ckptkit audit -- CMD`` and ``ckptkit replay RUN --from S -- CMD`` compare
-        these rows and name the first step and tensor that differ.
+        these rows and name the first step and tensor that differ. The re-run of a spiking
+        step (the spike guard's, :meth:`GuardView.replaying`) is marked ``"rerun": true``, whoever records it.
 
         The rows go through :attr:`history`: the rows an interrupted run wrote after the
         resumed step (in the resumed rollback timeline) are dropped once, whoever writes first.
+
+        Args:
+            fields: row fields written as given (JSON values: a loop's own schema with its own
+                ``_bits``, the reference trainer's, spec/trainer.md); not ``kind`` or ``step``.
+            digests: the ``digests`` row's digests (default: every tensor and value registered).
 
         Example::
 
             state.record(step, loss=loss.item(), grad_norm=gn.item(), lr=sched.get_last_lr()[0])
 
         Raises:
-            TypeError: a scalar that is not a number, string or one-element tensor.
+            TypeError: a scalar that is not a number, string or one-element tensor, or ``fields``
+                naming ``kind`` or ``step``.
         """
         from ..format._tree import localized
         from ._fingerprint import checkpoint_digests
         from ._history import digests_row, step_row
 
+        if fields is not None and not fields.keys().isdisjoint(("kind", "step")):
+            raise TypeError("record(): fields may not name kind or step (the row's own)")
         if self.rank != 0 or self._replaying == "replay":
             return  # a distributed run's history is rank 0's; a replayed step is recorded already
-        row = step_row(step, scalars)
+        row = {**step_row(step, scalars), **(fields or {})}
         if self._replaying == "rerun":
             row["rerun"] = True  # the re-run of a spiking step (spec/rollback.md R-R04)
-        history = self._history_at(step)
-        history.append(row)
-        history.append(digests_row(step + 1, checkpoint_digests(localized(self.checkpoint(step + 1)))))
-
-    @contextlib.contextmanager
-    def replaying(self, *, rerun: bool = False) -> Iterator[None]:
-        """While open, the loop's steps are not new steps of the run: a ring rebuild's replay
-        (:meth:`record` writes nothing: their rows exist) or, with ``rerun``, a spiking step
-        re-run from the state before it (its step row says ``"rerun": true``, R-R04)."""
-        was = self._replaying
-        self._replaying = "rerun" if rerun and was is None else "replay"  # a re-run inside a replay: a replay
-        try:
-            yield
-        finally:
-            self._replaying = was
+        if self._began is None:
+            self._began = step  # a loop that records without start() or resume(): its history opens here
+        if digests is None:
+            digests = checkpoint_digests(localized(self.checkpoint(step + 1)))
+        self._history.append(row)
+        self._history.append(digests_row(step + 1, digests))
 
     @property
     def history(self) -> History:
         """The run's ``history.jsonl``: one :class:`~ckptkit.run.History` for every writer in this
-        process (:meth:`record`, the spike guard, the loop's own rows), made the run's at the
-        step :meth:`start` or :meth:`resume` began at (a fresh file, or the rows after it dropped),
-        once, so that no writer drops what another wrote.
+        process (:meth:`record`, the spike guard, the loop's own rows), made the run's by its
+        first writer at the step :meth:`start` or :meth:`resume` began at (a fresh file, or the
+        rows after it dropped, the notes logged), once, so that no writer drops what another
+        wrote. On a rank other than 0 of a distributed run it writes nothing.
 
-        Raises:
-            ValueError: neither :meth:`start` nor :meth:`resume` has run in this process.
+        Appending raises ``ValueError`` when neither :meth:`start` nor :meth:`resume` has run in
+        this process.
         """
-        return self._history_at(None)
+        return self._history
 
-    def use_history(self, history: History) -> None:
-        """Make ``history`` (the caller's :class:`~ckptkit.run.History` of this run) the run's own.
-
-        Raises:
-            ValueError: it is another file, or the run's history is already open as another object.
-        """
-        mine = self._history or History(self._store.work_dir)
-        if os.path.realpath(history.path) != os.path.realpath(mine.path):
-            raise ValueError(f"use_history: {history.path} is not this run's history ({mine.path})")
-        if mine is not history and mine.prepared:
-            raise ValueError(f"use_history: {mine.path} is already open as this run's history; pass that one")
-        self._history = history
-
-    def use_timeline(self, get: Callable[[], int]) -> None:
-        """The history's timeline after a resume is ``get()`` (the number of rollbacks the
-        restored state lives after): a resumed history keeps that timeline's rows. The spike
-        guard sets it; without one the timeline is 0 (spec/rollback.md R-R10)."""
-        self._timeline = get
-
-    def _history_at(self, step: int | None) -> History:
-        """The run's history, made the run's at the step this process began at (else ``step``)."""
-        history = self._history = self._history or History(self._store.work_dir)
-        if not history.prepared:
-            began = self._began if self._began is not None else step
-            if began is None:
-                raise ValueError(f"{history.path}: the run's history opens at start() or resume(); call one first")
-            os.makedirs(self._store.work_dir, exist_ok=True)
-            timeline = self._timeline() if began and self._timeline is not None else 0
-            for note in history.begin(began, timeline):
-                self._log(note)
-        return history
+    def _opening(self) -> tuple[int, int]:
+        """Where the run's history opens: the step this process began at, and its timeline."""
+        began = self._began
+        if began is None:
+            raise ValueError(f"{self._history.path}: the run's history opens at start() or resume(); call one first")
+        os.makedirs(self._store.work_dir, exist_ok=True)
+        return began, self._timeline() if began and self._timeline is not None else 0
 
     def restore(
         self,
@@ -535,3 +497,71 @@ class RunState(Registration, Stopping):
         self._reg.restore(ckpt, sidecars=sidecars, skip=skip)
         for fn in self._after_restore:
             fn()
+
+
+class _Silent(History):
+    """The run's history seen from a rank other than 0: rank 0 writes the file, the others nothing."""
+
+    def open(self) -> list[str]:
+        return []
+
+    def rows(self) -> list[dict[str, Any]]:
+        return []
+
+    def append(self, row: dict[str, Any]) -> None:
+        pass
+
+    def hold(self, row: dict[str, Any]) -> None:
+        pass
+
+
+class GuardView:
+    """What a spike guard asks of and does to a :class:`RunState` beyond a loop's calls
+    (:meth:`RunState.guard_view`): one small face, so the run's own stays what a loop calls."""
+
+    def __init__(self, state: RunState) -> None:
+        self._state = state
+
+    def data_positions(self) -> dict[str, int]:
+        """Every registered data position, by name, where the stream is now."""
+        return {name: entry.get() for name, entry in self._state._reg.data.items()}
+
+    def expected_position(self, name: str, step: int) -> int | None:
+        """Where data position ``name``'s offset rule says the stream must be after ``step``
+        steps, given the registered values as they are now (None: it has no rule)."""
+        values = {n: e.get() for n, e in self._state._reg.values.items()}  # as a checkpoint at `step` would hold them
+        want = self._state._reg.data[name].expected_at(step, values)
+        return None if want is None else int(want)
+
+    def monitor_name(self, monitor: Any) -> str | None:
+        """The name ``monitor`` (this very object) is registered under, or None."""
+        return next((n for n, m in self._state._reg.monitors.items() if m is monitor), None)
+
+    def lr(self) -> float:
+        """The LR of the first registered optimizer's first param group (NaN: none is registered)."""
+        return self._state._reg.lr()
+
+    def scale_lr(self, factor: float) -> None:
+        """Multiply the LR of what is registered by ``factor``: every optimizer's param groups
+        (and their ``initial_lr``) and every scheduler's base LRs, so that closed-form and
+        chainable schedules alike keep the change for the rest of the run (a spike rollback's
+        LR drop, spec/rollback.md R-R06)."""
+        self._state._reg.scale_lr(factor)
+
+    def use_timeline(self, get: Callable[[], int]) -> None:
+        """The history's timeline after a resume is ``get()`` (the number of rollbacks the
+        restored state lives after): a resumed history keeps that timeline's rows. The spike
+        guard sets it; without one the timeline is 0 (spec/rollback.md R-R10)."""
+        self._state._timeline = get
+
+    @contextlib.contextmanager
+    def replaying(self, *, rerun: bool = False) -> Iterator[None]:
+        """While open, the loop's steps are not new steps of the run: a ring rebuild's replay
+        (:meth:`RunState.record` writes nothing: their rows exist) or, with ``rerun``, a spiking step
+        re-run from the state before it (its step row says ``"rerun": true``, R-R04)."""
+        was = self._state._replaying
+        self._state._replaying = "rerun" if rerun and was is None else "replay"  # a re-run inside a replay: a replay
+        try:
+            yield
+        finally:
+            self._state._replaying = was

@@ -278,7 +278,7 @@ def _restore(cfg: TrainerConfig, ckpt_path: str, work: str, exempt: frozenset[st
     run = build(cfg, data)
     rs = run_state(run, work, data_fingerprint(data), exempt=exempt)
     spike_guard(run, rs)  # registers what the guard keeps in a checkpoint; judges each step as train() does
-    info = rs.resume(allow_env_change=True, record=False)  # judged by whoever asked; a scratch copy
+    info = rs.resume(allow_env_change=True)  # judged by whoever asked; a scratch copy
     _after_resume(run, info, lambda _m: None)
     log(f"restored {os.path.basename(ckpt_path)} at step {info.step}; stream offset {run.stream.offset}")
     return run, rs

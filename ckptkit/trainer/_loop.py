@@ -51,13 +51,14 @@ import torch.nn.functional as F
 
 from ..errors import ReplayDivergence, ResumeRefused, SidecarMismatch
 from ..format._urls import join
+from ..guard._config import RollbackConfig
 from ..guard._faults import GradSpike
 from ..guard._monitor import SpikeMonitor, Verdict
 from ..guard._rollback_record import skipped_batches
 from ..guard._spikeguard import Executed, RolledBack, SpikeGuard
 from ..run import RunState
 from ..run._drift import DEFAULT_EXEMPT
-from ..run._history import HISTORY_FILE, History, digests_row, f32_bits, f64_bits, json_float
+from ..run._history import HISTORY_FILE, f32_bits, f64_bits, json_float
 from ..run._preemption import RunStopped
 from ..run._resume import resume_row
 from ..run._rng import Stream, mask_stream, sample_depth, torch_generator
@@ -66,7 +67,7 @@ from ._data import ByteStream, data_fingerprint, load_bytes
 from ._digests import checkpoint_row, param_digests, params_digest, perturb, perturb_target
 from ._model import GPT, apply_compute_settings, make_teacher
 from ._ngram import BigramTable
-from ._parallel import Ranks, check_fits, full_tensor, rank_history, ranks, wrap
+from ._parallel import Ranks, check_fits, full_tensor, ranks, wrap
 
 __all__ = [
     "Run",
@@ -581,7 +582,6 @@ def spike_guard(
     run: Run,
     rs: RunState,
     *,
-    history: History | None = None,
     save: Callable[[int], object] | None = None,
     on_step: Callable[[Executed], None] | None = None,
     log: Log | None = None,
@@ -597,18 +597,20 @@ def spike_guard(
     inject = None
     if tc.spike_at is not None:  # TESTING AID (spec/rollback.md R-R11): armed by the guard, not the step
         inject = GradSpike([run.model], at=tc.spike_at, repeat=1 if tc.spike_transient else tc.spike_repeat)
-    run.guard = SpikeGuard(
-        rs,
-        tc.auto_rollback.value,
-        monitor=run.monitor,
+    config = RollbackConfig(
+        mode=tc.auto_rollback.value,
         k=tc.rollback_k,
         lr_drop=tc.lr_drop,
         skip_data=RollbackSkip(tc.rollback_skip) is RollbackSkip.WINDOW,
         data="train",
         bound=tc.rollback_bound,
         cap=tc.rollback_cap,
+    )
+    run.guard = SpikeGuard(
+        rs,
+        config,
+        monitor=run.monitor,
         lr=lambda step: get_lr(step, tc),
-        history=history,
         save=save,
         on_step=on_step,
         prepare=lambda: run_probes(run, lambda _msg: None),
@@ -680,15 +682,13 @@ def train(
 
         # -- run state: everything a checkpoint carries, registered once --
         rs = run_state(run, run_dir, fingerprint, log=log, async_save=True)
-        history = rank_history(rs.work_dir, run.ranks)  # the run directory, or an s3:// run's working copy
-        recorder = _Recorder(rs, history, on_step)
+        recorder = _Recorder(rs, on_step)
 
         # -- what a spike verdict does (--auto-rollback; spec/rollback.md) --
-        guard = spike_guard(run, rs, history=history, save=recorder.save, on_step=recorder.emit, log=log)
+        guard = spike_guard(run, rs, save=recorder.save, on_step=recorder.emit, log=log)
         step_fn = functools.partial(train_step, run)
 
-        with contextlib.ExitStack() as closing:  # on any exit: the stop handlers, then rs, then the history
-            closing.callback(history.close)
+        with contextlib.ExitStack() as closing:  # on any exit: the stop handlers, then rs and its history
             closing.callback(rs.close)  # the last background save is committed (or its error raised) before we return
             if preemptible:  # SIGTERM / SIGINT: finish the step, save it, stop (spec/runstate.md)
                 closing.enter_context(rs.preemptible())
@@ -700,9 +700,9 @@ def train(
                 log("no checkpoint was committed before the run stopped: starting it again from step 0")
                 resume = False
             if resume:
-                start, notes = _resume(run, rs, history, step_fn, reshard, allow_legacy, allow_env_change, log)
+                start, notes = _resume(run, rs, step_fn, reshard, allow_legacy, allow_env_change, log)
             else:
-                start = _start(run, rs, history, fingerprint, log)
+                start = _start(run, rs, fingerprint, log)
 
             # -- the loop, then the final save --
             final, path = _loop(run, rs, guard, recorder, step_fn, start, resumed=resume, log=log)
@@ -718,23 +718,26 @@ def train(
 
 
 class _Recorder:
-    """Where the loop and the guard put a step's rows and a checkpoint, in the order a replay checks them."""
+    """Where the loop and the guard put a step's rows and a checkpoint, in the order a replay checks them:
+    through the run's history (:attr:`RunState.history`, rank 0's)."""
 
-    def __init__(self, rs: RunState, history: History, on_step: Callable[[StepResult], None] | None) -> None:
-        self._rs, self._history, self._on_step = rs, history, on_step
+    def __init__(self, rs: RunState, on_step: Callable[[StepResult], None] | None) -> None:
+        self._rs, self._on_step = rs, on_step
 
     def emit(self, e: Executed) -> None:
         """A step's rows, re-runs included (the guard calls it); then ``on_step``."""
         result = _judged(e)
-        self._history.append(result.row())
-        self._history.append(digests_row(result.step + 1, result.param_digests or {}))  # spec/replay.md R-P02
+        fields = result.row()
+        del fields["kind"], fields["step"]
+        # The trainer's step row (spec/trainer.md) and its parameters' digests (spec/replay.md R-P02).
+        self._rs.record(result.step, fields=fields, digests=result.param_digests or {})
         if self._on_step is not None:
             self._on_step(result)
 
     def save(self, step: int) -> str:
         """Every checkpoint, the guard's rolled-back state included: its row first, synced, then the save."""
-        self._history.append(checkpoint_row(self._rs, step))  # spec/replay.md R-P03
-        self._history.sync()  # every row before the checkpoint is on disk before it
+        self._rs.history.append(checkpoint_row(self._rs, step))  # spec/replay.md R-P03
+        self._rs.history.sync()  # every row before the checkpoint is on disk before it
         return self._rs.save(step)
 
 
@@ -787,10 +790,10 @@ def _loop(
     return final, path
 
 
-def _start(run: Run, rs: RunState, history: History, fingerprint: dict[str, Any], log: Log) -> int:
+def _start(run: Run, rs: RunState, fingerprint: dict[str, Any], log: Log) -> int:
     """A fresh run: the run directory, the ``start`` and probe rows; returns step 0."""
     start = rs.start()
-    history.start_fresh()
+    history = rs.history  # a fresh file, opened by its first row
     history.append(
         {
             "kind": "start",
@@ -808,21 +811,22 @@ def _start(run: Run, rs: RunState, history: History, fingerprint: dict[str, Any]
 def _resume(
     run: Run,
     rs: RunState,
-    history: History,
     step_fn: Callable[[int], StepResult],
     reshard: bool,
     allow_legacy: bool,
     allow_env_change: bool,
     log: Log,
 ) -> tuple[int, list[str]]:
-    """Restore the newest consistent checkpoint and write the ``resume`` row; returns (step, notes)."""
+    """Restore the newest consistent checkpoint and write the ``resume`` row (the trainer's, with
+    every note: it replaces the one ``RunState`` writes under another environment); returns (step, notes)."""
     assert run.guard is not None
-    info = rs.resume(reshard=reshard, allow_legacy=allow_legacy, allow_env_change=allow_env_change, record=False)
+    info = rs.resume(reshard=reshard, allow_legacy=allow_legacy, allow_env_change=allow_env_change)
     start = info.step
     notes = list(info.notes) + _after_resume(run, info, log)
-    notes += history.resume_at(start, run.guard.record.count)
+    notes += rs.history.open()  # the rows after `start` (in its rollback timeline) dropped, said in the row
     notes += run.guard.rebuild(start, step_fn)  # --auto-rollback on: the ring, by a checked replay (R-R12)
-    history.append(resume_row(info, allow_legacy=allow_legacy, allow_env_change=allow_env_change, notes=notes))
+    row = resume_row(info, allow_legacy=allow_legacy, allow_env_change=allow_env_change, notes=notes)
+    rs.history.append(row)
     log(f"resumed {info.path} at step {start}; stream offset {run.stream.offset}")
     return start, notes
 

@@ -31,7 +31,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..run._history import History
 from ._config import Parallel, TrainerConfig
 
 __all__ = [
@@ -41,7 +40,6 @@ __all__ = [
     "full_tensor",
     "launcher",
     "process_group",
-    "rank_history",
     "ranks",
     "wrap",
 ]
@@ -184,21 +182,3 @@ def full_tensor(t: Any) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-class _NotRankZero(History):
-    """The history seen from a rank other than 0: rank 0 writes the file, the others nothing."""
-
-    def start_fresh(self) -> None:
-        pass
-
-    def resume_at(self, step: int, timeline: int = 0) -> list[str]:
-        return []
-
-    def append(self, row: dict[str, Any]) -> None:
-        pass
-
-
-def rank_history(run_dir: str | os.PathLike[str], where: Ranks) -> History:
-    """The run's ``history.jsonl`` as this rank writes it: rank 0 writes every row, the others none."""
-    return History(run_dir) if where.rank == 0 else _NotRankZero(run_dir)

@@ -20,7 +20,7 @@ import torch
 import ckptkit
 from ckptkit.format._tree import tensors
 from ckptkit.guard._rollback_record import skipped_batches
-from ckptkit.run._history import History, kept_rows, read_rows
+from ckptkit.run._history import kept_rows, read_rows
 from ckptkit.testing import GradSpike
 
 
@@ -34,7 +34,7 @@ def _lr(step: int) -> float:
     return 1.0 / (1.0 + 0.1 * step)
 
 
-_OPEN: list[History] = []
+_OPEN: list[ckptkit.RunState] = []
 
 
 @pytest.fixture(autouse=True)
@@ -54,7 +54,7 @@ class Toy:
         *,
         spike_at: int | None = None,
         repeat: int = 2,
-        k: int | None = 3,
+        k: int = 3,
         register_data: bool = True,
         **guard_kw: Any,
     ) -> None:
@@ -77,29 +77,22 @@ class Toy:
                 set=self._seek,
                 expected=lambda step, values: step + skipped_batches(values),
             )
-        self.history = History(run_dir)
-        _OPEN.append(self.history)
         inject = None if spike_at is None else GradSpike([self.net], at=spike_at, repeat=repeat)
-        history = guard_kw.pop("history", self.history)  # history=None: the guard writes to the run's own
         monitor = ckptkit.guard.SpikeMonitor(ckptkit.SpikeConfig(window=8, min_history=4))
-        knobs: dict[str, Any] = {} if k is None else {"k": k}  # k=None: the guard's knobs come in guard_kw (config=...)
-        self.guard = ckptkit.SpikeGuard(
-            self.state, mode, monitor=monitor, history=history, inject=inject, **knobs, **guard_kw
-        )
+        knobs = {n: guard_kw.pop(n) for n in ("lr_drop", "skip_data", "data", "bound", "cap") if n in guard_kw}
+        config = ckptkit.RollbackConfig(mode=mode, k=k, **knobs)
+        self.guard = ckptkit.SpikeGuard(self.state, config, monitor=monitor, inject=inject, **guard_kw)
+        _OPEN.append(self.state)
         self.lrs: list[tuple[int, float]] = []
 
     def _seek(self, pos: int) -> None:
         self.pos = pos
 
     def start(self) -> int:
-        self.state.start()
-        self.history.start_fresh()
-        return 0
+        return self.state.start()
 
     def resume(self) -> int:
-        start = self.state.resume().step
-        self.history.resume_at(start, self.guard.record.count)
-        return start
+        return self.state.resume().step
 
     def step(self, step: int) -> float:
         g = ckptkit.torch_generator(0, self.pos, stream=2)  # example i is a function of (seed, i)
@@ -307,7 +300,7 @@ def test_mode_on_without_a_data_position_says_so_at_construction(tmp_path: Path)
         ValueError,
         match=re.escape(
             "SpikeGuard(mode='on') skips the spike's data through a registered data position, and this RunState "
-            "registers none: register it with state.add_data_position(...), or pass skip_data=False"
+            "registers none: register it with state.add_data_position(...), or pass RollbackConfig(skip_data=False)"
         ),
     ):
         Toy(tmp_path, register_data=False)
@@ -326,10 +319,9 @@ def test_mode_on_without_a_data_position_says_so_at_construction(tmp_path: Path)
         ({"lr_drop": 0.0}, "lr_drop must be a float, finite, > 0 and <= 1 (got 0.0)"),
     ],
 )
-def test_bad_knobs_are_named(tmp_path: Path, kw: dict[str, Any], message: str) -> None:
-    state = ckptkit.RunState(tmp_path, config=Cfg())
+def test_bad_knobs_are_named(kw: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
-        ckptkit.SpikeGuard(state, **kw)
+        ckptkit.RollbackConfig(**kw)
 
 
 @pytest.mark.parametrize(
@@ -361,24 +353,12 @@ def test_a_rollback_config_is_frozen_and_takes_a_mode_enum() -> None:
         cfg.k = 3  # type: ignore[misc]
 
 
-def test_a_guard_built_from_a_config_rolls_back_as_one_built_from_knobs(tmp_path: Path) -> None:
-    """config=RollbackConfig(...) is the same guard as the knobs one by one: same record, same rows."""
-    cfg = ckptkit.RollbackConfig(mode="on", k=3, lr_drop=0.25)
-    knobs = Toy(tmp_path / "knobs", "on", spike_at=12, k=3, lr_drop=0.25)
-    config = Toy(tmp_path / "config", "warn", spike_at=12, k=None, config=cfg)  # "warn": the default, unused
-    for toy in (knobs, config):
-        toy.start()
-        toy.guard.run(toy.step, 0, 20)
-        toy.history.close()
-        assert toy.guard.config == cfg
-    assert config.guard.record == knobs.guard.record and config.guard.record.count == 1
-    assert read_rows(tmp_path / "config" / "history.jsonl") == read_rows(tmp_path / "knobs" / "history.jsonl")
-
-
-def test_a_guard_refuses_knobs_given_twice(tmp_path: Path) -> None:
+def test_a_guard_takes_its_knobs_in_one_rollback_config(tmp_path: Path) -> None:
     state = ckptkit.RunState(tmp_path, config=Cfg())
-    with pytest.raises(ValueError, match=re.escape("pass the rollback knobs in config= or one by one, not both")):
-        ckptkit.SpikeGuard(state, k=4, config=ckptkit.RollbackConfig(mode="on"))
+    with pytest.raises(TypeError, match=re.escape("SpikeGuard: config must be a ckptkit.RollbackConfig (got str)")):
+        ckptkit.SpikeGuard(state, "on")  # type: ignore[arg-type]
+    guard = ckptkit.SpikeGuard(state, ckptkit.RollbackConfig())
+    assert guard.config == ckptkit.RollbackConfig() and guard.mode == "warn"
 
 
 def _noisy(toy: Toy) -> Any:
@@ -446,23 +426,17 @@ class Recorded(Toy):
         return gn
 
 
-@pytest.mark.parametrize("given", [True, False], ids=["history-given", "run-history"])
-def test_guard_rows_and_record_rows_share_one_history_and_none_is_lost(tmp_path: Path, given: bool) -> None:
+def test_guard_rows_and_record_rows_share_one_history_and_none_is_lost(tmp_path: Path) -> None:
     """R-R10: the guard's spike and rollback rows and ``record``'s step and digests rows go
     through one history object, in order, whoever writes first; a resume drops only what
     the interrupted run wrote after its checkpoint. ``ckptkit verify RUN`` is clean."""
     from ckptkit.cli import main
 
     def loop(run_dir: Path, stop: int, *, resume: bool) -> Recorded:
-        kw: dict[str, Any] = {} if given else {"history": None}
-        toy = Recorded(run_dir, "on", spike_at=9, **kw)
-        if given:
-            start = toy.resume() if resume else toy.start()
-        else:
-            start = toy.state.resume().step if resume else toy.state.start()
+        toy = Recorded(run_dir, "on", spike_at=9)
+        start = toy.resume() if resume else toy.start()
         toy.guard.run(toy.record_step, start, stop, save_every=2)
         toy.state.close()
-        toy.history.close()
         return toy
 
     loop(tmp_path / "ref", 14, resume=False)
@@ -477,3 +451,24 @@ def test_guard_rows_and_record_rows_share_one_history_and_none_is_lost(tmp_path:
         assert steps == [*range(10), 9, *range(6, 14)], steps  # 0..9, the re-run of 9, then 6..13 after the rollback
         assert main(["verify", str(tmp_path / run)]) == 0
     assert read_rows(tmp_path / "ref" / "history.jsonl") == read_rows(tmp_path / "cut" / "history.jsonl")
+
+
+@pytest.mark.parametrize("repeat", [1, 2], ids=["transient", "rollback"])
+def test_a_rerun_recorded_from_on_step_is_marked_and_the_run_verifies(tmp_path: Path, repeat: int) -> None:
+    """A loop that records in ``on_step`` (after ``step_fn`` returned) records the guard's re-run
+    of a spiking step ``"rerun": true`` as one recording in ``step_fn`` does (the state marks it,
+    whoever calls ``record``): ``ckptkit verify RUN`` is clean (it said "step row 9 out of order")."""
+    from ckptkit.cli import main
+
+    states: list[ckptkit.RunState] = []
+
+    def record(e: ckptkit.guard.Executed) -> None:  # after step_fn returned: outside it
+        states[0].record(e.step, grad_norm=e.result)
+
+    toy = Toy(tmp_path, "on", spike_at=9, repeat=repeat, on_step=record)
+    states.append(toy.state)
+    toy.guard.run(toy.step, toy.start(), 14, save_every=2)
+    toy.state.close()
+    steps = [r for r in rows(tmp_path, "step") if r["step"] == 9]
+    assert [r.get("rerun", False) for r in steps] == ([False, True] if repeat == 1 else [False, True, False])
+    assert main(["verify", str(tmp_path)]) == 0

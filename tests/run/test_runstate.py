@@ -337,7 +337,7 @@ def test_checkpoints_waits_for_the_save_in_flight(tmp_path: Path, monkeypatch: p
 
 
 def test_a_run_answers_what_a_guard_asks_of_it(tmp_path: Path) -> None:
-    """The public questions a guard (or any loop) asks: positions, the offset rule, the monitor's
+    """What a guard asks of a run (``guard_view()``): positions, the offset rule, the monitor's
     name, the LR, and scaling it — the LR of every group and the schedulers' base LRs."""
     net = torch.nn.Linear(2, 2)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
@@ -345,7 +345,8 @@ def test_a_run_answers_what_a_guard_asks_of_it(tmp_path: Path) -> None:
     pos = {"v": 6}
     skipped = {"n": 2}
     rs = RunState(tmp_path, config=Cfg())
-    assert math.isnan(rs.lr())  # no optimizer registered yet
+    view = rs.guard_view()
+    assert math.isnan(view.lr())  # no optimizer registered yet
     rs.add_model("net", net)
     rs.add_optimizer("sgd", opt)
     rs.add_scheduler("lr", sched)
@@ -356,12 +357,12 @@ def test_a_run_answers_what_a_guard_asks_of_it(tmp_path: Path) -> None:
     rs.add_data_position("eval", get=lambda: 0, set=lambda v: None)
     monitor = ckptkit.guard.SpikeMonitor()
     rs.add_monitor("spikes", monitor)
-    assert rs.data_positions() == {"train": 6, "eval": 0}
-    assert rs.expected_position("train", 3) == 8 and rs.expected_position("eval", 3) is None
-    assert rs.monitor_name(monitor) == "spikes" and rs.monitor_name(ckptkit.guard.SpikeMonitor()) is None
-    assert rs.lr() == 0.1
-    rs.scale_lr(0.5)
-    assert rs.lr() == 0.05 and opt.param_groups[0]["initial_lr"] == 0.05 and sched.base_lrs == [0.05]
+    assert view.data_positions() == {"train": 6, "eval": 0}
+    assert view.expected_position("train", 3) == 8 and view.expected_position("eval", 3) is None
+    assert view.monitor_name(monitor) == "spikes" and view.monitor_name(ckptkit.guard.SpikeMonitor()) is None
+    assert view.lr() == 0.1
+    view.scale_lr(0.5)
+    assert view.lr() == 0.05 and opt.param_groups[0]["initial_lr"] == 0.05 and sched.base_lrs == [0.05]
     opt.step()
     sched.step()
     assert opt.param_groups[0]["lr"] == 0.05  # the closed-form schedule keeps the drop
