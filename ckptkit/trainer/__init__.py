@@ -17,13 +17,14 @@ this package. ``spec/trainer.md`` is the contract for its files.
 from __future__ import annotations
 
 from ..run.history import compared_rows, read_rows
-from .config import DataConfig, ModelConfig, TrainConfig, TrainerConfig
+from .config import DataConfig, ModelConfig, TestingAids, TrainConfig, TrainerConfig
 from .loop import StepResult, TrainResult, train, train_step
 
 __all__ = [
     "DataConfig",
     "ModelConfig",
     "StepResult",
+    "TestingAids",
     "TrainConfig",
     "TrainResult",
     "TrainerConfig",
