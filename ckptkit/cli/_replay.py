@@ -41,7 +41,7 @@ example:
       model:model.wte  1/16384 elements differ, max |diff| 9.31323e-10
     values: both runs' step-00000006.ckpt, compared as ckptkit diff --tensors does
     re-run of step 5 twice here: identical (deterministic in this process)
-    hint: the runs' configs differ in train.perturb_at: the likely cause
+    hint: the runs' configs differ in testing.perturb_at: the likely cause
   $ echo $?
   1
 
@@ -154,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
     overrides = {key: getattr(args, key) for key, _ in knobs() if getattr(args, key, None) is not None}
     overrides.pop("train.steps", None)  # --to says where to stop
     if args.no_perturb:
-        overrides["train.perturb_at"] = None
+        overrides["testing.perturb_at"] = None
     if args.threads is not None and args.threads < 1:
         print(f"ckptkit replay: --threads must be >= 1 (got {args.threads})", file=sys.stderr)
         return 2

@@ -82,7 +82,13 @@ def add_knobs(p: argparse.ArgumentParser, shown: Mapping[str, Any] | None = None
 
     defaults, shown = TrainerConfig(), shown or {}
     groups: dict[str, Any] = {}
-    titles = {"model": "model", "data": "data", "train": "training", "monitor": "spike monitor (see --auto-rollback)"}
+    titles = {
+        "model": "model",
+        "data": "data",
+        "train": "training",
+        "testing": "testing aids (faults planted on purpose: the tests and the audit use them)",
+        "monitor": "spike monitor (see --auto-rollback)",
+    }
     for key, f in knobs():
         table = key.partition(".")[0]
         group = groups.setdefault(table, p.add_argument_group(titles[table]))
@@ -154,7 +160,8 @@ def add_parser(sub: Any) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
-    """The :class:`~ckptkit.trainer.TrainerConfig` the flags ask for (defaults elsewhere).
+    """The :class:`~ckptkit.trainer.TrainerConfig` the flags ask for (defaults elsewhere);
+    the testing aids' flags (``--spike-at``, ``--perturb-at``, ...) fill its ``testing`` table.
 
     Raises:
         ValueError: a value breaks a field's rule (the message names the flag).

@@ -16,13 +16,14 @@ contract for its files.
 
 from __future__ import annotations
 
-from ._config import DataConfig, ModelConfig, TrainConfig, TrainerConfig
+from ._config import DataConfig, ModelConfig, TestingAids, TrainConfig, TrainerConfig
 from ._loop import StepResult, TrainResult, train, train_step
 
 __all__ = [
     "DataConfig",
     "ModelConfig",
     "StepResult",
+    "TestingAids",
     "TrainConfig",
     "TrainResult",
     "TrainerConfig",

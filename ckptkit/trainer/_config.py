@@ -1,10 +1,10 @@
-"""The reference trainer's config: three tables and the spike monitor, every knob a key.
+"""The reference trainer's config: three tables, the testing aids and the spike monitor, every knob a key.
 
 The config is the *plan* of a run (design record ADR-0021 §1). Every field is in
 the snapshot written next to each checkpoint and is diffed on resume: only the
 keys that decide when we look (``steps``, ``log_every``, ``ckpt_every``) may
 change; anything else that differs refuses the resume with ``ConfigDrift``.
-``tests/trainer/test_trainer_items.py::test_snapshot_carries_every_config_field`` pins
+``tests/trainer/test_trainer_items.py::test_item8_snapshot_carries_every_config_field`` pins
 that (design record item 8).
 
 Each field's help text is its comment: units and allowed values. The command
@@ -30,6 +30,7 @@ __all__ = [
     "Parallel",
     "RollbackMode",
     "RollbackSkip",
+    "TestingAids",
     "TrainConfig",
     "TrainerConfig",
     "flag_name",
@@ -152,20 +153,6 @@ class TrainConfig:
         0.05,
         "latch fp32 for the rest of the run when a factor matrix's relative int8 error |q(W)-W|/|W| exceeds this, > 0",
     )
-    trip_latch_at: int | None = _knob(
-        None, "TESTING AID: latch fp32 at this step (as if the int8 check failed there); unset = never, >= 0"
-    )
-    # -- deliberate divergence, for testing replay and audit (spec/replay.md R-P10) --
-    perturb_at: int | None = _knob(
-        None,
-        "TESTING AID: at the end of this step add 1 ulp to element 0 "
-        "of --perturb-param, so the run diverges there; unset = never, >= 0",
-    )
-    perturb_param: str = _knob(
-        "",
-        "TESTING AID: the parameter --perturb-at changes, as the model names it "
-        "(blocks.0.attn.qkv.weight); empty = the first parameter",
-    )
     # -- auxiliary masked-prediction loss against an EMA teacher (JEPA-style) --
     aux: bool = _knob(True, "add the masked hidden-state prediction loss against the EMA teacher")
     aux_weight: float = _knob(0.5, "weight of the auxiliary loss in the total loss, >= 0")
@@ -208,6 +195,56 @@ class TrainConfig:
         "so at most bound-1 rollbacks in a row, >= 1",
     )
     rollback_cap: int = _knob(10, "the run stops when a spike would need rollback number cap+1 (whole run), >= 0")
+
+    def __post_init__(self) -> None:
+        _positive(self, "ckpt_every", "log_every", "keep", "mask_span", "min_depth")
+        _non_negative(self, "steps", "warmup_iters")
+        check_u64("--seed", self.seed)
+        _finite(self, "lr", low=0.0, strict=True)
+        _finite(self, "min_lr", low=0.0)
+        if self.min_lr > self.lr:
+            raise ValueError(f"--min-lr must be <= --lr (got {self.min_lr} > {self.lr})")
+        if self.lr_decay_iters < self.warmup_iters:
+            raise ValueError(
+                f"--lr-decay-iters must be >= --warmup-iters (got {self.lr_decay_iters} < {self.warmup_iters})"
+            )
+        _finite(self, "weight_decay", "grad_clip", "aux_weight", low=0.0)
+        _finite(self, "beta1", "beta2", low=0.0, high=1.0, high_open=True)
+        _finite(self, "quant_threshold", low=0.0, strict=True)
+        _finite(self, "ema_decay", "mask_frac", low=0.0, high=1.0)
+        _enum_value(self, "parallel", Parallel)
+        _check_rollback(self)
+
+
+@dataclass(frozen=True)
+class TestingAids:
+    """Faults the trainer plants on purpose: the tests and ``ckptkit audit`` use them to
+    show that a resume, a replay, a rollback or the fp32 latch catches what it should.
+
+    Not knobs of a real run, so not in :class:`TrainConfig`; the command line builds
+    this table from its ``--trip-latch-at``, ``--perturb-*`` and ``--spike-*`` flags.
+    A run planted with one is another run: the snapshot records them (its ``testing``
+    table), a resume must repeat them, and a replay repeats them from the snapshot.
+    """
+
+    __test__ = False  # its name starts with "Test": pytest must not collect it where a test imports it
+
+    # -- the int8 fallback latch (spec/trainer.md R-T03) --
+    trip_latch_at: int | None = _knob(
+        None, "TESTING AID: latch fp32 at this step (as if the int8 check failed there); unset = never, >= 0"
+    )
+    # -- deliberate divergence, for testing replay and audit (spec/replay.md R-P10) --
+    perturb_at: int | None = _knob(
+        None,
+        "TESTING AID: at the end of this step add 1 ulp to element 0 "
+        "of --perturb-param, so the run diverges there; unset = never, >= 0",
+    )
+    perturb_param: str = _knob(
+        "",
+        "TESTING AID: the parameter --perturb-at changes, as the model names it "
+        "(blocks.0.attn.qkv.weight); empty = the first parameter",
+    )
+    # -- an injected grad-norm spike, for testing --auto-rollback (spec/rollback.md R-R11) --
     spike_at: int | None = _knob(
         None,
         "TESTING AID: multiply the gradient (so the grad norm) by 10 at this "
@@ -226,29 +263,17 @@ class TrainConfig:
     )
 
     def __post_init__(self) -> None:
-        _positive(self, "ckpt_every", "log_every", "keep", "mask_span", "min_depth")
-        _non_negative(self, "steps", "warmup_iters")
-        check_u64("--seed", self.seed)
-        _finite(self, "lr", low=0.0, strict=True)
-        _finite(self, "min_lr", low=0.0)
-        if self.min_lr > self.lr:
-            raise ValueError(f"--min-lr must be <= --lr (got {self.min_lr} > {self.lr})")
-        if self.lr_decay_iters < self.warmup_iters:
-            raise ValueError(
-                f"--lr-decay-iters must be >= --warmup-iters (got {self.lr_decay_iters} < {self.warmup_iters})"
-            )
-        _finite(self, "weight_decay", "grad_clip", "aux_weight", low=0.0)
-        _finite(self, "beta1", "beta2", low=0.0, high=1.0, high_open=True)
-        _finite(self, "quant_threshold", low=0.0, strict=True)
-        _finite(self, "ema_decay", "mask_frac", low=0.0, high=1.0)
         if self.trip_latch_at is not None:
             _non_negative(self, "trip_latch_at")
         if self.perturb_at is not None:
             _non_negative(self, "perturb_at")
         if not isinstance(self.perturb_param, str):
             raise ValueError(f"--perturb-param must be a parameter name (got {self.perturb_param!r})")
-        _enum_value(self, "parallel", Parallel)
-        _check_rollback(self)
+        _positive(self, "spike_repeat")
+        if self.spike_at is not None:
+            _non_negative(self, "spike_at")
+        if not isinstance(self.spike_transient, bool):
+            raise ValueError(f"--spike-transient must be true or false (got {self.spike_transient!r})")
 
 
 @dataclass(frozen=True)
@@ -258,6 +283,9 @@ class TrainerConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    # The testing aids: strict like any other key, so a resume repeats a planted fault
+    # and a replay reproduces it from the snapshot.
+    testing: TestingAids = field(default_factory=TestingAids)
     # The spike monitor's detection parameters (ckptkit.monitor): changing them
     # changes the stability report, so they are strict like any other key. The
     # monitor's own defaults, the PRD's: window 50, multiplier 3x (spec/rollback.md R-R01).
@@ -309,7 +337,13 @@ class TrainerConfig:
         return defaults.replace(**changes)
 
 
-_TABLES: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "monitor": SpikeConfig}
+_TABLES: dict[str, type] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+    "testing": TestingAids,
+    "monitor": SpikeConfig,
+}
 
 # SpikeConfig lives in ckptkit.monitor; its comments, as help, for the command line.
 _MONITOR_HELP = {
@@ -408,12 +442,8 @@ def _check_rollback(tc: Any) -> None:
     _enum_value(tc, "auto_rollback", RollbackMode)
     _enum_value(tc, "rollback_skip", RollbackSkip)
     _non_negative(tc, "rollback_k", "rollback_cap")
-    _positive(tc, "rollback_bound", "spike_repeat")
+    _positive(tc, "rollback_bound")
     _finite(tc, "lr_drop", low=0.0, high=1.0, strict=True)
-    if tc.spike_at is not None:
-        _non_negative(tc, "spike_at")
-    if not isinstance(tc.spike_transient, bool):
-        raise ValueError(f"--spike-transient must be true or false (got {tc.spike_transient!r})")
     if tc.auto_rollback is RollbackMode.ON and (tc.keep - 1) * tc.ckpt_every < tc.rollback_k:
         # R-R09: a rollback deletes the abandoned timeline's checkpoints before it saves its
         # target; a checkpoint at or before the target must then still be on disk.

@@ -75,17 +75,17 @@ def perturb_target(cfg: Any, model: torch.nn.Module) -> str | None:
     Raises:
         ValueError: ``--perturb-param`` names no parameter of the model (the message lists them).
     """
-    if cfg.train.perturb_at is None:
+    if cfg.testing.perturb_at is None:
         return None
     names = [n for n, _ in model.named_parameters()]
-    want: str = cfg.train.perturb_param
+    want: str = cfg.testing.perturb_param
     if want.startswith(MODEL_PREFIX):
         want = want[len(MODEL_PREFIX) :]
     if not want:
         return names[0]
     if want not in names:
         raise ValueError(
-            f"--perturb-param {cfg.train.perturb_param!r} is not a parameter of the model "
+            f"--perturb-param {cfg.testing.perturb_param!r} is not a parameter of the model "
             f"(parameters: {', '.join(names)})"
         )
     return want
@@ -96,7 +96,7 @@ def perturb(run: Any, step: int) -> None:
     """TESTING AID (``--perturb-at``): at the end of that step, element 0 of the target
     parameter moves to the next float up (1 ulp), so exactly one tensor differs there."""
     cfg = run.cfg
-    if cfg.train.perturb_at != step:
+    if cfg.testing.perturb_at != step:
         return
     name = perturb_target(cfg, run.model)
     p = dict(run.model.named_parameters())[name]

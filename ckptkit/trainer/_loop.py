@@ -400,8 +400,8 @@ def _latch_before_forward(run: Run, step: int) -> str | None:
     if not run.quant_active:
         return None
     latch = None
-    if step == tc.trip_latch_at:
-        latch = f"--trip-latch-at {tc.trip_latch_at} (testing aid)"
+    if step == run.cfg.testing.trip_latch_at:
+        latch = f"--trip-latch-at {step} (testing aid)"
     else:
         error = _quant_error(run)
         if error > tc.quant_threshold:
@@ -595,8 +595,9 @@ def spike_guard(
     """
     tc = run.cfg.train
     inject = None
-    if tc.spike_at is not None:  # TESTING AID (spec/rollback.md R-R11): armed by the guard, not the step
-        inject = GradSpike([run.model], at=tc.spike_at, repeat=1 if tc.spike_transient else tc.spike_repeat)
+    aids = run.cfg.testing
+    if aids.spike_at is not None:  # TESTING AID (spec/rollback.md R-R11): armed by the guard, not the step
+        inject = GradSpike([run.model], at=aids.spike_at, repeat=1 if aids.spike_transient else aids.spike_repeat)
     config = RollbackConfig(
         mode=tc.auto_rollback.value,
         k=tc.rollback_k,

@@ -139,7 +139,7 @@ def check_fits(cfg: TrainerConfig, where: Ranks) -> None:
             f"--batch {cfg.data.batch} must be a multiple of the world size {where.world}: each rank "
             "trains its batch / world-size rows of every global batch"
         )
-    if where.distributed and cfg.train.parallel is Parallel.FSDP and cfg.train.spike_at is not None:
+    if where.distributed and cfg.train.parallel is Parallel.FSDP and cfg.testing.spike_at is not None:
         raise ValueError(
             "--spike-at hooks the gradients of whole parameters, which FSDP2 shards: use it with --parallel ddp"
         )

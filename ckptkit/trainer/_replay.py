@@ -78,7 +78,7 @@ def replay(
         run_dir: the recorded run (``history.jsonl``, ``environment.json``, checkpoints).
         from_step: start at the checkpoint at or before this step (steps done).
         to_step: stop when this many steps are done (default: the end of the recording).
-        overrides: config keys to change from the snapshot (``{"train.perturb_at": 3}``);
+        overrides: config keys to change from the snapshot (``{"testing.perturb_at": 3}``);
             reported in the result. Testing what a knob changes is their use.
         allow_env_change: replay even when the environment differs from ``environment.json``.
         threads: run with this intra-op thread count (an environment change: needs

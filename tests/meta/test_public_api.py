@@ -245,6 +245,7 @@ FACES = {
         "DataConfig",
         "ModelConfig",
         "StepResult",
+        "TestingAids",
         "TrainConfig",
         "TrainResult",
         "TrainerConfig",

@@ -30,12 +30,12 @@ def _train_args(flags: list[str]) -> argparse.Namespace:
     "changes",
     [
         {},
-        {"model.quant": "int8", "train.quant_check": True, "train.trip_latch_at": 3, "train.lr": 1.2345e-3},
+        {"model.quant": "int8", "train.quant_check": True, "testing.trip_latch_at": 3, "train.lr": 1.2345e-3},
         {
             "train.aux": False,
             "model.ngram": False,
-            "train.perturb_at": 2,
-            "train.perturb_param": "wpe",
+            "testing.perturb_at": 2,
+            "testing.perturb_param": "wpe",
             "monitor.multiplier": 2.5,
             "train.seed": 2**64 - 1,
         },
@@ -89,7 +89,7 @@ def test_compare_runs_names_the_first_divergence_the_tensor_and_the_config_diffe
     tmp_path: Path, twins: tuple[Path, Path]
 ) -> None:
     a, c = twins
-    perturbed = _TWIN_CFG.replace(**{"train.perturb_at": 1, "train.perturb_param": "blocks.0.attn.qkv.weight"})
+    perturbed = _TWIN_CFG.replace(**{"testing.perturb_at": 1, "testing.perturb_param": "blocks.0.attn.qkv.weight"})
     run(perturbed, tmp_path / "b", 4)
     report = compare_runs(a, tmp_path / "b")
     d = report.divergence
@@ -99,7 +99,7 @@ def test_compare_runs_names_the_first_divergence_the_tensor_and_the_config_diffe
     first = d.tensors[0]
     assert first.n_diff == 1 and first.max_abs_diff is not None and first.max_abs_diff > 0
     assert d.rerun is not None and d.rerun.identical
-    assert "train.perturb_at" in d.hints[0]
+    assert "testing.perturb_at" in d.hints[0]
     doc = report.to_json()
     assert doc["divergence"]["fields"] == [
         {"field": "params_digest", "a": d.fields[0].recorded, "b": d.fields[0].replayed}

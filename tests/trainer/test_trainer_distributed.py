@@ -145,8 +145,8 @@ def test_a_batch_that_does_not_split_over_the_ranks_is_refused_naming_both() -> 
         check_fits(tiny(), Ranks(0, 3))
     check_fits(tiny(), Ranks(1, 2))
     with pytest.raises(ValueError, match=r"^--spike-at hooks the gradients .* use it with --parallel ddp$"):
-        check_fits(tiny(**{"train.parallel": "fsdp", "train.spike_at": 3}), Ranks(0, 2))
-    check_fits(tiny(**{"train.parallel": "fsdp", "train.spike_at": 3}), Ranks(0, 1))  # one process: nothing sharded
+        check_fits(tiny(**{"train.parallel": "fsdp", "testing.spike_at": 3}), Ranks(0, 2))
+    check_fits(tiny(**{"train.parallel": "fsdp", "testing.spike_at": 3}), Ranks(0, 1))  # one process: nothing sharded
 
 
 def test_parallel_is_a_config_key_so_a_resume_under_the_other_is_drift(tmp_path: Path) -> None:

@@ -115,7 +115,7 @@ def test_item2_fp32_latch_is_persisted_in_flags_bit0(tmp_path: Path, monkeypatch
     Removing ``rs.add_flag("fp32_fallback", ...)`` makes the resumed run train
     int8 factors again after the latch tripped, and the runs part.
     """
-    cfg = tiny(**{"model.quant": "int8", "train.trip_latch_at": 1, "train.ckpt_every": 3})
+    cfg = tiny(**{"model.quant": "int8", "testing.trip_latch_at": 1, "train.ckpt_every": 3})
     assert resumed_matches(tmp_path, cfg, stop=3, n=6)
     assert load(tmp_path / "cut" / checkpoint_name(3)).fp32_fallback
     rows = [r for r in history(tmp_path / "cut") if r["kind"] == "step"]
@@ -135,7 +135,7 @@ def test_item2_compute_settings_are_reapplied_after_restore(tmp_path: Path, monk
     ``fp32`` while training int8 -- "a second experiment wearing the first one's
     name" -- and the runs part.
     """
-    cfg = tiny(**{"model.quant": "int8", "train.trip_latch_at": 1, "train.ckpt_every": 3})
+    cfg = tiny(**{"model.quant": "int8", "testing.trip_latch_at": 1, "train.ckpt_every": 3})
     monkeypatch.setattr(train_mod, "RunState", _Recording)
     assert resumed_matches(tmp_path, cfg, stop=3, n=5)
     rec = _Recording.last
@@ -380,12 +380,16 @@ def test_item8_snapshot_carries_every_config_field() -> None:
         "train.rand_depth",
         "train.min_depth",
         "train.seed",
-        "train.trip_latch_at",
+        "testing.trip_latch_at",
         "train.ema_decay",
         "model.quant",
         "data.path",
         "monitor.window",
     } <= set(report.written)
+    # The testing aids are their own table, not knobs of the user's loop.
+    aids = ("trip_latch_at", "perturb_at", "perturb_param", "spike_at", "spike_repeat", "spike_transient")
+    assert [k for k in report.written if k.startswith("testing.")] == sorted(f"testing.{a}" for a in aids)
+    assert not {f"train.{a}" for a in aids} & set(report.written)
 
     def blind(cfg: Any) -> dict[str, Any]:
         table = snapshot.snapshot_config(cfg)

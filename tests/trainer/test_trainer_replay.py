@@ -58,7 +58,7 @@ def _replay(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict[s
 def perturbed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """6 steps, a checkpoint every 2, recorded with 1 ulp added to PARAM at the end of step 3."""
     d = tmp_path_factory.mktemp("perturbed")
-    run(tiny(**{"train.ckpt_every": 2, "train.perturb_at": 3, "train.perturb_param": PARAM}), d, 6)
+    run(tiny(**{"train.ckpt_every": 2, "testing.perturb_at": 3, "testing.perturb_param": PARAM}), d, 6)
     return d
 
 
@@ -90,7 +90,7 @@ def test_checkpoint_rows_hold_the_digest_of_every_leaf_of_the_file(perturbed: Pa
 
 def test_perturb_at_moves_one_element_of_one_parameter_by_one_ulp(tmp_path: Path) -> None:
     run(tiny(**{"train.ckpt_every": 4}), tmp_path / "a", 4)
-    run(tiny(**{"train.ckpt_every": 4, "train.perturb_at": 3, "train.perturb_param": PARAM}), tmp_path / "b", 4)
+    run(tiny(**{"train.ckpt_every": 4, "testing.perturb_at": 3, "testing.perturb_param": PARAM}), tmp_path / "b", 4)
     a = ckptkit.load(tmp_path / "a" / checkpoint_name(4)).model["model"]
     b = ckptkit.load(tmp_path / "b" / checkpoint_name(4)).model["model"]
     assert [k for k in a if not torch.equal(a[k], b[k])] == [PARAM]
@@ -100,25 +100,25 @@ def test_perturb_at_moves_one_element_of_one_parameter_by_one_ulp(tmp_path: Path
 
 def test_perturb_param_must_name_a_parameter(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"--perturb-param 'nope' is not a parameter of the model \(parameters: wte"):
-        run(tiny(**{"train.perturb_at": 1, "train.perturb_param": "nope"}), tmp_path, 2)
+        run(tiny(**{"testing.perturb_at": 1, "testing.perturb_param": "nope"}), tmp_path, 2)
 
 
 def test_a_config_rebuilt_from_its_snapshot_is_the_same_config() -> None:
     cfg = tiny(
         **{
-            "train.perturb_at": 3,
-            "train.perturb_param": PARAM,
+            "testing.perturb_at": 3,
+            "testing.perturb_param": PARAM,
             "model.quant": "int8",
             "train.lr": 1e-3,
-            "train.trip_latch_at": 2,
+            "testing.trip_latch_at": 2,
             "train.rand_depth": True,
         }
     )
     table = json.loads(encode_snapshot(cfg))["config"]
     assert TrainerConfig.from_table(table) == cfg
     assert {f"{t}.{k}" for t, sub in table.items() for k in sub} == {k for k, _ in knobs()}
-    del table["train"]["perturb_param"]  # a key the snapshot lacks takes its default
-    assert TrainerConfig.from_table(table).train.perturb_param == ""
+    del table["testing"]["perturb_param"]  # a key the snapshot lacks takes its default
+    assert TrainerConfig.from_table(table).testing.perturb_param == ""
     with pytest.raises(KeyError, match=r"'train\.bogus' is not a config key"):
         TrainerConfig.from_table({"train": {"bogus": 1}})
 
@@ -158,9 +158,9 @@ def test_replay_names_the_step_and_parameter_of_a_recorded_perturbation(
     assert "step-00000004.ckpt" in d["values"]  # the recorded values: the run's verified checkpoint
     assert d["rerun"]["identical"] is True  # deterministic here: the recording ran something else
     with pytest.raises(ckptkit.ReplayDivergence, match=f"(?s)DIFFERS at step 3.*{NAME}"):
-        replay(perturbed, 2, overrides={"train.perturb_at": None}).raise_for_divergence()
-    assert doc["overrides"] == [{"field": "train.perturb_at", "recorded": 3, "replay": None}]
-    assert "the runs' configs differ in train.perturb_at: the likely cause" in d["hints"]
+        replay(perturbed, 2, overrides={"testing.perturb_at": None}).raise_for_divergence()
+    assert doc["overrides"] == [{"field": "testing.perturb_at", "recorded": 3, "replay": None}]
+    assert "the runs' configs differ in testing.perturb_at: the likely cause" in d["hints"]
     assert _files(perturbed) == before
     main(["replay", str(perturbed), "--from", "2", "--no-perturb", "--quiet"])
     out = capsys.readouterr().out
@@ -168,9 +168,9 @@ def test_replay_names_the_step_and_parameter_of_a_recorded_perturbation(
 
 
 def test_replay_with_a_perturbation_names_it_even_without_a_checkpoint_after_it(perturbed: Path) -> None:
-    report = replay(perturbed, 2, overrides={"train.perturb_at": None, "train.perturb_param": "wpe"})
+    report = replay(perturbed, 2, overrides={"testing.perturb_at": None, "testing.perturb_param": "wpe"})
     assert report.divergence is not None and report.divergence.step == 3  # the recording's own perturbation
-    report = replay(perturbed, 4, overrides={"train.perturb_at": 4, "train.perturb_param": "wpe"})
+    report = replay(perturbed, 4, overrides={"testing.perturb_at": 4, "testing.perturb_param": "wpe"})
     d = report.divergence
     assert d is not None and (d.kind, d.step) == ("step", 4)
     assert {t.name for t in d.tensors} == {"model:model.wpe"}  # named from the per-step digests ...

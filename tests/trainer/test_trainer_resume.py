@@ -45,7 +45,7 @@ def scenarios(draw: Any) -> dict[str, Any]:
             "model.quant": "int8" if quant else "none",
             "train.quant_check": quant and draw(st.booleans()),
             # Trip the latch before, at or after an interruption (or never).
-            "train.trip_latch_at": draw(st.none() | st.integers(0, n - 1)) if quant else None,
+            "testing.trip_latch_at": draw(st.none() | st.integers(0, n - 1)) if quant else None,
         },
     }
 
@@ -86,7 +86,7 @@ def test_resume_with_every_feature_on_matches_uninterrupted(tmp_path: Path, cras
             "train.quant_check": True,
             "train.rand_depth": True,
             "train.seed": 12345,
-            "train.trip_latch_at": 5,
+            "testing.trip_latch_at": 5,
         }
     )
     run(cfg, tmp_path / "ref", 8)
@@ -142,7 +142,7 @@ def test_resume_in_a_separate_process_through_the_cli(tmp_path: Path) -> None:
             "train.quant_check": True,
             "train.rand_depth": True,
             "train.seed": 99,
-            "train.trip_latch_at": 3,
+            "testing.trip_latch_at": 3,
         }
     )
     run(cfg, tmp_path / "ref", 7)

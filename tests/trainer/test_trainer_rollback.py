@@ -133,7 +133,7 @@ def rolled(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             for name in ("step-00000006.ckpt", "step-00000006.ckpt.ngram"):
                 shutil.copyfile(committed(d / name), keep / "old" / name)
 
-    cfg = rb(**{"train.spike_at": 9, "train.steps": 14})
+    cfg = rb(**{"testing.spike_at": 9, "train.steps": 14})
     result = train(cfg, d, log=None, on_step=on_step)
     return {"dir": d, "old6": keep / "old", "result": result, "rows": history(d), "cfg": cfg}
 
@@ -219,7 +219,7 @@ def test_inspect_shows_the_rollback_record(rolled: dict[str, Any], capsys: pytes
 def test_warn_logs_the_spike_keeps_the_update_and_off_only_counts_it(tmp_path: Path) -> None:
     runs = {}
     for mode in ("warn", "off"):
-        cfg = rb(**{"train.auto_rollback": mode, "train.spike_at": 9})
+        cfg = rb(**{"train.auto_rollback": mode, "testing.spike_at": 9})
         runs[mode] = run(cfg, tmp_path / mode, 12)
         rows = history(tmp_path / mode)
         assert [r["step"] for r in kinds(rows, "step")] == list(range(12))  # every step once, none re-run
@@ -237,7 +237,7 @@ def test_warn_logs_the_spike_keeps_the_update_and_off_only_counts_it(tmp_path: P
 
 
 def test_a_transient_spike_is_rerun_kept_and_not_rolled_back(tmp_path: Path) -> None:
-    cfg = rb(**{"train.spike_at": 9, "train.spike_transient": True})
+    cfg = rb(**{"testing.spike_at": 9, "testing.spike_transient": True})
     result = run(cfg, tmp_path / "t", 12)
     rows = history(tmp_path / "t")
     s = story(rows)
@@ -254,7 +254,7 @@ def test_a_transient_spike_is_rerun_kept_and_not_rolled_back(tmp_path: Path) -> 
 
 
 def test_rollback_skip_none_replays_the_window_with_the_lower_lr(tmp_path: Path) -> None:
-    run(rb(**{"train.spike_at": 9, "train.rollback_skip": "none"}), tmp_path, 12)
+    run(rb(**{"testing.spike_at": 9, "train.rollback_skip": "none"}), tmp_path, 12)
     rows = history(tmp_path)
     (rb_row,) = kinds(rows, "rollback")
     assert rb_row["skipped"] is None and rb_row["skipped_batches"] == 0
@@ -328,7 +328,7 @@ def test_three_consecutive_spikes_stop_the_run_with_exit_3(tmp_path: Path, capsy
 
 
 def test_the_rollback_cap_stops_a_run_that_keeps_rolling_back(tmp_path: Path) -> None:
-    cfg = rb(**{"train.spike_at": 9, "train.spike_repeat": 4, "train.rollback_cap": 1, "train.rollback_bound": 5})
+    cfg = rb(**{"testing.spike_at": 9, "testing.spike_repeat": 4, "train.rollback_cap": 1, "train.rollback_bound": 5})
     with pytest.raises(TrainingUnstable, match=r"rollback cap 1: 1 rollbacks already done in this run") as e:
         run(cfg, tmp_path, 14)
     assert e.value.checkpoint == str(tmp_path / checkpoint_name(9))  # type: ignore[attr-defined]
@@ -339,7 +339,7 @@ def test_the_rollback_cap_stops_a_run_that_keeps_rolling_back(tmp_path: Path) ->
 
 
 def test_a_resume_before_the_spike_rebuilds_the_ring_from_an_older_checkpoint(tmp_path: Path) -> None:
-    cfg = rb(**{"train.spike_at": 9, "train.ckpt_every": 2})
+    cfg = rb(**{"testing.spike_at": 9, "train.ckpt_every": 2})
     run(cfg, tmp_path / "ref", 13)
     run(cfg, tmp_path / "cut", 8)  # state 8: the rollback to 6 needs states 5..8, in no checkpoint of this process
     result = run(cfg, tmp_path / "cut", 13, resume=True)
@@ -348,7 +348,7 @@ def test_a_resume_before_the_spike_rebuilds_the_ring_from_an_older_checkpoint(tm
 
 
 def test_a_resume_with_no_older_checkpoint_replays_from_step_0(tmp_path: Path) -> None:
-    cfg = rb(**{"train.spike_at": 9, "train.ckpt_every": 100})
+    cfg = rb(**{"testing.spike_at": 9, "train.ckpt_every": 100})
     run(cfg, tmp_path / "ref", 12)
     run(cfg, tmp_path / "cut", 7)  # the only checkpoint is 7; the ring needs 4..7
     result = run(cfg, tmp_path / "cut", 12, resume=True)
@@ -357,7 +357,7 @@ def test_a_resume_with_no_older_checkpoint_replays_from_step_0(tmp_path: Path) -
 
 
 def test_a_crash_right_after_the_rollback_resumes_the_new_timeline(tmp_path: Path) -> None:
-    cfg = rb(**{"train.spike_at": 9})
+    cfg = rb(**{"testing.spike_at": 9})
     run(cfg, tmp_path / "ref", 13)
     # Rows: steps 0..9, the re-run of 9, then step 6 of the new timeline: die there.
     run_until_row(cfg, tmp_path / "cut", 13, 12, resume=False)
@@ -376,8 +376,8 @@ def scenarios(draw: Any) -> dict[str, Any]:
     return {
         "n": n,
         "changes": {
-            "train.spike_at": spike,
-            "train.spike_repeat": repeat,
+            "testing.spike_at": spike,
+            "testing.spike_repeat": repeat,
             "train.rollback_k": draw(st.integers(0, 4)),
             "train.rollback_skip": draw(st.sampled_from(["window", "none"])),
             "train.ckpt_every": draw(st.integers(1, 5)),
@@ -386,7 +386,7 @@ def scenarios(draw: Any) -> dict[str, Any]:
             "train.seed": draw(st.integers(0, 2**32)),
             # The fp32 latch may trip in the window a rollback takes back (it is restored with the state).
             "model.quant": "int8" if quant else "none",
-            "train.trip_latch_at": draw(st.none() | st.integers(0, n - 1)) if quant else None,
+            "testing.trip_latch_at": draw(st.none() | st.integers(0, n - 1)) if quant else None,
         },
         # Each interruption: a clean stop at a step count, or a crash after the k-th step row
         # (re-runs and the new timeline's rows count, so crashes land before, at and after a rollback).
@@ -425,7 +425,7 @@ def test_resume_checks_the_offset_rule_with_the_stored_skipped_batches(
 ) -> None:
     """After a skip the offset is no longer a function of the step alone; the stored
     count makes the rule exact again. Ignoring it refuses the resume."""
-    cfg = rb(**{"train.spike_at": 9})
+    cfg = rb(**{"testing.spike_at": 9})
     run(cfg, tmp_path, 12)
     monkeypatch.setattr(train_mod, "skipped_batches", lambda values: 0)
     with pytest.raises(
@@ -442,7 +442,7 @@ def test_a_restore_that_misses_run_state_is_refused(tmp_path: Path, monkeypatch:
     restore that forgets the n-gram table is caught, by name."""
     monkeypatch.setattr(train_mod.BigramTable, "load_sidecar", lambda self, *a, **kw: None)
     with pytest.raises(ReplayDivergence, match=r"state restored for step 9 differs .* in: sidecars\.ngram"):
-        run(rb(**{"train.spike_at": 9}), tmp_path, 12)
+        run(rb(**{"testing.spike_at": 9}), tmp_path, 12)
 
 
 def test_the_abandoned_timeline_is_deleted_before_the_rollback_is_saved(
@@ -460,7 +460,7 @@ def test_the_abandoned_timeline_is_deleted_before_the_rollback_is_saved(
             return super().save(step)
 
     monkeypatch.setattr(train_mod, "RunState", Recording)
-    run(rb(**{"train.spike_at": 9}), tmp_path, 10)
+    run(rb(**{"testing.spike_at": 9}), tmp_path, 10)
     assert calls == [
         ("save", 3),
         ("save", 6),
@@ -560,8 +560,8 @@ def test_kept_rows_is_the_lineage_of_the_final_state() -> None:
         ("train.lr_drop", 1.0000000000000002, "--lr-drop must be finite, > 0.0 and <= 1.0 (got 1.0000000000000002)"),
         ("train.rollback_bound", 0, "--rollback-bound must be >= 1 (got 0)"),
         ("train.rollback_cap", -1, "--rollback-cap must be >= 0 (got -1)"),
-        ("train.spike_at", -1, "--spike-at must be >= 0 (got -1)"),
-        ("train.spike_repeat", 0, "--spike-repeat must be >= 1 (got 0)"),
+        ("testing.spike_at", -1, "--spike-at must be >= 0 (got -1)"),
+        ("testing.spike_repeat", 0, "--spike-repeat must be >= 1 (got 0)"),
     ],
 )
 def test_rollback_config_errors_name_the_flag(key: str, value: Any, message: str) -> None:
@@ -592,8 +592,8 @@ def test_rollback_config_boundaries_are_accepted() -> None:
             "train.lr_drop": 1.0,
             "train.rollback_bound": 1,
             "train.rollback_cap": 0,
-            "train.spike_at": 0,
-            "train.spike_repeat": 1,
+            "testing.spike_at": 0,
+            "testing.spike_repeat": 1,
         }
     )
     assert cfg.train.lr_drop == 1.0 and cfg.train.auto_rollback.value == "warn"
@@ -655,7 +655,7 @@ def test_acceptance_without_auto_rollback_on_the_spike_is_logged_and_training_co
 def replayable(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``--spike-at 9``, K = 3, 14 steps: one re-run and one rollback to 6 in the recording."""
     d = tmp_path_factory.mktemp("replayable")
-    train(rb(**{"train.spike_at": 9, "train.steps": 14}), d, log=None)
+    train(rb(**{"testing.spike_at": 9, "train.steps": 14}), d, log=None)
     return d
 
 
@@ -699,7 +699,7 @@ def test_replay_through_a_rollback_names_the_perturbed_step_and_parameter(
 
 
 def test_replay_of_a_run_that_stopped_unstable_stops_the_same_way(tmp_path: Path) -> None:
-    cfg = rb(**{"train.spike_at": 9, "train.spike_repeat": 6})
+    cfg = rb(**{"testing.spike_at": 9, "testing.spike_repeat": 6})
     with pytest.raises(TrainingUnstable):
         run(cfg, tmp_path, 14)
     report = replay(tmp_path, 3)

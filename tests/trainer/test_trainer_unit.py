@@ -193,7 +193,7 @@ def test_a_non_finite_int8_loss_latches_and_the_step_trains_fp32(
 
 
 def test_without_quant_the_int8_path_is_never_taken(tmp_path: Path) -> None:
-    run(tiny(**{"train.trip_latch_at": 0}), tmp_path, 2)
+    run(tiny(**{"testing.trip_latch_at": 0}), tmp_path, 2)
     assert not load(tmp_path / checkpoint_name(2)).fp32_fallback
 
 
