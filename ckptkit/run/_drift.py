@@ -14,7 +14,7 @@ Invariants:
 - A key the snapshot has and the config lacks is strict drift (a dead key), never
   dropped; a field the snapshot lacks is compared at its declared default.
 
-This module imports no torch: it is part of the format core.
+This module imports no torch: `ckptkit diff` and `verify` use it without it.
 """
 
 from __future__ import annotations

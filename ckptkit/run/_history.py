@@ -371,7 +371,12 @@ class History:
         self._file.flush()
 
     def sync(self) -> None:
-        """Make every appended row (and a held one) durable; called before each checkpoint is written."""
+        """Make every appended row (and a held one) durable; called before each checkpoint is
+        written. A history with ``at`` opens first, as a writer does: the file is the run's from
+        its first checkpoint on (the rows an interrupted run wrote after it dropped), even in a
+        run that has recorded nothing yet."""
+        for note in self.open() if self._at is not None else ():
+            self._log(note)
         if self._held is not None:
             self.append(self._held)
         if self._file is not None:

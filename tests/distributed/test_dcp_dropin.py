@@ -387,7 +387,7 @@ def test_an_overwrite_killed_at_every_file_operation_leaves_old_or_new_whole(tmp
         capture_output=True,
         text=True,
         timeout=300,
-        env={**os.environ, "PYTHONPATH": ROOT},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])},  # ckptkit, helpers
         check=False,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -68,13 +68,13 @@ def test_every_rule_of_the_spec_has_a_fixture_or_a_test_that_names_it() -> None:
     rules = sorted(set(re.findall(r"^\| (R-O\d\d) \|", SPEC, re.M)))
     assert rules == [f"R-O{n:02d}" for n in (1, 2, 3, *range(10, 26), *range(30, 39), *range(40, 46))]
     names = (
-        "test_objectstore.py",
-        "test_objectstore_faults.py",
-        "test_objectstore_run.py",
-        "test_objectstore_copies.py",
-        "test_lightning.py",
-        "test_distributed_objectstore.py",
-        "test_multinode.py",
+        "format/test_objectstore.py",
+        "format/test_objectstore_faults.py",
+        "run/test_objectstore_run.py",
+        "cli/test_objectstore_copies.py",
+        "integrations/test_lightning.py",
+        "distributed/test_distributed_objectstore.py",
+        "run/test_multinode.py",
     )
     tests = "".join((ROOT / "tests" / n).read_text() for n in names)
     fixtures = " ".join(MANIFEST["invalid"])
