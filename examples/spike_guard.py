@@ -171,7 +171,7 @@ def train_step(run: Run, step: int) -> StepOut:
         with torch.no_grad():
             first = next(run.net.parameters())
             first.add_(torch.randn(first.shape) * 1e-4)
-    run.state.record(step, loss=loss, grad_norm=grad_norm, lr=lr)  # ckptkit: a step row and a digests row
+    run.state.record(step, loss=loss, grad_norm=grad_norm, lr=lr, data=(x, y))  # ckptkit: step and digests rows
     return StepOut(loss.item(), grad_norm.item())
 
 

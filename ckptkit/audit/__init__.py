@@ -8,11 +8,11 @@ audit and replay of any loop's command, and the plot of a run. Stands on
 
 from __future__ import annotations
 
-from ..run._difference import Difference
+from ..run._difference import Difference, first_row_difference
 from ._commands import AuditPlan, AuditReport, ReplayPlan, audit_command, replay_command
 from ._compare import TensorDiff, compare_checkpoints, compare_states
 from ._plot import PlotSummary, RunSeries, plot_run, read_series, render, spike_config_of
-from ._recording import RunRecording, first_difference, first_divergence_in_files, first_row_difference
+from ._recording import RunRecording, first_difference, first_divergence_in_files
 
 __all__ = [
     "AuditPlan",

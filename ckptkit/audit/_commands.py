@@ -43,13 +43,14 @@ from typing import Any
 from ..errors import AuditError, CheckpointError, CheckpointNotFound, ReplayDivergence, ReplayError
 from ..format._checkpoint import load
 from ..run import ENVIRONMENT_FILE, read_environment
-from ..run._difference import Difference, FieldDiff, show
+from ..run._difference import Difference, FieldDiff, differing_names, named_reports, show
 from ..run._environment import Fact, diff_environment
 from ..run._files import run_checkpoints
-from ..run._fingerprint import checkpoint_digests, differing_names
+from ..run._fingerprint import checkpoint_digests
 from ..run._history import HISTORY_FILE, read_rows
 from ..run._preemption import EXIT_STOPPED, STOP_AT_ENV
-from ._recording import LAYOUT_ONLY, RunRecording, first_difference, named_reports, rebuild_difference
+from ..run._resume_check import CHECK_ENV
+from ._recording import LAYOUT_ONLY, RunRecording, first_difference, rebuild_difference
 
 __all__ = [
     "PLACEHOLDER",
@@ -433,6 +434,7 @@ class _Runner:
         """
         argv = [*_substitute(self.argv, run_dir, self.error), *extra]
         env = {k: v for k, v in os.environ.items() if k != STOP_AT_ENV}
+        env[CHECK_ENV] = "off"  # the audit and the replay compare the runs, and report, themselves
         if stop_at is not None:
             env[STOP_AT_ENV] = str(stop_at)
         self.log(f"{label}: {' '.join(argv)}" + (f" ({STOP_AT_ENV}={stop_at})" if stop_at is not None else ""))

@@ -8,7 +8,8 @@ trainer's runs and the recordings of outside loops alike (the same row kinds;
 their own scalar names). From ``step`` rows it draws every numeric field named
 ``loss*`` or ``*_loss`` (the total thicker), ``grad_norm`` and ``lr``; from
 ``rollback`` rows a band from the spiking step ``N`` back to the step ``T`` the
-run restarted from, with the LR drop; from ``resume`` rows a dotted line.
+run restarted from, with the LR drop; from ``resume`` rows a dotted line; from
+``resume_check`` rows a band at the foot over the steps a resume re-ran and proved.
 
 The grad-norm threshold is not stored in the recording: it is recomputed with
 ckptkit's own detector (:class:`~ckptkit.guard.SpikeMonitor`, spec/rollback.md
@@ -46,6 +47,7 @@ from ..errors import CheckpointNotFound, FormatError
 from ..format._atomic import write_bytes_atomic
 from ..guard._monitor import SpikeConfig, SpikeMonitor
 from ..run._history import HISTORY_FILE, read_rows
+from ..run._resume_check import CHECK_KIND
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -67,6 +69,8 @@ COLORS = {
     "rollback": "#e8a5a5",
     "lr": "#b5651d",
     "resume": "#5f6b7a",
+    "resume_verified": "#2e8b57",
+    "resume_differed": "#c0392b",
 }
 _EXTRA_COLORS = ("#2ca02c", "#17becf", "#bcbd22", "#7f7f7f")
 _ABANDONED_ALPHA = 0.75  # abandoned steps must stand out against the rollback shading
@@ -97,6 +101,9 @@ class RunSeries:
         spike_events: the spikes as a person counts them (and the trainer's summary): a
             spiking step and its spiking re-run from the state before it are one spike.
         resumes: the step of every ``resume`` row.
+        checked: ``(first, last, verdict)`` per resume whose re-run steps were compared with the
+            interrupted run's (``resume_check`` rows, spec/determinism.md R-D23): ``verified``
+            over steps ``first..last``, or ``differed`` at step ``first`` (= ``last``).
         spike_config: the detector's parameters; config_source: where they came from.
     """
 
@@ -110,6 +117,7 @@ class RunSeries:
     spike_config: SpikeConfig
     config_source: str
     spike_events: int = 0
+    checked: tuple[tuple[int, int, str], ...] = ()
 
     def kept_scalars(self) -> list[tuple[int, dict[str, float]]]:
         """``(step, {name: value})`` for every kept row, ascending: what to log to an experiment
@@ -218,10 +226,24 @@ def read_series(
         spikes=spikes,
         rollbacks=rollbacks,
         resumes=tuple(r["step"] for r in rows if r["kind"] == "resume"),
+        checked=_checked(rows),
         spike_config=config,
         config_source=config_source,
         spike_events=events,
     )
+
+
+def _checked(rows: Sequence[dict[str, Any]]) -> tuple[tuple[int, int, str], ...]:
+    """The spans each resume's check covered (R-D23): verified ``from..to``, or the step that differed."""
+    out = []
+    for r in rows:
+        if r["kind"] != CHECK_KIND:
+            continue
+        if r.get("verdict") == "verified" and isinstance(r.get("from"), int) and isinstance(r.get("to"), int):
+            out.append((r["from"], r["to"], "verified"))
+        elif r.get("verdict") == "differed" and isinstance(r.get("at"), int):
+            out.append((r["at"], r["at"], "differed"))
+    return tuple(out)
 
 
 def _kept(rows: Sequence[dict[str, Any]]) -> tuple[bool, ...]:
@@ -365,6 +387,7 @@ def render(series: RunSeries, *, title: str = "", start: int | None = None, end:
         draw_panel[panel](ax)
     painter.rollbacks(axes)
     painter.resumes(axes)
+    painter.checked(axes)
     _finish(axes, window)
     if title:
         fig.suptitle(title, fontsize=11, x=0.01, ha="left")
@@ -585,6 +608,27 @@ class _Painter:
                     zorder=5,
                     label="resume" if k == 0 and ax is axes[0] else "_nolegend_",
                 )
+
+    def checked(self, axes: Sequence[Any]) -> None:
+        """A band over the steps each resume re-ran and compared: green where they reproduced the
+        interrupted run bit for bit, red at the step where they differed (R-D23)."""
+        seen: set[str] = set()
+        for first, last, verdict in self.series.checked:
+            if last < self.window.lo or first > self.window.hi:
+                continue
+            for ax in axes:
+                ax.axvspan(
+                    first,
+                    last + 1,
+                    ymin=0.0,
+                    ymax=0.04,
+                    color=COLORS[f"resume_{verdict}"],
+                    lw=0,
+                    zorder=6,
+                    gid=f"resume_{verdict}",
+                    label=f"resume {verdict}" if verdict not in seen and ax is axes[0] else "_nolegend_",
+                )
+            seen.add(verdict)
 
 
 def _finish(axes: Sequence[Any], window: _Window) -> None:

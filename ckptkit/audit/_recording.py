@@ -17,17 +17,16 @@ it on any two JSON Lines histories.
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from ..errors import CheckpointNotFound, FormatError
 from ..format._companions import same_checkpoint
-from ..run._difference import Difference, FieldDiff, TensorReport
+from ..run._difference import Difference, TensorReport, compute_order, first_row_difference, named_reports
 from ..run._environment import EnvDiff
 from ..run._files import run_checkpoints
-from ..run._fingerprint import FINGERPRINT_FIELDS, differing_names, step_rows
+from ..run._fingerprint import FINGERPRINT_FIELDS, step_rows
 from ..run._history import HISTORY_FILE, WALL_FIELDS, compared_rows, read_rows
 from ._compare import TensorDiff, compare_checkpoints, compare_states
 
@@ -38,16 +37,10 @@ __all__ = [
     "first_checkpoint_difference",
     "first_difference",
     "first_divergence_in_files",
-    "first_row_difference",
-    "named_reports",
     "rebuild_difference",
-    "same_value",
     "step_fields",
     "tensor_reports",
 ]
-
-#: The order in which a step computes things: the first category that differs is where to look.
-_ORDER = ("grad", "model", "optim", "teacher", "monitor", "header")
 
 #: What a checkpoint difference is when the bytes differ and every tensor and value is equal.
 LAYOUT_ONLY = (
@@ -165,46 +158,6 @@ def first_difference(a: RunRecording, b: RunRecording, *, from_step: int = 0) ->
     return first_checkpoint_difference(a.checkpoints, b.checkpoints, both)
 
 
-def first_row_difference(
-    rows_a: Sequence[Mapping[str, Any]], rows_b: Sequence[Mapping[str, Any]], fields: Sequence[str] | None = None
-) -> Difference | None:
-    """Where two runs' rows part: the first row, in order, that differs from its counterpart, or a
-    different number of rows; None when they agree. Two rows differ when their ``kind`` (a row
-    without one is a step row) or ``step`` does, or any of ``fields`` (default: every key) is in
-    one row only or differs by :func:`same_value`. ``rows_a`` is the recording.
-
-    Example:
-        >>> first_row_difference([{"step": 1, "x": "0x1"}], [{"step": 1, "x": "0x2"}], ["x"]).describe()
-        "step 1: x: recorded '0x1', replayed '0x2'"
-    """
-    for i, (ra, rb) in enumerate(zip(rows_a, rows_b, strict=False)):
-        if not _same_row(ra, rb) or _row_fields(ra, rb, fields):
-            return _row_difference(rows_a, rows_b, i, fields)
-    if len(rows_a) != len(rows_b):
-        last = (rows_a or rows_b)[min(len(rows_a), len(rows_b)) - 1]["step"] if min(len(rows_a), len(rows_b)) else 0
-        return Difference("rows", last, fields=(FieldDiff("rows", len(rows_a), len(rows_b)),))
-    return None
-
-
-def same_value(a: Any, b: Any) -> bool:
-    """Recorded values compared as the bits they stand for: of one type (``1``, ``1.0`` and
-    ``True`` differ), NaN equal to NaN, tables and lists entry by entry."""
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(same_value(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b, strict=True))
-    if isinstance(a, float):
-        return a == b or (math.isnan(a) and math.isnan(b))
-    return bool(a == b)
-
-
-def _same_row(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
-    """The same row: of one kind, at one step."""
-    return same_value(a.get("kind", "step"), b.get("kind", "step")) and same_value(a.get("step"), b.get("step"))
-
-
 def first_divergence_in_files(
     path_a: str | os.PathLike[str],
     path_b: str | os.PathLike[str],
@@ -261,31 +214,6 @@ def rebuild_difference(row: Mapping[str, Any]) -> Difference:
     )
 
 
-def _row_difference(
-    rows_a: Sequence[Mapping[str, Any]], rows_b: Sequence[Mapping[str, Any]], i: int, fields: Sequence[str] | None
-) -> Difference:
-    """The difference at row ``i`` (which differs), with the tensors named by the next
-    ``digests`` rows of both runs (the state after that step), when both have one."""
-    ra, rb = rows_a[i], rows_b[i]
-    kind = ra.get("kind", "step")
-    if not _same_row(ra, rb):  # not the same row: every field differs
-        return Difference("rows", min(ra["step"], rb["step"]), _row_fields(ra, rb))
-    if kind == "digests" and (fields is None or "tensors" in fields):
-        bad = differing_names(ra["tensors"], rb["tensors"])
-        return Difference(
-            "digests", ra["step"], tensors=tuple(named_reports(bad, ra["tensors"], rb["tensors"], "values unavailable"))
-        )
-    da = next((r for r in rows_a[i:] if r.get("kind") == "digests"), None)
-    db = next((r for r in rows_b[i:] if r.get("kind") == "digests"), None)
-    tensors: list[TensorReport] = []
-    values = "the recording keeps digests, not values"
-    if da is not None and db is not None and da["step"] == db["step"]:
-        bad = differing_names(da["tensors"], db["tensors"])
-        tensors = named_reports(bad, da["tensors"], db["tensors"], "values unavailable")
-        values += f"; tensors named from the digests after {da['step']} steps"
-    return Difference(kind, ra["step"], _row_fields(ra, rb, fields), tuple(tensors), values)
-
-
 def first_checkpoint_difference(a: Mapping[int, str], b: Mapping[int, str], steps: Iterable[int]) -> Difference | None:
     """The first of ``steps`` (each a step both runs hold a checkpoint at: ``a[s]``, ``b[s]``)
     whose two checkpoints are not the same checkpoint, as :func:`checkpoint_difference` says.
@@ -331,11 +259,6 @@ def checkpoint_difference(step: int, path_a: str, path_b: str) -> Difference | N
     )
 
 
-def _rank(name: str) -> tuple[int, str]:
-    head = name.partition(":")[0]
-    return (_ORDER.index(head) if head in _ORDER else len(_ORDER), name)
-
-
 def step_fields(recorded: Mapping[str, Any]) -> list[str]:
     """A step row's compared fields: the fingerprints first, then the rest, sorted (not wall time)."""
     skip = WALL_FIELDS | {"kind", "step"}
@@ -355,33 +278,4 @@ def tensor_reports(
                 t.name, t.detail, rec, rep, t.n_diff if t.kind == "changed" else None, t.numel or None, t.max_abs_diff
             )
         )
-    return sorted(out, key=lambda t: _rank(t.name))
-
-
-def named_reports(
-    names: Sequence[str], recorded: Mapping[str, int], replayed: Mapping[str, int], why: str
-) -> list[TensorReport]:
-    """Tensors known only by digest (no values on one side), in compute order; ``why`` ends each detail."""
-    out = []
-    for n in names:
-        rec, rep = recorded.get(n), replayed.get(n)
-        detail = (
-            "only in the recording"
-            if rep is None
-            else "not in the recording"
-            if rec is None
-            else f"digest differs; {why}"
-        )
-        out.append(TensorReport(n, detail, rec, rep))
-    return sorted(out, key=lambda t: _rank(t.name))
-
-
-def _row_fields(
-    a: Mapping[str, Any], b: Mapping[str, Any], fields: Sequence[str] | None = None
-) -> tuple[FieldDiff, ...]:
-    """Each of ``fields`` (default: every key, sorted) in one row only or differing by
-    :func:`same_value` between two history rows (``a`` recorded, ``b`` replayed)."""
-    keys = sorted(set(a) | set(b)) if fields is None else fields
-    return tuple(
-        FieldDiff(k, a.get(k), b.get(k)) for k in keys if (k in a) != (k in b) or not same_value(a.get(k), b.get(k))
-    )
+    return sorted(out, key=lambda t: compute_order(t.name))

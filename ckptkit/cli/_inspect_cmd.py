@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from typing import Any
 
-from ..errors import CheckpointNotFound
+from ..errors import CheckpointError, CheckpointNotFound
 from ..format._container import Source, read_layout
 from ..format._section import TensorRef
 from ..format._urls import is_url
 from ..format._values import TypedValue
 from ..format._verify import layout_report
+from ..run._resume_check import verdict_line
 from ._verify import _size, report_json
 
 __all__ = ["URL_ARGS", "add_parser", "run"]
@@ -71,8 +73,6 @@ def _plain(tree: Any) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    import os
-
     from . import _distributed, _trainer
 
     if _distributed.is_distributed_dir(args.path):
@@ -102,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
         out["schema_version"] = 1
         out["monitor"] = run_state
         out["rollback"] = _rollback_record(run_state)
+        out["resumes"] = [{k: v for k, v in r.items() if k not in ("kind", "step")} for r in _resumes(args.path)]
         print(json.dumps(out, sort_keys=True))
         return 0
     print(f"{args.path}: container v{layout.version}, step {layout.step}, {_size(layout.size)}")
@@ -115,8 +116,23 @@ def run(args: argparse.Namespace) -> int:
         print(f"{s.name:<9} {s.offset:>10} {s.length:>12}  {codec:<5} {s.tensors:>8}{status}")
     for line in _run_state_lines(run_state):
         print(line)
+    for r in _resumes(args.path):
+        print("run: " + (verdict_line(r) if r["verdict"] else f"resume at step {r['resumed_at']}: no verdict recorded"))
     print("digests: not checked here (ckptkit verify checks every byte)")
     return 0
+
+
+def _resumes(path: str) -> tuple[dict[str, Any], ...]:
+    """The verdict of each resume of the run the checkpoint is in (its ``history.jsonl``, R-D23)."""
+    from ..run._history import HISTORY_FILE, check_history
+
+    history = os.path.join(os.path.dirname(path) or ".", HISTORY_FILE)
+    if is_url(path) or not os.path.isfile(history):
+        return ()
+    try:
+        return check_history(history).resumes
+    except CheckpointError:
+        return ()  # ckptkit verify reports a history it cannot read
 
 
 def _names(group: Any) -> str:

@@ -20,6 +20,7 @@ from typing import Any
 from ..format._urls import is_url, join
 from ..run._files import is_fallback_note, run_checkpoints
 from ..run._history import HISTORY_FILE, read_rows
+from ..run._resume_check import CHECK_KIND, verdict_line
 from ._width import fit, fit_command
 
 __all__ = ["TrainSummary", "extend_command", "summarize"]
@@ -49,6 +50,7 @@ class TrainSummary:
     extend: str  # the command that extends (or resumes) the run
     next_step: str = "extend"  # how the last row names that command: "resume" after a stop
     passed_over: tuple[str, ...] = ()  # the resume's lines about damaged checkpoints it skipped
+    verdicts: tuple[dict[str, Any], ...] = ()  # this call's resume_check rows (spec/determinism.md R-D23)
 
     def lines(self, width: int | None = None) -> list[str]:
         """The summary as a user reads it (README "What you see" explains each line).
@@ -60,6 +62,7 @@ class TrainSummary:
         span = f"resumed at step {self.began}, now at {self.done}" if self.resumed else f"0 -> {self.done}"
         rows = [("trained", f"{self.steps_run} step(s) ({span}) in {_duration(self.seconds)}{rate}")]
         rows += [("resume", note) for note in self.passed_over]
+        rows += [("resume check", verdict_line(r).removeprefix("resume ")) for r in self.verdicts]
         if self.final is not None:
             f = self.final
             parts = [f"lm {_num(f.get('lm_loss'))}"]
@@ -176,6 +179,7 @@ def summarize(run_dir: str, *, seconds: float, keep: int, extend: str, next_step
         extend=extend,
         next_step=next_step,
         passed_over=tuple(n for n in (mine[0].get("notes", []) if mine else []) if is_fallback_note(str(n))),
+        verdicts=tuple(r for r in mine if r["kind"] == CHECK_KIND),
     )
 
 

@@ -136,6 +136,14 @@ def add_parser(sub: Any) -> None:
         "--allow-env-change", action="store_true", help="accept a different environment (recorded in history.jsonl)"
     )
     run_group.add_argument(
+        "--resume-check",
+        choices=("error", "warn", "off"),
+        default=None,
+        help="with --resume: the steps the interrupted run recorded after the checkpoint are re-run and "
+        "compared bit for bit; a difference stops the run (error, the default), is said (warn), or nothing "
+        "is compared (off) (spec/determinism.md R-D24)",
+    )
+    run_group.add_argument(
         "--threads",
         type=int,
         default=None,
@@ -202,6 +210,7 @@ def _train(args: argparse.Namespace, cfg: Any, speak: bool) -> int:
 
     from ..run._files import is_fallback_note
     from ..run._preemption import RunStopped
+    from ..run._resume_check import is_verdict
     from ..trainer._loop import intra_op_threads, train
     from ._progress import Progress
 
@@ -223,7 +232,8 @@ def _train(args: argparse.Namespace, cfg: Any, speak: bool) -> int:
                     reshard=args.reshard,
                     allow_legacy=args.allow_legacy,
                     allow_env_change=args.allow_env_change,
-                    log=lambda line: progress.log(line, always=is_fallback_note(line)),
+                    resume_check=args.resume_check,
+                    log=lambda line: progress.log(line, always=is_fallback_note(line) or is_verdict(line)),
                     on_step=on_step,
                     preemptible=True,
                 )
@@ -319,6 +329,8 @@ def _resume_command(args: argparse.Namespace, cfg: Any) -> str:
     flags = [f for f in ("--allow-legacy", "--allow-env-change") if getattr(args, f[2:].replace("-", "_"))]
     if args.threads is not None:  # the thread count is an environment fact of the run
         flags += ["--threads", str(args.threads)]
+    if args.resume_check is not None:
+        flags += ["--resume-check", args.resume_check]
     return shlex.join([*_launcher(), "train", "--run-dir", str(args.run_dir), *knob_flags(cfg), *flags, "--resume"])
 
 

@@ -16,6 +16,7 @@ from typing import Any
 from ..errors import CheckpointError, CheckpointNotFound, UnreadableFile
 from ..format._urls import is_url
 from ..format._verify import Report, verify
+from ..run._resume_check import verdict_line
 from ._paths import expand_checkpoints
 from ._progress import Progress
 
@@ -238,6 +239,7 @@ def _history_json(h: Any) -> dict[str, Any]:
         "torn": h.torn,
         "steps": None if h.steps is None else list(h.steps),
         "problems": list(h.problems),
+        "resumes": [{k: v for k, v in r.items() if k not in ("kind", "step")} for r in h.resumes],
     }
 
 
@@ -268,6 +270,11 @@ def _print_history(h: Any) -> None:
     if h.ok:
         steps = "no step rows" if h.steps is None else f"steps {h.steps[0]}..{h.steps[1]}"
         print(f"OK    {h.path}  history, {h.rows} rows, {steps} (no checksum: rows, order and _bits checked)")
+    for r in h.resumes:  # each resume's proof (spec/determinism.md R-D23)
+        if r["verdict"] is None:
+            print(f"      resume at step {r['resumed_at']}: no verdict recorded (the resume check was not run)")
+        else:
+            print(f"{'WARN' if r['verdict'] == 'differed' else '':<6}{verdict_line(r)}")
 
 
 def expand_checkpoints_or_none(run_dir: str) -> list[str]:

@@ -11,6 +11,7 @@ or a tool (``tests/meta/test_layers.py``). spec/runstate.md is the contract.
 
 from __future__ import annotations
 
+from ._difference import differing_names
 from ._drift import DEFAULT_EXEMPT, KeyDiff, check_resume, diff_keys
 from ._field_coverage import assert_field_coverage
 from ._files import CKPT_SUFFIX, DCP_SUFFIX, ENVIRONMENT_FILE, checkpoint_name, list_checkpoints, read_environment
@@ -18,7 +19,6 @@ from ._fingerprint import (
     FINGERPRINT_FIELDS,
     checkpoint_digests,
     combine,
-    differing_names,
     float_bits,
     leaf_digest,
     leaf_digests,

@@ -14,11 +14,9 @@ Two runs that should be the same are compared by fingerprints, not by eye:
   checkpoint can be fingerprinted tensor by tensor, named as :func:`ckptkit.audit._compare.flatten`
   names it;
 * :func:`combine` — the order-independent sum behind :func:`state_digest`;
-* :func:`differing_names` — which named digests differ between two digest maps;
 * :func:`step_rows` — a history's step rows, one per step.
 
-Where two recordings part is audit's concept, searched once:
-:func:`ckptkit.audit.first_row_difference`.
+Where two recordings part is searched once, by :func:`ckptkit.run._difference.first_row_difference`.
 
 Implements ``spec/replay.md``. Usable by any trainer: only ``tensor_digest`` and
 ``state_digest`` need torch, and they import it lazily.
@@ -27,7 +25,7 @@ Implements ``spec/replay.md``. Usable by any trainer: only ``tensor_digest`` and
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import xxhash
@@ -39,7 +37,7 @@ from ._rng import mix64
 __all__ = [
     "FINGERPRINT_FIELDS",
     "combine",
-    "differing_names",
+    "data_digest",
     "float_bits",
     "leaf_digest",
     "leaf_digests",
@@ -140,22 +138,41 @@ def leaf_digests(named: Mapping[str, Any]) -> dict[str, int]:
     return {name: leaf_digest(name, named[name]) for name in sorted(named)}
 
 
+def data_digest(batch: Any) -> str:
+    """What a step consumed, as one digest for its ``step`` row's ``data`` field (spec/determinism.md
+    R-D26): a tensor, bytes, a plain value, or a list, tuple or dict of them (a ``DataLoader``
+    batch), leaf by leaf in order (dict keys sorted), each by :func:`leaf_digest` under its path.
+
+    Raises:
+        UnsupportedValue: a leaf that is neither a tensor nor a plain value.
+
+    Example:
+        >>> data_digest([b"ab", 1]) != data_digest([b"ab", 2])
+        True
+    """
+    h = xxhash.xxh3_64()
+    for path, leaf in _leaves("data", batch):
+        h.update(struct.pack("<Q", leaf_digest(path, leaf)))
+    return f"0x{h.intdigest():016x}"
+
+
+def _leaves(path: str, value: Any) -> Iterator[tuple[str, Any]]:
+    if isinstance(value, Mapping):
+        for key in sorted(value, key=str):
+            yield from _leaves(f"{path}.{key}", value[key])
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            yield from _leaves(f"{path}.{i}", item)
+    else:
+        yield path, value
+
+
 def checkpoint_digests(ckpt: Any) -> dict[str, int]:
     """:func:`leaf_digests` of a :class:`~ckptkit.Checkpoint`'s every leaf, by the names of
     :func:`ckptkit.format._tree.checkpoint_state`: what a ``checkpoint`` or ``digests`` row records."""
     from ..format._tree import checkpoint_state
 
     return leaf_digests(checkpoint_state(ckpt))
-
-
-def differing_names(recorded: Mapping[str, Any], replayed: Mapping[str, Any]) -> list[str]:
-    """Names whose digests differ, or that one side lacks, sorted.
-
-    Example:
-        >>> differing_names({"a": 1, "b": 2}, {"a": 1, "b": 3, "c": 4})
-        ['b', 'c']
-    """
-    return sorted(n for n in set(recorded) | set(replayed) if recorded.get(n) != replayed.get(n))
 
 
 def step_rows(rows: Iterable[Mapping[str, Any]], kind: str = "step") -> list[Mapping[str, Any]]:

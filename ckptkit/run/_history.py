@@ -25,9 +25,11 @@ compared rows as the uninterrupted run.
 
 Crash safety: rows are appended and flushed per step and fsynced before every
 checkpoint, so every row of a step before a checkpoint is on disk when the
-checkpoint is. On resume at step ``S`` the file is rewritten atomically
-without the rows the interrupted run wrote after ``S`` (step rows ``>= S``,
-other rows ``> S``) and a torn last line; then appending continues.
+checkpoint is. On resume at step ``S`` the rows the interrupted run wrote after ``S``
+(step rows ``>= S``, other rows ``> S``) are set aside in ``history.interrupted.jsonl``
+and the file is rewritten atomically without them and without a torn last line; then
+appending continues, and the steps re-run are compared with the rows set aside
+(:mod:`ckptkit.run._resume_check`, spec/determinism.md R-D20).
 """
 
 from __future__ import annotations
@@ -46,9 +48,11 @@ from ..format._atomic import write_bytes_atomic
 from ..format._checks import is_number
 from ..format._container import open_regular
 from ..format._urls import local_only
+from ._resume_check import CHECK_KIND, INTERRUPTED_FILE, Overlap, ResumeCheck
 
 __all__ = [
     "COMPARED_KINDS",
+    "INTERRUPTED_FILE",
     "HISTORY_FILE",
     "WALL_FIELDS",
     "History",
@@ -255,6 +259,8 @@ class History:
         self._at, self._log = at, log or (lambda _msg: None)
         self._held: dict[str, Any] | None = None  # RunState's resume row, until the next row (hold())
         self.prepared = False  # start_fresh() or resume_at() made the file this run's, in this process
+        self._check: ResumeCheck | None = None  # how a resume judges itself (expect()); None: not at all
+        self.overlap: Overlap | None = None  # the steps a resume re-runs, compared as they are written
         # An s3:// run's history is written in RunState.work_dir (spec/objectstore.md R-O23).
         self.path = os.path.join(local_only(run_dir, "ckptkit.run.History"), HISTORY_FILE)
 
@@ -271,6 +277,11 @@ class History:
         if self._at is None:
             raise ValueError(f"{self.path}: History.start_fresh(), resume_at() or begin() first")
         return self.begin(*self._at())
+
+    def expect(self, check: ResumeCheck) -> None:
+        """Judge the resume this history opens at (:meth:`resume_at`) by ``check``: the steps it
+        re-runs are compared with the rows the interrupted process wrote (R-D20)."""
+        self._check = check
 
     def hold(self, row: dict[str, Any]) -> None:
         """Write ``row`` before the next row appended, unless that one is a row of the same kind
@@ -302,7 +313,7 @@ class History:
         self._open()
 
     def resume_at(self, step: int, timeline: int = 0) -> list[str]:
-        """Drop what the interrupted run wrote after ``step``; return notes about the file.
+        """Set aside what the interrupted run wrote after ``step``; return notes about the file.
 
         Keeps rows of what happened *during* a step (kinds ``step``, ``spike``,
         ``rollback``) with ``step < S`` and other rows with ``step <= S``; the
@@ -323,18 +334,23 @@ class History:
             FormatError: a complete line of the file is not a history row.
         """
         rows, torn = read_rows(self.path)
-        kept, seen = [], 0  # seen: rollback rows so far, i.e. the timeline of the row at hand
+        kept: list[dict[str, Any]] = []
+        aside: list[dict[str, Any]] = []
+        seen = 0  # seen: rollback rows so far, i.e. the timeline of the row at hand
         for r in rows:
             during = r["kind"] in _DURING_STEP
-            if seen < timeline or (seen == timeline and (r["step"] < step if during else r["step"] <= step)):
-                kept.append(r)
+            keep = seen < timeline or (seen == timeline and (r["step"] < step if during else r["step"] <= step))
+            (kept if keep else aside).append(r)
             seen += r["kind"] == "rollback"
         notes = []
-        if len(kept) < len(rows) or torn:
+        if aside:
+            _keep_aside(os.path.dirname(self.path), step, timeline, aside)
             notes.append(
-                f"history: dropped {len(rows) - len(kept) + torn} row(s) written after step {step} "
-                "(the run went on past the checkpoint it resumes from)"
+                f"history: set aside {len(aside)} row(s) the interrupted run wrote after step {step} "
+                f"in {INTERRUPTED_FILE}; the steps re-run are compared with them"
             )
+        if torn:
+            notes.append("history: dropped a torn last line (the interrupted run died writing it)")
         have = {r["step"] for r in kept if r["kind"] == "step"}
         missing = [s for s in range(step) if s not in have]
         if missing:
@@ -344,6 +360,8 @@ class History:
             )
         write_bytes_atomic(self.path, b"".join(_encode(r) for r in kept))
         self._open()
+        if self._check is not None:
+            self.overlap = Overlap(step, aside, torn, self._check)
         return notes
 
     def _open(self) -> None:
@@ -358,8 +376,14 @@ class History:
             self._log(note)
         held, self._held = self._held, None
         if held is not None and (held["kind"], held["step"]) != (row["kind"], row["step"]):
-            self._write(held)
+            self._see(held)
+        self._see(row)
+
+    def _see(self, row: dict[str, Any]) -> None:
+        """Write ``row``; a resume compares it with the interrupted run's (R-D22)."""
         self._write(row)
+        if self.overlap is not None:
+            self.overlap.see(row, self._write)
 
     def _write(self, row: dict[str, Any]) -> None:
         if self._file is None:
@@ -383,9 +407,11 @@ class History:
             os.fsync(self._file.fileno())
 
     def close(self) -> None:
-        """Write a held row, then close the file."""
+        """Write a held row and a resume's verdict not yet written (R-D23), then close the file."""
         if self._held is not None:
             self.append(self._held)
+        if self.overlap is not None and self._file is not None:
+            self.overlap.end(self._write)
         self._close()
 
     def _close(self) -> None:
@@ -395,6 +421,23 @@ class History:
 
     def __del__(self) -> None:  # a history dropped unclosed (its run ended) closes its file
         self._close()
+
+
+def _keep_aside(run_dir: str, step: int, timeline: int, rows: list[dict[str, Any]]) -> None:
+    """Append the rows a resume sets aside to :data:`INTERRUPTED_FILE` under an ``interrupted``
+    row (R-D21), atomically. A resume that crashed before rewriting the history sets the same
+    rows aside again: they are kept once."""
+    path = os.path.join(run_dir, INTERRUPTED_FILE)
+    batch = b"".join(_encode(r) for r in rows)
+    header = {"kind": "interrupted", "step": step, "timeline": timeline, "rows": len(rows)}
+    try:
+        fd, _ = open_regular(path, "history")
+        with os.fdopen(fd, "rb") as f:
+            before = f.read()
+    except CheckpointNotFound:
+        before = b""
+    if not before.endswith(_encode(header) + batch):
+        write_bytes_atomic(path, before + _encode(header) + batch)
 
 
 @dataclass(frozen=True)
@@ -407,6 +450,8 @@ class HistoryCheck:
         steps: ``(first, last)`` step of the ``step`` rows, or None when there are none.
         torn: the last line is incomplete (a crash mid-append; a resume drops it).
         problems: one line per damaged or inconsistent row, in file order.
+        resumes: each resume's verdict (spec/determinism.md R-D23), in file order: its
+            ``resume_check`` row, or for a resume that has none ``{"resumed_at": S, "verdict": None}``.
     """
 
     path: str
@@ -414,6 +459,7 @@ class HistoryCheck:
     steps: tuple[int, int] | None
     torn: bool
     problems: tuple[str, ...]
+    resumes: tuple[dict[str, Any], ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -467,6 +513,7 @@ def check_history(path: str | os.PathLike[str]) -> HistoryCheck:
     expected: int | None = None
     last: int | None = None
     steps: list[int] = []
+    verdicts: list[dict[str, Any]] = []
     for i, (offset, line, _) in enumerate(lines[:-1] if torn else lines):
         where = f"line {i + 1} (offset {offset})"
         if line is None:
@@ -505,8 +552,13 @@ def check_history(path: str | os.PathLike[str]) -> HistoryCheck:
             if expected is not None and steps and step != expected:  # a loop that records no step rows counts none
                 problems.append(f"{where}: resume at step {step}, but the step rows before it end at {expected - 1}")
             expected = step
+            verdicts.append({"resumed_at": step, "verdict": None})
+        elif kind == CHECK_KIND:
+            if verdicts and verdicts[-1]["verdict"] is None and verdicts[-1]["resumed_at"] == row.get("resumed_at"):
+                verdicts.pop()  # the resume row before it, judged
+            verdicts.append(row)
     first_last = (min(steps), max(steps)) if steps else None
-    return HistoryCheck(path, rows, first_last, torn, tuple(problems))
+    return HistoryCheck(path, rows, first_last, torn, tuple(problems), tuple(verdicts))
 
 
 # ---------------------------------------------------------------------------- the rows a loop records

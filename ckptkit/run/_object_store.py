@@ -42,7 +42,7 @@ from ._files import (
     write_companions,
 )
 from ._group import Group, world_size_changed
-from ._history import HISTORY_FILE
+from ._history import HISTORY_FILE, INTERRUPTED_FILE
 from ._registry import Registry
 from ._store import Opened
 
@@ -79,7 +79,9 @@ class RunObjects:
         self.url = parse(run_dir)
         self.objects = store_for(self.url)
         self._work = tempfile.mkdtemp(prefix="ckptkit-run-")
-        self._fetch(HISTORY_FILE, missing_ok=True)  # the rows so far; a resume drops those after its step
+        self._fetch(HISTORY_FILE, missing_ok=True)  # the rows so far; a resume sets aside those after its step
+        self._fetch(INTERRUPTED_FILE, missing_ok=True)  # the rows earlier resumes set aside (R-D21)
+        self._aside_sent = self._size(INTERRUPTED_FILE)
 
     @property
     def work_dir(self) -> str:
@@ -113,11 +115,21 @@ class RunObjects:
         return read_environment(self.work_dir)
 
     def _upload_history(self) -> None:
-        """``history.jsonl`` as it stands, one whole object (R-O23)."""
+        """``history.jsonl`` as it stands, one whole object (R-O23); the rows a resume set aside
+        (:data:`INTERRUPTED_FILE`) too when a resume added to them (R-D21)."""
         here = os.path.join(self.work_dir, HISTORY_FILE)
         if os.path.exists(here):
             with open(here, "rb") as f:
                 self.objects.put(self._key(HISTORY_FILE), f.read())
+        size = self._size(INTERRUPTED_FILE)
+        if size != self._aside_sent:
+            with open(os.path.join(self.work_dir, INTERRUPTED_FILE), "rb") as f:
+                self.objects.put(self._key(INTERRUPTED_FILE), f.read())
+            self._aside_sent = size
+
+    def _size(self, name: str) -> int:
+        path = os.path.join(self.work_dir, name)
+        return os.path.getsize(path) if os.path.exists(path) else -1
 
     def steps(self, suffix: str) -> list[tuple[int, str]]:
         """The committed checkpoints of ``suffix``: objects without a record are no checkpoint (R-O15)."""

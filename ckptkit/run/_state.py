@@ -58,6 +58,7 @@ from ._preemption import Stopping, StopRequests
 from ._registration import Registration
 from ._registry import Registry
 from ._resume import ResumeInfo
+from ._resume_check import ResumeCheck, check_mode, replay_command
 from ._store import Sidecars, Store
 
 __all__ = ["GuardView", "ResumeInfo", "RunState"]
@@ -124,6 +125,7 @@ class RunState(Registration, Stopping):
         self.exempt = frozenset(exempt)
         self.compression = compression
         self._log = log or (lambda _msg: None)
+        self._user_log = log is not None  # a resume's verdict line goes to it, else to stderr
         self._reg = Registry()
         self._after_restore: list[Callable[[], None]] = []
         self._stops = StopRequests()
@@ -323,7 +325,12 @@ class RunState(Registration, Stopping):
         return self._began
 
     def resume(
-        self, *, allow_legacy: bool = False, allow_env_change: bool = False, reshard: bool = False
+        self,
+        *,
+        allow_legacy: bool = False,
+        allow_env_change: bool = False,
+        reshard: bool = False,
+        resume_check: str | None = None,
     ) -> ResumeInfo:
         """Restore the newest consistent checkpoint, after every check passes.
 
@@ -343,6 +350,13 @@ class RunState(Registration, Stopping):
             reshard: a distributed run may resume at another world size or layout:
                 DCP reshards, data positions come from their offset rules, and
                 ``ResumeInfo.resharded`` says the run is no longer bit-comparable.
+            resume_check: what a difference between the steps this process re-runs and the rows
+                the interrupted process recorded for them does (spec/determinism.md R-D24):
+                ``"error"`` stops the run (:class:`~ckptkit.errors.ReplayDivergence`, both
+                processes' rows kept), ``"warn"`` says it and goes on, ``"off"`` compares
+                nothing; default ``$CKPTKIT_RESUME_CHECK``, else ``"error"``. Equal rows end in
+                the line ``resume verified: steps a..b reproduce the interrupted run bit for bit``
+                (through ``log``, else stderr) and a ``resume_check`` row.
 
         Returns:
             A :class:`ResumeInfo`.
@@ -358,6 +372,7 @@ class RunState(Registration, Stopping):
             WorldSizeChanged: the run was saved at another world size or layout
                 (one process vs a process group included) and ``reshard`` is False.
         """
+        mode = check_mode(resume_check)
         self._hold()
         how = protocol.Resume(self.config, self.exempt, allow_legacy, allow_env_change, reshard)
 
@@ -366,12 +381,28 @@ class RunState(Registration, Stopping):
 
         info = protocol.resume(self._store, self._group, self._reg, self.run_dir, how, restore, self._log)
         self._began = info.step
+        self._history.expect(self._check(mode, info))
         if self.rank == 0 and (info.env_overrides or self._overridden_before(info.step)):
             row = protocol.resume_row(
                 info, allow_legacy=allow_legacy, allow_env_change=allow_env_change, notes=info.notes
             )
             self._history.hold(row)
         return info
+
+    def _check(self, mode: str, info: ResumeInfo) -> ResumeCheck:
+        """How this resume judges itself (R-D20): a resume that accepted another environment, another
+        layout or a legacy checkpoint is not comparable with the process it replaces."""
+        why = (
+            "the resume accepted another environment (" + "; ".join(str(d) for d in info.env_overrides) + ")"
+            if info.env_overrides
+            else "the resume resharded the run"
+            if info.resharded
+            else "a legacy checkpoint without the full state"
+            if info.legacy_missing
+            else None
+        )
+        say = self._log if self._user_log else None
+        return ResumeCheck(mode, self.run_dir, replay_command(self.run_dir), why, say)
 
     def _overridden_before(self, step: int) -> bool:
         """An earlier process of the run, up to ``step``, ran under another environment (its
@@ -380,7 +411,12 @@ class RunState(Registration, Stopping):
         return any(r["kind"] == "resume" and r.get("env_diffs") for r in rows if r["step"] <= step)
 
     def resume_or_start(
-        self, *, allow_legacy: bool = False, allow_env_change: bool = False, reshard: bool = False
+        self,
+        *,
+        allow_legacy: bool = False,
+        allow_env_change: bool = False,
+        reshard: bool = False,
+        resume_check: str | None = None,
     ) -> int:
         """Resume the newest consistent checkpoint if the run directory holds one, else start
         fresh; returns the step to continue from. The same command line then starts the run
@@ -390,7 +426,8 @@ class RunState(Registration, Stopping):
             As :meth:`resume` (never :class:`CheckpointNotFound` for an empty directory).
         """
         if protocol.has_checkpoints(self._group, self._store):
-            return self.resume(allow_legacy=allow_legacy, allow_env_change=allow_env_change, reshard=reshard).step
+            how = {"allow_legacy": allow_legacy, "allow_env_change": allow_env_change, "reshard": reshard}
+            return self.resume(**how, resume_check=resume_check).step
         return self.start()
 
     def record(
@@ -399,6 +436,7 @@ class RunState(Registration, Stopping):
         *,
         fields: Mapping[str, Any] | None = None,
         digests: Mapping[str, int] | None = None,
+        data: Any = None,
         **scalars: Any,
     ) -> None:
         """Record step ``step`` (0-based, just finished) in ``history.jsonl``: a ``step`` row
@@ -415,17 +453,20 @@ class RunState(Registration, Stopping):
             fields: row fields written as given (JSON values: a loop's own schema with its own
                 ``_bits``, the reference trainer's, spec/trainer.md); not ``kind`` or ``step``.
             digests: the ``digests`` row's digests (default: every tensor and value registered).
+            data: what the step consumed (a ``DataLoader`` batch: tensors, or a list, tuple or
+                dict of them): its digest is the row's ``data`` field, so that a resume fed other
+                data is named as ``data`` at its first step (spec/determinism.md R-D26).
 
         Example::
 
-            state.record(step, loss=loss.item(), grad_norm=gn.item(), lr=sched.get_last_lr()[0])
+            state.record(step, loss=loss.item(), grad_norm=gn.item(), lr=sched.get_last_lr()[0], data=batch)
 
         Raises:
             TypeError: a scalar that is not a number, string or one-element tensor, or ``fields``
                 naming ``kind`` or ``step``.
         """
         from ..format._tree import localized
-        from ._fingerprint import checkpoint_digests
+        from ._fingerprint import checkpoint_digests, data_digest
         from ._history import digests_row, step_row
 
         if fields is not None and not fields.keys().isdisjoint(("kind", "step")):
@@ -433,6 +474,8 @@ class RunState(Registration, Stopping):
         if self.rank != 0 or self._replaying == "replay":
             return  # a distributed run's history is rank 0's; a replayed step is recorded already
         row = {**step_row(step, scalars), **(fields or {})}
+        if data is not None:
+            row["data"] = data_digest(data)
         if self._replaying == "rerun":
             row["rerun"] = True  # the re-run of a spiking step (spec/rollback.md R-R04)
         if self._began is None:

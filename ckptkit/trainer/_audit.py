@@ -31,12 +31,12 @@ import torch
 from ..audit._commands import PLACEHOLDER, AuditPlan, AuditReport, audit_command, copy_checkpoint
 from ..audit._commands import compare_runs as audit_compare
 from ..audit._compare import compare_checkpoints, compare_states
-from ..audit._recording import first_row_difference, step_fields, tensor_reports
+from ..audit._recording import step_fields, tensor_reports
 from ..errors import AuditError, CheckpointError, ReplayError
 from ..format._snapshot import read_snapshot, snapshot_path
 from ..format._tree import checkpoint_state
 from ..run import ENVIRONMENT_FILE, RunState, checkpoint_name, list_checkpoints
-from ..run._difference import Difference, Rerun
+from ..run._difference import Difference, Rerun, first_row_difference
 from ..run._drift import DEFAULT_EXEMPT, diff_keys
 from ..run._files import run_checkpoints
 from ._config import TrainerConfig, flag_name, knobs

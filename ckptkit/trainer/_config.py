@@ -244,6 +244,12 @@ class TestingAids:
         "TESTING AID: the parameter --perturb-at changes, as the model names it "
         "(blocks.0.attn.qkv.weight); empty = the first parameter",
     )
+    # -- planted nondeterminism, for testing the resume check (spec/determinism.md R-D25) --
+    global_draw_from: int | None = _knob(
+        None,
+        "TESTING AID: from this step on, move element 0 of the first parameter by a draw from the "
+        "global RNG (which no checkpoint restores), so a resumed process differs; unset = never, >= 0",
+    )
     # -- an injected grad-norm spike, for testing --auto-rollback (spec/rollback.md R-R11) --
     spike_at: int | None = _knob(
         None,
@@ -267,6 +273,8 @@ class TestingAids:
             _non_negative(self, "trip_latch_at")
         if self.perturb_at is not None:
             _non_negative(self, "perturb_at")
+        if self.global_draw_from is not None:
+            _non_negative(self, "global_draw_from")
         if not isinstance(self.perturb_param, str):
             raise ValueError(f"--perturb-param must be a parameter name (got {self.perturb_param!r})")
         _positive(self, "spike_repeat")

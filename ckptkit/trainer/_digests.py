@@ -93,9 +93,15 @@ def perturb_target(cfg: Any, model: torch.nn.Module) -> str | None:
 
 @torch.no_grad()
 def perturb(run: Any, step: int) -> None:
-    """TESTING AID (``--perturb-at``): at the end of that step, element 0 of the target
-    parameter moves to the next float up (1 ulp), so exactly one tensor differs there."""
+    """TESTING AIDS: at the end of step ``--perturb-at``, element 0 of the target parameter moves
+    to the next float up (1 ulp), so exactly one tensor differs there; from step
+    ``--global-draw-from`` on, it moves by a draw from the global RNG, which no checkpoint
+    restores: a process that resumes draws other numbers (spec/determinism.md R-D25)."""
     cfg = run.cfg
+    drawn = cfg.testing.global_draw_from is not None and step >= cfg.testing.global_draw_from
+    if drawn:
+        first = next(iter(run.model.parameters()))
+        getattr(first, "to_local", lambda: first)().view(-1)[0] += torch.rand(()).item() * 1e-3
     if cfg.testing.perturb_at != step:
         return
     name = perturb_target(cfg, run.model)

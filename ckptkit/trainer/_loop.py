@@ -58,6 +58,7 @@ from ..guard._rollback_record import skipped_batches
 from ..guard._spikeguard import Executed, RolledBack, SpikeGuard
 from ..run import RunState
 from ..run._drift import DEFAULT_EXEMPT
+from ..run._fingerprint import data_digest
 from ..run._history import HISTORY_FILE, f32_bits, f64_bits, json_float
 from ..run._preemption import RunStopped
 from ..run._resume import resume_row
@@ -149,6 +150,7 @@ class StepResult:
     # Per-parameter digests after the step (spec/replay.md R-P01), named as the checkpoint names them.
     param_digests: dict[str, int] | None = None
     rerun: bool = False  # the re-run of a spiking step from the state before it (spec/rollback.md R-R04)
+    data: str | None = None  # digest of the bytes the step consumed (spec/determinism.md R-D26)
 
     def row(self) -> dict[str, Any]:
         assert self.verdict is not None, "a step row needs the monitor's verdict (observed_step / the guard)"
@@ -176,6 +178,7 @@ class StepResult:
             "step_ms": self.step_ms,
             "params_digest": None if self.param_digests is None else params_digest(self.param_digests),
             "rerun": self.rerun,
+            "data": self.data,
         }
 
     def line(self, steps: int) -> str:
@@ -471,6 +474,7 @@ def train_step(run: Run, step: int) -> StepResult:
         offset=run.stream.offset,
         step_ms=step_ms,
         param_digests=param_digests(run.model),  # fingerprints: spec/replay.md R-P01
+        data=data_digest((x, y)),  # what it consumed: a resume fed other data is named as such (R-D26)
     )
 
 
@@ -629,6 +633,7 @@ def train(
     reshard: bool = False,
     allow_legacy: bool = False,
     allow_env_change: bool = False,
+    resume_check: str | None = None,
     log: Log | None = _stderr,
     on_step: Callable[[StepResult], None] | None = None,
     preemptible: bool = False,
@@ -648,6 +653,9 @@ def train(
             checkpoint's (recorded: the run is no longer bit-comparable to its past).
         allow_legacy: accept a v1 checkpoint that lacks state (recorded in history).
         allow_env_change: accept a different environment (recorded in history).
+        resume_check: with ``resume``, what a difference between the steps re-run and the rows
+            the interrupted run recorded for them does: ``"error"`` (default), ``"warn"``, ``"off"``
+            (:meth:`RunState.resume`, spec/determinism.md R-D24).
         log: progress and notes (default: stderr); None for silence.
         on_step: called after each step's history row is written (tests, tools).
         preemptible: SIGTERM / SIGINT request a stop (:meth:`RunState.preemptible`):
@@ -701,7 +709,8 @@ def train(
                 log("no checkpoint was committed before the run stopped: starting it again from step 0")
                 resume = False
             if resume:
-                start, notes = _resume(run, rs, step_fn, reshard, allow_legacy, allow_env_change, log)
+                how = _How(reshard, allow_legacy, allow_env_change, resume_check)
+                start, notes = _resume(run, rs, step_fn, how, log)
             else:
                 start = _start(run, rs, fingerprint, log)
 
@@ -809,24 +818,31 @@ def _start(run: Run, rs: RunState, fingerprint: dict[str, Any], log: Log) -> int
     return start
 
 
-def _resume(
-    run: Run,
-    rs: RunState,
-    step_fn: Callable[[int], StepResult],
-    reshard: bool,
-    allow_legacy: bool,
-    allow_env_change: bool,
-    log: Log,
-) -> tuple[int, list[str]]:
+@dataclass(frozen=True)
+class _How:
+    """How a resume may differ from the run it continues, and how it judges itself."""
+
+    reshard: bool
+    allow_legacy: bool
+    allow_env_change: bool
+    resume_check: str | None
+
+
+def _resume(run: Run, rs: RunState, step_fn: Callable[[int], StepResult], how: _How, log: Log) -> tuple[int, list[str]]:
     """Restore the newest consistent checkpoint and write the ``resume`` row (the trainer's, with
     every note: it replaces the one ``RunState`` writes under another environment); returns (step, notes)."""
     assert run.guard is not None
-    info = rs.resume(reshard=reshard, allow_legacy=allow_legacy, allow_env_change=allow_env_change)
+    info = rs.resume(
+        reshard=how.reshard,
+        allow_legacy=how.allow_legacy,
+        allow_env_change=how.allow_env_change,
+        resume_check=how.resume_check,
+    )
     start = info.step
     notes = list(info.notes) + _after_resume(run, info, log)
-    notes += rs.history.open()  # the rows after `start` (in its rollback timeline) dropped, said in the row
+    notes += rs.history.open()  # the rows after `start` (in its rollback timeline) set aside, said in the row
     notes += run.guard.rebuild(start, step_fn)  # --auto-rollback on: the ring, by a checked replay (R-R12)
-    row = resume_row(info, allow_legacy=allow_legacy, allow_env_change=allow_env_change, notes=notes)
+    row = resume_row(info, allow_legacy=how.allow_legacy, allow_env_change=how.allow_env_change, notes=notes)
     rs.history.append(row)
     log(f"resumed {info.path} at step {start}; stream offset {run.stream.offset}")
     return start, notes

@@ -124,6 +124,7 @@ def replay(
             "on): the replay's guarded loop went through them, every history row compared in order (R-P15)"
         )
     argv = [*launcher(world), "train", "--run-dir", PLACEHOLDER, "--quiet", *knob_flags(cfg), "--resume"]
+    argv += ["--resume-check", "off"]  # the replay compares, and reports, itself
     if world == 1:  # a torchrun job's environment is its ranks': they judge it as they resume
         _judge_environment(run_dir, allow_env_change, threads)  # the replay's resume row then records it
         argv.append("--allow-env-change")  # judged here, with replay's own wording

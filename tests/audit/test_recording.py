@@ -11,8 +11,9 @@ import pytest
 import torch
 
 import ckptkit
+from ckptkit.audit import first_row_difference
 from ckptkit.audit._commands import EnvironmentDifference, compare_runs
-from ckptkit.audit._recording import RunRecording, first_difference, first_row_difference
+from ckptkit.audit._recording import RunRecording, first_difference
 from ckptkit.run._history import read_rows
 
 
@@ -62,12 +63,14 @@ def test_record_writes_a_step_row_with_exact_bits_and_a_digests_row(tmp_path: Pa
     assert set(rows[1]["tensors"]) == {"header:flags", "header:step", "model:net.bias", "model:net.weight"}
 
 
-def test_a_resumed_loop_drops_what_the_interrupted_run_recorded_after_its_checkpoint(tmp_path: Path) -> None:
+def test_a_resumed_loop_sets_aside_what_the_interrupted_run_recorded_after_its_checkpoint(tmp_path: Path) -> None:
     _loop(tmp_path / "ref", 6)
     _loop(tmp_path / "cut", 5)  # checkpoint 4, rows up to step 4
     _loop(tmp_path / "cut", 6, resume=True)
     assert first_difference(RunRecording(tmp_path / "ref"), RunRecording(tmp_path / "cut")) is None
-    assert read_rows(tmp_path / "ref" / "history.jsonl") == read_rows(tmp_path / "cut" / "history.jsonl")
+    ref, cut = (read_rows(tmp_path / name / "history.jsonl")[0] for name in ("ref", "cut"))
+    assert ref == [r for r in cut if r["kind"] != "resume_check"]  # the resume's verdict is its only row more
+    assert [r["verdict"] for r in cut if r["kind"] == "resume_check"] == ["verified"]
 
 
 def test_each_resume_under_another_environment_and_back_is_recorded_and_reported_from_its_step(

@@ -86,6 +86,11 @@ def test_train_on_s3_killed_and_resumed_ends_with_a_local_runs_bytes_and_verify_
     (tmp_path / "history.jsonl").write_bytes(objects["history.jsonl"])
     on_s3, here = read_rows(tmp_path / "history.jsonl")[0], read_rows(local / "history.jsonl")[0]
     assert compared_rows(on_s3) == compared_rows(here)
+    # the victim's rows of steps 20..29 (and any more its background save let it write) went up before
+    # its parts: the resume re-ran them and matched (R-D21)
+    (verdict,) = [r for r in on_s3 if r["kind"] == "resume_check"]
+    assert (verdict["verdict"], verdict["from"]) == ("verified", 20) and verdict["to"] >= 29, verdict
+    assert b'"step":20,"timeline":0}' in objects["history.interrupted.jsonl"]
 
     ok = subprocess.run([sys.executable, "-m", "ckptkit", "verify", f"{s3}/demo"], capture_output=True, text=True)
     assert ok.returncode == 0, ok.stdout + ok.stderr

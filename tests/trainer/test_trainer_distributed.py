@@ -236,6 +236,9 @@ def test_a_whole_job_sigkilled_after_its_first_checkpoint_resumes_to_the_same_by
     assert_same_run(reference, run_dir, STEPS)
     resumes = [r for r in history(run_dir) if r["kind"] == "resume"]
     assert len(resumes) == 1
+    # rank 0 compared the steps the killed job had recorded after its checkpoint (determinism.md R-D20)
+    (verdict,) = [r for r in history(run_dir) if r["kind"] == "resume_check"]
+    assert (verdict["verdict"], verdict["from"]) == ("verified", EVERY) and verdict["to"] >= at - 1, verdict
 
 
 def _same_checkpoints_after(a: Path, b: Path, start: int) -> list[int]:

@@ -387,7 +387,15 @@ def test_item8_snapshot_carries_every_config_field() -> None:
         "monitor.window",
     } <= set(report.written)
     # The testing aids are their own table, not knobs of the user's loop.
-    aids = ("trip_latch_at", "perturb_at", "perturb_param", "spike_at", "spike_repeat", "spike_transient")
+    aids = (
+        "trip_latch_at",
+        "perturb_at",
+        "perturb_param",
+        "global_draw_from",
+        "spike_at",
+        "spike_repeat",
+        "spike_transient",
+    )
     assert [k for k in report.written if k.startswith("testing.")] == sorted(f"testing.{a}" for a in aids)
     assert not {f"train.{a}" for a in aids} & set(report.written)
 

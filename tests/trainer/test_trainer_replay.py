@@ -24,10 +24,9 @@ from ckptkit.cli import main
 from ckptkit.format._snapshot import encode_snapshot
 from ckptkit.format._tree import checkpoint_state
 from ckptkit.run import checkpoint_name
-from ckptkit.run._difference import Difference, FieldDiff, Rerun
+from ckptkit.run._difference import Difference, FieldDiff, Rerun, differing_names
 from ckptkit.run._fingerprint import (
     combine,
-    differing_names,
     leaf_digest,
     leaf_digests,
     state_digest,

@@ -9,6 +9,7 @@ time).
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ckptkit.run import checkpoint_name
+from ckptkit.run._history import INTERRUPTED_FILE
 
 pytestmark = pytest.mark.slow
 
@@ -103,17 +105,41 @@ def test_resume_with_every_feature_on_matches_uninterrupted(tmp_path: Path, cras
         assert a == artifacts(tmp_path / "cut", step)[checkpoint_name(step)]
 
 
-def test_resume_truncates_history_written_after_the_checkpoint(tmp_path: Path) -> None:
+def test_resume_sets_the_interrupted_rows_aside_and_verifies_the_steps_it_re_runs(tmp_path: Path) -> None:
     cfg = tiny(**{"train.ckpt_every": 3})
     run(cfg, tmp_path, 10, crash_after=5)
-    assert [r["step"] for r in history(tmp_path) if r["kind"] == "step"] == [0, 1, 2, 3, 4]
-    result = run(cfg, tmp_path, 6, resume=True)  # from step 3: rows 3 and 4 belong to the dead branch
+    before = history(tmp_path)
+    assert [r["step"] for r in before if r["kind"] == "step"] == [0, 1, 2, 3, 4]
+    result = run(cfg, tmp_path, 6, resume=True)  # from step 3: rows 3 and 4 are the interrupted process's
     rows = history(tmp_path)
     assert [r["step"] for r in rows if r["kind"] == "step"] == [0, 1, 2, 3, 4, 5]
     resume = [r for r in rows if r["kind"] == "resume"]
     assert len(resume) == 1 and resume[0]["step"] == 3
-    # rows 3 and 4, and the digests rows after them (spec/replay.md R-P02)
-    assert any("dropped 4 row(s)" in note for note in resume[0]["notes"])
+    # rows 3 and 4 and the digests rows after them (spec/replay.md R-P02) are kept, not deleted (R-D21)
+    assert any("set aside 4 row(s)" in note and INTERRUPTED_FILE in note for note in resume[0]["notes"])
+    aside = [json.loads(line) for line in (tmp_path / INTERRUPTED_FILE).read_text().splitlines()]
+    assert aside[0] == {"kind": "interrupted", "rows": 4, "step": 3, "timeline": 0}
+    assert aside[1:] == before[-4:] and [(r["kind"], r["step"]) for r in aside[1:]] == [
+        ("step", 3),
+        ("digests", 4),
+        ("step", 4),
+        ("digests", 5),
+    ]
+    (verdict,) = [r for r in rows if r["kind"] == "resume_check"]
+    assert (
+        verdict
+        == {
+            "kind": "resume_check",
+            "step": 5,
+            "resumed_at": 3,
+            "verdict": "verified",
+            "from": 3,
+            "to": 4,
+            "steps": 2,
+            "tensors": verdict["tensors"],
+        }
+        and verdict["tensors"] > 0
+    )
     assert result.step == 6
 
 
