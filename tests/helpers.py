@@ -18,7 +18,9 @@ import importlib.util
 import json
 import os
 import struct
+import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -315,3 +317,24 @@ def import_error_without(package: str, module: str) -> str:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert (proc.returncode, proc.stderr) == (0, "")
     return proc.stdout
+
+
+def kill_at_step(argv: list[str], run_dir: Path, at: int, *, timeout: float = 300.0, **popen: Any) -> None:
+    """Start ``argv``; SIGKILL it once ``run_dir``'s history holds a step row of step ``at`` or later."""
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, **popen)
+    deadline = time.monotonic() + timeout
+    try:
+        while not any(r["kind"] == "step" and r["step"] >= at for r in _rows_so_far(run_dir)):
+            assert proc.poll() is None, f"the run ended before step {at}: {proc.communicate()[1][-2000:]!r}"
+            assert time.monotonic() < deadline, f"step {at} not reached in {timeout} s"
+            time.sleep(0.002)
+    finally:
+        proc.kill()
+        proc.communicate()
+
+
+def _rows_so_far(run_dir: Path) -> list[dict[str, Any]]:
+    try:
+        return read_rows(run_dir / "history.jsonl")[0]
+    except FileNotFoundError:
+        return []

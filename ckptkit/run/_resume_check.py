@@ -187,9 +187,10 @@ class Overlap:
     def _finish(self, write: Callable[[dict[str, Any]], None], row: dict[str, Any]) -> None:
         self.done = True
         write(row)
-        line = verdict_line(row)
-        if row["verdict"] != "differed" or self.check.mode == "warn":
-            self.check.line(line)
+        # said: a proof, or a difference the run goes on after (under error the exception says it); the
+        # verdicts without a comparison are in the row, the summary and verify, not on every clean resume
+        if row["verdict"] == "verified" or (row["verdict"] == "differed" and self.check.mode == "warn"):
+            self.check.line(verdict_line(row))
 
 
 def _step_index(d: Difference) -> int:

@@ -395,3 +395,25 @@ def test_the_loss_axis_is_fitted_past_the_first_steps_transient() -> None:
     flat = [{"kind": "step", "step": s, "loss": 2.0 + 0.01 * (s % 5)} for s in range(100)]
     lo, hi = render(read_series(flat)).axes[0].get_ylim()
     assert lo < 2.0 and hi > 2.04 and hi - lo < 0.1
+
+
+def test_each_resume_s_check_is_a_band_over_the_steps_it_proved_or_the_step_that_differed(tmp_path: Path) -> None:
+    h = History(tmp_path)
+    h.start_fresh()
+    for step in range(12):
+        h.append({"kind": "step", "step": step, "loss": 1.0 / (step + 1), "loss_bits": "0x0"})
+        if step == 4:  # resumed at 2, steps 2..4 re-run and matched (spec/determinism.md R-D23)
+            h.append({"kind": "resume_check", "step": 5, "resumed_at": 2, "verdict": "verified", "from": 2, "to": 4})
+        if step == 8:
+            h.append({"kind": "resume_check", "step": 8, "resumed_at": 8, "verdict": "differed", "at": 8})
+    h.close()
+    series = read_series(read_rows(tmp_path / "history.jsonl")[0])
+    assert series.checked == ((2, 4, "verified"), (8, 8, "differed"))
+    fig = render(series)
+    bands = {p.get_gid(): p for ax in fig.axes for p in ax.patches if str(p.get_gid()).startswith("resume_")}
+    assert set(bands) == {"resume_verified", "resume_differed"}
+    verified = bands["resume_verified"]
+    assert (verified.get_x(), verified.get_x() + verified.get_width()) == (2, 5)  # steps 2..4, each to its end
+    assert bands["resume_differed"].get_facecolor()[:3] == pytest.approx(
+        tuple(int(COLORS["resume_differed"][i : i + 2], 16) / 255 for i in (1, 3, 5))
+    )

@@ -9,6 +9,8 @@ test types Ctrl-C into it after a few steps and reads the screen back
 from __future__ import annotations
 
 import io
+import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -17,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import TINY_FLAGS
+from helpers import TINY_FLAGS, kill_at_step
 
 from ckptkit.cli._progress import Progress
 from ckptkit.cli._width import fit, fit_command
@@ -119,3 +121,26 @@ def test_progress_to_a_file_writes_each_message_on_one_line() -> None:
     out = io.StringIO()
     Progress("train", stream=out).log("step 1/2 | " + " | ".join(["x" * 30] * 4))
     assert out.getvalue().count("\n") == 1
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux, the terminal the test reads")
+def test_a_resume_after_a_kill_says_verified_on_the_screen_and_in_its_summary(tmp_path: Path) -> None:
+    """spec/determinism.md R-D23: the line and the summary row a person reads after kill -9 and a resume."""
+    run = "runs/a"
+    train = [sys.executable, "-m", "ckptkit", "train", "--run-dir", run, "--steps", "12", *TINY_FLAGS]
+    train += ["--ckpt-every", "5", "--log-every", "100"]
+    kill_at_step(train, tmp_path / run, 6, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    command = f"cd {shlex.quote(str(tmp_path))} && PYTHONPATH={shlex.quote(str(ROOT))} {shlex.join(train)} --resume"
+    screen = Screen(tmp_path / "tmux.sock", f"sh -c {shlex.quote(command + '; echo EXIT=$?; sleep 600')}")
+    try:
+        lines = screen.wait_for("EXIT=")
+    finally:
+        screen.close()
+    shown = "\n".join(lines)
+    assert "EXIT=0" in lines and [line for line in lines if len(line) > COLUMNS] == [], shown
+    said = next(i for i, line in enumerate(lines) if line.startswith("ckptkit train: resume verified: steps 5.."))
+    text = " ".join(line.strip() for line in lines[said : said + 2])  # broken at a word, continued indented
+    assert re.search(r"steps 5\.\.\d+ reproduce the interrupted run bit for bit \(\d+ steps, \d+ tensors each\)", text)
+    row = next(i for i, line in enumerate(lines) if line.startswith("  resume check "))
+    assert lines[row].startswith("  resume check verified: steps 5.."), shown

@@ -241,6 +241,20 @@ def test_a_whole_job_sigkilled_after_its_first_checkpoint_resumes_to_the_same_by
     assert (verdict["verdict"], verdict["from"]) == ("verified", EVERY) and verdict["to"] >= at - 1, verdict
 
 
+@pytest.mark.slow
+def test_a_job_whose_resume_differs_stops_every_rank_with_exit_1_naming_the_step(tmp_path: Path) -> None:
+    """spec/determinism.md R-D25 under torchrun: rank 0 compares, its error ends the job, no rank hangs."""
+    run_dir = tmp_path / "run"
+    planted = ["--steps", "20", "--global-draw-from", "12"]
+    _kill_after_first_checkpoint(run_dir, *planted, at=EVERY + 4, steps=20)
+    resumed = job(run_dir, *planted, "--resume", "--dist-timeout", "20")
+    assert resumed.returncode != 0
+    said = f"{run_dir}: the resumed run differs from the interrupted run at step 12: tensor model:"
+    assert said in resumed.stderr, resumed.stderr[-3000:]
+    assert [r["verdict"] for r in history(run_dir) if r["kind"] == "resume_check"] == ["differed"]
+    assert not _stray(run_dir), _stray(run_dir)
+
+
 def _same_checkpoints_after(a: Path, b: Path, start: int) -> list[int]:
     """Every checkpoint after ``start`` that both runs hold is the same bytes; their steps."""
     steps = sorted(

@@ -7,16 +7,14 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import ROOT, TINY_FLAGS, artifacts, examples, history
+from helpers import ROOT, TINY_FLAGS, artifacts, examples, history, kill_at_step
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -50,25 +48,8 @@ def _train(run_dir: Path, *flags: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(_argv(run_dir, *flags), capture_output=True, text=True, timeout=TIMEOUT_S)
 
 
-def _kill_at(argv: list[str], run_dir: Path, at: int) -> None:
-    """Start ``argv``; SIGKILL it once its history holds a step row of step ``at`` or later."""
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while not any(r["kind"] == "step" and r["step"] >= at for r in _rows(run_dir)):
-            assert proc.poll() is None, f"the run ended before step {at}: {proc.communicate()[1][-2000:]!r}"
-            assert time.monotonic() < deadline, f"step {at} not reached in time"
-            time.sleep(0.002)
-    finally:
-        proc.kill()
-        proc.communicate()
-
-
-def _rows(run_dir: Path, name: str = "history.jsonl") -> list[dict[str, Any]]:
-    try:
-        return read_rows(run_dir / name)[0]
-    except FileNotFoundError:
-        return []
+def _rows(run_dir: Path, name: str) -> list[dict[str, Any]]:
+    return read_rows(run_dir / name)[0]
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +77,7 @@ def test_a_run_sigkilled_after_a_checkpoint_and_resumed_is_verified_over_exactly
 ) -> None:
     run_dir = tmp_path_factory.mktemp("killed") / "run"
     flags = ["--steps", str(STEPS), "--ckpt-every", str(EVERY), *(GUARD if guard else [])]
-    _kill_at(_argv(run_dir, *flags), run_dir, at)
+    kill_at_step(_argv(run_dir, *flags), run_dir, at)
     resumed = _train(run_dir, *flags, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     (verdict,) = [r for r in history(run_dir) if r["kind"] == "resume_check"]
@@ -116,7 +97,7 @@ def test_a_run_sigkilled_after_a_checkpoint_and_resumed_is_verified_over_exactly
 def test_the_issue_s_kill_and_resume_says_verified_in_the_summary_and_in_verify(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     flags = ["--steps", "12", "--ckpt-every", "5"]
-    _kill_at(_argv(run_dir, *flags), run_dir, 6)  # well before checkpoint 10: a step takes milliseconds
+    kill_at_step(_argv(run_dir, *flags), run_dir, 6)  # well before checkpoint 10: a step takes milliseconds
     resumed = _train(run_dir, *flags, "--resume")
     assert resumed.returncode == 0, resumed.stderr
     said = re.search(r"resume verified: steps 5\.\.(\d+) reproduce the interrupted run bit for bit", resumed.stderr)
@@ -135,7 +116,7 @@ def test_the_issue_s_kill_and_resume_says_verified_in_the_summary_and_in_verify(
 def test_a_planted_global_draw_stops_the_resume_at_its_first_re_run_step_with_exit_1(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     flags = ["--steps", "12", "--ckpt-every", "5", "--global-draw-from", "3"]
-    _kill_at(_argv(run_dir, *flags), run_dir, 6)
+    kill_at_step(_argv(run_dir, *flags), run_dir, 6)
     resumed = _train(run_dir, *flags, "--resume")
     assert resumed.returncode == 1
     (line,) = resumed.stderr.splitlines()
@@ -152,14 +133,7 @@ def test_the_spike_guard_example_killed_and_resumed_prints_the_same_line(tmp_pat
     run_dir = tmp_path / "run"
     script = [sys.executable, str(ROOT / "examples" / "spike_guard.py"), "--run-dir", str(run_dir)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([*script, "--steps", "40"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
-    try:
-        while not any(r["kind"] == "step" and r["step"] >= 23 for r in _rows(run_dir)):
-            assert proc.poll() is None, proc.communicate()[1][-2000:]
-            time.sleep(0.002)
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.communicate()
+    kill_at_step([*script, "--steps", "40"], run_dir, 23, env=env)  # checkpoint 20, rows after it
     resumed = subprocess.run([*script, "--steps", "40"], capture_output=True, text=True, env=env, timeout=TIMEOUT_S)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert re.search(r"resume verified: steps \d+\.\.\d+ reproduce the interrupted run bit for bit", resumed.stderr)
