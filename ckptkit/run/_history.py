@@ -513,21 +513,12 @@ def check_history(path: str | os.PathLike[str]) -> HistoryCheck:
     expected: int | None = None
     last: int | None = None
     steps: list[int] = []
-    verdicts: list[dict[str, Any]] = []
+    marks: list[dict[str, Any]] = []  # the resume and resume_check rows
     for i, (offset, line, _) in enumerate(lines[:-1] if torn else lines):
         where = f"line {i + 1} (offset {offset})"
-        if line is None:
-            problems.append(f"{where}: longer than {MAX_LINE} bytes (R-027)")
-            expected = None
-            continue
-        try:
-            row = json.loads(line)
-        except (UnicodeDecodeError, ValueError) as e:
-            problems.append(f"{where}: not JSON ({e})")
-            expected = None
-            continue
-        if not isinstance(row, dict) or not isinstance(row.get("kind"), str) or type(row.get("step")) is not int:
-            problems.append(f"{where}: not a history row (needs kind and step)")
+        row = _checked_row(line)
+        if isinstance(row, str):  # what is wrong with the line: the count starts again after it
+            problems.append(f"{where}: {row}")
             expected = None
             continue
         rows += 1
@@ -552,13 +543,36 @@ def check_history(path: str | os.PathLike[str]) -> HistoryCheck:
             if expected is not None and steps and step != expected:  # a loop that records no step rows counts none
                 problems.append(f"{where}: resume at step {step}, but the step rows before it end at {expected - 1}")
             expected = step
-            verdicts.append({"resumed_at": step, "verdict": None})
-        elif kind == CHECK_KIND:
-            if verdicts and verdicts[-1]["verdict"] is None and verdicts[-1]["resumed_at"] == row.get("resumed_at"):
-                verdicts.pop()  # the resume row before it, judged
-            verdicts.append(row)
+        if kind in ("resume", CHECK_KIND):
+            marks.append(row)
     first_last = (min(steps), max(steps)) if steps else None
-    return HistoryCheck(path, rows, first_last, torn, tuple(problems), tuple(verdicts))
+    return HistoryCheck(path, rows, first_last, torn, tuple(problems), _verdicts(marks))
+
+
+def _checked_row(line: bytes | None) -> dict[str, Any] | str:
+    """A line as a history row, or what is wrong with it."""
+    if line is None:
+        return f"longer than {MAX_LINE} bytes (R-027)"
+    try:
+        row = json.loads(line)
+    except (UnicodeDecodeError, ValueError) as e:
+        return f"not JSON ({e})"
+    if not isinstance(row, dict) or not isinstance(row.get("kind"), str) or type(row.get("step")) is not int:
+        return "not a history row (needs kind and step)"
+    return row
+
+
+def _verdicts(marks: list[dict[str, Any]]) -> tuple[dict[str, Any], ...]:
+    """Each resume's ``resume_check`` row, or ``{"resumed_at": S, "verdict": None}`` for one without."""
+    out: list[dict[str, Any]] = []
+    for row in marks:
+        if row["kind"] == "resume":
+            out.append({"resumed_at": row["step"], "verdict": None})
+            continue
+        if out and out[-1]["verdict"] is None and out[-1]["resumed_at"] == row.get("resumed_at"):
+            out.pop()  # the resume row before it, judged
+        out.append(row)
+    return tuple(out)
 
 
 # ---------------------------------------------------------------------------- the rows a loop records

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 from helpers import TINY_FLAGS
+from matplotlib.patches import Rectangle
 
 from ckptkit.audit._plot import COLORS, plot_run, read_series, render, spike_config_of
 from ckptkit.cli import main
@@ -413,6 +414,7 @@ def test_each_resume_s_check_is_a_band_over_the_steps_it_proved_or_the_step_that
     bands = {p.get_gid(): p for ax in fig.axes for p in ax.patches if str(p.get_gid()).startswith("resume_")}
     assert set(bands) == {"resume_verified", "resume_differed"}
     verified = bands["resume_verified"]
+    assert isinstance(verified, Rectangle)
     assert (verified.get_x(), verified.get_x() + verified.get_width()) == (2, 5)  # steps 2..4, each to its end
     assert bands["resume_differed"].get_facecolor()[:3] == pytest.approx(
         tuple(int(COLORS["resume_differed"][i : i + 2], 16) / 255 for i in (1, 3, 5))

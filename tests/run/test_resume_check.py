@@ -56,7 +56,7 @@ def _run(
         loss.backward()
         with torch.no_grad():
             for p in net.parameters():
-                p.sub_(0.1 * p.grad)
+                p.sub_(0.1 * p.grad)  # type: ignore[operator]  # backward() filled it
             if draw_from is not None and step >= draw_from:
                 net.bias.add_(torch.rand(1) * 1e-3)  # the unseeded global generator
         state.record(step, loss=loss.detach(), data=x)
@@ -198,7 +198,9 @@ def test_every_resume_is_verified_over_exactly_the_steps_it_re_ran(
     resumed = _run(run_dir, 12, every=every)
     resumed.close()
     checkpoint = kill - kill % every
-    (verdict,) = _verdicts(run_dir) or [None]
+    verdicts = _verdicts(run_dir)
+    verdict = verdicts[0] if verdicts else None
+    assert len(verdicts) <= 1
     if checkpoint == 0:  # no checkpoint: the resume is a fresh start
         assert verdict is None
     elif checkpoint == kill:
