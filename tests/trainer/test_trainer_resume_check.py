@@ -26,17 +26,8 @@ pytestmark = pytest.mark.slow
 STEPS = 14
 EVERY = 5
 GUARD = [
-    "--auto-rollback",
-    "on",
-    "--spike-at",
-    "9",
-    "--spike-window",
-    "8",
-    "--spike-min-history",
-    "4",
-    "--rollback-k",
-    "3",
-]
+    "--auto-rollback", "on", "--spike-at", "9", "--spike-window", "8", "--spike-min-history", "4", "--rollback-k", "3",
+]  # fmt: skip
 TIMEOUT_S = 300
 
 
