@@ -36,7 +36,7 @@ import ckptkit
 import ckptkit.distributed as ckd
 from ckptkit.errors import MalformedIndex, UnsupportedValue, UnsupportedVersion
 from ckptkit.format._section import _pack_tree, check_plain
-from ckptkit.format._values import NUMPY_DTYPES, TypedValue
+from ckptkit.format._values import DEVICE_TYPES, NUMPY_DTYPES, TORCH_DTYPES, TypedValue, decode_leaf, encode_torch
 from ckptkit.integrations.lightning import CheckpointIO
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -213,22 +213,52 @@ def test_typed_values_have_the_bytes_of_the_spec() -> None:
     assert packed(torch.float16) == "92 c7 0b 04 74 6f 72 63 68 2e 64 74 79 70 65 a7 66 6c 6f 61 74 31 36"
 
 
-def test_a_dtype_this_torch_lacks_is_refused_by_name(tmp_path: Path) -> None:
-    ckptkit.save(
-        tmp_path / "d.ckpt", ckptkit.Checkpoint(step=1, monitor={"v": TypedValue("torch.dtype", ("float99",))})
-    )
+def _typed_file(tmp_path: Path, value: TypedValue) -> Path:
+    ckptkit.save(tmp_path / "d.ckpt", ckptkit.Checkpoint(step=1, monitor={"v": value}))
+    return tmp_path / "d.ckpt"
+
+
+def test_a_dtype_name_outside_the_table_is_refused_by_load_and_verify_alike(tmp_path: Path) -> None:
+    path = _typed_file(tmp_path, TypedValue("torch.dtype", ("float99",)))
     with pytest.raises(UnsupportedVersion) as e:
-        ckptkit.load(tmp_path / "d.ckpt")
+        ckptkit.load(path)
     assert str(e.value) == (
-        f"typed value: torch.dtype 'float99' is not a dtype of torch {torch.__version__}; written with a newer torch? "
-        "(R-018)"
+        f"{path}: offset 64 (0x40): monitor index: torch.dtype 'float99' is not a dtype name of spec/container.md "
+        "§5.4 (an alias such as 'float' is not one); written by a newer ckptkit? upgrade ckptkit to read it; nothing "
+        "was loaded (R-033)"
+    )
+    assert str(ckptkit.verify(path).error) == str(e.value)
+
+
+def test_a_dtype_of_the_table_this_torch_lacks_is_refused_at_load_naming_torch(tmp_path, monkeypatch) -> None:
+    path = _typed_file(tmp_path, TypedValue("torch.dtype", ("uint7",)))
+    monkeypatch.delattr(torch, "uint7")
+    with pytest.raises(UnsupportedVersion) as e:
+        ckptkit.load(path)
+    assert str(e.value) == (
+        f"typed value: torch.dtype 'uint7' is not a dtype of torch {torch.__version__}; written with a newer torch? "
+        "upgrade torch to read it (R-033)"
     )
 
 
-def test_a_device_torch_refuses_is_a_malformed_index(tmp_path: Path) -> None:
-    ckptkit.save(tmp_path / "d.ckpt", ckptkit.Checkpoint(step=1, monitor={"v": TypedValue("torch.device", ("tpu:x",))}))
-    with pytest.raises(MalformedIndex, match=r"^typed value: torch.device 'tpu:x' is not a device \("):
-        ckptkit.load(tmp_path / "d.ckpt")
+def test_the_dtype_table_is_exactly_the_dtypes_of_this_torch() -> None:
+    assert sorted(TORCH_DTYPES) == sorted(
+        {str(v).removeprefix("torch.") for v in vars(torch).values() if isinstance(v, torch.dtype)}
+    )
+    for name in TORCH_DTYPES:
+        dtype = getattr(torch, name)
+        assert encode_torch(dtype, "v") == TypedValue("torch.dtype", (name,))
+
+
+@pytest.mark.filterwarnings("ignore:'mkldnn' is no longer used:UserWarning")
+def test_every_device_string_of_the_grammar_is_one_torch_reads_back_unchanged(tmp_path: Path) -> None:
+    for kind in DEVICE_TYPES:
+        for text in (kind, f"{kind}:0", f"{kind}:127"):
+            assert str(torch.device(text)) == text
+            assert decode_leaf("torch.device", [text]) == TypedValue("torch.device", (text,))
+    for text in ("cpu:128", "cuda:007", "cuda:+1", "cuda:", "CPU", "cpu\0", "cuda:\u0661", "tpu:x"):
+        with pytest.raises(MalformedIndex, match=r"\(R-034\)$"):
+            decode_leaf("torch.device", [text])
 
 
 # ---------------------------------------------------------------------------- refusals
