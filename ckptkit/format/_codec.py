@@ -23,6 +23,7 @@ import collections
 import dataclasses
 import math
 import sys
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any, TypeGuard
 
@@ -224,7 +225,9 @@ def torch_value(value: TypedValue) -> Any:
                 hint="written with a newer torch? upgrade torch to read it (R-033)",
             )
         return dtype
-    return torch.device(arg)
+    with warnings.catch_warnings():  # torch warns that "mkldnn" is deprecated: a file read, not a choice made here
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.device(arg)
 
 
 _LEAVES = (type(None), bool, int, float, str, bytes)
