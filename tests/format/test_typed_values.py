@@ -250,6 +250,35 @@ def test_the_dtype_table_is_exactly_the_dtypes_of_this_torch() -> None:
         assert encode_torch(dtype, "v") == TypedValue("torch.dtype", (name,))
 
 
+@pytest.mark.parametrize("name", ["float128", "Tensor", "__class__", "save", "torch.float32", "float", "half", "long"])
+def test_a_dtype_name_torch_would_resolve_or_not_is_refused_unless_listed(tmp_path: Path, name: str) -> None:
+    path = _typed_file(tmp_path, TypedValue("torch.dtype", (name,)))
+    with pytest.raises(UnsupportedVersion, match=r"\(R-033\)$") as e:
+        ckptkit.load(path)
+    assert str(ckptkit.verify(path).error) == str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("elements", "rule"),
+    [
+        (((2, 3), TypedValue("torch.Size", (2, 3))), "R-032"),
+        ((((2, 3), 1), (TypedValue("torch.Size", (2, 3)), 1)), "R-032"),
+        ((frozenset({(1,)}), frozenset({TypedValue("torch.Size", (1,))})), "R-032"),
+        ((1, 1.0), "R-018"),
+    ],
+)
+def test_set_elements_that_are_one_value_once_loaded_are_refused(tmp_path: Path, elements: Any, rule: str) -> None:
+    path = _typed_file(tmp_path, TypedValue("set", elements))
+    with pytest.raises(MalformedIndex, match=rf"\({rule}\)$") as e:
+        ckptkit.load(path)
+    assert str(ckptkit.verify(path).error) == str(e.value)
+
+
+def test_a_set_of_a_size_and_another_tuple_loads_both(tmp_path: Path) -> None:
+    path = _typed_file(tmp_path, TypedValue("set", ((2, 3), TypedValue("torch.Size", (3, 2)))))
+    assert ckptkit.load(path).monitor["v"] == {(2, 3), torch.Size([3, 2])}
+
+
 @pytest.mark.filterwarnings("ignore:'mkldnn' is no longer used:UserWarning")
 def test_every_device_string_of_the_grammar_is_one_torch_reads_back_unchanged(tmp_path: Path) -> None:
     for kind in DEVICE_TYPES:
