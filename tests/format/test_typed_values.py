@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 import ckptkit
 import ckptkit.distributed as ckd
 from ckptkit.errors import MalformedIndex, UnsupportedValue, UnsupportedVersion
+from ckptkit.format import _values as values
 from ckptkit.format._section import _pack_tree, check_plain
 from ckptkit.format._values import DEVICE_TYPES, NUMPY_DTYPES, TORCH_DTYPES, TypedValue, decode_leaf, encode_torch
 from ckptkit.integrations.lightning import CheckpointIO
@@ -248,6 +249,44 @@ def test_the_dtype_table_is_exactly_the_dtypes_of_this_torch() -> None:
     for name in TORCH_DTYPES:
         dtype = getattr(torch, name)
         assert encode_torch(dtype, "v") == TypedValue("torch.dtype", (name,))
+
+
+@pytest.mark.parametrize(
+    ("dtype", "shape", "fits"),
+    [
+        ("uint8", [0, 2**63 - 1], True),
+        ("uint8", [0, 2**63], False),
+        ("float32", [0, 2**61 - 1], True),
+        ("float32", [0, 2**61], False),
+        ("float64", [2**62, 2**62, 0], False),
+        ("bool", [0] * 64, True),
+    ],
+)
+def test_an_empty_ndarray_shape_is_bounded_by_what_numpy_can_hold(dtype: str, shape: list[int], fits: bool) -> None:
+    """R-030, boundary +-1: the product of the dimensions (0 as 1) times the item size below 2**63."""
+    if fits:
+        assert decode_leaf("numpy.ndarray", [dtype, shape, b"", False]).shape == tuple(shape)
+        return
+    with pytest.raises(MalformedIndex, match=r"is more than numpy can hold .*\(R-030\)$"):
+        decode_leaf("numpy.ndarray", [dtype, shape, b"", False])
+
+
+def test_a_torch_size_dimension_is_below_2_pow_63() -> None:
+    """R-031, boundary +-1."""
+    assert decode_leaf("torch.Size", [2**63 - 1]) == TypedValue("torch.Size", (2**63 - 1,))
+    with pytest.raises(MalformedIndex, match=r"^torch.Size: dimension 9223372036854775808 is not below 2\*\*63"):
+        decode_leaf("torch.Size", [0, 2**63])
+
+
+def test_a_torch_dtype_outside_the_table_is_refused_at_save(monkeypatch) -> None:
+    monkeypatch.setattr(values, "TORCH_DTYPES", tuple(n for n in TORCH_DTYPES if n != "uint7"))
+    with pytest.raises(UnsupportedValue) as e:
+        check_plain({"d": getattr(torch, "uint7")}, "monitor")  # noqa: B009 - torch's stubs lack uint7
+    known = len(TORCH_DTYPES) - 1
+    assert str(e.value) == (
+        f"monitor['d']: torch dtype torch.uint7 cannot be stored as a value (this ckptkit knows {known} dtypes, "
+        "spec/container.md §5.4); store str(dtype) instead"
+    )
 
 
 @pytest.mark.parametrize("name", ["float128", "Tensor", "__class__", "save", "torch.float32", "float", "half", "long"])
