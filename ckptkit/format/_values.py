@@ -45,6 +45,7 @@ __all__ = [
     "decode_leaf",
     "encode_numpy",
     "encode_torch",
+    "is_device_string",
     "loaded_key",
     "refusal",
 ]
@@ -154,6 +155,11 @@ def encode_torch(value: Any, where: str) -> TypedValue | None:
             )
         return TypedValue("torch.dtype", (name,))
     if t is torch.device:
+        if not is_device_string(str(value)):  # a renamed privateuse1 backend ("npu:0"): no reader would take it
+            raise UnsupportedValue(
+                f"{where}: torch device {value} cannot be stored as a value (device types: {', '.join(DEVICE_TYPES)}, "
+                "spec/container.md §5.4); store str(device) instead"
+            )
         return TypedValue("torch.device", (str(value),))
     if t is torch.Size:
         return TypedValue("torch.Size", tuple(int(d) for d in value))
@@ -267,11 +273,19 @@ def _dtype_name(text: str) -> None:
         )
 
 
-def _device(text: str) -> None:
-    """A ``torch.device`` field: ``<type>`` or ``<type>:<index>``, as ``str(device)`` writes it (R-034)."""
+def is_device_string(text: str) -> bool:
+    """``<type>`` or ``<type>:<index>`` as ``str(device)`` writes it: a type of :data:`DEVICE_TYPES`,
+    the index 0..127 in ASCII decimal without sign or leading zeros (R-034)."""
     kind, colon, index = text.partition(":")
-    plain = not colon or (index.isdecimal() and index.isascii() and str(int(index)) == index)
-    if kind not in DEVICE_TYPES or not plain or (colon and int(index) > _MAX_DEVICE_INDEX):
+    if not colon:
+        return kind in DEVICE_TYPES
+    canonical = index.isdecimal() and index.isascii() and str(int(index)) == index
+    return kind in DEVICE_TYPES and canonical and int(index) <= _MAX_DEVICE_INDEX
+
+
+def _device(text: str) -> None:
+    """A ``torch.device`` field (R-034)."""
+    if not is_device_string(text):
         raise MalformedIndex(
             f"torch.device {text[:40]!r} is not a device string (expected <type> or <type>:<index>, the type one of "
             f"{', '.join(DEVICE_TYPES)}, the index 0..{_MAX_DEVICE_INDEX} without leading zeros)",

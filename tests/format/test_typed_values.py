@@ -278,6 +278,14 @@ def test_a_torch_size_dimension_is_below_2_pow_63() -> None:
         decode_leaf("torch.Size", [0, 2**63])
 
 
+def test_a_device_of_a_renamed_backend_is_refused_at_save(monkeypatch) -> None:
+    monkeypatch.setattr(values, "DEVICE_TYPES", tuple(n for n in DEVICE_TYPES if n != "meta"))
+    with pytest.raises(UnsupportedValue) as e:
+        check_plain({"d": torch.device("meta", 3)}, "monitor")
+    assert str(e.value).startswith("monitor['d']: torch device meta:3 cannot be stored as a value (device types: cpu, ")
+    assert str(e.value).endswith("spec/container.md §5.4); store str(device) instead")
+
+
 def test_a_torch_dtype_outside_the_table_is_refused_at_save(monkeypatch) -> None:
     monkeypatch.setattr(values, "TORCH_DTYPES", tuple(n for n in TORCH_DTYPES if n != "uint7"))
     with pytest.raises(UnsupportedValue) as e:
