@@ -109,9 +109,11 @@ def verify_all(paths: list[str]) -> list[DirReport]:
 
 
 def inspect_directory(path: str, as_json: bool, size: Any, shown: str | None = None) -> int:
-    """Ranks, tensors, chunks and world size at save; digests are not checked (verify does).
-    ``shown``: the name to print for ``path`` (an ``s3://`` checkpoint's local copy of its metadata)."""
-    md = read_metadata(path, check_files=False)
+    """Ranks, tensors, chunks and world size at save, once the rank files are this commit's and their
+    indexes name the metadata's chunks (R-DC04, R-DC06, as every load checks); chunk digests are not
+    checked (verify does). ``shown``: the name to print for ``path`` (an ``s3://`` checkpoint's local
+    copy of its metadata, whose rank files are not fetched)."""
+    md = read_metadata(path, check_files=shown is None)
     path, local = shown or path, path
     ranks, tensors = _rank_rows(md), _tensor_rows(md)
     if as_json:

@@ -12,7 +12,7 @@ import os
 from typing import Any
 
 from ..errors import CheckpointError, CheckpointNotFound
-from ..format._container import Source, read_layout
+from ..format._container import Source, check_flags, read_layout
 from ..format._section import TensorRef
 from ..format._urls import is_url
 from ..format._values import TypedValue
@@ -93,6 +93,8 @@ def run(args: argparse.Namespace) -> int:
         opened = Source(args.path)
     with opened as src:
         layout = read_layout(src)
+    if not layout.legacy:
+        check_flags(layout)  # state this reader cannot restore is refused here as by load and verify
     report = layout_report(args.path, layout.size, layout, None, 0)  # no digest is checked here
     monitor = layout.sections.get("monitor")
     run_state = _plain(monitor.tree) if monitor is not None else None

@@ -262,12 +262,18 @@ def check_directory(directory: str) -> str:
 
 
 def read_metadata(directory: str, *, check_files: bool = True) -> DirMetadata:
-    """Read and verify ``metadata.ckdcp`` (every byte is digested) and, optionally, that every rank file is there.
+    """Read and verify ``metadata.ckdcp`` (every byte is digested) and, optionally, every rank file but its chunks.
+
+    With ``check_files`` (what every load does before it reads a chunk, and what ``verify`` checks
+    before it hashes them): each rank file is there with its recorded size (R-DC04), and its frame,
+    header, skeleton and index are those of this commit, the index naming each chunk where the
+    metadata does (R-DC06, :func:`check_data_files`).
 
     Raises:
         CheckpointNotFound, BadMagic, IncompleteCheckpoint: see :func:`check_directory`;
             ``IncompleteCheckpoint`` also when a rank's data file is missing or has the wrong size.
-        FormatError: a damaged or malformed metadata file (names the offset and field).
+        FormatError: a damaged or malformed metadata file (names the offset and field), or a rank
+            file that is not the one this commit wrote (R-DC02, R-DC06, R-005).
     """
     path = check_directory(directory)
     with Source(path) as src:
@@ -276,21 +282,59 @@ def read_metadata(directory: str, *, check_files: bool = True) -> DirMetadata:
         sec = layout.sections["metadata"]
         md = _decode(sec.tree if sec is not None else None, src.path, sec, layout.step)
     if check_files:
-        problems = []
-        for rank, f in enumerate(md.files):
-            p = os.path.join(directory, data_name(rank))
-            try:
-                size = os.stat(p).st_size
-            except FileNotFoundError:
-                problems.append(f"{data_name(rank)} (rank {rank}) is missing")
-                continue
-            if size != f.size:
-                problems.append(f"{data_name(rank)} (rank {rank}) is {size} bytes, the metadata says {f.size}")
-        if problems:
-            raise IncompleteCheckpoint(
-                f"{directory}: " + "; ".join(problems) + " (R-DC04)", missing=tuple(p.split(" ")[0] for p in problems)
-            )
+        check_data_files(directory, md)
     return md
+
+
+def _check_sizes(directory: str, md: DirMetadata) -> None:
+    """Every rank file the metadata names is there with the size it records (R-DC04)."""
+    problems = []
+    for rank, f in enumerate(md.files):
+        p = os.path.join(directory, data_name(rank))
+        try:
+            size = os.stat(p).st_size
+        except FileNotFoundError:
+            problems.append(f"{data_name(rank)} (rank {rank}) is missing")
+            continue
+        if size != f.size:
+            problems.append(f"{data_name(rank)} (rank {rank}) is {size} bytes, the metadata says {f.size}")
+    if problems:
+        raise IncompleteCheckpoint(
+            f"{directory}: " + "; ".join(problems) + " (R-DC04)", missing=tuple(p.split(" ")[0] for p in problems)
+        )
+
+
+def check_data_files(
+    directory: str, md: DirMetadata, on_chunk: Callable[[Source, str, Chunk], None] | None = None
+) -> None:
+    """R-DC04 and R-DC06 for every rank file: the checks ``verify``, ``load`` and the DCP ``Reader``
+    share, so that a metadata file rewritten to point a chunk at other bytes (another chunk's, a
+    file's header), its digests made to match, is refused by each of them alike.
+
+    Args:
+        on_chunk: called with each data file's open source and each chunk it holds, once the
+            file's index matched the metadata (``verify`` hashes the chunk there).
+
+    Raises:
+        IncompleteCheckpoint: a rank file missing or of another size (R-DC04).
+        FormatError: a rank file that is not this commit's, or whose index names other chunks (R-DC02, R-DC06, R-005).
+    """
+    _check_sizes(directory, md)
+    expect: _Expected = {(fqn, c.offsets): (t.dtype, c) for fqn, t in md.tensors.items() for c in t.chunks}
+    for rank, f in enumerate(md.files):
+        path = os.path.join(directory, data_name(rank))
+        with Source(path) as src:
+            for fqn, c in _file_chunks(src, rank, md.world_size, f, expect):
+                if on_chunk is not None:
+                    on_chunk(src, fqn, c)
+    if expect:
+        (fqn, offsets), (_, c) = min(expect.items(), key=lambda kv: (kv[0][0], kv[0][1]))
+        raise MalformedIndex(
+            f"tensor {fqn!r} chunk at {list(offsets)} is in the metadata but in no data file",
+            path=os.path.join(directory, data_name(c.rank)),
+            field="data index",
+            hint="the data file does not belong to this commit (R-DC06)",
+        )
 
 
 def _decode(tree: Any, path: str | None, sec: SectionIndex | None, header_world: int) -> DirMetadata:
@@ -500,56 +544,52 @@ def verify_directory(directory: str | os.PathLike[str]) -> DirReport:
     """
     directory = os.fspath(directory)
     md: DirMetadata | None = None
-    size = hashed = 0
+    hashed = [0]
     try:
-        md = read_metadata(directory)
-        size = os.path.getsize(os.path.join(directory, METADATA_NAME))
-        expect = {(fqn, c.offsets): (t.dtype, c) for fqn, t in md.tensors.items() for c in t.chunks}
-        for rank, f in enumerate(md.files):
-            hashed += _verify_data_file(directory, rank, md.world_size, f, expect)
-            size += f.size
-        if expect:
-            (fqn, offsets), (_, c) = min(expect.items(), key=lambda kv: (kv[0][0], kv[0][1]))
-            raise MalformedIndex(
-                f"tensor {fqn!r} chunk at {list(offsets)} is in the metadata but in no data file",
-                path=os.path.join(directory, data_name(c.rank)),
-                field="data index",
-                hint="the data file does not belong to this commit (R-DC06)",
-            )
+        md = read_metadata(directory, check_files=False)
+        scratch = bytearray(1 << 20)
+
+        def check_chunk(src: Source, fqn: str, c: Chunk) -> None:
+            h = xxhash.xxh3_64()
+            src.feed(c.offset, c.offset + c.nbytes, h.update, scratch)
+            if h.intdigest() != c.digest:
+                raise chunk_mismatch(directory, fqn, c, h.intdigest())
+            hashed[0] += c.nbytes
+
+        check_data_files(directory, md, check_chunk)
     except CheckpointNotFound as e:
         if not os.path.isdir(directory):
             raise
-        return DirReport(directory, False, e, None, 0, 0, 0, size, hashed)
+        return DirReport(directory, False, e, None, 0, 0, 0, _size(directory, md), hashed[0])
     except (FormatError, UnreadableFile) as e:
-        return DirReport(directory, False, e, None if md is None else md.world_size, 0, 0, 0, size, hashed)
+        world = None if md is None else md.world_size
+        return DirReport(directory, False, e, world, 0, 0, 0, _size(directory, md), hashed[0])
     n_chunks = sum(len(t.chunks) for t in md.tensors.values())
-    return DirReport(directory, True, None, md.world_size, len(md.tensors), n_chunks, len(md.values), size, hashed)
+    return DirReport(
+        directory, True, None, md.world_size, len(md.tensors), n_chunks, len(md.values), _size(directory, md), hashed[0]
+    )
+
+
+def _size(directory: str, md: DirMetadata | None) -> int:
+    """Bytes of a checkpoint's files as its metadata records them (0 before the metadata is read)."""
+    if md is None:
+        return 0
+    return os.path.getsize(os.path.join(directory, METADATA_NAME)) + sum(f.size for f in md.files)
 
 
 _Expected = dict[tuple[str, tuple[int, ...]], tuple[str, Chunk]]  # (fqn, chunk offsets) -> (dtype, chunk)
 
 
-def _verify_data_file(directory: str, rank: int, world: int, f: RankFile, expect: _Expected) -> int:
-    """Check rank ``rank``'s data file against the metadata; pop each chunk it holds from ``expect``.
-
-    Returns:
-        The bytes of chunk data hashed.
-    """
-    path = os.path.join(directory, data_name(rank))
-    with Source(path) as src:
-        layout = _check_data_frame(src, rank, world, f)
-        sec = layout.sections["data"]
-        if sec is None:
-            return 0
-        hashed, scratch = 0, bytearray(1 << 20)
-        for fqn, offsets, ref in _data_entries(sec, path):
-            c = _expected_chunk(expect, fqn, offsets, sec, sec.tensors[ref.id], rank, path)
-            h = xxhash.xxh3_64()
-            src.feed(c.offset, c.offset + c.nbytes, h.update, scratch)
-            if h.intdigest() != c.digest:
-                raise chunk_mismatch(directory, fqn, c, h.intdigest())
-            hashed += c.nbytes
-        return hashed
+def _file_chunks(src: Source, rank: int, world: int, f: RankFile, expect: _Expected) -> list[tuple[str, Chunk]]:
+    """The chunks of rank ``rank``'s data file, each popped from ``expect`` once its record matched it (R-DC06)."""
+    sec = _check_data_frame(src, rank, world, f).sections["data"]
+    if sec is None:
+        return []
+    path = src.path or ""
+    return [
+        (fqn, _expected_chunk(expect, fqn, offsets, sec, sec.tensors[ref.id], rank, path))
+        for fqn, offsets, ref in _data_entries(sec, path)
+    ]
 
 
 def _check_data_frame(src: Source, rank: int, world: int, f: RankFile) -> Layout:

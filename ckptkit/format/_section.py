@@ -32,7 +32,16 @@ from typing import Any
 import msgpack
 
 from ..errors import FormatError, MalformedIndex, TruncatedFile, UnsupportedValue, UnsupportedVersion
-from ._values import CONTAINER_TYPES, EXT_TYPED, TypedValue, decode_leaf, encode_numpy, encode_torch, refusal
+from ._values import (
+    CONTAINER_TYPES,
+    EXT_TYPED,
+    TypedValue,
+    decode_leaf,
+    encode_numpy,
+    encode_torch,
+    loaded_key,
+    refusal,
+)
 
 __all__ = [
     "ALIGN",
@@ -398,7 +407,7 @@ def check_plain(value: Any, where: str, depth: int = 0, on_leaf: Callable[[Any, 
         return TypedValue("collections.OrderedDict", tuple(pairs))
     if t in (set, frozenset):
         return _plain_set(value, where, depth, on_leaf)
-    typed = encode_numpy(value, where) or encode_torch(value)
+    typed = encode_numpy(value, where) or encode_torch(value, where)
     if typed is None:
         raise UnsupportedValue(refusal(value, where, tensors=on_leaf is not None))
     return typed
@@ -882,10 +891,16 @@ def _typed_container(name: str, fields: list[Any], bad: Callable[..., FormatErro
         raise bad(f"{name}: a set holds no tensor references", hint="R-018")
     try:
         out = frozenset(fields) if name == "frozenset" else set(fields)
+        loaded = set(map(loaded_key, fields))
     except TypeError:
         raise bad(f"{name}: an element is not hashable (a list, map or array)", hint="R-018") from None
     if len(out) != len(fields):
         raise bad(f"{name}: an element appears twice", hint="R-018")
+    if len(loaded) != len(fields):
+        raise bad(
+            f"{name}: two elements are one value once loaded (a torch.Size equals the tuple of its dimensions)",
+            hint="R-032",
+        )
     return out
 
 

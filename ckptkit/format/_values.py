@@ -36,13 +36,17 @@ from ..errors import MalformedIndex, UnsupportedValue, UnsupportedVersion
 __all__ = [
     "CONTAINER_TYPES",
     "EXT_TYPED",
+    "DEVICE_TYPES",
     "NUMPY_DTYPES",
+    "TORCH_DTYPES",
     "TORCH_TYPES",
     "TYPE_NAMES",
     "TypedValue",
     "decode_leaf",
     "encode_numpy",
     "encode_torch",
+    "is_device_string",
+    "loaded_key",
     "refusal",
 ]
 
@@ -71,6 +75,24 @@ NUMPY_DTYPES: tuple[str, ...] = (
 )
 NUMPY_DTYPES += ("float32", "float64", "complex64", "complex128")  # no bfloat16, no float8 in numpy
 _MAX_NDIM = 64  # numpy's own limit (NPY_MAXDIMS), and the tensor table's (R-013)
+_INT64_END = 2**63  # numpy sizes, torch sizes and element counts are int64 (R-030, R-031)
+#: Names a ``torch.dtype`` value is stored under (R-033): ``str(dtype)`` without ``torch.``, one
+#: name per dtype (torch's aliases, ``float`` for ``float32``, are not names: one value, one byte string).
+TORCH_DTYPES: tuple[str, ...] = (
+    *("bool", "uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64"),
+    *("float16", "bfloat16", "float32", "float64", "complex32", "complex64", "complex128"),
+    *("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2"),
+    *("qint8", "qint32", "quint8", "quint2x4", "quint4x2"),
+    *("bits1x8", "bits2x4", "bits4x2", "bits8", "bits16"),
+    *(f"int{n}" for n in range(1, 8)),
+    *(f"uint{n}" for n in range(1, 8)),
+)
+#: Device types of a ``torch.device`` value (R-034): the ones torch's device-string parser knows.
+DEVICE_TYPES: tuple[str, ...] = (
+    *("cpu", "cuda", "ipu", "xpu", "mkldnn", "opengl", "opencl", "ideep", "hip", "ve", "fpga", "maia"),
+    *("xla", "lazy", "vulkan", "mps", "meta", "hpu", "mtia", "privateuseone"),
+)
+_MAX_DEVICE_INDEX = 127  # torch's DeviceIndex is an int8: "cpu:128" would come back as cpu:-128
 
 
 @dataclass(frozen=True)
@@ -112,18 +134,32 @@ def encode_numpy(value: Any, where: str) -> TypedValue | None:
     return TypedValue("numpy.scalar", (dtype.name, data))
 
 
-def encode_torch(value: Any) -> TypedValue | None:
+def encode_torch(value: Any, where: str) -> TypedValue | None:
     """The typed value of a ``torch.dtype``, ``torch.device`` or ``torch.Size``; None when ``value`` is not one.
 
     Torch is not imported here: when it is not already imported, the value is no torch value.
+
+    Raises:
+        UnsupportedValue: a dtype not in :data:`TORCH_DTYPES` (a torch newer than this table).
     """
     torch = sys.modules.get("torch")
     if torch is None:
         return None
     t = type(value)
     if t is torch.dtype:
-        return TypedValue("torch.dtype", (str(value).removeprefix("torch."),))
+        name = str(value).removeprefix("torch.")
+        if name not in TORCH_DTYPES:
+            raise UnsupportedValue(
+                f"{where}: torch dtype {value} cannot be stored as a value (this ckptkit knows {len(TORCH_DTYPES)} "
+                "dtypes, spec/container.md §5.4); store str(dtype) instead"
+            )
+        return TypedValue("torch.dtype", (name,))
     if t is torch.device:
+        if not is_device_string(str(value)):  # a renamed privateuse1 backend ("npu:0"): no reader would take it
+            raise UnsupportedValue(
+                f"{where}: torch device {value} cannot be stored as a value (device types: {', '.join(DEVICE_TYPES)}, "
+                "spec/container.md §5.4); store str(device) instead"
+            )
         return TypedValue("torch.device", (str(value),))
     if t is torch.Size:
         return TypedValue("torch.Size", tuple(int(d) for d in value))
@@ -210,15 +246,63 @@ def decode_leaf(name: str, fields: list[Any]) -> Any:
     if name == "torch.Size":
         if not all(type(d) is int and d >= 0 for d in fields):
             raise _bad("torch.Size: fields must be non-negative integers")
+        if any(d >= _INT64_END for d in fields):
+            raise MalformedIndex(
+                f"torch.Size: dimension {max(fields)} is not below 2**63 (a torch size is int64)",
+                hint="R-031",
+            )
         return TypedValue(name, tuple(fields))
     if name in ("torch.device", "torch.dtype"):
         if len(fields) != 1 or not isinstance(fields[0], str) or not 0 < len(fields[0]) <= 64:
             raise _bad(f"{name}: must have one field, a string of 1..64 characters")
+        (_dtype_name if name == "torch.dtype" else _device)(fields[0])
         return TypedValue(name, tuple(fields))
     raise UnsupportedVersion(
         f"unknown value type {name[:60]!r} (this reader knows {', '.join(TYPE_NAMES)})",
         hint="written by a newer ckptkit? upgrade ckptkit to read it; nothing was loaded (R-018)",
     )
+
+
+def _dtype_name(text: str) -> None:
+    """A ``torch.dtype`` field: a name of :data:`TORCH_DTYPES`, exactly (R-033)."""
+    if text not in TORCH_DTYPES:
+        raise UnsupportedVersion(
+            f"torch.dtype {text[:40]!r} is not a dtype name of spec/container.md §5.4 (an alias such as 'float' is "
+            "not one)",
+            hint="written by a newer ckptkit? upgrade ckptkit to read it; nothing was loaded (R-033)",
+        )
+
+
+def is_device_string(text: str) -> bool:
+    """``<type>`` or ``<type>:<index>`` as ``str(device)`` writes it: a type of :data:`DEVICE_TYPES`,
+    the index 0..127 in ASCII decimal without sign or leading zeros (R-034)."""
+    kind, colon, index = text.partition(":")
+    if not colon:
+        return kind in DEVICE_TYPES
+    canonical = index.isdecimal() and index.isascii() and str(int(index)) == index
+    return kind in DEVICE_TYPES and canonical and int(index) <= _MAX_DEVICE_INDEX
+
+
+def _device(text: str) -> None:
+    """A ``torch.device`` field (R-034)."""
+    if not is_device_string(text):
+        raise MalformedIndex(
+            f"torch.device {text[:40]!r} is not a device string (expected <type> or <type>:<index>, the type one of "
+            f"{', '.join(DEVICE_TYPES)}, the index 0..{_MAX_DEVICE_INDEX} without leading zeros)",
+            hint="R-034",
+        )
+
+
+def loaded_key(value: Any) -> Any:
+    """What a decoded set element is equal to once loaded: a ``torch.Size`` is the tuple of its
+    dimensions (``torch.Size([2, 3]) == (2, 3)``, same hash), inside tuples and frozensets too (R-032)."""
+    if type(value) is TypedValue and value.name == "torch.Size":
+        return value.fields
+    if type(value) is tuple:
+        return tuple(map(loaded_key, value))
+    if type(value) is frozenset:
+        return frozenset(map(loaded_key, value))
+    return value
 
 
 def _numpy_fields(name: str, dtype: Any, data: Any, numel: int) -> Any:
@@ -243,6 +327,12 @@ def _ndarray(fields: list[Any]) -> Any:
     if not isinstance(shape, list) or len(shape) > _MAX_NDIM or not all(type(d) is int and d >= 0 for d in shape):
         raise _bad(f"numpy.ndarray: shape must be at most {_MAX_NDIM} non-negative integers")
     np, little = _numpy_fields("numpy.ndarray", dtype, data, math.prod(shape))
+    if math.prod(max(d, 1) for d in shape) * little.itemsize >= _INT64_END:
+        raise MalformedIndex(
+            f"numpy.ndarray: shape {shape} of {dtype} is more than numpy can hold (the product of the dimensions, "
+            f"0 counted as 1, times the item size {little.itemsize} must be below 2**63)",
+            hint="R-030",
+        )
     if not isinstance(big, bool) or (big and little.itemsize == 1):
         raise _bad("numpy.ndarray: big_endian must be a bool, false for one-byte dtypes")
     out = np.frombuffer(data, dtype=little).reshape(shape)

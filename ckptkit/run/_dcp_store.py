@@ -312,7 +312,7 @@ class DcpStore(files.LocalRunDir):
         report = verify_directory(path)
         if report.error is not None:
             raise report.error
-        run = run_tree(read_metadata(path), path)
+        run = run_tree(read_metadata(path, check_files=False), path)  # the files: verified just above
         files.check_step(path, step, run["step"], field="run.step", what="the stored step")
         files.read_companions(path, step, self.reg.sidecars, run)
         return record_of(run)
@@ -323,7 +323,7 @@ class DcpStore(files.LocalRunDir):
         loads), and its sidecars."""
         from ..distributed._format import read_metadata
 
-        md = read_metadata(path)
+        md = read_metadata(path, check_files=False)  # the load below checks the rank files (R-DC06)
         run = run_tree(md, path)
         saved, now = run["world"], self.facts()
         resharded = saved != now
@@ -395,7 +395,7 @@ class DcpStore(files.LocalRunDir):
         from ..distributed._format import read_metadata
 
         reg = self.reg
-        stored = set(read_metadata(path).tensors)
+        stored = set(read_metadata(path, check_files=False).tensors)  # keys only; the load checks the files
         optim = {}
         for n, o in reg.optimizers.items():
             model = reg.optimizer_models[n]

@@ -397,6 +397,14 @@ def test_the_fuzz_harness_runs_clean_for_a_bounded_time(tmp_path, engine):
     assert proc.returncode == 0 and not findings, "\n".join(findings[:5]) or proc.stderr[-3000:]
 
 
+def test_the_typed_value_fuzz_target_runs_clean_for_a_bounded_time(tmp_path, capsys):
+    """Typed-value payloads behind resealed digests: every reader typed, load and verify agreeing
+    (``fuzz/fuzz_typed_values.py --seconds N`` for long campaigns)."""
+    typed = load_script("fuzz_typed_values", Path(FUZZ) / "fuzz_typed_values.py")
+    status = typed.run(FUZZ_SECONDS, 0, str(tmp_path / "artifacts"))
+    assert status == 0, capsys.readouterr().err[-3000:]
+
+
 # ------------------------------------------------------------------ not a regular file
 
 

@@ -35,8 +35,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 import ckptkit
 import ckptkit.distributed as ckd
 from ckptkit.errors import MalformedIndex, UnsupportedValue, UnsupportedVersion
+from ckptkit.format import _values as values
 from ckptkit.format._section import _pack_tree, check_plain
-from ckptkit.format._values import NUMPY_DTYPES, TypedValue
+from ckptkit.format._values import DEVICE_TYPES, NUMPY_DTYPES, TORCH_DTYPES, TypedValue, decode_leaf, encode_torch
 from ckptkit.integrations.lightning import CheckpointIO
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -213,22 +214,127 @@ def test_typed_values_have_the_bytes_of_the_spec() -> None:
     assert packed(torch.float16) == "92 c7 0b 04 74 6f 72 63 68 2e 64 74 79 70 65 a7 66 6c 6f 61 74 31 36"
 
 
-def test_a_dtype_this_torch_lacks_is_refused_by_name(tmp_path: Path) -> None:
-    ckptkit.save(
-        tmp_path / "d.ckpt", ckptkit.Checkpoint(step=1, monitor={"v": TypedValue("torch.dtype", ("float99",))})
-    )
+def _typed_file(tmp_path: Path, value: TypedValue) -> Path:
+    ckptkit.save(tmp_path / "d.ckpt", ckptkit.Checkpoint(step=1, monitor={"v": value}))
+    return tmp_path / "d.ckpt"
+
+
+def test_a_dtype_name_outside_the_table_is_refused_by_load_and_verify_alike(tmp_path: Path) -> None:
+    path = _typed_file(tmp_path, TypedValue("torch.dtype", ("float99",)))
     with pytest.raises(UnsupportedVersion) as e:
-        ckptkit.load(tmp_path / "d.ckpt")
+        ckptkit.load(path)
     assert str(e.value) == (
-        f"typed value: torch.dtype 'float99' is not a dtype of torch {torch.__version__}; written with a newer torch? "
-        "(R-018)"
+        f"{path}: offset 64 (0x40): monitor index: torch.dtype 'float99' is not a dtype name of spec/container.md "
+        "§5.4 (an alias such as 'float' is not one); written by a newer ckptkit? upgrade ckptkit to read it; nothing "
+        "was loaded (R-033)"
+    )
+    assert str(ckptkit.verify(path).error) == str(e.value)
+
+
+def test_a_dtype_of_the_table_this_torch_lacks_is_refused_at_load_naming_torch(tmp_path, monkeypatch) -> None:
+    path = _typed_file(tmp_path, TypedValue("torch.dtype", ("uint7",)))
+    monkeypatch.delattr(torch, "uint7")
+    with pytest.raises(UnsupportedVersion) as e:
+        ckptkit.load(path)
+    assert str(e.value) == (
+        f"typed value: torch.dtype 'uint7' is not a dtype of torch {torch.__version__}; written with a newer torch? "
+        "upgrade torch to read it (R-033)"
     )
 
 
-def test_a_device_torch_refuses_is_a_malformed_index(tmp_path: Path) -> None:
-    ckptkit.save(tmp_path / "d.ckpt", ckptkit.Checkpoint(step=1, monitor={"v": TypedValue("torch.device", ("tpu:x",))}))
-    with pytest.raises(MalformedIndex, match=r"^typed value: torch.device 'tpu:x' is not a device \("):
-        ckptkit.load(tmp_path / "d.ckpt")
+def test_the_dtype_table_is_exactly_the_dtypes_of_this_torch() -> None:
+    assert sorted(TORCH_DTYPES) == sorted(
+        {str(v).removeprefix("torch.") for v in vars(torch).values() if isinstance(v, torch.dtype)}
+    )
+    for name in TORCH_DTYPES:
+        dtype = getattr(torch, name)
+        assert encode_torch(dtype, "v") == TypedValue("torch.dtype", (name,))
+
+
+@pytest.mark.parametrize(
+    ("dtype", "shape", "fits"),
+    [
+        ("uint8", [0, 2**63 - 1], True),
+        ("uint8", [0, 2**63], False),
+        ("float32", [0, 2**61 - 1], True),
+        ("float32", [0, 2**61], False),
+        ("float64", [2**62, 2**62, 0], False),
+        ("bool", [0] * 64, True),
+    ],
+)
+def test_an_empty_ndarray_shape_is_bounded_by_what_numpy_can_hold(dtype: str, shape: list[int], fits: bool) -> None:
+    """R-030, boundary +-1: the product of the dimensions (0 as 1) times the item size below 2**63."""
+    if fits:
+        assert decode_leaf("numpy.ndarray", [dtype, shape, b"", False]).shape == tuple(shape)
+        return
+    with pytest.raises(MalformedIndex, match=r"is more than numpy can hold .*\(R-030\)$"):
+        decode_leaf("numpy.ndarray", [dtype, shape, b"", False])
+
+
+def test_a_torch_size_dimension_is_below_2_pow_63() -> None:
+    """R-031, boundary +-1."""
+    assert decode_leaf("torch.Size", [2**63 - 1]) == TypedValue("torch.Size", (2**63 - 1,))
+    with pytest.raises(MalformedIndex, match=r"^torch.Size: dimension 9223372036854775808 is not below 2\*\*63"):
+        decode_leaf("torch.Size", [0, 2**63])
+
+
+def test_a_device_of_a_renamed_backend_is_refused_at_save(monkeypatch) -> None:
+    monkeypatch.setattr(values, "DEVICE_TYPES", tuple(n for n in DEVICE_TYPES if n != "meta"))
+    with pytest.raises(UnsupportedValue) as e:
+        check_plain({"d": torch.device("meta", 3)}, "monitor")
+    assert str(e.value).startswith("monitor['d']: torch device meta:3 cannot be stored as a value (device types: cpu, ")
+    assert str(e.value).endswith("spec/container.md §5.4); store str(device) instead")
+
+
+def test_a_torch_dtype_outside_the_table_is_refused_at_save(monkeypatch) -> None:
+    monkeypatch.setattr(values, "TORCH_DTYPES", tuple(n for n in TORCH_DTYPES if n != "uint7"))
+    with pytest.raises(UnsupportedValue) as e:
+        check_plain({"d": getattr(torch, "uint7")}, "monitor")  # noqa: B009 - torch's stubs lack uint7
+    known = len(TORCH_DTYPES) - 1
+    assert str(e.value) == (
+        f"monitor['d']: torch dtype torch.uint7 cannot be stored as a value (this ckptkit knows {known} dtypes, "
+        "spec/container.md §5.4); store str(dtype) instead"
+    )
+
+
+@pytest.mark.parametrize("name", ["float128", "Tensor", "__class__", "save", "torch.float32", "float", "half", "long"])
+def test_a_dtype_name_torch_would_resolve_or_not_is_refused_unless_listed(tmp_path: Path, name: str) -> None:
+    path = _typed_file(tmp_path, TypedValue("torch.dtype", (name,)))
+    with pytest.raises(UnsupportedVersion, match=r"\(R-033\)$") as e:
+        ckptkit.load(path)
+    assert str(ckptkit.verify(path).error) == str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("elements", "rule"),
+    [
+        (((2, 3), TypedValue("torch.Size", (2, 3))), "R-032"),
+        ((((2, 3), 1), (TypedValue("torch.Size", (2, 3)), 1)), "R-032"),
+        ((frozenset({(1,)}), frozenset({TypedValue("torch.Size", (1,))})), "R-032"),
+        ((1, 1.0), "R-018"),
+    ],
+)
+def test_set_elements_that_are_one_value_once_loaded_are_refused(tmp_path: Path, elements: Any, rule: str) -> None:
+    path = _typed_file(tmp_path, TypedValue("set", elements))
+    with pytest.raises(MalformedIndex, match=rf"\({rule}\)$") as e:
+        ckptkit.load(path)
+    assert str(ckptkit.verify(path).error) == str(e.value)
+
+
+def test_a_set_of_a_size_and_another_tuple_loads_both(tmp_path: Path) -> None:
+    path = _typed_file(tmp_path, TypedValue("set", ((2, 3), TypedValue("torch.Size", (3, 2)))))
+    assert ckptkit.load(path).monitor["v"] == {(2, 3), torch.Size([3, 2])}
+
+
+@pytest.mark.filterwarnings("ignore:'mkldnn' is no longer used:UserWarning")
+def test_every_device_string_of_the_grammar_is_one_torch_reads_back_unchanged(tmp_path: Path) -> None:
+    for kind in DEVICE_TYPES:
+        for text in (kind, f"{kind}:0", f"{kind}:127"):
+            assert str(torch.device(text)) == text
+            assert decode_leaf("torch.device", [text]) == TypedValue("torch.device", (text,))
+    for text in ("cpu:128", "cuda:007", "cuda:+1", "cuda:", "CPU", "cpu\0", "cuda:\u0661", "tpu:x"):
+        with pytest.raises(MalformedIndex, match=r"\(R-034\)$"):
+            decode_leaf("torch.device", [text])
 
 
 # ---------------------------------------------------------------------------- refusals
