@@ -201,6 +201,7 @@ def _train(args: argparse.Namespace, cfg: Any, speak: bool) -> int:
     from torch import get_num_threads as torch_threads
 
     from ..run._files import is_fallback_note
+    from ..run._lease import TAKEOVER
     from ..run._preemption import RunStopped
     from ..trainer._loop import intra_op_threads, train
     from ._progress import Progress
@@ -223,7 +224,7 @@ def _train(args: argparse.Namespace, cfg: Any, speak: bool) -> int:
                     reshard=args.reshard,
                     allow_legacy=args.allow_legacy,
                     allow_env_change=args.allow_env_change,
-                    log=lambda line: progress.log(line, always=is_fallback_note(line)),
+                    log=lambda line: progress.log(line, always=is_fallback_note(line) or line.startswith(TAKEOVER)),
                     on_step=on_step,
                     preemptible=True,
                 )

@@ -138,6 +138,7 @@ class RunState(Registration, Stopping):
         self._history = History(work, at=self._opening, log=self._log) if self.rank == 0 else _Silent(work)
         self._lease: Lease = lease if lease is not None else lease_for(self.run_dir)  # a file, or an object on s3://
         self._leased = False
+        self._took_over: str | None = None  # the takeover line, until its history row is held
         self._launcher = launcher_pid()  # this rank's torchrun agent; None outside torchrun
 
     def _open_store(self, async_save: bool) -> Store:
@@ -238,6 +239,13 @@ class RunState(Registration, Stopping):
         self._leased = True
         if note:
             self._log(note)
+            self._took_over = note
+
+    def _record_takeover(self) -> None:
+        """Once start() or resume() knows the step: the takeover's ``lease`` row in the history (R-LS04)."""
+        if self._took_over is not None and self._began is not None and self.rank == 0:
+            self._history.hold({"kind": "lease", "step": self._began, "took_over": self._took_over})
+        self._took_over = None
 
     def _may_write(self, step: int) -> None:
         """Before a save writes anything: this rank's launcher lives (R-LS07), and rank 0 still
@@ -273,9 +281,15 @@ class RunState(Registration, Stopping):
             self._history.close()
             self._store.close()
         finally:
-            if self._leased and self.rank == 0:  # after the last save committed (or failed)
-                self._lease.release()
-            self._leased = False
+            self._release_lease()  # after the last save committed (or failed)
+
+    def _release_lease(self) -> None:
+        """Rank 0 gives the run directory's lease up (R-LS08): at ``close()``, and once a requested
+        stop's checkpoint is committed (``step_done``), so a loop that ends there without reaching
+        ``close()`` leaves no lease for its resume to take over."""
+        if self._leased and self.rank == 0:
+            self._lease.release()
+        self._leased = False
 
     def checkpoints(self) -> list[tuple[int, str]]:
         """``(step, path)`` of the run directory's checkpoints, oldest first, once a
@@ -320,6 +334,7 @@ class RunState(Registration, Stopping):
         """
         self._hold()
         self._began = protocol.start(self._store, self._group, self.run_dir, self._log)
+        self._record_takeover()
         return self._began
 
     def resume(
@@ -366,6 +381,7 @@ class RunState(Registration, Stopping):
 
         info = protocol.resume(self._store, self._group, self._reg, self.run_dir, how, restore, self._log)
         self._began = info.step
+        self._record_takeover()
         if self.rank == 0 and (info.env_overrides or self._overridden_before(info.step)):
             row = protocol.resume_row(
                 info, allow_legacy=allow_legacy, allow_env_change=allow_env_change, notes=info.notes
