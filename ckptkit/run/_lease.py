@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import socket
 import time
@@ -157,14 +156,17 @@ def _check_ttl(ttl_s: float) -> float:
 
 #: The largest pid a lease may name: ``pid_t`` is a signed 32-bit integer on every platform ckptkit runs on.
 _PID_END = 2**31
+#: Times are Unix seconds before the year 10000: what every platform's ``gmtime`` shows (R-LS15).
+_TIME_END = 253402300800
+_SECONDS = "Unix seconds in [0, 253402300800), before the year 10000"
 #: Each field's bound (R-LS15): what a lease ckptkit wrote holds, and what a reader may act on.
 _FIELDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "host": ("a non-empty string of at most 255 characters", lambda v: isinstance(v, str) and 0 < len(v) <= 255),
     "pid": ("an integer in [1, 2^31)", lambda v: is_int(v, 1, _PID_END)),
-    "started": ("a finite number >= 0 (Unix seconds)", lambda v: is_number(v) and 0 <= v < math.inf),
+    "started": (_SECONDS, lambda v: is_number(v) and 0 <= v < _TIME_END),
     "ranks": ("an integer in [1, 2^31)", lambda v: is_int(v, 1, _PID_END)),
     "launcher": ("null or an integer in [1, 2^31)", lambda v: v is None or is_int(v, 1, _PID_END)),
-    "heartbeat": ("a finite number >= 0 (Unix seconds)", lambda v: is_number(v) and 0 <= v < math.inf),
+    "heartbeat": (_SECONDS, lambda v: is_number(v) and 0 <= v < _TIME_END),
     "token": ("a non-empty string of at most 256 characters", lambda v: isinstance(v, str) and 0 < len(v) <= 256),
 }
 

@@ -134,6 +134,9 @@ def test_the_same_process_takes_its_own_lease_again_and_close_releases_it(
     assert not (tmp_path / LEASE_FILE).exists()
 
 
+SECONDS = "Unix seconds in [0, 253402300800), before the year 10000"
+
+
 def _dead_pid() -> int:
     """The pid of a process that ran here and ended."""
     gone = subprocess.Popen([sys.executable, "-c", ""])
@@ -147,8 +150,9 @@ def _dead_pid() -> int:
         ("pid", str(2**40), str(2**40), "an integer in [1, 2^31)"),
         ("pid", "0", "0", "an integer in [1, 2^31)"),
         ("pid", "true", "true", "an integer in [1, 2^31)"),
-        ("heartbeat", "1e999", "Infinity", "a finite number >= 0 (Unix seconds)"),
-        ("started", "-1", "-1", "a finite number >= 0 (Unix seconds)"),
+        ("heartbeat", "1e999", "Infinity", SECONDS),
+        ("heartbeat", "253402300800", "253402300800", SECONDS),
+        ("started", "-1", "-1", SECONDS),
         ("ranks", "2.5", "2.5", "an integer in [1, 2^31)"),
         ("launcher", "-3", "-3", "null or an integer in [1, 2^31)"),
         ("host", '""', '""', "a non-empty string of at most 255 characters"),
