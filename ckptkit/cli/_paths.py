@@ -41,11 +41,23 @@ def expand_checkpoints(paths: list[str]) -> list[str]:
             if not found:
                 raise CheckpointNotFound(f"{p}: no *.ckpt files in this directory")
             out.extend(found)
-        elif os.path.lexists(p):  # a symlink loop too: the reader reports it
+        elif _there(p):  # a symlink loop, a file in a directory this user may not search: the reader says which
             out.append(p)
         else:
             raise CheckpointNotFound(f"{p}: no such file or directory")
     return out
+
+
+def _there(path: str) -> bool:
+    """Whether ``path`` may exist: anything but "no such file" (``lexists`` is False for a file
+    under a directory that cannot be searched, which does exist: the reader reports EACCES)."""
+    try:
+        os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError:
+        return True
+    return True
 
 
 def refuse_urls(args: argparse.Namespace, *, served: tuple[str, ...]) -> None:

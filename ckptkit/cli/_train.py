@@ -324,8 +324,16 @@ def _resume_command(args: argparse.Namespace, cfg: Any) -> str:
 
 
 def _launcher() -> list[str]:
-    """How this run was started: ``ckptkit``, or ``torchrun --nproc_per_node W -m ckptkit``."""
+    """How this run was started: ``ckptkit``, ``torchrun --nproc_per_node W -m ckptkit`` on one
+    node, or on several (torchrun's ``LOCAL_WORLD_SIZE`` below the world size) the command each
+    node runs, with the rendezvous endpoint to fill in (torchrun does not tell its ranks it)."""
     from ..trainer._parallel import ranks
 
     world = ranks().world
-    return ["ckptkit"] if world == 1 else ["torchrun", "--nproc_per_node", str(world), "-m", "ckptkit"]
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    if world == 1:
+        return ["ckptkit"]
+    if not 0 < per_node < world or world % per_node:
+        return ["torchrun", "--nproc_per_node", str(world), "-m", "ckptkit"]
+    nodes = ["--nnodes", str(world // per_node), "--nproc_per_node", str(per_node)]
+    return ["torchrun", *nodes, "--rdzv-backend", "c10d", "--rdzv-endpoint", "HOST:PORT", "-m", "ckptkit"]
