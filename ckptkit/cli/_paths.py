@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping
 
 from ..errors import CheckpointNotFound
 from ..format._urls import is_url, local_only, parse, require_client
-from ..run._files import list_run_dir
+from ..run._files import DAMAGED, list_run_dir
 from ..run._local_copy import Select, local_copy
 
 __all__ = ["Copies", "copy_urls", "expand_checkpoints", "refuse_urls"]
@@ -20,7 +20,7 @@ Copies = Mapping[str, Callable[[argparse.Namespace], Select]]
 
 
 def _is_checkpoint_or_sidecar(name: str) -> bool:
-    if name.startswith("."):
+    if name.startswith((".", DAMAGED)):  # a damaged step's piece a save set aside is no checkpoint
         return False
     if name.endswith(".ckpt"):
         return True

@@ -200,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace, cfg: Any, speak: bool) -> int:
     from torch import get_num_threads as torch_threads
 
-    from ..run._files import is_fallback_note
+    from ..run._files import SET_ASIDE, is_fallback_note
     from ..run._lease import TAKEOVER
     from ..run._preemption import RunStopped
     from ..trainer._loop import intra_op_threads, train
@@ -224,7 +224,9 @@ def _train(args: argparse.Namespace, cfg: Any, speak: bool) -> int:
                     reshard=args.reshard,
                     allow_legacy=args.allow_legacy,
                     allow_env_change=args.allow_env_change,
-                    log=lambda line: progress.log(line, always=is_fallback_note(line) or line.startswith(TAKEOVER)),
+                    log=lambda line: progress.log(
+                        line, always=is_fallback_note(line) or line.startswith((TAKEOVER, SET_ASIDE))
+                    ),
                     on_step=on_step,
                     preemptible=True,
                 )
