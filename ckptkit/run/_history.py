@@ -10,8 +10,6 @@ sorted. Every row has ``kind`` and ``step``:
   (``loss_bits``), so equality is exact even for tools that parse floats loosely;
 * ``resume`` -- a resume at ``step`` (the number of steps done), with what
   the resume noted, allowed or overrode;
-* ``lease`` -- this process took the run directory's lease over from a job that was gone
-  (spec/lease.md R-LS04), at the step it began at;
 * ``digests`` -- after every step: per-parameter digests of the state after
   ``step`` steps (spec/replay.md R-P02);
 * ``checkpoint`` -- before every checkpoint save: the digest of every tensor and
@@ -255,7 +253,7 @@ class History:
     ) -> None:
         self._file: IO[bytes] | None = None
         self._at, self._log = at, log or (lambda _msg: None)
-        self._held: list[dict[str, Any]] = []  # RunState's resume and lease rows, until the next row (hold())
+        self._held: dict[str, Any] | None = None  # RunState's resume row, until the next row (hold())
         self.prepared = False  # start_fresh() or resume_at() made the file this run's, in this process
         # An s3:// run's history is written in RunState.work_dir (spec/objectstore.md R-O23).
         self.path = os.path.join(local_only(run_dir, "ckptkit.run.History"), HISTORY_FILE)
@@ -275,10 +273,10 @@ class History:
         return self.begin(*self._at())
 
     def hold(self, row: dict[str, Any]) -> None:
-        """Write ``row`` (after the rows held before it) before the next row appended, unless that
-        one is a row of the same kind and step (a loop's own ``resume`` row, with its own notes,
-        replaces ``RunState``'s); or at :meth:`sync` or :meth:`close`."""
-        self._held.append(row)
+        """Write ``row`` before the next row appended, unless that one is a row of the same kind
+        and step (a loop's own ``resume`` row, with its own notes, replaces ``RunState``'s); or at
+        :meth:`sync` or :meth:`close`."""
+        self._held = row
 
     def rows(self) -> list[dict[str, Any]]:
         """Every complete row of the file, once it is the run's (:meth:`open`, notes logged)."""
@@ -358,10 +356,9 @@ class History:
         with ``at`` opens first (:meth:`open`), one closed after it was prepared opens again."""
         for note in self.open() if self._at is not None else ():
             self._log(note)
-        held, self._held = self._held, []
-        for h in held:
-            if (h["kind"], h["step"]) != (row["kind"], row["step"]):
-                self._write(h)
+        held, self._held = self._held, None
+        if held is not None and (held["kind"], held["step"]) != (row["kind"], row["step"]):
+            self._write(held)
         self._write(row)
 
     def _write(self, row: dict[str, Any]) -> None:
@@ -380,15 +377,15 @@ class History:
         run that has recorded nothing yet."""
         for note in self.open() if self._at is not None else ():
             self._log(note)
-        if self._held:
-            self.append(self._held.pop())
+        if self._held is not None:
+            self.append(self._held)
         if self._file is not None:
             os.fsync(self._file.fileno())
 
     def close(self) -> None:
-        """Write the held rows, then close the file."""
-        if self._held:
-            self.append(self._held.pop())
+        """Write a held row, then close the file."""
+        if self._held is not None:
+            self.append(self._held)
         self._close()
 
     def _close(self) -> None:

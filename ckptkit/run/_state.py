@@ -36,6 +36,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -138,7 +139,6 @@ class RunState(Registration, Stopping):
         self._history = History(work, at=self._opening, log=self._log) if self.rank == 0 else _Silent(work)
         self._lease: Lease = lease if lease is not None else lease_for(self.run_dir)  # a file, or an object on s3://
         self._leased = False
-        self._took_over: str | None = None  # the takeover line, until its history row is held
         self._launcher = launcher_pid()  # this rank's torchrun agent; None outside torchrun
 
     def _open_store(self, async_save: bool) -> Store:
@@ -230,22 +230,17 @@ class RunState(Registration, Stopping):
         self._group.agree(lambda: self._may_write(step), "checking the run directory's lease")
         return self._store.save(step, self.checkpoint(step), encode_snapshot(self.config), self.sidecar_contents())
 
-    def _hold(self) -> None:
-        """Rank 0 acquires the run directory's lease for the job, once; a takeover is said (R-LS04)."""
+    def _hold(self) -> str | None:
+        """Rank 0 acquires the run directory's lease for the job, once; a takeover is said (R-LS04)
+        and its line returned (a resume's notes carry it into the history's ``resume`` row)."""
         if self._leased:
-            return
+            return None
         lease, me = self._lease, this_job(self.world_size)
         note = self._group.from_rank0(lambda: lease.acquire(me), "acquiring the run directory's lease")
         self._leased = True
         if note:
             self._log(note)
-            self._took_over = note
-
-    def _record_takeover(self) -> None:
-        """Once start() or resume() knows the step: the takeover's ``lease`` row in the history (R-LS04)."""
-        if self._took_over is not None and self._began is not None and self.rank == 0:
-            self._history.hold({"kind": "lease", "step": self._began, "took_over": self._took_over})
-        self._took_over = None
+        return note
 
     def _may_write(self, step: int) -> None:
         """Before a save writes anything: this rank's launcher lives (R-LS07), and rank 0 still
@@ -334,7 +329,6 @@ class RunState(Registration, Stopping):
         """
         self._hold()
         self._began = protocol.start(self._store, self._group, self.run_dir, self._log)
-        self._record_takeover()
         return self._began
 
     def resume(
@@ -373,15 +367,16 @@ class RunState(Registration, Stopping):
             WorldSizeChanged: the run was saved at another world size or layout
                 (one process vs a process group included) and ``reshard`` is False.
         """
-        self._hold()
+        took_over = self._hold()
         how = protocol.Resume(self.config, self.exempt, allow_legacy, allow_env_change, reshard)
 
         def restore(ckpt: Checkpoint, sidecars: Sidecars) -> None:
             self.restore(ckpt, sidecars=sidecars)
 
         info = protocol.resume(self._store, self._group, self._reg, self.run_dir, how, restore, self._log)
+        if took_over:  # logged already; in the notes, so the resume row that records them has it (R-LS04)
+            info = dataclasses.replace(info, notes=(took_over, *info.notes))
         self._began = info.step
-        self._record_takeover()
         if self.rank == 0 and (info.env_overrides or self._overridden_before(info.step)):
             row = protocol.resume_row(
                 info, allow_legacy=allow_legacy, allow_env_change=allow_env_change, notes=info.notes
