@@ -4,6 +4,7 @@
     python fuzz/fuzz_load.py --seconds 600 --engine atheris    # coverage-guided (pip install atheris)
     python fuzz/fuzz_load.py --seconds 30 --engine hypothesis --seed 3
     python fuzz/fuzz_load.py --replay fuzz/artifacts/crash-1a2b3c  # re-run one saved input
+    python fuzz/fuzz_load.py --target records --seconds 60     # commit records and leases instead
 
 The property: for any input bytes, every reader either succeeds or raises a
 ``ckptkit.errors.CheckpointError``, within a memory cap (``--mem-mib`` above the
@@ -260,6 +261,25 @@ def run_hypothesis(
     return 1 if found else 0
 
 
+# ------------------------------------------------------------------ commit records and leases
+
+
+def run_records(seconds: int, seed: int) -> int:
+    """Mutated commit records and leases (``run_corpus.run_records``, 500 of each per round, the
+    seed advancing) until the time is up; every finding printed."""
+    from run_corpus import run_records as one_round
+
+    end, rounds, inputs, found = time.monotonic() + seconds, 0, 0, 0
+    with tempfile.TemporaryDirectory(prefix="ckptkit-fuzz-records-") as scratch:
+        while time.monotonic() < end:
+            got = one_round(500, seed * 1_000_003 + rounds, scratch)
+            inputs, rounds, found = inputs + got["inputs"], rounds + 1, found + len(got["findings"])
+            for f in got["findings"]:
+                print(f"FINDING {f['reader']}: {f['outcome']}  input {f['input'][:120]!r}", file=sys.stderr)
+    print(f"records engine: {inputs} inputs in {rounds} rounds, seed {seed}, {found} finding(s)", file=sys.stderr)
+    return 1 if found else 0
+
+
 # ------------------------------------------------------------------ main
 
 
@@ -280,6 +300,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--artifacts", default=os.path.join(ROOT, "fuzz", "artifacts"), help="where findings go")
     ap.add_argument("--replay", metavar="FILE", help="run the readers on one file and exit")
     ap.add_argument(
+        "--target",
+        choices=("checkpoints", "records"),
+        default="checkpoints",
+        help="records: mutated commit records and leases through their decoders (seeded mutations)",
+    )
+    ap.add_argument(
         "--keep-going",
         action="store_true",
         help="hypothesis engine: record each distinct finding and go on until the time is up",
@@ -287,6 +313,10 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = ap.parse_known_args(argv)
     extra = [a for a in extra if a != "--"]
 
+    if args.target == "records":
+        _import_readers()
+        cap_memory(args.mem_mib << 20)
+        return run_records(args.seconds, args.seed)
     engine = args.engine
     if engine == "auto":
         try:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import re
 import resource
 import struct
 import sys
@@ -26,7 +27,20 @@ from typing import Any
 import msgpack
 import xxhash
 
-__all__ = ["READERS_CONTAINER", "READERS_SIDECAR", "cap_memory", "exercise", "finding", "reseal"]
+__all__ = [
+    "HOSTILE_JSON",
+    "READERS_CONTAINER",
+    "READERS_LEASE",
+    "READERS_RECORD",
+    "READERS_SIDECAR",
+    "cap_memory",
+    "exercise",
+    "exercise_lease",
+    "exercise_record",
+    "finding",
+    "mutate_json",
+    "reseal",
+]
 
 READERS_CONTAINER = ("load", "verify", "cli-verify", "cli-inspect", "cli-inspect-json")
 READERS_SIDECAR = ("read_sidecar", "verify_sidecar")
@@ -265,3 +279,96 @@ def decode_raw_index(data: bytes, start: int, index_len: int) -> Any:
 if __name__ == "__main__":  # pragma: no cover - a quick manual probe
     for p in sys.argv[1:]:
         print(p, exercise(p))
+
+
+# ------------------------------------------------------------------ commit records and leases
+# (spec/objectstore.md R-O12/R-O13/R-O46..R-O48, spec/lease.md R-LS15): small JSON records
+# whose decoders must refuse any mutation with a ckptkit error.
+
+READERS_RECORD = ("decode_record",)
+READERS_LEASE = ("lease-holder", "lease-acquire")
+
+#: Values a mutation writes in place of a JSON scalar: the bounds' edges and beyond.
+HOSTILE_JSON = (
+    "18446744073709551615",
+    "18446744073709551616",
+    "1" + "0" * 30,
+    "9" * 4300,
+    "-1",
+    "-0",
+    "1.0",
+    "1e999",
+    "NaN",
+    "-Infinity",
+    "true",
+    "null",
+    '""',
+    '"\\u0000"',
+    '"a/b"',
+    '"\\ud800"',
+    "[" * 3000 + "]" * 3000,
+    "{}",
+    '{"a":[[[1]]]}',
+    '"' + "x" * 300 + '"',
+    str(2**31),
+    str(2**70),
+)
+_SCALAR = re.compile(rb'-?\d[\d.eE+-]*|"(?:[^"\\]|\\.)*"|true|false|null')  # a JSON scalar, roughly
+
+
+def mutate_json(data: bytes, rng: Any, pool: list[bytes]) -> bytes:
+    """``data`` with 1..3 mutations drawn from ``rng`` (a ``random.Random``): a scalar value or
+    key replaced by one of :data:`HOSTILE_JSON`, a byte set, bytes inserted, deleted or cut, a
+    splice from another seed of ``pool``, or deep brackets wrapped around a value."""
+    out = bytes(data)
+    for _ in range(rng.randint(1, 3)):
+        spots = [m.span() for m in _SCALAR.finditer(out)]
+        op = rng.choice(("value", "value", "value", "byte", "insert", "delete", "cut", "splice", "nest"))
+        at = rng.randrange(len(out) + 1)
+        if op in ("value", "nest") and spots:
+            a, b = rng.choice(spots)
+            new = rng.choice(HOSTILE_JSON).encode() if op == "value" else b"[" * 50 + out[a:b] + b"]" * 50
+            out = out[:a] + new + out[b:]
+        elif op == "byte" and out:
+            at = min(at, len(out) - 1)
+            out = out[:at] + bytes([rng.randrange(256)]) + out[at + 1 :]
+        elif op == "insert":
+            out = out[:at] + bytes(rng.randrange(256) for _ in range(rng.randint(1, 8))) + out[at:]
+        elif op == "delete":
+            out = out[:at] + out[at + rng.randint(1, 16) :]
+        elif op == "cut":
+            out = out[:at]
+        elif op == "splice":
+            other = rng.choice(pool)
+            out = out[:at] + other[rng.randrange(len(other) + 1) :]
+    return out
+
+
+def exercise_record(data: bytes) -> dict[str, str]:
+    """A commit record's decoder (every reader of an ``s3://`` checkpoint goes through it) on
+    ``data``, as the record of ``model.ckpt`` at ``URL``."""
+    from ckptkit.format._commit import decode_record
+
+    start = time.perf_counter()
+    got = _call(lambda: decode_record(data, "URL", "model.ckpt") and None, "URL")
+    return {"decode_record": got, "decode_record:seconds": f"{time.perf_counter() - start:.4f}"}
+
+
+def exercise_lease(data: bytes, run_dir: str) -> dict[str, str]:
+    """A run directory's lease readers on ``data`` as its ``lease.json``: who holds it, and an
+    acquire, which judges the holder (its pid on this host, its heartbeat) and may take it over."""
+    import os
+
+    from ckptkit.run._lease import LEASE_FILE, FileLease, this_job
+
+    out: dict[str, str] = {}
+    for reader in READERS_LEASE:
+        with open(os.path.join(run_dir, LEASE_FILE), "wb") as f:
+            f.write(data)
+        lease = FileLease(run_dir)
+        read = lease.holder if reader == "lease-holder" else lambda lease=lease: lease.acquire(this_job(1))
+        start = time.perf_counter()
+        out[reader] = _call(lambda read=read: read() and None)
+        out[f"{reader}:seconds"] = f"{time.perf_counter() - start:.4f}"
+        lease.release()
+    return out

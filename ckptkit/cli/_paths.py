@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping
 
 from ..errors import CheckpointNotFound
 from ..format._urls import is_url, local_only, parse, require_client
-from ..run._files import list_run_dir
+from ..run._files import DAMAGED, list_run_dir
 from ..run._local_copy import Select, local_copy
 
 __all__ = ["Copies", "copy_urls", "expand_checkpoints", "refuse_urls"]
@@ -20,7 +20,7 @@ Copies = Mapping[str, Callable[[argparse.Namespace], Select]]
 
 
 def _is_checkpoint_or_sidecar(name: str) -> bool:
-    if name.startswith("."):
+    if name.startswith((".", DAMAGED)):  # a damaged step's piece a save set aside is no checkpoint (R-028)
         return False
     if name.endswith(".ckpt"):
         return True
@@ -41,11 +41,23 @@ def expand_checkpoints(paths: list[str]) -> list[str]:
             if not found:
                 raise CheckpointNotFound(f"{p}: no *.ckpt files in this directory")
             out.extend(found)
-        elif os.path.lexists(p):  # a symlink loop too: the reader reports it
+        elif _there(p):  # a symlink loop, a file in a directory this user may not search: the reader says which
             out.append(p)
         else:
             raise CheckpointNotFound(f"{p}: no such file or directory")
     return out
+
+
+def _there(path: str) -> bool:
+    """Whether ``path`` may exist: anything but "no such file" (``lexists`` is False for a file
+    under a directory that cannot be searched, which does exist: the reader reports EACCES)."""
+    try:
+        os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError:
+        return True
+    return True
 
 
 def refuse_urls(args: argparse.Namespace, *, served: tuple[str, ...]) -> None:

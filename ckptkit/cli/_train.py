@@ -208,7 +208,8 @@ def run(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace, cfg: Any, speak: bool) -> int:
     from torch import get_num_threads as torch_threads
 
-    from ..run._files import is_fallback_note
+    from ..run._files import SET_ASIDE, is_fallback_note
+    from ..run._lease import TAKEOVER
     from ..run._preemption import RunStopped
     from ..run._resume_check import is_verdict
     from ..trainer._loop import intra_op_threads, train
@@ -233,7 +234,10 @@ def _train(args: argparse.Namespace, cfg: Any, speak: bool) -> int:
                     allow_legacy=args.allow_legacy,
                     allow_env_change=args.allow_env_change,
                     resume_check=args.resume_check,
-                    log=lambda line: progress.log(line, always=is_fallback_note(line) or is_verdict(line)),
+                    log=lambda line: progress.log(
+                        line,
+                        always=is_fallback_note(line) or is_verdict(line) or line.startswith((TAKEOVER, SET_ASIDE)),
+                    ),
                     on_step=on_step,
                     preemptible=True,
                 )
@@ -335,8 +339,16 @@ def _resume_command(args: argparse.Namespace, cfg: Any) -> str:
 
 
 def _launcher() -> list[str]:
-    """How this run was started: ``ckptkit``, or ``torchrun --nproc_per_node W -m ckptkit``."""
+    """How this run was started: ``ckptkit``, ``torchrun --nproc_per_node W -m ckptkit`` on one
+    node, or on several (torchrun's ``LOCAL_WORLD_SIZE`` below the world size) the command each
+    node runs, with the rendezvous endpoint to fill in (torchrun does not tell its ranks it)."""
     from ..trainer._parallel import ranks
 
     world = ranks().world
-    return ["ckptkit"] if world == 1 else ["torchrun", "--nproc_per_node", str(world), "-m", "ckptkit"]
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    if world == 1:
+        return ["ckptkit"]
+    if not 0 < per_node < world or world % per_node:
+        return ["torchrun", "--nproc_per_node", str(world), "-m", "ckptkit"]
+    nodes = ["--nnodes", str(world // per_node), "--nproc_per_node", str(per_node)]
+    return ["torchrun", *nodes, "--rdzv-backend", "c10d", "--rdzv-endpoint", "HOST:PORT", "-m", "ckptkit"]

@@ -12,14 +12,17 @@ next save of that name removes. Retention removes the record first, then the obj
 from __future__ import annotations
 
 import json
+import re
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import xxhash
 
 from ..errors import CheckpointNotFound, ChecksumMismatch, CommitConflict, FormatError, IncompleteCheckpoint
 from ._checks import is_int
+from ._json import loads_bounded
 from ._objectstore import ObjectStore
 from ._urls import StorageURL
 
@@ -48,6 +51,7 @@ RECORD_SUFFIX = ".commit.json"
 RECORD_FORMAT = "ckptkit-commit"
 _VERSION = 1
 _MAX_RECORD = 1 << 20  # a record of a few thousand objects is ~100 KiB (R-O13)
+_SIZE_END = 2**64  # an entry's size is a u64 (R-O47)
 #: A save removes another save's objects without a record only once the newest is this old
 #: (seconds): younger ones are a live writer's (R-O16). A resume removes them at once.
 STALE_AFTER = 60.0
@@ -70,49 +74,84 @@ def encode_record(name: str, entries: Iterable[Entry]) -> bytes:
 
 
 def decode_record(data: bytes, where: str, name: str) -> list[Entry]:
-    """A record's entries, every rule of R-O12/R-O13 checked.
+    """A record's entries, every rule of R-O12/R-O13 and R-O46/R-O48 checked, with bounded work.
 
     Raises:
         FormatError: not this format, another checkpoint's record, an object outside the
-            checkpoint, a bad size or digest field; the message names the record and field.
+            checkpoint, a bad size or digest field; the message names the record, field and rule.
     """
 
-    def bad(field: str, expected: object, actual: object) -> FormatError:
-        rule = "R-O12" if field in ("json", "bytes") else "R-O13"
+    def bad(field: str, expected: object, actual: object, rule: str = "R-O13") -> FormatError:
         return FormatError(
-            "not a valid commit record", path=where, field=field, expected=expected, actual=actual, hint=rule
+            "not a valid commit record", path=where, field=field, expected=expected, actual=_short(actual), hint=rule
         )
 
-    try:
-        doc = json.loads(data.decode("ascii"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise bad("json", "canonical ASCII JSON", type(e).__name__) from None
-    if not isinstance(doc, dict) or doc.get("format") != RECORD_FORMAT:
-        raise bad("format", RECORD_FORMAT, doc.get("format") if isinstance(doc, dict) else type(doc).__name__)
-    if doc.get("version") != _VERSION:
-        raise bad("version", _VERSION, doc.get("version"))
-    if doc.get("checkpoint") != name:
-        raise bad("checkpoint", name, doc.get("checkpoint"))
-    objects = doc.get("objects")
+    if len(data) > _MAX_RECORD:
+        raise FormatError("commit record too large", path=where, expected=f"<= {_MAX_RECORD}", actual=len(data))
+    doc = _document(data, bad)
+    if doc.get("format") != RECORD_FORMAT:
+        raise bad("format", RECORD_FORMAT, doc.get("format"))
+    if sorted(doc) != sorted(_TOP):
+        raise bad("keys", ", ".join(sorted(_TOP)), ", ".join(sorted(doc)))
+    if not is_int(doc["version"]) or doc["version"] != _VERSION:
+        raise bad("version", _VERSION, json.dumps(doc["version"]))
+    if doc["checkpoint"] != name:
+        raise bad("checkpoint", name, doc["checkpoint"])
+    objects = doc["objects"]
     if not isinstance(objects, list) or not objects:
         raise bad("objects", "a non-empty list", objects)
     entries = [_entry(o, name, bad) for o in objects]
     if [e.key for e in entries] != sorted({e.key for e in entries}) or entries[0].key != name:
         raise bad("objects", f"distinct keys, sorted, the first {name!r}", [e.key for e in entries])
     if encode_record(name, entries) != data:
-        raise bad("bytes", "the canonical encoding of its contents", "other bytes")
+        raise bad("bytes", "the canonical encoding of its contents", "other bytes", "R-O12")
     return entries
 
 
-def _entry(obj: object, name: str, bad: object) -> Entry:
-    assert callable(bad)
+#: The record's top-level keys, exactly (R-O12, R-O13).
+_TOP = ("checkpoint", "format", "objects", "version")
+#: The record's own shape nests 3 levels: the document, its ``objects`` list, an entry (R-O46).
+_MAX_NESTING = 3
+_BOUNDED = f"at most {_MAX_NESTING} levels of nesting, integers of at most 20 digits, no NaN"
+#: A companion's suffix: dot-separated non-empty words of letters, digits, ``_`` and ``-`` (R-O48).
+_SUFFIX = re.compile(r"\w+(?:[.-]\w+)*")
+
+
+def _document(data: bytes, bad: Callable[..., FormatError]) -> dict[str, Any]:
+    """The record's top-level object, decoded with bounded nesting (R-O12, R-O46)."""
+    try:
+        text = data.decode("ascii")
+    except UnicodeDecodeError:
+        raise bad("json", "canonical ASCII JSON", "UnicodeDecodeError", "R-O12") from None
+    try:
+        doc = loads_bounded(text, _MAX_NESTING)
+    except json.JSONDecodeError:
+        raise bad("json", "canonical ASCII JSON", "JSONDecodeError", "R-O12") from None
+    except ValueError as e:  # deeper nesting, a longer integer, NaN, Infinity
+        raise bad("json", _BOUNDED, e, "R-O46") from None
+    if not isinstance(doc, dict):
+        raise bad("format", RECORD_FORMAT, type(doc).__name__)
+    return doc
+
+
+def _short(value: object) -> object:
+    """A value as an error shows it: whole up to 80 characters, else its start and its length."""
+    text = str(value)
+    return value if len(text) <= 80 else f"{text[:40]}... ({len(text)} characters)"
+
+
+def _entry(obj: object, name: str, bad: Callable[..., FormatError]) -> Entry:
     if not isinstance(obj, dict) or sorted(obj) != ["key", "size", "xxh3"]:
         raise bad("objects[]", "{key, size, xxh3}", obj)
     key, size, digest = obj["key"], obj["size"], obj["xxh3"]
     if not isinstance(key, str) or not (key == name or key.startswith(name + ".")) or "/" in key:
         raise bad("objects[].key", f"{name} or {name}.<companion>", key)
+    if key != name and not _SUFFIX.fullmatch(key[len(name) + 1 :]):
+        raise bad("objects[].key", f"{name}.<suffix> of dot-separated letters, digits, _ and -", repr(key), "R-O48")
     if not is_int(size):
         raise bad("objects[].size", "an integer >= 0", size)
+    if size >= _SIZE_END:
+        raise bad("objects[].size", "an integer below 2^64", size, "R-O47")
     if not isinstance(digest, str) or len(digest) != 16 or digest.strip("0123456789abcdef"):
         raise bad("objects[].xxh3", "16 lowercase hex digits", digest)
     return Entry(key, size, int(digest, 16))
@@ -320,10 +359,6 @@ def read_record(store: ObjectStore, base: StorageURL, name: str) -> list[Entry]:
             f"without a record: {', '.join(left)}); an interrupted save, which the next save removes (R-O15)",
             (name + RECORD_SUFFIX,),
         ) from None
-    if len(data) > _MAX_RECORD:
-        raise FormatError(
-            "commit record too large", path=store.url(key), expected=f"<= {_MAX_RECORD}", actual=len(data)
-        )
     return decode_record(data, store.url(key), name)
 
 
@@ -346,18 +381,24 @@ def read_committed(
 
 
 def fetch(store: ObjectStore, base: StorageURL, e: Entry) -> bytes:
-    """One listed object's bytes, its size and digest checked against the record (R-O14)."""
+    """One listed object's bytes, its size and digest checked against the record (R-O14).
+
+    A size above the part size is compared with the object's (one HEAD) before its ranges are
+    read, so a record that declares 2^64 bytes allocates nothing (R-O47).
+
+    Raises:
+        IncompleteCheckpoint: the object is missing.
+        FormatError, ChecksumMismatch: its size or bytes differ from its entry's.
+    """
     url = store.url(_key(base, e.key))
     try:
+        if e.size > store.part_size:
+            _check_size(url, e.key, e.size, store.head(_key(base, e.key)))
         data = store.get(_key(base, e.key), e.size)
     except CheckpointNotFound:
-        raise IncompleteCheckpoint(
-            f"{url}: listed by its commit record but missing; the checkpoint is damaged", (e.key,)
-        ) from None
-    if len(data) != e.size:
-        raise FormatError(
-            "object size differs from its commit record", path=url, field="size", expected=e.size, actual=len(data)
-        )
+        data = None
+    _check_size(url, e.key, e.size, None if data is None else len(data))
+    assert data is not None
     digest = xxhash.xxh3_64_intdigest(data)
     if digest != e.xxh3:
         raise ChecksumMismatch(
@@ -369,3 +410,23 @@ def fetch(store: ObjectStore, base: StorageURL, e: Entry) -> bytes:
             hint="the object was changed after its commit; use another checkpoint",
         )
     return data
+
+
+def _check_size(url: str, key: str, listed: int, size: int | None) -> None:
+    """The object at ``url`` has the size its record lists (R-O14, R-O47).
+
+    Raises:
+        IncompleteCheckpoint: there is no object (``size`` None).
+        FormatError: another size.
+    """
+    if size is None:
+        raise IncompleteCheckpoint(f"{url}: listed by its commit record but missing; the checkpoint is damaged", (key,))
+    if size != listed:
+        raise FormatError(
+            "object size differs from its commit record",
+            path=url,
+            field="size",
+            expected=listed,
+            actual=size,
+            hint="R-O47",
+        )

@@ -27,6 +27,7 @@ __all__ = [
     "open_regular",
     "WriteBehind",
     "cpus",
+    "file_kind",
     "run_keyed",
     "run_parallel",
     "write_all",
@@ -189,7 +190,7 @@ def open_regular(path: str, kind: str) -> tuple[int, int]:
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
-        what = next((name for test, name in _FILE_KINDS if test(st.st_mode)), "not a regular file")
+        what = file_kind(st.st_mode)
         a = "an" if kind[:1] in "aeiou" else "a"
         raise UnreadableFile(f"{path}: is {what}, not {a} {kind} file ({a} {kind} is a regular file)", path=path)
     os.set_blocking(fd, True)
@@ -203,6 +204,13 @@ _FILE_KINDS = (
     (stat.S_ISBLK, "a block device"),
     (stat.S_ISSOCK, "a socket"),
 )
+
+
+def file_kind(mode: int) -> str:
+    """What a path that is not a regular file is, in words (``a directory``, ``a FIFO (named pipe)``)."""
+    return next((name for test, name in _FILE_KINDS if test(mode)), "not a regular file")
+
+
 _CAN_MAP = hasattr(mmap, "MAP_SHARED") and hasattr(mmap, "PROT_READ")
 # MAP_POPULATE reads the window in one go (readahead-sized requests, no per-page faults).
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)

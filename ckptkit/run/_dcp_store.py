@@ -196,6 +196,7 @@ class DcpStore(files.LocalRunDir):
         os.makedirs(self.run_dir, exist_ok=True)
         if not os.path.exists(os.path.join(path, METADATA_NAME)):
             shutil.rmtree(path, ignore_errors=True)
+        files.set_aside(files.step_paths(path, sidecars)[1:], step, self.log)  # a damaged step's companions
         return files.write_companions(path, step, config, sidecars)
 
     def _companion_objects(self) -> dict[str, bytes] | None:

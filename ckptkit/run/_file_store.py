@@ -36,6 +36,8 @@ from ._files import (
     remove_debris,
     restorable,
     retain,
+    set_aside,
+    step_paths,
     whole_checkpoints,
     write_companions,
 )
@@ -109,6 +111,7 @@ class FileStore(LocalRunDir):
         return path
 
     def _write(self, path: str, ckpt: Checkpoint, config: bytes, sidecars: Mapping[str, tuple[int, Any]]) -> None:
+        set_aside(step_paths(path, sidecars), ckpt.step, self.log)  # a damaged step's pieces
         record = write_companions(path, ckpt.step, config, sidecars)
         save(path, bind(ckpt, record), compression=self.compression)
         self._retain()

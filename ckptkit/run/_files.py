@@ -14,21 +14,32 @@ import errno
 import json
 import os
 import shutil
+import stat
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 import xxhash
 
-from ..errors import CheckpointNotFound, FormatError, NoConsistentCheckpoint, ResumeRefused, UnreadableFile
+from ..errors import (
+    CheckpointNotFound,
+    FormatError,
+    NoConsistentCheckpoint,
+    ResumeRefused,
+    SaveFailed,
+    UnreadableFile,
+)
 from ..format._atomic import clean_stale_temps, write_bytes_atomic
 from ..format._companions import ENVIRONMENT_FILE, check_companions, file_digest, make_record, record_of
+from ..format._io import file_kind
 from ..format._sidecar import Sidecar, read_sidecar, sidecar_path, write_sidecar
 from ..format._snapshot import Snapshot, read_small_file, read_snapshot, snapshot_path
 
 __all__ = [
     "CKPT_SUFFIX",
+    "DAMAGED",
     "DCP_SUFFIX",
     "ENVIRONMENT_FILE",
+    "SET_ASIDE",
     "LocalRunDir",
     "check_step",
     "checkpoint_name",
@@ -47,7 +58,9 @@ __all__ = [
     "restorable",
     "retain",
     "run_checkpoints",
+    "set_aside",
     "step_of",
+    "step_paths",
     "sweep_note",
     "whole_checkpoints",
     "write_companions",
@@ -225,6 +238,51 @@ def retain(
                 pass
             except OSError as e:
                 log(f"retention: cannot delete orphan {name} ({e.strerror})")
+
+
+#: How a piece set aside is renamed: ``damaged-<n>.<name>``, a name no store, sweep or retention
+#: reads as a checkpoint or companion (so never removed by them, R-028).
+DAMAGED = "damaged-"
+#: How the line saying so begins: a diagnostic no ``--quiet`` silences.
+SET_ASIDE = "set aside "
+
+
+def set_aside(paths: Iterable[str], step: int, log: Callable[[str], None]) -> None:
+    """Rename each of ``paths`` that is there but is no file (a directory, FIFO, device: a damaged
+    step a resume passed over, R-026) to ``damaged-<n>.<name>`` and say so: the save of ``step``
+    then writes where it stood, and nothing is deleted (spec/runstate.md R-028).
+
+    Raises:
+        SaveFailed: it cannot be renamed (named, with what to do).
+    """
+    for path in paths:
+        try:
+            mode = os.lstat(path).st_mode
+        except OSError:
+            continue
+        if stat.S_ISREG(mode) or stat.S_ISLNK(mode):  # a save's rename replaces these
+            continue
+        head, name = os.path.split(path)
+        n = 1
+        while os.path.lexists(os.path.join(head, f"{DAMAGED}{n}.{name}")):
+            n += 1
+        aside = f"{DAMAGED}{n}.{name}"
+        try:
+            os.rename(path, os.path.join(head, aside))
+        except OSError as e:
+            raise SaveFailed(
+                f"{path}: is {file_kind(mode)} where step {step}'s save writes a file, and cannot be set aside "
+                f"({e.strerror}); move it away and save again (R-028)"
+            ) from None
+        log(
+            f"{SET_ASIDE}{name} as {aside}: it is {file_kind(mode)} where step {step}'s save writes a file "
+            "(a damaged step); nothing was deleted (R-028)"
+        )
+
+
+def step_paths(path: str, kinds: Iterable[str]) -> list[str]:
+    """Where a save of the checkpoint at ``path`` writes: it, its snapshot, its sidecars of ``kinds``."""
+    return [path, snapshot_path(path), *(sidecar_path(path, k) for k in kinds)]
 
 
 def write_companions(path: str, step: int, config: bytes, sidecars: Mapping[str, tuple[int, Any]]) -> dict[str, Any]:

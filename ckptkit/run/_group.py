@@ -33,6 +33,8 @@ __all__ = [
     "describe_world",
     "group_of",
     "layout_of",
+    "peer_failure",
+    "peer_gone",
     "world_facts",
     "world_of",
     "world_size_changed",
@@ -85,6 +87,30 @@ class Alone:
         fn()
 
 
+#: What torch.distributed says when a peer's process is gone (gloo's and the store's words).
+_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "wait timeout", "timed out")
+
+
+def peer_gone(e: BaseException) -> bool:
+    """Whether a failed collective or rendezvous means a peer stopped answering (it died or was
+    killed): a ``torch.distributed.DistError`` (store, network, backend), or gloo's words for it."""
+    import torch.distributed as dist
+
+    return isinstance(e, dist.DistError) or any(w in str(e) for w in _GONE)
+
+
+def peer_failure(rank: int, doing: str, e: BaseException) -> DistributedFailure:
+    """The one line a rank says when a peer stopped answering while it ``doing`` (spec/runstate.md
+    RS-D8): the peer's death named as such, never as a failure of what this rank was about to do."""
+    line = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return DistributedFailure(
+        f"rank {rank}: a peer of this job died or was killed: it stopped answering while this rank {doing} "
+        f"({line}); the job stops, the checkpoints committed so far are intact: start the job again on every "
+        "node (a resume continues from the newest one)",
+        {rank: line},
+    )
+
+
 class Collective:
     """A process group's collectives, each bounded by the group's timeout; a peer that
     died makes them fail with :class:`DistributedFailure` instead of hanging."""
@@ -101,6 +127,8 @@ class Collective:
         try:
             return call()
         except RuntimeError as e:
+            if peer_gone(e):
+                raise peer_failure(self.rank, f"waited for it at {what!r}", e) from e
             line = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             raise DistributedFailure(
                 f"rank {self.rank}: {what} failed ({line}); another rank probably failed or was killed",

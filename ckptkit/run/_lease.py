@@ -1,4 +1,4 @@
-"""One writer per run directory: the run-directory lease (spec/lease.md R-LS01..R-LS13).
+"""One writer per run directory: the run-directory lease (spec/lease.md R-LS01..R-LS15).
 
 A job holds its run directory's lease from its start or resume to its close: rank 0
 acquires it (recording host, pid, start time, ranks and the launcher), refreshes its
@@ -28,13 +28,16 @@ from typing import Any, Protocol
 
 from ..errors import CheckpointNotFound, CommitConflict, LeaseLost, RunDirInUse, UnreadableFile
 from ..format._atomic import create_exclusive, pid_alive, write_bytes_atomic
+from ..format._checks import is_int, is_number
 from ..format._container import open_regular
+from ..format._json import loads_bounded
 from ..format._objectstore import store_for
 from ..format._urls import is_url, parse
 
 __all__ = [
     "DEFAULT_TTL_S",
     "LEASE_FILE",
+    "TAKEOVER",
     "FileLease",
     "Holder",
     "Lease",
@@ -51,6 +54,8 @@ LEASE_FILE = "lease.json"
 #: comes with every save, so a run that saves less often than this should pass a longer one.
 DEFAULT_TTL_S = 6 * 3600.0
 _LAUNCHED = "TORCHELASTIC_RUN_ID"  # set by torchrun in every rank it starts
+#: How the line saying a takeover begins (R-LS04): a diagnostic no ``--quiet`` silences.
+TAKEOVER = "took over the run directory's lease from "
 
 
 @dataclass(frozen=True)
@@ -149,12 +154,45 @@ def _check_ttl(ttl_s: float) -> float:
     return float(ttl_s)
 
 
+#: The largest pid a lease may name: ``pid_t`` is a signed 32-bit integer on every platform ckptkit runs on.
+_PID_END = 2**31
+#: Times are Unix seconds before the year 10000: what every platform's ``gmtime`` shows (R-LS15).
+_TIME_END = 253402300800
+_SECONDS = "Unix seconds in [0, 253402300800), before the year 10000"
+#: Each field's bound (R-LS15): what a lease ckptkit wrote holds, and what a reader may act on.
+_FIELDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "host": ("a non-empty string of at most 255 characters", lambda v: isinstance(v, str) and 0 < len(v) <= 255),
+    "pid": ("an integer in [1, 2^31)", lambda v: is_int(v, 1, _PID_END)),
+    "started": (_SECONDS, lambda v: is_number(v) and 0 <= v < _TIME_END),
+    "ranks": ("an integer in [1, 2^31)", lambda v: is_int(v, 1, _PID_END)),
+    "launcher": ("null or an integer in [1, 2^31)", lambda v: v is None or is_int(v, 1, _PID_END)),
+    "heartbeat": (_SECONDS, lambda v: is_number(v) and 0 <= v < _TIME_END),
+    "token": ("a non-empty string of at most 256 characters", lambda v: isinstance(v, str) and 0 < len(v) <= 256),
+}
+
+
 def _decode(raw: bytes, unusable: Callable[[str], RunDirInUse]) -> Holder:
+    """The holder a lease file names, every field in its range (R-LS01, R-LS15).
+
+    Raises:
+        RunDirInUse: not such a JSON object, or a field out of its range (named): a lease
+            this reader cannot judge is refused, never taken over (spec/lease.md §1).
+    """
     try:
-        doc = json.loads(raw)
-        return Holder(**{f.name: doc[f.name] for f in dataclasses.fields(Holder)})
-    except (ValueError, TypeError, KeyError):
-        raise unusable("is not a lease ckptkit wrote") from None
+        doc = loads_bounded(raw.decode("utf-8"), 1)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise unusable("is not a lease ckptkit wrote (not a flat JSON object, R-LS15)") from None
+    except ValueError as e:  # deeper than a flat object, an integer longer than 20 digits, NaN
+        raise unusable(f"is not a lease ckptkit wrote ({e}; R-LS15)") from None
+    if not isinstance(doc, dict) or sorted(doc) != sorted(_FIELDS):
+        got = ", ".join(sorted(doc)) if isinstance(doc, dict) else type(doc).__name__
+        raise unusable(f"is not a lease ckptkit wrote (fields {got}, expected {', '.join(sorted(_FIELDS))}; R-LS15)")
+    for name, (what, ok) in _FIELDS.items():
+        if not ok(doc[name]):
+            shown = json.dumps(doc[name])
+            shown = shown if len(shown) <= 60 else shown[:40] + f"... ({len(shown)} characters)"
+            raise unusable(f"is not a lease ckptkit wrote ({name} is {shown}, expected {what}; R-LS15)")
+    return Holder(**doc)
 
 
 def _unusable(path: str, run_dir: str, why: str) -> RunDirInUse:
@@ -176,7 +214,7 @@ def _judge(run_dir: str, held: Holder | None, me: Holder, ttl_s: float) -> str |
             f"wait for it to end or stop it (kill {held.pid} on {held.host}), or use another run directory",
             held,
         )
-    return f"took over the run directory's lease from {held.describe()}: {why}"
+    return f"{TAKEOVER}{held.describe()}: {why}"
 
 
 def _raced(run_dir: str, now: Holder | None) -> RunDirInUse:

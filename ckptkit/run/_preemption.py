@@ -99,6 +99,7 @@ class Stopping:
     _resume_hint: str | None
     save: Callable[[int], str]  # RunState's
     wait: Callable[[], None]  # RunState's
+    _release_lease: Callable[[], None]  # RunState's
 
     def preemptible(
         self, signals: Iterable[int] = DEFAULT_SIGNALS, *, resume_hint: str | None = None
@@ -139,7 +140,8 @@ class Stopping:
         (a ``SystemExit`` with code 75: uncaught, the process ends there).
 
         Raises:
-            RunStopped: a stop was requested; the checkpoint at ``steps_done`` is committed.
+            RunStopped: a stop was requested; the checkpoint at ``steps_done`` is committed and
+                the run directory's lease released.
             SaveFailed: the save failed (earlier checkpoints are intact).
         """
         why = self._stops.reason(steps_done)
@@ -147,6 +149,7 @@ class Stopping:
             return
         path = self.save(steps_done)
         self.wait()
+        self._release_lease()  # the run ends here, whether or not the loop reaches close() (R-LS08)
         hint = self._resume_hint or shlex.join(
             [sys.executable, *sys.argv] if sys.argv and sys.argv[0].endswith(".py") else sys.argv
         )

@@ -36,6 +36,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -231,15 +232,17 @@ class RunState(Registration, Stopping):
         self._group.agree(lambda: self._may_write(step), "checking the run directory's lease")
         return self._store.save(step, self.checkpoint(step), encode_snapshot(self.config), self.sidecar_contents())
 
-    def _hold(self) -> None:
-        """Rank 0 acquires the run directory's lease for the job, once; a takeover is said (R-LS04)."""
+    def _hold(self) -> str | None:
+        """Rank 0 acquires the run directory's lease for the job, once; a takeover is said (R-LS04)
+        and its line returned (a resume's notes carry it into the history's ``resume`` row)."""
         if self._leased:
-            return
+            return None
         lease, me = self._lease, this_job(self.world_size)
         note = self._group.from_rank0(lambda: lease.acquire(me), "acquiring the run directory's lease")
         self._leased = True
         if note:
             self._log(note)
+        return note
 
     def _may_write(self, step: int) -> None:
         """Before a save writes anything: this rank's launcher lives (R-LS07), and rank 0 still
@@ -275,9 +278,15 @@ class RunState(Registration, Stopping):
             self._history.close()
             self._store.close()
         finally:
-            if self._leased and self.rank == 0:  # after the last save committed (or failed)
-                self._lease.release()
-            self._leased = False
+            self._release_lease()  # after the last save committed (or failed)
+
+    def _release_lease(self) -> None:
+        """Rank 0 gives the run directory's lease up (R-LS08): at ``close()``, and once a requested
+        stop's checkpoint is committed (``step_done``), so a loop that ends there without reaching
+        ``close()`` leaves no lease for its resume to take over."""
+        if self._leased and self.rank == 0:
+            self._lease.release()
+        self._leased = False
 
     def checkpoints(self) -> list[tuple[int, str]]:
         """``(step, path)`` of the run directory's checkpoints, oldest first, once a
@@ -373,13 +382,15 @@ class RunState(Registration, Stopping):
                 (one process vs a process group included) and ``reshard`` is False.
         """
         mode = check_mode(resume_check)
-        self._hold()
+        took_over = self._hold()
         how = protocol.Resume(self.config, self.exempt, allow_legacy, allow_env_change, reshard)
 
         def restore(ckpt: Checkpoint, sidecars: Sidecars) -> None:
             self.restore(ckpt, sidecars=sidecars)
 
         info = protocol.resume(self._store, self._group, self._reg, self.run_dir, how, restore, self._log)
+        if took_over:  # logged already; in the notes, so the resume row that records them has it (R-LS04)
+            info = dataclasses.replace(info, notes=(took_over, *info.notes))
         self._began = info.step
         self._history.expect(self._check(mode, info))
         if self.rank == 0 and (info.env_overrides or self._overridden_before(info.step)):

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..run._group import peer_failure
 from ._config import Parallel, TrainerConfig
 
 __all__ = [
@@ -120,9 +121,15 @@ def process_group(timeout_s: float = DEFAULT_TIMEOUT_S) -> Iterator[Ranks]:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    except dist.DistError as e:  # a node killed during start-up: its peers wait for it, then give up
+        raise peer_failure(rank, "joined the job", e) from None
     try:
         yield ranks()
+    except dist.DistError as e:  # a collective of the trainer's own (DDP's start-up, an all-reduce)
+        raise peer_failure(rank, "trained", e) from None
     finally:
         dist.destroy_process_group()
 

@@ -360,3 +360,32 @@ def test_threads_is_part_of_the_run_and_another_count_on_resume_is_an_environmen
 def test_threads_below_one_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(train(tmp_path, "--threads", "0")) == 2
     assert capsys.readouterr().err == "ckptkit train: --threads must be >= 1 (got 0)\n"
+
+
+@pytest.mark.parametrize(
+    ("world", "per_node", "launcher"),
+    [
+        (1, None, "ckptkit"),
+        (2, "2", "torchrun --nproc_per_node 2 -m ckptkit"),
+        (2, None, "torchrun --nproc_per_node 2 -m ckptkit"),
+        (
+            2,
+            "1",
+            "torchrun --nnodes 2 --nproc_per_node 1 --rdzv-backend c10d --rdzv-endpoint HOST:PORT -m ckptkit",
+        ),
+        (8, "4", "torchrun --nnodes 2 --nproc_per_node 4 --rdzv-backend c10d --rdzv-endpoint HOST:PORT -m ckptkit"),
+    ],
+)
+def test_the_extend_and_resume_commands_repeat_how_many_nodes_the_job_ran_on(
+    monkeypatch: pytest.MonkeyPatch, world: int, per_node: str | None, launcher: str
+) -> None:
+    """spec/trainer.md R-T16: a two-node job's summary never suggests a one-node command."""
+    from ckptkit.cli import _train
+    from ckptkit.trainer import _parallel
+
+    monkeypatch.setattr(_parallel, "ranks", lambda: _parallel.Ranks(0, world))
+    if per_node is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", per_node)
+    assert " ".join(_train._launcher()) == launcher

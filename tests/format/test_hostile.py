@@ -115,6 +115,14 @@ def test_a_hostile_file_gets_its_typed_error_from_every_reader(corpus_results, n
     assert got["seconds"] < 10.0, f"a reader took {got['seconds']} s"
 
 
+def test_mutated_commit_records_and_leases_raise_only_ckptkit_errors(corpus_results):
+    """fuzz/run_corpus.py's seeded mutations of the golden commit records and of leases (spec/objectstore.md
+    R-O12/R-O13/R-O46..R-O48, spec/lease.md R-LS15), under the same memory cap as the corpus."""
+    records = corpus_results["records"]
+    assert records["inputs"] > 400 and records["findings"] == [], json.dumps(records["findings"][:5], indent=1)
+    assert records["seconds"] < 10.0
+
+
 def test_no_pickle_payload_ever_runs(corpus_results):
     assert corpus_results["marker"] == corpus_results["marker_path"]
     assert not corpus_results["marker_exists"] and not os.path.exists(corpus_results["marker_path"])

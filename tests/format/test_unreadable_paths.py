@@ -7,9 +7,13 @@ line; nothing at all at the path is ``CheckpointNotFound``.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
+import torch
+from _run_dir import as_reader
 
 import ckptkit
 from ckptkit import CheckpointNotFound, UnreadableFile
@@ -86,3 +90,27 @@ def test_nothing_at_the_path_is_checkpoint_not_found(tmp_path: Path) -> None:
     os.symlink(tmp_path / "gone.ckpt", dangling)
     with pytest.raises(CheckpointNotFound, match=r"dangling\.ckpt: no such checkpoint file$"):
         ckptkit.load(dangling)
+
+
+def test_verify_of_a_file_in_a_directory_that_cannot_be_searched_says_eacces_not_missing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The file exists: ``verify`` reports what ``inspect`` says, never "no such file or directory"."""
+    top = Path(tempfile.mkdtemp(prefix="ckptkit-locked-"))  # tmp_path's parents are closed to nobody
+    try:
+        top.chmod(0o755)
+        (top / "locked").mkdir(mode=0o700)
+        path = top / "locked" / "a.ckpt"
+        ckptkit.save(path, ckptkit.Checkpoint(step=1, model={"w": torch.ones(2)}))
+        (top / "locked").chmod(0o600)  # readable, not searchable: the file cannot be looked up
+        with as_reader(nobody=True):
+            if os.access(path.parent, os.X_OK, effective_ids=True):
+                pytest.skip("this user may search any directory")
+            assert main(["verify", str(path)]) == 1
+            assert main(["inspect", str(path)]) == 2
+        out, err = capsys.readouterr()
+        assert out == f"FAIL  {path}: cannot open the checkpoint file (EACCES: Permission denied)\n"
+        assert err == f"ckptkit inspect: {path}: cannot open the checkpoint file (EACCES: Permission denied)\n"
+    finally:
+        (top / "locked").chmod(0o700)
+        shutil.rmtree(top)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -101,7 +102,8 @@ def test_a_lease_file_that_is_no_lease_is_refused_with_what_to_do(tmp_path: Path
     with pytest.raises(RunDirInUse) as e:
         RunState(tmp_path, config=Flat()).start()
     assert str(e.value) == (
-        f"{tmp_path / LEASE_FILE}: the run directory's lease is not a lease ckptkit wrote; "
+        f"{tmp_path / LEASE_FILE}: the run directory's lease is not a lease ckptkit wrote "
+        "(not a flat JSON object, R-LS15); "
         f"if no job uses {tmp_path}, delete it and start again"
     )
     (tmp_path / LEASE_FILE).unlink()
@@ -130,3 +132,84 @@ def test_the_same_process_takes_its_own_lease_again_and_close_releases_it(
     assert LEASE_FILE not in capsys.readouterr().out
     again.close()
     assert not (tmp_path / LEASE_FILE).exists()
+
+
+SECONDS = "Unix seconds in [0, 253402300800), before the year 10000"
+
+
+def _dead_pid() -> int:
+    """The pid of a process that ran here and ended."""
+    gone = subprocess.Popen([sys.executable, "-c", ""])
+    gone.wait()
+    return gone.pid
+
+
+@pytest.mark.parametrize(
+    ("field", "raw", "shown", "expected"),
+    [
+        ("pid", str(2**40), str(2**40), "an integer in [1, 2^31)"),
+        ("pid", "0", "0", "an integer in [1, 2^31)"),
+        ("pid", "true", "true", "an integer in [1, 2^31)"),
+        ("heartbeat", "1e999", "Infinity", SECONDS),
+        ("heartbeat", "253402300800", "253402300800", SECONDS),
+        ("started", "-1", "-1", SECONDS),
+        ("ranks", "2.5", "2.5", "an integer in [1, 2^31)"),
+        ("launcher", "-3", "-3", "null or an integer in [1, 2^31)"),
+        ("host", '""', '""', "a non-empty string of at most 255 characters"),
+        ("token", "12", "12", "a non-empty string of at most 256 characters"),
+    ],
+)
+def test_a_lease_field_out_of_its_range_is_refused_naming_the_field_and_rule(
+    tmp_path: Path, field: str, raw: str, shown: str, expected: str
+) -> None:
+    """R-LS15: a lease this reader cannot judge is refused, never taken over (no OverflowError, no ValueError)."""
+    doc = json.dumps(_holder(host=socket.gethostname(), pid=_dead_pid()).__dict__)
+    doc = re.sub(rf'"{field}": [^,}}]+', f'"{field}": {raw}', doc)
+    (tmp_path / LEASE_FILE).write_text(doc)
+    with pytest.raises(RunDirInUse) as e:
+        RunState(tmp_path, config=Flat()).start()
+    assert str(e.value) == (
+        f"{tmp_path / LEASE_FILE}: the run directory's lease is not a lease ckptkit wrote ({field} is {shown}, "
+        f"expected {expected}; R-LS15); if no job uses {tmp_path}, delete it and start again"
+    )
+
+
+@pytest.mark.parametrize(
+    ("raw", "why"),
+    [
+        ('{"pid": NaN}', "NaN is not a JSON number; R-LS15"),
+        ("[" * 50_000 + "]" * 50_000, "nesting deeper than 1; R-LS15"),
+        (f'{{"pid": {2**70}}}', "an integer of 22 digits; R-LS15"),
+        ('{"pid": 1}', "fields pid, expected heartbeat, host, launcher, pid, ranks, started, token; R-LS15"),
+    ],
+)
+def test_a_lease_that_is_not_a_flat_object_of_its_fields_is_refused_and_the_cli_says_it_in_one_line(
+    tmp_path: Path, raw: str, why: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / LEASE_FILE).write_text(raw)
+    assert main(["train", "--run-dir", str(tmp_path), *FLAGS, "--steps", "1"]) == 1
+    err = capsys.readouterr().err
+    assert err == (
+        f"ckptkit train: {tmp_path / LEASE_FILE}: the run directory's lease is not a lease ckptkit wrote ({why}); "
+        f"if no job uses {tmp_path}, delete it and start again\n"
+    )
+
+
+def test_a_takeover_is_said_under_quiet_and_recorded_in_the_history(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """R-LS04: the line on stderr whatever --quiet says, and the first note of the history's resume row."""
+    assert main(["train", "--run-dir", str(tmp_path), *FLAGS, "--steps", "2"]) == 0
+    dead = _dead_pid()
+    _write(tmp_path, _holder(host=socket.gethostname(), pid=dead, launcher=None))
+    capsys.readouterr()
+    assert main(["train", "--run-dir", str(tmp_path), *FLAGS, "--steps", "3", "--resume"]) == 0
+    err = capsys.readouterr().err
+    host = socket.gethostname()
+    line = f"ckptkit train: took over the run directory's lease from pid {dead} on {host} (2 rank(s); started "
+    assert err.startswith(line) and err.rstrip("\n").endswith(f": no process {dead} runs on this host"), err
+    assert err.count("took over") == 1, err
+    rows = [json.loads(r) for r in (tmp_path / "history.jsonl").read_text().splitlines()]
+    resume = [r for r in rows if r["kind"] == "resume"]
+    assert len(resume) == 1 and resume[0]["step"] == 2
+    assert "ckptkit train: " + resume[0]["notes"][0] == err.splitlines()[0]

@@ -71,7 +71,7 @@ def test_an_object_lease_is_held_once_renewed_on_its_etag_and_never_removes_anot
     with pytest.raises(RunDirInUse) as bad:
         mine.acquire(this_job(1))
     assert str(bad.value) == (
-        f"{run}/{LEASE_FILE}: the run directory's lease is not a lease ckptkit wrote; "
+        f"{run}/{LEASE_FILE}: the run directory's lease is not a lease ckptkit wrote (not a flat JSON object, R-LS15); "
         f"if no job uses {run}, delete it and start again"
     )
 

@@ -214,3 +214,22 @@ def test_preemptible_restores_the_previous_handlers(tmp_path: Path) -> None:
     with state.preemptible():
         assert signal.getsignal(signal.SIGTERM) is not before
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_sigterm_stop_releases_the_lease_though_the_loop_never_reaches_close(tmp_path: Path) -> None:
+    """spec/lease.md R-LS08: the resume after a clean stop takes over nothing (the loop is
+    docs/adopting.md's, no ``state.close()`` after its ``with state.preemptible()`` block)."""
+    script = tmp_path / "slow_loop.py"
+    script.write_text(SLOW_LOOP)
+    proc = _start([sys.executable, str(script), str(tmp_path / "run")])
+    _wait_for_line(proc, "stdout", r"^step 0$")
+    proc.send_signal(signal.SIGTERM)
+    code, _out, err = _finish(proc)
+    assert code == EXIT_STOPPED and "ckptkit: stopped at step " in err, err
+    assert not (tmp_path / "run" / "lease.json").exists()
+    said: list[str] = []
+    state = ckptkit.RunState(tmp_path / "run", config=_Cfg(), log=said.append)
+    state.add_value("n", get=lambda: 0, set=lambda _v: None)
+    assert state.resume().step >= 1
+    state.close()
+    assert not [s for s in said if "took over" in s], said

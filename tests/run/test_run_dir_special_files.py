@@ -227,3 +227,28 @@ def test_quiet_still_says_which_damaged_checkpoint_the_resume_skipped(tmp_path, 
     assert err.endswith("ckptkit train: falling back to step-00000001.ckpt (step 1)\n")
     assert f"  resume       skipped step-00000002.ckpt: {run}/step-00000002.ckpt: offset 0" in out
     assert "  resume       falling back to step-00000001.ckpt (step 1)\n" in out
+
+
+# --------------------------------------------------------------------- a damaged step saved again
+
+FLAGS = ["--n-layer", "1", "--n-head", "1", "--d-model", "8", "--block-size", "8", "--seq-len", "8", "--quiet"]
+
+
+def test_a_damaged_step_is_set_aside_when_the_run_saves_that_step_again(tmp_path, capsys):
+    """spec/runstate.md R-028: the resume falls back past step 4 (R-026); reaching step 4 again, the
+    save renames what stands in its way and says so, even with --quiet; nothing is deleted."""
+    run, piece = tmp_path / "run", "step-00000004.ckpt.ngram"
+    assert main(["train", "--run-dir", str(run), "--steps", "4", "--ckpt-every", "2", *FLAGS]) == 0
+    (run / piece).unlink()
+    (run / piece).mkdir()
+    (run / piece / "inside").write_text("kept")
+    capsys.readouterr()
+    assert main(["train", "--run-dir", str(run), "--steps", "6", "--ckpt-every", "2", "--resume", *FLAGS]) == 0
+    err = capsys.readouterr().err
+    assert f"ckptkit train: skipped step-00000004.ckpt: {run / piece}: is a directory" in err, err
+    assert (
+        f"ckptkit train: set aside {piece} as damaged-1.{piece}: it is a directory where step 4's save writes a "
+        "file (a damaged step); nothing was deleted (R-028)\n"
+    ) in err
+    assert (run / f"damaged-1.{piece}" / "inside").read_text() == "kept"
+    assert main(["verify", str(run)]) == 0
