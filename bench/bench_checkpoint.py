@@ -8,7 +8,9 @@
 
 What it builds: a GPT-like model (fp32 master weights), its bf16 EMA teacher and the
 AdamW state after one step (fp32 exp_avg / exp_avg_sq), the three parts of a real
-training checkpoint, about ``--size-mb`` in all. Every operation runs on the same
+training checkpoint, about ``--size-mb`` in all; and, for the ``load`` + ``load_state_dict``
+ratio, whose value differs between states, a plain stack of ``Linear(1024, 3072)`` layers
+(24 of them, 302 MB, at ``--size-mb 512``). Every operation runs on the same
 state in one process; repetitions are interleaved (op A, op B, ..., then again) so
 a noisy neighbour hits every op alike, and the reported time is the median. The
 first round is a warm-up and is not counted. Peak memory is measured in a fresh
@@ -112,6 +114,19 @@ def build_state(d: int, seed: int = 0) -> tuple[GPT, GPT, torch.optim.AdamW]:
             pt.copy_(p)
     teacher.requires_grad_(False)
     return net, teacher, opt
+
+
+def linear_stack(size_mb: float) -> nn.Sequential:
+    """The second state of the load + load_state_dict ratio: a plain stack of ``Linear(1024, 3072)``
+    (12 MiB each; 24 of them, 302 MB, at ``--size-mb 512``), the state the ratio differs most on."""
+    g = torch.Generator().manual_seed(1)
+    with torch.device("meta"):
+        stack = nn.Sequential(*(nn.Linear(1024, 3072) for _ in range(max(1, round(size_mb * 24 / 512)))))
+    stack = stack.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in stack.parameters():
+            p.normal_(0.0, 0.02, generator=g)
+    return stack
 
 
 def ckpt_of(net: GPT, teacher: GPT, opt: torch.optim.Optimizer, step: int = 1000) -> Checkpoint:
@@ -817,7 +832,11 @@ def _run(args: argparse.Namespace, skip: set[str], log: Callable[[str], None], w
     # ------------------------------------------------------------ restore
     log("restore ...")
     extents = ckpt_extents(P["ckptkit"], net, teacher, opt)
-    warm = {k: (lambda k=k: warm_cache(P[k])) for k in ("ckptkit", "torch", "safetensors")}
+    stack = linear_stack(args.size_mb)
+    P["stack"], P["stack_st"] = os.path.join(work, "stack.ckpt"), os.path.join(work, "stack.safetensors")
+    ckptkit.save(P["stack"], Checkpoint(step=1, model={"net": stack.state_dict()}))
+    st.save_file(stack.state_dict(), P["stack_st"])
+    warm = {k: (lambda k=k: warm_cache(P[k])) for k in ("ckptkit", "torch", "safetensors", "stack", "stack_st")}
     r.interleaved(
         {
             "ckptkit load(into=...) (verified)": (
@@ -835,6 +854,14 @@ def _run(args: argparse.Namespace, skip: set[str], log: Callable[[str], None], w
             "safetensors load_file + load_state_dict": (
                 warm["safetensors"],
                 lambda: _st_load(P["safetensors"], net, teacher, opt, st),
+            ),
+            "ckptkit load + load_state_dict, Linears (verified)": (
+                warm["stack"],
+                lambda: stack.load_state_dict(ckptkit.load(P["stack"]).model["net"]),
+            ),
+            "safetensors load_file + load_state_dict, Linears": (
+                warm["stack_st"],
+                lambda: stack.load_state_dict(st.load_file(P["stack_st"])),
             ),
             "raw pread into params (limit)": (warm["ckptkit"], lambda: raw_read_into(P["ckptkit"], extents, False)),
             "raw pread + xxh3 into params, 1 thread": (
@@ -1024,6 +1051,8 @@ def _report(args, r, nbytes, file_size, parts, d, lazy_bytes, asyncres, memory, 
         "verify speed / read bandwidth (warm)": RB / V,
         "lazy one tensor (ms)": med["ckptkit open_checkpoint + one tensor"] * 1e3,
         "load + load_state_dict / safetensors": med["ckptkit load + load_state_dict (verified)"] / SL,
+        "load + load_state_dict / safetensors, Linear stack": med["ckptkit load + load_state_dict, Linears (verified)"]
+        / med["safetensors load_file + load_state_dict, Linears"],
         "lazy one tensor / safetensors safe_open": med["ckptkit open_checkpoint + one tensor"]
         / med["safetensors safe_open + get_tensor"],
     }
@@ -1048,6 +1077,12 @@ def _report(args, r, nbytes, file_size, parts, d, lazy_bytes, asyncres, memory, 
         (
             "verified load + load_state_dict <= 1.2x safetensors",
             ratios["load + load_state_dict / safetensors"],
+            1.2,
+            "<=",
+        ),
+        (
+            "verified load + load_state_dict <= 1.2x safetensors, Linear stack",
+            ratios["load + load_state_dict / safetensors, Linear stack"],
             1.2,
             "<=",
         ),
@@ -1141,6 +1176,8 @@ def _print(res: dict) -> None:
                 "ckptkit load + load_state_dict (verified)",
                 "torch.load(weights_only) + load_state_dict",
                 "safetensors load_file + load_state_dict",
+                "ckptkit load + load_state_dict, Linears (verified)",
+                "safetensors load_file + load_state_dict, Linears",
                 "raw pread into params (limit)",
                 "raw pread + xxh3 into params, 1 thread",
             ],

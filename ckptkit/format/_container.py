@@ -81,6 +81,7 @@ _U64 = struct.Struct("<Q")
 # Byte offset of each v2 header field, for messages.
 _FIELD_OFFSET = {"step": 8, "model": 16, "optim": 24, "teacher": 32, "flags": 40, "monitor": 48}
 _CHUNK = 1 << 20  # hashing/IO granularity: stays in cache between hash and write
+_SMALL_EXTENT = 256 << 10  # check_skeleton reads a skeleton extent up to this long with one pread
 
 
 # ---------------------------------------------------------------------------- reading
@@ -397,9 +398,12 @@ def check_skeleton(src: Source, layout: Layout, scratch: bytearray | None = None
         ChecksumMismatch: naming the trailer offset and both digests.
     """
     h = xxhash.xxh3_64()
-    if scratch is None:  # sized to the longest extent: indexes are kilobytes, and a 1 MiB buffer costs its zeroing
-        scratch = bytearray(min(_CHUNK, max((b - a for a, b in skeleton_extents(layout)), default=0)))
-    for a, b in skeleton_extents(layout):
+    for a, b in skeleton_extents(layout):  # one pass: a million gaps are never listed
+        if b - a <= _SMALL_EXTENT:  # an index or the padding between tensors: one pread, no scratch
+            h.update(src.pread(a, b - a, "skeleton"))
+            continue
+        if scratch is None:  # allocated only for a long extent (a zstd region): 1 MiB costs its zeroing
+            scratch = bytearray(_CHUNK)
         src.feed(a, b, h.update, scratch)
     got = h.intdigest()
     if got != layout.skeleton_digest:
