@@ -49,7 +49,7 @@ from ..run._files import run_checkpoints
 from ..run._fingerprint import checkpoint_digests
 from ..run._history import HISTORY_FILE, read_rows
 from ..run._preemption import EXIT_STOPPED, STOP_AT_ENV
-from ..run._resume_check import CHECK_ENV
+from ..run._resume_check import CHECK_ENV, CHECK_KIND
 from ._recording import LAYOUT_ONLY, RunRecording, first_difference, rebuild_difference
 
 __all__ = [
@@ -496,6 +496,7 @@ def _trouble(label: str, code: int, stderr: str, run_dir: str) -> None:
     """A failed process: the divergence its history's last row records (a guarded loop's ring
     rebuild that missed, spec/rollback.md R-R12), or trouble, with its stderr's last lines."""
     rows = read_rows(os.path.join(run_dir, HISTORY_FILE))[0] if os.path.isdir(run_dir) else []
+    rows = [r for r in rows if r["kind"] != CHECK_KIND]  # a resume's verdict may follow (determinism.md R-D23)
     if rows and rows[-1]["kind"] == "rebuild":
         raise _Diverged(rebuild_difference(rows[-1]), rows[-1].get("to", rows[-1]["step"]))
     tail = stderr.strip().splitlines()[-15:]

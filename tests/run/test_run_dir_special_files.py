@@ -224,7 +224,12 @@ def test_quiet_still_says_which_damaged_checkpoint_the_resume_skipped(tmp_path, 
     assert main(["train", "--run-dir", str(run), "--steps", "3", *flags, "--resume"]) == 0
     out, err = capsys.readouterr()
     assert err.startswith(f"ckptkit train: skipped step-00000002.ckpt: {run}/step-00000002.ckpt: offset 0 (0x0): ")
-    assert err.endswith("ckptkit train: falling back to step-00000001.ckpt (step 1)\n")
+    assert err.endswith(
+        "ckptkit train: falling back to step-00000001.ckpt (step 1)\n"
+        # the fallback re-ran step 1, which the first process had recorded: the resume proves itself (R-D23)
+        "ckptkit train: resume verified: steps 1..1 reproduce the interrupted run bit for bit "
+        "(1 step, 14 tensors each)\n"
+    )
     assert f"  resume       skipped step-00000002.ckpt: {run}/step-00000002.ckpt: offset 0" in out
     assert "  resume       falling back to step-00000001.ckpt (step 1)\n" in out
 
