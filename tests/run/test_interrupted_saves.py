@@ -91,9 +91,9 @@ def test_a_run_killed_in_retention_verifies_and_resumes_without_a_fallback(
     _train(run_dir, "--keep", "1", "--steps", "12", "--resume", capsys=capsys)
     (resume,) = [r for r in history(run_dir) if r["kind"] == "resume"]
     assert resume["step"] == 10
-    assert resume["notes"][0] == (
-        f"removed what interrupted saves left (none of it a checkpoint): {gone}.config.json, {gone}.ngram"
-    )
+    took_over, removed = resume["notes"][:2]  # the killed job's lease first (lease.md R-LS04)
+    assert took_over.startswith("took over the run directory's lease from pid ")
+    assert removed == f"removed what interrupted saves left (none of it a checkpoint): {gone}.config.json, {gone}.ngram"
     assert _warns(run_dir, capsys) == []
 
 
