@@ -319,12 +319,24 @@ def import_error_without(package: str, module: str) -> str:
     return proc.stdout
 
 
-def kill_at_step(argv: list[str], run_dir: Path, at: int, *, timeout: float = 300.0, **popen: Any) -> None:
-    """Start ``argv``; SIGKILL it once ``run_dir``'s history holds a step row of step ``at`` or later."""
+def kill_at_step(
+    argv: list[str], run_dir: Path, at: int, *, committed: int | None = None, timeout: float = 300.0, **popen: Any
+) -> None:
+    """Start ``argv``; SIGKILL it once ``run_dir``'s history holds a step row of step ``at`` or later
+    and, with ``committed``, checkpoint ``committed`` is committed (its container, written last, is
+    there). A background save may still be writing that checkpoint when later steps' rows appear: a
+    test that means "killed after the checkpoint" says which one."""
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, **popen)
     deadline = time.monotonic() + timeout
+    saved = None if committed is None else run_dir / checkpoint_name(committed)
+
+    def reached() -> bool:
+        if saved is not None and not saved.exists():
+            return False
+        return any(r["kind"] == "step" and r["step"] >= at for r in _rows_so_far(run_dir))
+
     try:
-        while not any(r["kind"] == "step" and r["step"] >= at for r in _rows_so_far(run_dir)):
+        while not reached():
             assert proc.poll() is None, f"the run ended before step {at}: {proc.communicate()[1][-2000:]!r}"
             assert time.monotonic() < deadline, f"step {at} not reached in {timeout} s"
             time.sleep(0.002)

@@ -130,7 +130,7 @@ def test_a_resume_after_a_kill_says_verified_on_the_screen_and_in_its_summary(tm
     run = "runs/a"
     train = [sys.executable, "-m", "ckptkit", "train", "--run-dir", run, "--steps", "12", *TINY_FLAGS]
     train += ["--ckpt-every", "5", "--log-every", "100"]
-    kill_at_step(train, tmp_path / run, 6, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    kill_at_step(train, tmp_path / run, 6, committed=5, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
     command = f"cd {shlex.quote(str(tmp_path))} && PYTHONPATH={shlex.quote(str(ROOT))} {shlex.join(train)} --resume"
     screen = Screen(tmp_path / "tmux.sock", f"sh -c {shlex.quote(command + '; echo EXIT=$?; sleep 600')}")
     try:

@@ -68,7 +68,7 @@ def test_a_run_sigkilled_after_a_checkpoint_and_resumed_is_verified_over_exactly
 ) -> None:
     run_dir = tmp_path_factory.mktemp("killed") / "run"
     flags = ["--steps", str(STEPS), "--ckpt-every", str(EVERY), *(GUARD if guard else [])]
-    kill_at_step(_argv(run_dir, *flags), run_dir, at)
+    kill_at_step(_argv(run_dir, *flags), run_dir, at, committed=EVERY)
     resumed = _train(run_dir, *flags, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     (verdict,) = [r for r in history(run_dir) if r["kind"] == "resume_check"]
@@ -88,7 +88,7 @@ def test_a_run_sigkilled_after_a_checkpoint_and_resumed_is_verified_over_exactly
 def test_the_issue_s_kill_and_resume_says_verified_in_the_summary_and_in_verify(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     flags = ["--steps", "12", "--ckpt-every", "5"]
-    kill_at_step(_argv(run_dir, *flags), run_dir, 6)  # well before checkpoint 10: a step takes milliseconds
+    kill_at_step(_argv(run_dir, *flags), run_dir, 6, committed=5)  # well before checkpoint 10: a step takes milliseconds
     resumed = _train(run_dir, *flags, "--resume")
     assert resumed.returncode == 0, resumed.stderr
     said = re.search(r"resume verified: steps 5\.\.(\d+) reproduce the interrupted run bit for bit", resumed.stderr)
@@ -107,7 +107,7 @@ def test_the_issue_s_kill_and_resume_says_verified_in_the_summary_and_in_verify(
 def test_a_planted_global_draw_stops_the_resume_at_its_first_re_run_step_with_exit_1(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     flags = ["--steps", "12", "--ckpt-every", "5", "--global-draw-from", "3"]
-    kill_at_step(_argv(run_dir, *flags), run_dir, 6)
+    kill_at_step(_argv(run_dir, *flags), run_dir, 6, committed=5)
     resumed = _train(run_dir, *flags, "--resume")
     assert resumed.returncode == 1
     said = [line for line in resumed.stderr.splitlines() if not line.startswith("ckptkit train: took over")]
@@ -125,7 +125,7 @@ def test_the_spike_guard_example_killed_and_resumed_prints_the_same_line(tmp_pat
     run_dir = tmp_path / "run"
     script = [sys.executable, str(ROOT / "examples" / "spike_guard.py"), "--run-dir", str(run_dir)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    kill_at_step([*script, "--steps", "40"], run_dir, 23, env=env)  # checkpoint 20, rows after it
+    kill_at_step([*script, "--steps", "40"], run_dir, 23, committed=20, env=env)  # checkpoint 20, rows after it
     resumed = subprocess.run([*script, "--steps", "40"], capture_output=True, text=True, env=env, timeout=TIMEOUT_S)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert re.search(r"resume verified: steps \d+\.\.\d+ reproduce the interrupted run bit for bit", resumed.stderr)
