@@ -88,7 +88,7 @@ def test_a_run_sigkilled_after_a_checkpoint_and_resumed_is_verified_over_exactly
 def test_the_issue_s_kill_and_resume_says_verified_in_the_summary_and_in_verify(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     flags = ["--steps", "12", "--ckpt-every", "5"]
-    kill_at_step(_argv(run_dir, *flags), run_dir, 6, committed=5)  # well before checkpoint 10: a step takes milliseconds
+    kill_at_step(_argv(run_dir, *flags), run_dir, 6, committed=5)  # well before checkpoint 10: steps take ms
     resumed = _train(run_dir, *flags, "--resume")
     assert resumed.returncode == 0, resumed.stderr
     said = re.search(r"resume verified: steps 5\.\.(\d+) reproduce the interrupted run bit for bit", resumed.stderr)
