@@ -345,9 +345,10 @@ class History:
         notes = []
         if aside:
             _keep_aside(os.path.dirname(self.path), step, timeline, aside)
+            compared = self._check is not None and self._check.mode != "off"
             notes.append(
                 f"history: set aside {len(aside)} row(s) the interrupted run wrote after step {step} "
-                f"in {INTERRUPTED_FILE}; the steps re-run are compared with them"
+                f"in {INTERRUPTED_FILE}" + ("; the steps re-run are compared with them" if compared else "")
             )
         if torn:
             notes.append("history: dropped a torn last line (the interrupted run died writing it)")

@@ -38,6 +38,7 @@ def _run(
     shuffled: bool = False,
     check: str | None = None,
     env_change: bool = False,
+    said: list[str] | None = None,
 ) -> ckptkit.RunState:
     """Train to ``steps`` (resuming when the directory holds a checkpoint); returns the state, not
     closed: a test that stops here is a process that died after its last row."""
@@ -46,7 +47,7 @@ def _run(
     with torch.no_grad():
         net.weight.fill_(0.5)
         net.bias.zero_()
-    state = ckptkit.RunState(run_dir, config=Cfg(every))
+    state = ckptkit.RunState(run_dir, config=Cfg(every), log=None if said is None else said.append)
     state.add_model("net", net)
     start = state.resume_or_start(resume_check=check, allow_env_change=env_change)
     for step in range(start, steps):
@@ -128,10 +129,12 @@ def test_warn_goes_on_and_says_it_off_compares_nothing(tmp_path: Path, capsys: p
     )
     assert [r["step"] for r in _rows(tmp_path / "w") if r["kind"] == "step"] == list(range(12))
     _killed(tmp_path / "o", 9, draw_from=5)
-    _run(tmp_path / "o", 12, draw_from=5, check="off").close()
+    said: list[str] = []
+    _run(tmp_path / "o", 12, draw_from=5, check="off", said=said).close()
     assert [(v["verdict"], v["reason"]) for v in _verdicts(tmp_path / "o")] == [
         ("not checked", "the resume check is off")
     ]
+    assert f"history: set aside 2 row(s) the interrupted run wrote after step 8 in {INTERRUPTED_FILE}" in said, said
 
 
 def test_a_loader_that_reshuffles_on_resume_is_named_as_data(tmp_path: Path) -> None:
