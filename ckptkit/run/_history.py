@@ -303,14 +303,28 @@ class History:
         if self.prepared:
             return []
         if step == 0:
-            self.start_fresh()
-            return []
+            return self.start_fresh()
         return self.resume_at(step, timeline)
 
-    def start_fresh(self) -> None:
-        """Begin an empty history (a fresh run; any file a failed start left is replaced)."""
+    def start_fresh(self) -> list[str]:
+        """Begin an empty history; return notes. The rows of a run that began here but committed
+        no checkpoint (the same run, started again) are set aside as a resume's are, never
+        deleted (R-D21); they are not compared: nothing restored them."""
+        notes = []
+        try:
+            rows, _torn = read_rows(self.path)
+        except FormatError as e:  # not a history: replaced, as before anything was kept
+            rows = []
+            notes.append(f"history: replaced a file that is not a history ({e})")
+        if rows:
+            _keep_aside(os.path.dirname(self.path), 0, 0, rows)
+            notes.append(
+                f"history: set aside {len(rows)} row(s) of a start that committed no checkpoint in "
+                f"{INTERRUPTED_FILE}; the run starts again from step 0"
+            )
         write_bytes_atomic(self.path, b"")
         self._open()
+        return notes
 
     def resume_at(self, step: int, timeline: int = 0) -> list[str]:
         """Set aside what the interrupted run wrote after ``step``; return notes about the file.

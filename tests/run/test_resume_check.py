@@ -137,6 +137,20 @@ def test_warn_goes_on_and_says_it_off_compares_nothing(tmp_path: Path, capsys: p
     assert f"history: set aside 2 row(s) the interrupted run wrote after step 8 in {INTERRUPTED_FILE}" in said, said
 
 
+def test_a_start_that_committed_no_checkpoint_is_set_aside_when_the_run_starts_again(tmp_path: Path) -> None:
+    """R-D21: nothing is deleted, also when no checkpoint was committed and the run starts at 0."""
+    _killed(tmp_path, 1, every=2)  # one step recorded, no checkpoint
+    before = _rows(tmp_path)
+    said: list[str] = []
+    _run(tmp_path, 4, every=2, said=said).close()
+    note = f"history: set aside {len(before)} row(s) of a start that committed no checkpoint in {INTERRUPTED_FILE}"
+    assert said == [f"{note}; the run starts again from step 0"]
+    aside = _rows(tmp_path, INTERRUPTED_FILE)
+    assert aside == [{"kind": "interrupted", "rows": len(before), "step": 0, "timeline": 0}, *before]
+    assert [r["step"] for r in _rows(tmp_path) if r["kind"] == "step"] == [0, 1, 2, 3]
+    assert _verdicts(tmp_path) == []  # nothing restored, so nothing is compared
+
+
 def test_a_loader_that_reshuffles_on_resume_is_named_as_data(tmp_path: Path) -> None:
     _killed(tmp_path, 9)
     with pytest.raises(ReplayDivergence, match=r"at step 8: data \(recorded '0x[0-9a-f]{16}', re-run '0x"):
