@@ -18,6 +18,7 @@ from ..format._container import FLAG_NAMES
 from ..format._section import check_plain
 from ..format._sidecar import sidecar_path
 from ..format._values import NO_TENSORS
+from ._loader import StatefulLoader, is_stateful_loader
 from ._registry import Entry, Registry, has_state_dict
 from ._store import Store
 
@@ -147,16 +148,21 @@ class Registration:
         ``StatefulDataLoader``, a resumable sampler, a counter. Its state may hold tensors
         (a ``torch.Generator`` state is a ``uint8`` tensor) as well as plain values; it is
         stored as the value ``name`` (``values.<name>`` in the monitor section, its tensors
-        in that section's data) and restored with ``load_state_dict``.
+        in that section's data) and restored with ``load_state_dict``. A ``StatefulDataLoader``
+        also keeps its generators and comes back where the uninterrupted loader was, at an
+        epoch's end too (:mod:`~ckptkit.run._loader`, spec/runstate.md RS-3a).
 
         Raises:
             UnsupportedValue: the object has no ``state_dict``/``load_state_dict``, or its
                 state holds something the container cannot carry (named by path); in a
-                distributed run, a state holding tensors (replicated values are plain).
+                distributed run, a state holding tensors (replicated values are plain); a
+                ``StatefulDataLoader`` whose order comes from a torch sampler that keeps no state.
         """
         if not has_state_dict(obj):
             raise UnsupportedValue(f"stateful {name!r}: a {type(obj).__name__} has no state_dict()/load_state_dict()")
         self._reg.check_name("value", name, self._reg.values)
+        if is_stateful_loader(obj):
+            obj = StatefulLoader(name, obj)
         self._store.refuse_unstorable("stateful", name, obj)  # refused at registration, not at the first save
         self._reg.values[name] = Entry(obj.state_dict, obj.load_state_dict)
 
