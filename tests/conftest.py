@@ -59,3 +59,17 @@ def s3(s3_server: str, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureR
     bucket = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40].strip("-") + "-" + uuid.uuid4().hex[:8]
     boto3.client("s3").create_bucket(Bucket=bucket)
     return f"s3://{bucket}"
+
+
+@pytest.fixture
+def store_proxy(s3: str, s3_server: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """A :class:`_store_faults.StoreProxy` in front of the session's S3 server, the AWS variables
+    pointing at it (``s3``'s bucket is reached through it)."""
+    from _store_faults import StoreProxy
+
+    proxy = StoreProxy(s3_server)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    try:
+        yield proxy
+    finally:
+        proxy.close()

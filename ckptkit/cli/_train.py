@@ -21,7 +21,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 __all__ = ["URL_ARGS", "add_knobs", "add_parser", "config_from_args", "run"]
@@ -161,6 +161,13 @@ def add_parser(sub: Any) -> None:
         "rank ends the job instead of hanging it (default: 60)",
     )
     run_group.add_argument(
+        "--single-writer-store",
+        action="store_true",
+        help="on s3://: do not check that the store enforces conditional writes (If-None-Match), because "
+        "you vouch that one job at a time writes there; recorded in history.jsonl (the same as "
+        "CKPTKIT_SINGLE_WRITER_STORE=1; spec/objectstore.md R-O49)",
+    )
+    run_group.add_argument(
         "--quiet", action="store_true", help="no progress bar and no log lines on stderr (the summary still prints)"
     )
     run_group.add_argument("--json", action="store_true", help="print the result as one JSON object")
@@ -201,8 +208,25 @@ def run(args: argparse.Namespace) -> int:
             print(f"ckptkit train: {e}", file=sys.stderr)
             return 2
         speak = where.rank == 0  # rank 0 speaks for the job; the others train silently
-        with contextlib.nullcontext() if speak else contextlib.redirect_stdout(io.StringIO()):
+        with contextlib.nullcontext() if speak else contextlib.redirect_stdout(io.StringIO()), _vouched(args):
             return _train(args, cfg, speak)
+
+
+@contextlib.contextmanager
+def _vouched(args: argparse.Namespace) -> Iterator[None]:
+    """``--single-writer-store``: :data:`~ckptkit.format._objectstore.SINGLE_WRITER_ENV` set for the call."""
+    from ..format._objectstore import SINGLE_WRITER_ENV
+
+    before = os.environ.get(SINGLE_WRITER_ENV)
+    if args.single_writer_store:
+        os.environ[SINGLE_WRITER_ENV] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(SINGLE_WRITER_ENV, None)
+        else:
+            os.environ[SINGLE_WRITER_ENV] = before
 
 
 def _train(args: argparse.Namespace, cfg: Any, speak: bool) -> int:
@@ -306,7 +330,8 @@ def _summary(
     """The end-of-run summary, read back from the run directory (``_summary``).
 
     Its extend command repeats what this call ran under: every config flag that
-    differs from its default, the thread count, and --allow-env-change if given.
+    differs from its default, the thread count, and --allow-env-change and
+    --single-writer-store if given.
     ``resume``: the run was stopped; the last row is the command that resumes it.
     """
     from ..trainer._audit import knob_flags
@@ -316,6 +341,8 @@ def _summary(
     flags = [*knob_flags(cfg.replace(**{"train.steps": default_steps})), "--threads", str(threads)]
     if args.allow_env_change:  # environment.json keeps the facts the run started with
         flags.append("--allow-env-change")
+    if args.single_writer_store:  # the store is still the one the user vouched for
+        flags.append("--single-writer-store")
     if resume:
         return summarize(
             args.run_dir, seconds=seconds, keep=cfg.train.keep, extend=_resume_command(args, cfg), next_step="resume"
@@ -330,7 +357,8 @@ def _resume_command(args: argparse.Namespace, cfg: Any) -> str:
 
     from ..trainer._audit import knob_flags
 
-    flags = [f for f in ("--allow-legacy", "--allow-env-change") if getattr(args, f[2:].replace("-", "_"))]
+    repeated = ("--allow-legacy", "--allow-env-change", "--single-writer-store")
+    flags = [f for f in repeated if getattr(args, f[2:].replace("-", "_"))]
     if args.threads is not None:  # the thread count is an environment fact of the run
         flags += ["--threads", str(args.threads)]
     if args.resume_check is not None:

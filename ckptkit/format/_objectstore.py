@@ -13,11 +13,19 @@ Two layers (spec/objectstore.md):
     └── RequestRefused            anything else: access denied, no bucket, a bad request
 
   :class:`S3Backend` is boto3's client; fault-injection tests put a wrapper between it and the store;
-- :class:`ObjectStore` turns them into ckptkit's: transient failures are retried with
-  capped exponential backoff (R-O20), large objects go up as parallel multipart uploads
+- :class:`ObjectStore` turns them into ckptkit's: transient failures of every request
+  (LIST, GET, HEAD, PUT, DELETE) are retried with capped, jittered exponential backoff
+  (R-O20, R-O50), large objects go up as parallel multipart uploads
   and come down as parallel ranged reads (R-O21), and what is left is a ``SaveFailed``,
   ``UnreadableFile``, ``CheckpointNotFound`` or :class:`~ckptkit.errors.CommitConflict`
-  that names the object.
+  that names the object; a read whose every attempt failed transiently is one kind of
+  ``UnreadableFile`` of its own, which a resume does not take for damage (R-O50)::
+
+    UnreadableFile (ckptkit.errors)
+    └── StoreUnavailable          a read still throttled or failing after every attempt
+
+  Before this process's first conditional write to a bucket, a store from :func:`store_for`
+  checks that the bucket enforces ``If-None-Match: *`` (R-O49).
 
 Why boto3 (docs/storage.md): it is the reference S3 client, speaks conditional writes
 (``If-None-Match: *`` on a put and on completing a multipart upload), reads the standard
@@ -33,23 +41,35 @@ import os
 import random
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
-from ..errors import CheckpointError, CheckpointNotFound, CommitConflict, SaveFailed, UnreadableFile
+from ..errors import (
+    CheckpointError,
+    CheckpointNotFound,
+    CommitConflict,
+    SaveFailed,
+    UnreadableFile,
+    UnsupportedOption,
+)
 from ._urls import StorageURL, require_client
 
 __all__ = [
+    "PROBE_PREFIX",
+    "SINGLE_WRITER_ENV",
     "Backend",
     "ObjectMissing",
     "ObjectStore",
     "RequestRefused",
     "S3Backend",
     "StorageFault",
+    "StoreUnavailable",
     "TransientFault",
     "WriteConflict",
     "intercept",
+    "single_writer_vouched",
     "store_for",
 ]
 
@@ -58,6 +78,9 @@ T = TypeVar("T")
 #: Objects larger than this go up in parts of this size, in parallel (R-O21); S3's minimum part is 5 MiB.
 PART_SIZE = 64 << 20
 _THREADS = 8
+#: Set to ``1``, the user vouches that one job at a time writes to the store: its conditional
+#: writes are not checked (R-O49), and a run records that it relied on the promise.
+SINGLE_WRITER_ENV = "CKPTKIT_SINGLE_WRITER_STORE"
 
 # ---------------------------------------------------------------------------- faults
 
@@ -81,6 +104,12 @@ class TransientFault(StorageFault):
 
 class RequestRefused(StorageFault):
     """A failure another attempt meets again: access denied, no such bucket, a bad request."""
+
+
+class StoreUnavailable(UnreadableFile):
+    """A read that still failed transiently after every attempt (R-O20, R-O50): the store is
+    throttling or failing, which says nothing about the object; a resume stops here rather than
+    take the object for damaged and fall back to an older checkpoint."""
 
 
 class Backend(Protocol):
@@ -153,6 +182,7 @@ class S3Backend:
         # One attempt per call: ObjectStore retries, so that a test's injected fault is retried the same way.
         config = Config(retries={"total_max_attempts": 1, "mode": "standard"}, max_pool_connections=2 * _THREADS)
         self.client = boto3.session.Session().client("s3", config=config)
+        self.endpoint = str(self.client.meta.endpoint_url)
 
     def _call(self, fn: Callable[..., T], **kw: Any) -> T:
         try:
@@ -254,12 +284,13 @@ def store_for(url: StorageURL) -> ObjectStore:
     require_client()  # before a cached client: the extra may have gone (R-O02)
     ident = (url.bucket, *(os.environ.get(k, "") for k in _ENV))
     with _LOCK:
-        backend: Backend | None = _CLIENTS.get(ident)
-        if backend is None:
-            backend = _CLIENTS[ident] = S3Backend(url.bucket)
+        client = _CLIENTS.get(ident)
+        if client is None:
+            client = _CLIENTS[ident] = S3Backend(url.bucket)
+    backend: Backend = client
     for wrap in _WRAP:
         backend = wrap(backend)
-    return ObjectStore(backend, url.scheme)
+    return ObjectStore(backend, url.scheme, probe=client)  # the check talks to the store itself (R-O49)
 
 
 class ObjectStore:
@@ -271,6 +302,8 @@ class ObjectStore:
         part_size: objects above it are multipart (parts of this size, ``_THREADS`` at once).
         attempts: tries of one request before its transient failure is final (R-O20).
         backoff: seconds before the second try; doubled each time, capped at 2 s, jittered.
+        probe: the client, without a test's wrapper, on which the bucket's conditional writes
+            are checked before this process's first one (R-O49); None: not checked (a test's own backend).
     """
 
     def __init__(
@@ -281,9 +314,11 @@ class ObjectStore:
         part_size: int = PART_SIZE,
         attempts: int = 6,
         backoff: float = 0.05,
+        probe: S3Backend | None = None,
     ) -> None:
         self.backend, self.scheme, self.part_size = backend, scheme, part_size
         self.attempts, self.backoff = attempts, backoff
+        self.probe = probe
 
     def url(self, key: str) -> str:
         return f"{self.scheme}://{self.backend.bucket}/{key}"
@@ -295,7 +330,7 @@ class ObjectStore:
                 return fn()
             except TransientFault as e:
                 if attempt == self.attempts - 1:
-                    raise _failed(f"{self.url(key)}: {op} failed {self.attempts} times, last: {e}", writing) from e
+                    raise _exhausted(f"{self.url(key)}: {op} failed {self.attempts} times, last: {e}", writing) from e
                 time.sleep(min(2.0, self.backoff * 2**attempt) * random.uniform(0.5, 1.0))
             except ObjectMissing:
                 raise CheckpointNotFound(f"{self.url(key)}: no such object") from None
@@ -314,6 +349,8 @@ class ObjectStore:
         which the store carried out before the connection dropped: a conflict is then ours
         when the object there holds exactly ``data`` (R-O20).
         """
+        if if_absent:
+            self._check_conditional_writes(key)
         attempt = self._own_retry(key, data)
         if len(data) > self.part_size:
             return self._put_parts(key, data, if_absent, attempt)
@@ -340,6 +377,29 @@ class ObjectStore:
         """
         self._retry("delete", key, lambda: self.backend.delete_if(key, etag), writing=True)
 
+    def _check_conditional_writes(self, key: str) -> None:
+        """Before this process's first conditional write to the bucket: the store enforces
+        ``If-None-Match: *`` (R-O49), checked once per endpoint and bucket, unless the user vouches
+        for a single writer (:data:`SINGLE_WRITER_ENV`).
+
+        Raises:
+            UnsupportedOption: it does not; the line names the endpoint, what failed and what to do.
+        """
+        if self.probe is None or single_writer_vouched():
+            return
+        ident = (self.probe.endpoint, self.probe.bucket)
+        with _PROBED_LOCK:
+            if ident not in _PROBED:
+                _PROBED[ident] = _probe(ObjectStore(self.probe, self.scheme, backoff=self.backoff), key)
+        why = _PROBED[ident]
+        if why is not None:
+            raise UnsupportedOption(
+                f"{ident[0]} (bucket {ident[1]}): the store does not enforce conditional writes: {why}; "
+                "ckptkit's commit and run lease rely on them (R-O49): use a store that enforces "
+                f"If-None-Match, or, if only one job at a time ever writes there, set {SINGLE_WRITER_ENV}=1 "
+                "(ckptkit train --single-writer-store)"
+            )
+
     def _own_retry(self, key: str, data: bytes | memoryview) -> Callable[[Callable[[], str]], str]:
         """Runs a conditional write's attempts: a conflict met by a retry is the write's own first
         attempt when the object holds exactly ``data`` (R-O20)."""
@@ -363,7 +423,7 @@ class ObjectStore:
 
     def _holds(self, key: str, data: bytes | memoryview) -> bool:
         try:
-            return self.backend.head(key) == len(data) and self.get(key, len(data)) == bytes(data)
+            return self.head(key) == len(data) and self.get(key, len(data)) == bytes(data)
         except (TransientFault, ObjectMissing, RequestRefused, CheckpointError):
             return False
 
@@ -423,8 +483,66 @@ class ObjectStore:
         return self._retry("list", prefix, lambda: self.backend.list(prefix), writing=False)
 
 
+def single_writer_vouched() -> bool:
+    """The user vouches that one job at a time writes to the store (:data:`SINGLE_WRITER_ENV` is ``1``)."""
+    return os.environ.get(SINGLE_WRITER_ENV) == "1"
+
+
+#: ``(endpoint, bucket)``: None once the store passed the check, else what failed (R-O49).
+_PROBED: dict[tuple[str, str], str | None] = {}
+_PROBED_LOCK = threading.Lock()
+#: The probe object's name starts with this; it sits beside the first object written.
+PROBE_PREFIX = ".ckptkit-probe-"
+
+
+def _probe(store: ObjectStore, near: str) -> str | None:
+    """Two racing ``If-None-Match: *`` PUTs of a new key beside ``near`` (one must succeed and the
+    other meet 412), then a GET that must return the winner's bytes; the key is removed after.
+    Returns what failed, or None (R-O49).
+
+    Raises:
+        SaveFailed, UnreadableFile: a request failed (throttled past its retries, refused).
+    """
+    folder = near.rpartition("/")[0]
+    key = f"{folder}/{PROBE_PREFIX}{uuid.uuid4().hex}" if folder else f"{PROBE_PREFIX}{uuid.uuid4().hex}"
+    bodies = [f"ckptkit conditional-write probe, writer {n}\n".encode() for n in (1, 2)]
+    start = threading.Barrier(2)
+
+    def racer(n: int) -> bool:
+        start.wait(30)
+        try:
+            store.put(key, bodies[n], if_absent=True)
+        except CommitConflict:
+            return False
+        return True
+
+    try:
+        won = _parallel(racer, 2)
+        if won.count(True) != 1:
+            return (
+                f"{won.count(True)} of 2 racing If-None-Match: * PUTs of {store.url(key)} succeeded "
+                "(expected 1, and 412 PreconditionFailed for the other)"
+            )
+        try:
+            seen: bytes | None = store.get(key)
+        except CheckpointNotFound:
+            seen = None
+        if seen != bodies[won.index(True)]:
+            return f"a GET of {store.url(key)} right after its PUT did not return the bytes written"
+        return None
+    finally:
+        with contextlib.suppress(CheckpointError):
+            store.delete(key)
+
+
 def _failed(message: str, writing: bool) -> Exception:
     return SaveFailed(message) if writing else UnreadableFile(message)
+
+
+def _exhausted(message: str, writing: bool) -> Exception:
+    """The error of a request whose every attempt failed transiently (R-O20, R-O50)."""
+    message += "; the store is throttling (503 SlowDown) or failing (R-O50): try again once it answers"
+    return SaveFailed(message) if writing else StoreUnavailable(message)
 
 
 def _parallel(fn: Callable[[int], T], n: int) -> list[T]:

@@ -31,6 +31,7 @@ from ..errors import (
 from ..format._atomic import clean_stale_temps, write_bytes_atomic
 from ..format._companions import ENVIRONMENT_FILE, check_companions, file_digest, make_record, record_of
 from ..format._io import file_kind
+from ..format._objectstore import StoreUnavailable
 from ..format._sidecar import Sidecar, read_sidecar, sidecar_path, write_sidecar
 from ..format._snapshot import Snapshot, read_small_file, read_snapshot, snapshot_path
 
@@ -394,11 +395,13 @@ def newest_consistent(
     """The newest of ``candidates`` that ``check(step, path)`` accepts: ``(what check returned,
     its path, (path, why) for each newer one it refused)``. A refusal is a
     :class:`FormatError`, :class:`CheckpointNotFound` or :class:`UnreadableFile` (damage or a
-    piece that cannot be read, never drift).
+    piece that cannot be read, never drift). An object store that still throttles or fails after
+    every retry is no refusal: it says nothing of the checkpoint, and is raised (R-O50).
 
     Raises:
         CheckpointNotFound: no candidates.
         NoConsistentCheckpoint: none accepted (each refusal listed).
+        StoreUnavailable: the object store failed a read past its retries.
     """
     if not candidates:
         raise CheckpointNotFound(f"{run_dir}: no checkpoints to resume from")
@@ -406,6 +409,8 @@ def newest_consistent(
     for named_step, path in reversed(candidates):
         try:
             return check(named_step, path), path, skipped
+        except StoreUnavailable:
+            raise
         except (FormatError, CheckpointNotFound, UnreadableFile) as e:  # damaged or unreadable: the same (R-026)
             skipped.append((path, str(e)))
     detail = "; ".join(f"{os.path.basename(p)}: {why}" for p, why in skipped)

@@ -17,6 +17,9 @@ sorted. Every row has ``kind`` and ``step``:
 * ``spike`` / ``rollback`` -- what ``--auto-rollback`` did about a spike at step
   ``step`` (spec/rollback.md R-R10). After a rollback, step numbers repeat: a row's
   *timeline* is the number of ``rollback`` rows before it.
+* ``unchecked_store`` -- before a process's first save on an ``s3://`` run directory whose
+  store's conditional writes the user vouched for instead of their being checked
+  (spec/objectstore.md R-O49); not compared, and readers that do not know it skip it.
 
 Compared fields: :func:`compared_rows` keeps the ``start``, ``probe`` and
 ``step`` rows minus :data:`WALL_FIELDS` (wall-clock time may differ between

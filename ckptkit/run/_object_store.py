@@ -25,7 +25,7 @@ from ..errors import CheckpointError, CheckpointNotFound
 from ..format._asyncsave import AsyncSaver
 from ..format._checkpoint import Checkpoint, save
 from ..format._commit import RECORD_SUFFIX, listing, read_committed, remove, sweep
-from ..format._objectstore import store_for
+from ..format._objectstore import PROBE_PREFIX, store_for
 from ..format._sidecar import sidecar_path
 from ..format._snapshot import Snapshot, read_snapshot, snapshot_path
 from ..format._urls import parse
@@ -72,8 +72,10 @@ class RunObjects:
         return self.listing()
 
     def began(self) -> bool:
-        """Any object under the prefix: the run's environment record, or what a save left."""
-        return bool(self.objects.list(self.url.child("").key))
+        """Any object under the prefix: the run's environment record, or what a save left (not a
+        store check's probe, which a process killed in the middle of it leaves: R-O49)."""
+        found = self.objects.list(self.url.child("").key)
+        return any(not key.rpartition("/")[2].startswith(PROBE_PREFIX) for key, _size, _modified in found)
 
     def _open_objects(self, run_dir: str) -> None:
         self.url = parse(run_dir)

@@ -44,6 +44,7 @@ from typing import Any
 from ..errors import LeaseLost
 from ..format._checkpoint import Checkpoint
 from ..format._checks import is_int
+from ..format._objectstore import SINGLE_WRITER_ENV, single_writer_vouched
 from ..format._snapshot import encode_snapshot
 from ..format._urls import is_url
 from . import _resume as protocol
@@ -142,6 +143,9 @@ class RunState(Registration, Stopping):
         self._lease: Lease = lease if lease is not None else lease_for(self.run_dir)  # a file, or an object on s3://
         self._leased = False
         self._launcher = launcher_pid()  # this rank's torchrun agent; None outside torchrun
+        # The user vouched for the store instead of its conditional writes being checked (R-O49):
+        # recorded in the history before this process's first save.
+        self._unchecked_store = is_url(self.run_dir) and single_writer_vouched()
 
     def _open_store(self, async_save: bool) -> Store:
         """The DCP store when given a group, built in an initialised job, or on a run directory a
@@ -230,7 +234,21 @@ class RunState(Registration, Stopping):
         self._store.wait()
         self._hold()
         self._group.agree(lambda: self._may_write(step), "checking the run directory's lease")
+        self._record_unchecked_store(step)
         return self._store.save(step, self.checkpoint(step), encode_snapshot(self.config), self.sidecar_contents())
+
+    def _record_unchecked_store(self, step: int) -> None:
+        """Rank 0, before this process's first save: an ``unchecked_store`` row when the store's
+        conditional writes were vouched for (``CKPTKIT_SINGLE_WRITER_STORE=1``), not checked (R-O49)."""
+        if self._unchecked_store and self.rank == 0 and self._began is not None:
+            row = {
+                "kind": "unchecked_store",
+                "step": step,
+                "run_dir": self.run_dir,
+                "vouched": f"{SINGLE_WRITER_ENV}=1",
+            }
+            self._history.append(row)
+        self._unchecked_store = False
 
     def _hold(self) -> str | None:
         """Rank 0 acquires the run directory's lease for the job, once; a takeover is said (R-LS04)

@@ -20,10 +20,9 @@ from typing import Any
 import boto3
 import pytest
 import torch
-from _store_faults import MODES, Crash, under
+from _store_faults import MODES, Crash, run_state, saved, under
 from helpers import TINY_FLAGS
 
-import ckptkit
 from ckptkit.errors import CheckpointError, CheckpointNotFound
 from ckptkit.format._urls import parse
 from ckptkit.run._history import compared_rows, read_rows
@@ -119,31 +118,8 @@ def _digest(data: bytes) -> str:
 # ---------------------------------------------------------------------------- RunState under faults
 
 
-class _Net(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = torch.nn.Linear(4, 2)
-
-
-def _run(run_dir: str) -> tuple[ckptkit.RunState, _Net]:
-    net = _Net()
-    rs = ckptkit.RunState(run_dir, config={"lr": 0.1}, keep=2)
-    rs.add_model("net", net)
-    return rs, net
-
-
-def _saved(run_dir: str, steps: list[int]) -> None:
-    rs, net = _run(run_dir)
-    rs.start()
-    for s in steps:
-        with torch.no_grad():
-            net.lin.weight.fill_(float(s))
-        rs.save(s)
-    rs.close()
-
-
 def _resumed(run_dir: str) -> tuple[int, tuple[str, ...], torch.Tensor]:
-    rs, net = _run(run_dir)
+    rs, net = run_state(run_dir)
     try:
         info = rs.resume()
         return info.step, info.notes, net.lin.weight.detach().clone()
@@ -157,7 +133,7 @@ def test_a_runstate_save_and_its_retention_failing_at_every_request(s3, mode) ->
     """G-53, R-O25: after a failure at request k of save(30) (keep=2: retention removes step 10),
     the resume loads step 30 whole or falls back to 20 and says why, and the next save goes on."""
     base = f"{s3}/sweep-{mode}"
-    _saved(f"{s3}/template", [10, 20])
+    saved(f"{s3}/template", [10, 20])
     _copy(s3, "template", "count")
     _r, _e, n = under(None, "count", lambda: _save_one(f"{s3}/count", 30))
     assert n >= 10
@@ -196,7 +172,7 @@ def _committed(run_dir: str) -> list[int]:
 
 def _save_one(run_dir: str, step: int) -> tuple[int, torch.Tensor]:
     """Resume ``run_dir``, then save ``step``; the step resumed and the weight it restored."""
-    rs, net = _run(run_dir)
+    rs, net = run_state(run_dir)
     try:
         resumed = rs.resume().step, net.lin.weight.detach().clone()
         with torch.no_grad():
@@ -211,7 +187,7 @@ def _save_one(run_dir: str, step: int) -> tuple[int, torch.Tensor]:
 @pytest.mark.parametrize("mode", MODES)
 def test_a_resume_failing_at_every_request_restores_whole_or_raises_a_typed_error(s3, mode) -> None:
     run = f"{s3}/resume-{mode}"
-    _saved(run, [10, 20])
+    saved(run, [10, 20])
     _r, _e, n = under(None, "count", lambda: _resumed(run))
     for k in range(1, n + 1):
         got, error, _made = under(k, mode, lambda: _resumed(run))
@@ -227,7 +203,7 @@ def test_a_resume_failing_at_every_request_restores_whole_or_raises_a_typed_erro
 def test_a_resume_says_which_step_it_passed_over_when_the_newest_lost_an_object(s3) -> None:
     """R-O24: never an older checkpoint without saying so."""
     run = f"{s3}/fallback"
-    _saved(run, [10, 20])
+    saved(run, [10, 20])
     boto3.client("s3").delete_object(Bucket=parse(s3).bucket, Key="fallback/step-00000020.ckpt.config.json")
     step, notes, weight = _resumed(run)
     assert step == 10 and bool(weight.eq(10.0).all())
