@@ -72,7 +72,7 @@ __all__ = [
 PLACEHOLDER = "{run_dir}"
 DEFAULT_TIMEOUT = 600.0  # seconds per process
 _POLL_S = 0.25  # how often a waiting audit reads the command's history for the progress callback
-_WATCH_S = 0.005  # how often it looks for the checkpoint to kill a command that ignores the stop request after
+_WATCH_S = 0.005  # how often it looks whether a command that ignores the stop request may be killed (R-P18)
 _HINT = (
     "the command must use ckptkit.RunState on {run_dir}, start with state.resume_or_start(), and call "
     "state.step_done(step + 1) after every step (SpikeGuard.run does); docs/adopting.md"

@@ -139,9 +139,10 @@ def test_a_loop_without_step_done_is_killed_after_its_checkpoint_and_audits_iden
     said = re.search(r"b: killed after checkpoint (\d+) \(the command ignored the stop request at step 10\)", out)
     assert said and said[1] in ("10", "15"), out
     assert "IDENTICAL: 20 steps, every history fingerprint and 3 checkpoint(s) bit for bit (40 recorded rows)" in out
-    # a crash's resume: the killed process's rows after its checkpoint set aside, its lease taken over
-    assert (keep / "b" / "history.interrupted.jsonl").is_file()
+    # a crash's resume: the killed process's lease taken over (and released at the end) and, killed
+    # after its row of step 11, its rows after checkpoint 10 set aside
     assert not (keep / "b" / "lease.json").exists()
+    assert (keep / "b" / "history.interrupted.jsonl").is_file() or said[1] == "15"
 
 
 def test_a_global_dropout_in_a_loop_without_step_done_is_named_at_the_step_it_resumed_at(
