@@ -37,7 +37,7 @@ around a load keeps working::
     ├── ReplicaDivergence (RuntimeError)      ranks hold different copies of replicated run state
     ├── ReplayDivergence (RuntimeError)       a re-run parts from its recording
     ├── ReplayError (ValueError)              a replay that cannot be asked for
-    └── AuditError (RuntimeError)             an audited command failed, timed out or ignored the stop
+    └── AuditError (RuntimeError)             an audited command failed, timed out or could not be stopped
 
     RunStopped (SystemExit)                   not an error: a requested stop saved the run (exit 75)
 

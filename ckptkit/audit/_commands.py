@@ -8,27 +8,30 @@ The command is the user's own training script -- or the reference trainer, whose
 ``ckptkit audit`` and ``ckptkit replay`` are this engine run on ``python -m ckptkit train``
 (:mod:`ckptkit.trainer._audit`, :mod:`ckptkit.trainer._replay`). It must use :class:`ckptkit.RunState` on the directory
 ``{run_dir}`` stands for, start-or-resume with :meth:`RunState.resume_or_start` (so the
-same arguments continue a stopped run), and call :meth:`RunState.step_done` after every
-step (so it honours the stop request, ``CKPTKIT_STOP_AT``). :meth:`RunState.record` adds
-per-step rows, which let the report name the first step that differs; without them
-checkpoints are compared.
+same arguments continue a stopped run). :meth:`RunState.step_done` after every step makes
+it honour the stop request, ``CKPTKIT_STOP_AT``: the precise, cooperative stop; a command
+that ignores the request is SIGKILLed as a crash would stop it, once it has committed a
+checkpoint at or after the step asked for. :meth:`RunState.record` adds per-step rows,
+which let the report name the first step that differs; without them checkpoints are
+compared.
 
-* audit: the command runs once uninterrupted (run ``a``) and once stopped at step
-  ``K`` and resumed in a new process (run ``b``); the recordings and every checkpoint
-  both saved at the same step are compared bit for bit.
+* audit: the command runs once uninterrupted (run ``a``) and once stopped at (or, killed,
+  after) step ``K`` and resumed in a new process (run ``b``); the recordings and every
+  checkpoint both saved at the same step are compared bit for bit.
 * replay: RUN's checkpoint at (or before) ``S`` and its companions are copied into
   a fresh directory, the command resumes from it, and its recording from ``S`` on
   is compared with RUN's.
 
 Either way the answer is one :class:`AuditReport`. Every process is bounded by
 ``timeout`` (the whole job is killed, torchrun's ranks included), and temporary
-directories are removed whatever happens. spec/replay.md "Any loop".
+directories are removed whatever happens. spec/replay.md "Any loop" (R-P16, R-P18).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import re
 import shutil
@@ -42,6 +45,7 @@ from typing import Any
 
 from ..errors import AuditError, CheckpointError, CheckpointNotFound, ReplayDivergence, ReplayError
 from ..format._checkpoint import load
+from ..format._io import open_regular
 from ..run import ENVIRONMENT_FILE, read_environment
 from ..run._difference import Difference, FieldDiff, differing_names, named_reports, show
 from ..run._environment import Fact, diff_environment
@@ -68,10 +72,14 @@ __all__ = [
 PLACEHOLDER = "{run_dir}"
 DEFAULT_TIMEOUT = 600.0  # seconds per process
 _POLL_S = 0.25  # how often a waiting audit reads the command's history for the progress callback
+_WATCH_S = 0.005  # how often it looks whether a command that ignores the stop request may be killed (R-P18)
 _HINT = (
     "the command must use ckptkit.RunState on {run_dir}, start with state.resume_or_start(), and call "
     "state.step_done(step + 1) after every step (SpikeGuard.run does); docs/adopting.md"
 )
+#: How run b was stopped before its resume (R-P18): it stopped itself at the step asked for, or it
+#: ignored the stop request and was SIGKILLed after a checkpoint at or after that step.
+COOPERATIVE, KILLED = "cooperative", "killed"
 _CAUSES = (
     "usual causes: a draw from the global generator in the step (wrap it in ckptkit.step_rng), "
     "a data position or scheduler not registered, nondeterministic kernels (see ckptkit.ReplayDivergence)"
@@ -116,6 +124,8 @@ class AuditReport:
     ``a`` and ``b`` are the two run directories when they were kept (a replay's ``a`` is
     the recorded run), else None. ``resume_at`` is the step run ``b`` resumed at: where an
     audit stopped it (None: two uninterrupted runs), or the checkpoint a replay started from.
+    ``stopped`` says how an audit stopped run ``b`` (:data:`COOPERATIVE` or :data:`KILLED`,
+    R-P18) when asked to stop at ``stop_at``; a replay's are None.
     """
 
     what: str  # "audit" or "replay"
@@ -131,6 +141,8 @@ class AuditReport:
     environment_differences: tuple[EnvironmentDifference, ...] = ()
     overrides: tuple[FieldDiff, ...] = ()  # what a replay changed from the recorded config, on purpose
     notes: tuple[str, ...] = ()
+    stopped: str | None = None
+    stop_at: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -157,6 +169,7 @@ class AuditReport:
             "b": self.b,
             "steps": self.steps,
             "resume_at": self.resume_at,
+            "stop": None if self.stopped is None else {"how": self.stopped, "requested": self.stop_at},
             "rows_compared": self.rows_compared,
             "checkpoints_compared": self.checkpoints_compared,
             "environment": dict(sorted(self.environment.items())),
@@ -202,7 +215,12 @@ class AuditReport:
             return f"replay: from the checkpoint at step {self.resume_at} to step {self.steps}"
         if self.resume_at is None:
             return f"audit: a, b: {self.steps} steps each, each in a fresh process"
-        return f"audit: a: {self.steps} steps uninterrupted; b: stopped at {self.resume_at}, resumed in a fresh process"
+        if self.stopped == KILLED:
+            ignored = f"the command ignored the stop request at step {self.stop_at}"
+            how = f"killed after checkpoint {self.resume_at} ({ignored})"
+        else:
+            how = f"cooperative stop at step {self.resume_at}"
+        return f"audit: a: {self.steps} steps uninterrupted; b: {how}, resumed in a fresh process"
 
     def _environment_lines(self) -> list[str]:
         env = self.environment
@@ -410,6 +428,60 @@ def _steps_recorded(run_dir: str, since: float = 0.0) -> int:
     return rows[-1]["step"] + 1 if rows else 0
 
 
+class _HistoryTail:
+    """The newest ``step`` row's step in a history a running command appends to, read as it
+    grows: only the bytes written since the last look (a long run's history is never re-read)."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.offset, self.step, self.rest = path, 0, -1, b""
+
+    def last_step(self) -> int:
+        """-1 before the first ``step`` row (or while the file cannot be read)."""
+        try:
+            fd, size = open_regular(self.path, "history")
+        except CheckpointError:
+            return self.step
+        try:
+            if size < self.offset:  # rewritten: read it again
+                self.offset, self.step, self.rest = 0, -1, b""
+            new = os.pread(fd, size - self.offset, self.offset)
+        finally:
+            os.close(fd)
+        self.offset += len(new)
+        *lines, self.rest = (self.rest + new).split(b"\n")
+        for line in lines:
+            with contextlib.suppress(ValueError):
+                row = json.loads(line)
+                if isinstance(row, dict) and row.get("kind") == "step" and isinstance(row.get("step"), int):
+                    self.step = max(self.step, row["step"])
+        return self.step
+
+
+@dataclass
+class _KillWatch:
+    """When to stop a command that ignores the stop request the way a crash would (R-P18): once a
+    checkpoint at step ``k``..``end - 1`` is committed (read from the run directory: a ``.ckpt``
+    file's container is renamed into place last, a ``.dcp`` directory's metadata written last), and
+    the run has gone on past ``k`` -- a step row after step ``k``, or a later checkpoint -- which a
+    command that takes the request (it saves ``k`` and exits 75) never does. A background save's
+    history rows come before its commit: the commit is what is waited for."""
+
+    run_dir: str
+    k: int
+    end: int
+    killed: bool = False
+
+    def __post_init__(self) -> None:
+        self._tail = _HistoryTail(os.path.join(self.run_dir, HISTORY_FILE))
+
+    def ready(self) -> bool:
+        """The command has committed a checkpoint to resume from and gone on without stopping."""
+        steps = run_checkpoints(self.run_dir)
+        if not any(self.k <= s < self.end for s in steps):
+            return False
+        return max(steps) > self.k or self._tail.last_step() > self.k
+
+
 @dataclass
 class _Runner:
     """Runs the command, each time in a fresh process group bounded by ``timeout``."""
@@ -425,8 +497,17 @@ class _Runner:
     since: float = 0.0  # progress counts rows written from then on (a replay's copied rows are not its own)
     stopped: str = ""  # what a command that exited with an accepted code said last (its exit code first)
 
-    def run(self, run_dir: str, label: str, *, stop_at: int | None = None, extra: Sequence[str] = ()) -> int:
-        """Run the command on ``run_dir``; returns its exit code (0, or 75 when it stopped as asked).
+    def run(
+        self,
+        run_dir: str,
+        label: str,
+        *,
+        stop_at: int | None = None,
+        extra: Sequence[str] = (),
+        watch: _KillWatch | None = None,
+    ) -> int:
+        """Run the command on ``run_dir``; returns its exit code (0, or 75 when it stopped as asked,
+        or -9 when ``watch`` said to kill it).
 
         Raises:
             AuditError: it timed out or exited otherwise (its stderr's last lines).
@@ -441,10 +522,12 @@ class _Runner:
         with tempfile.TemporaryFile() as err:
             proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err, env=env, start_new_session=True)
             try:
-                code = self._wait(proc, run_dir, label)
+                code = self._wait(proc, run_dir, label, watch)
             except BaseException:
                 stop_job(proc)
                 raise
+            if watch is not None and watch.killed:
+                return code
             if code not in (0, EXIT_STOPPED):
                 err.seek(0)
                 text = err.read().decode("utf-8", "replace")
@@ -453,18 +536,27 @@ class _Runner:
                 self.stopped = f"exit {code}: {_last_message(text)}"
         return code
 
-    def _wait(self, proc: subprocess.Popen[bytes], run_dir: str, label: str) -> int:
+    def _wait(self, proc: subprocess.Popen[bytes], run_dir: str, label: str, watch: _KillWatch | None) -> int:
+        """The command's exit code; with ``watch``, it is looked at every few milliseconds and the
+        job killed (-9) as soon as it says so."""
         deadline = time.monotonic() + self.timeout
+        tick, shown = (_POLL_S if watch is None else _WATCH_S), time.monotonic()
         while True:
             try:
-                return proc.wait(timeout=min(_POLL_S, max(deadline - time.monotonic(), 0.001)))
+                return proc.wait(timeout=min(tick, max(deadline - time.monotonic(), 0.001)))
             except subprocess.TimeoutExpired:
                 if time.monotonic() >= deadline:
                     raise AuditError(
                         f"{label}: the command did not finish within {self.timeout:g} s (--timeout); a loop "
-                        f"that ignores the stop request or never ends runs until killed: {_HINT}"
+                        f"that never ends runs until killed: {_HINT}"
                     ) from None
-                self.progress(run_dir)
+                if watch is not None and watch.ready():
+                    stop_job(proc)
+                    watch.killed = proc.returncode == -signal.SIGKILL
+                    return proc.returncode
+                if time.monotonic() - shown >= _POLL_S:
+                    self.progress(run_dir)
+                    shown = time.monotonic()
 
     def progress(self, run_dir: str, *, finished: bool = False) -> None:
         """Tell ``on_step`` the steps trained so far (a run that ``finished`` counts whole)."""
@@ -528,8 +620,9 @@ class AuditPlan:
         interrupt: False: run b is a second uninterrupted run (two fresh processes compared).
         stop_with: the arguments that make the command itself end at step ``k`` and exit 0
             (the trainer's ``--steps k``); None: the stop request ``CKPTKIT_STOP_AT=k``, which
-            the command must answer with exit 75. (torchrun reports a rank's exit 75 as a
-            failure: a torchrun command needs ``stop_with``.)
+            a command that takes it answers with exit 75, and for which one that ignores it is
+            SIGKILLed after a committed checkpoint at or after ``k`` (R-P18). (torchrun reports a
+            rank's exit 75 as a failure: a torchrun command that takes the request needs ``stop_with``.)
         resume_args: arguments the resuming process gets besides ``command`` (the trainer's
             ``--resume``; a loop that resumes-or-starts needs none).
         steps: the steps each run trains, when known (the progress callback's total).
@@ -571,7 +664,8 @@ def audit_command(plan: AuditPlan) -> AuditReport:
 
     Raises:
         AuditError: a process failed or timed out, the command saved no checkpoint or
-            ignored the stop request, ``stop_at`` outside the run.
+            ran to its end under the stop request with none to be killed after, ``stop_at``
+            outside the run.
     """
     total = None if plan.steps is None else 2 * plan.steps
     runner = _Runner(plan.command, AuditError, plan.timeout, plan.log or (lambda _m: None), plan.on_step, total)
@@ -579,6 +673,7 @@ def audit_command(plan: AuditPlan) -> AuditReport:
         a, b = os.path.join(base, "a"), os.path.join(base, "b")
         kept = plan.keep_dir is not None
         k: int | None = None
+        stop: _Stop | None = None
         try:
             runner.run(a, "a (uninterrupted)")
             end = RunRecording(a).last_step
@@ -590,11 +685,26 @@ def audit_command(plan: AuditPlan) -> AuditReport:
             if k is None:
                 runner.run(b, "b (uninterrupted)")
             else:
-                _stop_and_resume(runner, b, k, end, plan.stop_with, plan.resume_args)
+                stop = _stop(runner, b, k, end, plan.stop_with)
+                runner.run(b, "b (resumed)", extra=plan.resume_args)
         except _Diverged as e:  # run b found itself not the same run, and stopped
-            return _stopped_report("audit", plan.command, e, k, (a, b) if kept else None)
-        runner.progress(b)
-        return compare_runs("audit", plan.command, a, b, resume_at=k, kept=kept, explain=plan.explain)
+            at = k if stop is None else stop.at
+            report = _stopped_report("audit", plan.command, e, at, (a, b) if kept else None)
+        else:
+            runner.progress(b)
+            at = None if stop is None else stop.at
+            report = compare_runs("audit", plan.command, a, b, resume_at=at, kept=kept, explain=plan.explain)
+        return report if stop is None else dataclasses.replace(report, stopped=stop.how, stop_at=stop.requested)
+
+
+@dataclass(frozen=True)
+class _Stop:
+    """How run b was stopped (:data:`COOPERATIVE` or :data:`KILLED`), at which step it was asked
+    to, and the checkpoint it resumes from."""
+
+    how: str
+    requested: int
+    at: int
 
 
 def _stopped_report(
@@ -615,19 +725,32 @@ def _stopped_report(
     )
 
 
-def _stop_and_resume(
-    runner: _Runner, b: str, k: int, end: int, stop_with: Callable[[int], Sequence[str]] | None, resume: Sequence[str]
-) -> None:
-    """Run b: stopped at ``k`` (it must say so and leave checkpoint ``k``), then resumed to its end."""
+def _stop(runner: _Runner, b: str, k: int, end: int, stop_with: Callable[[int], Sequence[str]] | None) -> _Stop:
+    """Run b's first process, asked to stop at ``k``: with ``stop_with``, its own arguments end it
+    there; else the stop request, which a command takes by saving ``k`` and exiting 75 and which
+    one that ignores it is SIGKILLed for, after a committed checkpoint at or after ``k`` (R-P18)."""
     if not 1 <= k < end:
         raise AuditError(f"--stop-at {k} is outside the run: run a ended at step {end}; pick 1..{end - 1}")
     if stop_with is not None:
         runner.run(b, f"b (to step {k})", extra=stop_with(k))
-    elif runner.run(b, f"b (stopped at {k})", stop_at=k) != EXIT_STOPPED:
-        raise AuditError(f"b: the command ignored the stop request ({STOP_AT_ENV}={k}) and ran to its end: {_HINT}")
+    else:
+        watch = _KillWatch(b, k, end)
+        code = runner.run(b, f"b (stopped at {k})", stop_at=k, watch=watch)
+        at = max(run_checkpoints(b), default=end)
+        if watch.killed and at < end:
+            runner.log(f"b: the command ignored the stop request ({STOP_AT_ENV}={k}): killed after checkpoint {at}")
+            return _Stop(KILLED, k, at)
+        if code != EXIT_STOPPED:
+            raise AuditError(
+                f"b: the command ignored the stop request ({STOP_AT_ENV}={k}) and ran to its end before the "
+                f"audit could stop it as a crash would (after a committed checkpoint at step {k}..{end - 1}, once "
+                f"a step row or checkpoint past {k} showed it went on): save checkpoints more often or pick an "
+                f"earlier --stop-at; or call state.step_done(step + 1) after every step, and it stops at exactly "
+                f"{k} itself (docs/adopting.md)"
+            )
     if k not in run_checkpoints(b):
         raise AuditError(f"b: the command stopped at {k} but left no checkpoint at step {k}: {_HINT}")
-    runner.run(b, "b (resumed)", extra=resume)
+    return _Stop(COOPERATIVE, k, k)
 
 
 # ----------------------------------------------------------------------------- replay

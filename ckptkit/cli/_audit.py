@@ -26,7 +26,7 @@ __all__ = ["add_parser", "run"]
 _EPILOG = """\
 example:
   $ ckptkit audit --resume-at 4
-  audit: a: 10 steps uninterrupted; b: stopped at 4, resumed in a fresh process
+  audit: a: 10 steps uninterrupted; b: cooperative stop at step 4, resumed in a fresh process
   environment: torch 2.13.0+cpu, python 3.11.7, numpy 2.3.5, intra_op_threads 2, ...
   IDENTICAL: 10 steps, every history fingerprint and 10 checkpoint(s) bit for bit (22 recorded rows)
 
@@ -36,11 +36,13 @@ sides), --keep steps+1 (all of them kept).
 
 any loop: after --, your command with {run_dir} where its run directory goes. It runs once
 uninterrupted (a) and once stopped at --stop-at K (default: half its end) and resumed in a new
-process with the same arguments (b). The command must use ckptkit.RunState on {run_dir}, start
-with state.resume_or_start() and call state.step_done(step + 1) after every step (the stop
-request is CKPTKIT_STOP_AT=K); state.record(step, loss=...) lets the report name the first step:
+process with the same arguments (b). The command must use ckptkit.RunState on {run_dir} and start
+with state.resume_or_start(). The stop request is CKPTKIT_STOP_AT=K: state.step_done(step + 1)
+after every step takes it (a cooperative stop at exactly K); a command that ignores it is killed
+(SIGKILL, as a crash) once it has committed a checkpoint at or after K and gone on, and the report
+says "killed after checkpoint N". state.record(step, loss=...) lets the report name the first step:
   $ ckptkit audit -- python examples/resumable_loop.py --run-dir {run_dir} --steps 40
-  audit: a: 40 steps uninterrupted; b: stopped at 20, resumed in a fresh process
+  audit: a: 40 steps uninterrupted; b: cooperative stop at step 20, resumed in a fresh process
   environment: torch 2.13.0+cpu, python 3.11.7, numpy 2.3.5, intra_op_threads 2, ...
   IDENTICAL: 40 steps, every history fingerprint and 1 checkpoint(s) bit for bit (80 recorded rows)
 
@@ -48,7 +50,8 @@ exit codes:
   0  the two runs are bit-identical (history fingerprints and checkpoint bytes)
   1  they differ: the first step, fingerprint and tensors are named
   2  trouble: a usage error, a training process failed or timed out (--timeout), a command that
-     saves no checkpoint or ignores the stop request, --stop-at outside the run"""
+     saves no checkpoint, or that ignores the stop request and saves none at or after --stop-at
+     before its end, --stop-at outside the run"""
 
 
 def add_parser(sub: Any) -> None:
@@ -93,7 +96,7 @@ def add_parser(sub: Any) -> None:
         type=int,
         default=None,
         metavar="K",
-        help="with -- CMD: run b stops after K steps (default: half of run a's end)",
+        help="with -- CMD: run b stops after K steps, or is killed after a checkpoint >= K (default: half a's end)",
     )
     g.add_argument(
         "--timeout",

@@ -1,12 +1,14 @@
 """``ckptkit audit -- CMD`` and ``ckptkit replay RUN --from S -- CMD``: any loop (spec/replay.md "Any loop").
 
 Real processes: the user's command runs as a child, once uninterrupted and once
-stopped at a step (CKPTKIT_STOP_AT) and resumed in a new process.
+stopped at a step (CKPTKIT_STOP_AT; a command that ignores it is killed after a checkpoint)
+and resumed in a new process.
 """
 
 from __future__ import annotations
 
 import glob
+import json
 import os
 import re
 import sys
@@ -54,6 +56,42 @@ state.save(12)
 """
 
 
+# A loop written from the earlier docs: resume_or_start, a save every 5 steps, a row each step and
+# no step_done, so it ignores the stop request and the audit kills it after a checkpoint (R-P18).
+# --global-dropout plants a draw from torch's global generator, which no checkpoint restores. A
+# hand-written SGD step: torch.optim's first step imports torch._dynamo, a second per process.
+PLAIN = """
+import dataclasses, sys, time
+import torch
+import ckptkit
+
+@dataclasses.dataclass
+class Cfg:
+    planted: bool = "--global-dropout" in sys.argv
+
+cfg = Cfg()
+torch.manual_seed(0)
+net = torch.nn.Linear(4, 1)
+state = ckptkit.RunState(sys.argv[1], config=cfg)
+state.add_model("net", net)
+for step in range(state.resume_or_start(), 20):
+    x = torch.randn(8, 4, generator=ckptkit.torch_generator(0, step))
+    if cfg.planted:
+        x = x * (torch.rand(x.shape) >= 0.1)
+    loss = (net(x) - x.sum(1, keepdim=True)).pow(2).mean()
+    net.zero_grad()
+    loss.backward()
+    with torch.no_grad():
+        for p in net.parameters():
+            p -= 0.1 * p.grad
+    state.record(step, loss=loss)
+    if (step + 1) % 5 == 0:
+        state.save(step + 1)
+    time.sleep(0.02)  # a step takes milliseconds, as a real one does: the kill comes within a poll (5 ms)
+state.close()
+"""
+
+
 @pytest.fixture(autouse=True)
 def private_tempdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Audit's work directories go under this test's own temp dir, so the leftover check
@@ -78,23 +116,50 @@ def test_the_example_loop_audits_identical(capsys: pytest.CaptureFixture[str]) -
     before = _leftovers()
     assert main(["audit", "--quiet", "--", *LOOP, "--steps", "40"]) == 0
     out = capsys.readouterr().out
-    assert "audit: a: 40 steps uninterrupted; b: stopped at 20, resumed in a fresh process" in out
+    assert "audit: a: 40 steps uninterrupted; b: cooperative stop at step 20, resumed in a fresh process" in out
     assert "IDENTICAL: 40 steps, every history fingerprint and 1 checkpoint(s) bit for bit (80 recorded rows)" in out
     assert "environment: torch " in out  # the one report shows the runs' environment, for any loop
     assert _leftovers() == before  # nothing left behind
 
 
-def test_dropout_from_the_global_generator_differs_and_the_tensor_is_named(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["audit", "--quiet", "--json", "--", *LOOP, "--steps", "40", "--global-dropout"]) == 1
-    out = capsys.readouterr().out
-    assert '"ok": false' in out and '"model:net.0.weight"' in out
+@pytest.fixture
+def plain(tmp_path: Path) -> list[str]:
+    script = tmp_path / "plain.py"
+    script.write_text(PLAIN)
+    return [sys.executable, str(script), "{run_dir}"]
 
 
-def test_stop_at_picks_the_step_and_the_toy_loop_is_identical(
-    toy: list[str], capsys: pytest.CaptureFixture[str]
+def test_a_loop_without_step_done_is_killed_after_its_checkpoint_and_audits_identical(
+    plain: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["audit", "--quiet", "--stop-at", "5", "--", *toy, "ok", "{run_dir}"]) == 0
-    assert "b: stopped at 5" in capsys.readouterr().out
+    keep = tmp_path / "keep"
+    assert main(["audit", "--quiet", "--stop-at", "10", "--keep-dir", str(keep), "--", *plain]) == 0
+    out = capsys.readouterr().out
+    # killed once checkpoint 10 is committed and a step row after it is written: 15 only if stalled
+    said = re.search(r"b: killed after checkpoint (\d+) \(the command ignored the stop request at step 10\)", out)
+    assert said and said[1] in ("10", "15"), out
+    assert "IDENTICAL: 20 steps, every history fingerprint and 3 checkpoint(s) bit for bit (40 recorded rows)" in out
+    # a crash's resume: the killed process's lease taken over (and released at the end) and, killed
+    # after its row of step 11, its rows after checkpoint 10 set aside
+    assert not (keep / "b" / "lease.json").exists()
+    assert (keep / "b" / "history.interrupted.jsonl").is_file() or said[1] == "15"
+
+
+def test_a_global_dropout_in_a_loop_without_step_done_is_named_at_the_step_it_resumed_at(
+    plain: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["audit", "--quiet", "--json", "--stop-at", "10", "--", *plain, "--global-dropout"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["stop"] == {"how": "killed", "requested": 10}
+    assert doc["divergence"]["step"] == doc["resume_at"]  # the resumed process's first step draws otherwise
+    assert "model:net.weight" in [t["name"] for t in doc["divergence"]["tensors"]]
+
+
+def test_stop_at_picks_the_step_and_the_toy_loop_is_identical_after_a_cooperative_stop(toy: list[str]) -> None:
+    report = audit_command(AuditPlan(command=[*toy, "ok", "{run_dir}"], stop_at=5))
+    assert report.ok and report.resume_at == 5
+    assert report.to_json()["stop"] == {"how": "cooperative", "requested": 5}
+    assert report.describe().startswith("audit: a: 12 steps uninterrupted; b: cooperative stop at step 5, resumed in")
 
 
 def test_a_resume_under_another_thread_count_is_reported_though_the_bits_agree(toy: list[str]) -> None:
@@ -137,10 +202,16 @@ def test_a_command_that_never_uses_runstate_is_refused_with_a_hint(capsys: pytes
     )
 
 
-def test_a_command_that_ignores_the_stop_request_is_refused(toy: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_command_that_ignores_the_stop_request_and_saves_only_at_its_end_is_refused(
+    toy: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
     err = _trouble(["audit", "--quiet", "--", *toy, "ignore-stop", "{run_dir}"], capsys)
-    assert "b: the command ignored the stop request (CKPTKIT_STOP_AT=6) and ran to its end" in err
-    assert "call state.step_done(step + 1) after every step" in err
+    assert (
+        "ckptkit audit: b: the command ignored the stop request (CKPTKIT_STOP_AT=6) and ran to its end before the "
+        "audit could stop it as a crash would (after a committed checkpoint at step 6..11, once a step row or "
+        "checkpoint past 6 showed it went on): save checkpoints more often or pick an earlier --stop-at; or call "
+        "state.step_done(step + 1) after every step, and it stops at exactly 6 itself (docs/adopting.md)\n"
+    ) in err
 
 
 @pytest.mark.parametrize("tool", ["audit", "replay"])

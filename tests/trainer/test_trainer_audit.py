@@ -62,7 +62,7 @@ def test_audit_of_the_same_config_in_two_processes_is_identical(
 def test_audit_resume_at_compares_a_stopped_and_resumed_run(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["audit", *TINY_FLAGS, "--steps", "4", "--resume-at", "2", "--quiet"]) == 0
     out = capsys.readouterr().out
-    assert "b: stopped at 2, resumed in a fresh process" in out
+    assert "b: cooperative stop at step 2, resumed in a fresh process" in out  # it trains to --steps 2 itself
     assert "IDENTICAL: 4 steps, every history fingerprint and 4 checkpoint(s) bit for bit" in out
     assert "intra_op_threads" in out  # the environment is shown
 
