@@ -1,7 +1,8 @@
 """One Hugging Face ``Trainer`` run in its own process, for tests/integrations/test_transformers.py.
 
     python tests/_hf_worker.py OUT [--stop 25] [--resume] [--ga 2] [--lr 0.02] [--seed 2] [--save-steps 5]
-        [--save-only-model] [--scheduler-kwargs '{"a.b": 1}'] [--plain]
+        [--save-only-model] [--scheduler-kwargs '{"a.b": 1}'] [--plain] [--resume-from PATH]
+        [--then-resume same|pretrained ...]
 
 A tiny GPT-2 built from a config (no download, ~4k parameters, dropout on, so the RNG
 matters), 48 sequences of 8 tokens, ``full_determinism``, CPU, 40 optimizer steps with a
@@ -11,6 +12,11 @@ committed, steps 21..N are lost as in a crash); ``--resume`` calls
 ``OUT/result.json``: the folder resumed from and the pickle calls counted; a ckptkit
 error is printed as ``TYPE: message`` and exits 3. ``--plain`` trains with transformers' own
 ``Trainer`` (its pickled ``checkpoint-N/`` folders: what a user imports into ckptkit).
+``--resume-from PATH`` resumes from the folder named. Each ``--then-resume`` builds a new
+``Trainer`` with the same arguments after the first ``train()`` returns and resumes the newest
+checkpoint that ``train()`` left, to step 20: on the first Trainer's model object (``same``), or on a model
+built with ``from_pretrained`` from that checkpoint (``pretrained``); ``resumed_from`` is then
+the list of their folders.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import transformers
 from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments
 
 from ckptkit.errors import CheckpointError
+from ckptkit.integrations.hf_folder import newest_intact
 from ckptkit.integrations.transformers import Trainer
 
 
@@ -60,8 +67,8 @@ def tiny_gpt2() -> GPT2LMHeadModel:
     return GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_layer=1, n_head=2))
 
 
-def trainer(out: str, opts: argparse.Namespace) -> transformers.Trainer:
-    model = tiny_gpt2()
+def trainer(out: str, opts: argparse.Namespace, model: Any = None, stop: int = 0) -> transformers.Trainer:
+    model = tiny_gpt2() if model is None else model
     args = TrainingArguments(
         out,
         max_steps=40,
@@ -79,7 +86,7 @@ def trainer(out: str, opts: argparse.Namespace) -> transformers.Trainer:
         save_only_model=opts.save_only_model,
         lr_scheduler_kwargs=json.loads(opts.scheduler_kwargs),
     )
-    callbacks: list[TrainerCallback] = [StopAt(opts.stop)] if opts.stop else []
+    callbacks: list[TrainerCallback] = [StopAt(stop)] if stop else []
     cls = transformers.Trainer if opts.plain else Trainer
     return cls(model=model, args=args, train_dataset=Tokens(), callbacks=callbacks)
 
@@ -106,6 +113,15 @@ def tripwire(calls: list[str]) -> None:
     torch.load = counting("torch.load", torch.load)
 
 
+def resume_again(first: Any, folder: str, opts: argparse.Namespace, how: str) -> str | None:
+    """A new Trainer with the same arguments resumes ``folder`` and stops after step 20; its model is the
+    first Trainer's model object (``same``) or one built by ``from_pretrained`` from ``folder`` (``pretrained``)."""
+    model = GPT2LMHeadModel.from_pretrained(folder) if how == "pretrained" else first.model
+    t = trainer(opts.out, opts, model=model, stop=20)
+    t.train(resume_from_checkpoint=folder)
+    return getattr(t, "resumed_from", None)
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("out")
@@ -118,17 +134,21 @@ def main() -> int:
     p.add_argument("--save-only-model", action="store_true")
     p.add_argument("--scheduler-kwargs", default="{}", help="lr_scheduler_kwargs, as JSON")
     p.add_argument("--plain", action="store_true", help="transformers' own Trainer, not ckptkit's")
+    p.add_argument("--resume-from", default=None, help="resume_from_checkpoint: this folder")
+    p.add_argument("--then-resume", action="append", choices=["same", "pretrained"], default=[])
     opts = p.parse_args()
     calls: list[str] = []
     try:
-        t = trainer(opts.out, opts)
+        t = trainer(opts.out, opts, stop=opts.stop)
         if opts.resume:
             tripwire(calls)
-        t.train(resume_from_checkpoint=True if opts.resume else None)
+        t.train(resume_from_checkpoint=opts.resume_from or (True if opts.resume else None))
+        folder = newest_intact(opts.out)[0] if opts.then_resume else None
+        resumed = [resume_again(t, str(folder), opts, how) for how in opts.then_resume]
     except CheckpointError as e:
         print(f"{type(e).__name__}: {e}")
         return 3
-    result = {"pickle_calls": calls, "resumed_from": getattr(t, "resumed_from", None)}
+    result = {"pickle_calls": calls, "resumed_from": resumed or getattr(t, "resumed_from", None)}
     with open(os.path.join(opts.out, "result.json"), "w") as f:
         json.dump(result, f)
     return 0

@@ -23,136 +23,23 @@ import collections
 import json
 import os
 import pickle
-import signal
 import sys
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch.distributed.checkpoint.stateful import Stateful
-from torch.utils.data import IterableDataset
 
-STEPS, INTERVAL, SEQ, BATCH, VOCAB = 8, 2, 16, 2, 2048
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+import torchtitan_cpu  # the documented CPU route (docs/integrations.md): its job config, parts and loop
+from torchtitan_cpu import TrainState, build, checkpointer, train
+
+STEPS, INTERVAL = 8, 2
 COUNTS: collections.Counter[str] = collections.Counter()
 
 
-class Tokens(IterableDataset, Stateful):
-    """Deterministic random tokens per rank, its position a plain int (as torchtitan's text datasets keep)."""
-
-    def __init__(self, rank: int) -> None:
-        self.rank, self.sample_idx = rank, 0
-
-    def __iter__(self) -> Any:
-        while True:
-            g = torch.Generator().manual_seed(1000 * self.rank + self.sample_idx)
-            x = torch.randint(0, VOCAB, (SEQ + 1,), generator=g)
-            self.sample_idx += 1
-            yield {"input": x[:-1]}, x[1:]
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"sample_idx": self.sample_idx}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.sample_idx = state_dict["sample_idx"]
-
-
-class TrainState(Stateful):
-    """What torchtitan's Trainer registers as ``train_state``: its step, token count, and ``.config``."""
-
-    def __init__(self, config: Any) -> None:
-        self.config, self.step, self.ntokens_seen = config, 0, 0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "ntokens_seen": self.ntokens_seen}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.step, self.ntokens_seen = state_dict["step"], state_dict["ntokens_seen"]
-
-
 def job_config(dump: str, async_mode: str) -> Any:
-    """torchtitan's llama3 debug job config, smaller, with ckptkit's CheckpointManager selected."""
-    from torchtitan.models.common.attention import ScaledDotProductAttention
-    from torchtitan.models.llama3.config_registry import llama3_debugmodel
-
-    from ckptkit.integrations.torchtitan import CheckpointManager
-
-    config = llama3_debugmodel()
-    model = config.model_spec.model
-    model.layers = model.layers[:2]
-    for layer in model.layers:
-        layer.attention.inner_attention = ScaledDotProductAttention.Config()
-    config.training.seq_len, config.training.local_batch_size, config.training.steps = SEQ, BATCH, STEPS
-    config.optimizer.implementation = "foreach"
-    config.dump_folder = dump
-    config.checkpoint = CheckpointManager.Config(
-        enable=True, folder="checkpoint", interval=INTERVAL, async_mode=async_mode, last_save_model_only=False
-    )
-    return config
-
-
-def build(config: Any, rank: int, world: int) -> dict[str, Any]:
-    """The trainer's parts, built from ``config`` as torchtitan's Trainer builds them."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torchtitan.components.dataloader import ParallelAwareDataloader
-
-    spec = config.model_spec.model
-    spec.update_from_config(config=config)
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        model = spec.build()
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        model.init_weights(buffer_device=None)
-    mesh = init_device_mesh("cpu", (world,))
-    for layer in model.layers.values() if isinstance(model.layers, torch.nn.ModuleDict) else model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    optimizers = config.optimizer.build(model_parts=[model])
-    lr_schedulers = config.lr_scheduler.build(optimizers=optimizers, training_steps=config.training.steps)
-    dataloader = ParallelAwareDataloader(Tokens(rank), dp_rank=rank, dp_world_size=world, batch_size=BATCH)
-    train_state = TrainState(config)
-    parts = dict(model=model, optimizers=optimizers, lr_schedulers=lr_schedulers, dataloader=dataloader)
-    parts["train_state"] = train_state
-    parts["checkpointer"] = checkpointer(config, parts)
-    return parts
-
-
-def checkpointer(config: Any, parts: dict[str, Any]) -> Any:
-    return config.checkpoint.build(
-        dataloader=parts["dataloader"],
-        model_parts=[parts["model"]],
-        optimizers=parts["optimizers"],
-        lr_schedulers=parts["lr_schedulers"],
-        states={"train_state": parts["train_state"]},
-        sd_adapter=None,
-        base_folder=config.dump_folder,
-    )
-
-
-def train(parts: dict[str, Any], kill_at: int | None = None) -> bool:
-    """``Trainer.train``: load, then step and save until ``training.steps``; True when it resumed."""
-    ts, ckpt = parts["train_state"], parts["checkpointer"]
-    resumed = ckpt.load(step=ts.config.checkpoint.load_step)
-    batches = iter(parts["dataloader"])
-    while ts.step < ts.config.training.steps:
-        ts.step += 1
-        parts["optimizers"].zero_grad()
-        inputs, labels = next(batches)
-        pred = parts["model"](inputs["input"])
-        F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten()).backward()
-        ckpt.maybe_wait_for_staging()
-        parts["optimizers"].step()
-        parts["lr_schedulers"].step()
-        ts.ntokens_seen += labels.numel()
-        if ts.step == kill_at:
-            ckpt.maybe_wait_for_saving()  # step 4's save has committed on every rank
-            dist.barrier()
-            os.kill(os.getpid(), signal.SIGKILL)
-        ckpt.save(ts.step, last_step=ts.step == ts.config.training.steps)
-    ckpt.maybe_wait_for_saving()
-    return bool(resumed)
+    """The example's job config: torchtitan's llama3 debug model, smaller, ckptkit's CheckpointManager."""
+    return torchtitan_cpu.job_config(dump, STEPS, interval=INTERVAL, async_mode=async_mode)
 
 
 def final_state(parts: dict[str, Any]) -> dict[str, Any]:

@@ -175,11 +175,33 @@ def _resolve(path: str) -> tuple[str, str | None]:
     return snap, path
 
 
+def _trainer_pair(a: Snapshot, b: Snapshot) -> bool:
+    """Both sides are Hugging Face Trainer snapshots (spec/transformers.md)."""
+    from ..integrations.hf_folder import CONFIG_TYPE
+
+    return a.config_type == b.config_type == CONFIG_TYPE
+
+
 def _exempt(a: Snapshot, b: Snapshot) -> frozenset[str]:
     """The exempt class a resume would apply: a Trainer run's (spec/transformers.md R-HF04), else the default."""
-    from ..integrations.hf_folder import CONFIG_TYPE, EXEMPT
+    from ..integrations.hf_folder import EXEMPT
 
-    return EXEMPT if a.config_type == b.config_type == CONFIG_TYPE else DEFAULT_EXEMPT
+    return EXEMPT if _trainer_pair(a, b) else DEFAULT_EXEMPT
+
+
+def _set_aside(tensors: list[dict[str, Any]], a: Snapshot, b: Snapshot) -> tuple[list[dict[str, Any]], list[str]]:
+    """(the tensor differences that count, notes): a Trainer commit records its snapshot file's size and
+    digest, and the snapshot is compared key by key above, so that record is said, not counted (R-HF07)."""
+    from ..integrations.hf_folder import CONFIG_FILE
+
+    if not _trainer_pair(a, b):
+        return tensors, []
+    name = f"monitor:files.{CONFIG_FILE}"
+    record = [t for t in tensors if t["name"].startswith(f"{name}.")]
+    if not record:
+        return tensors, []
+    note = f"exempt: {name} (the snapshot file's size and digest: its keys are compared above)"
+    return [t for t in tensors if t not in record], [note]
 
 
 def _show(value: Any) -> str:
@@ -267,7 +289,7 @@ def run(args: argparse.Namespace) -> int:
         a, ckpt_a = _side(args.a)
         b, ckpt_b = _side(args.b)
         diffs = diff_keys(a, b, exempt=_exempt(a, b))
-        tensors = _tensor_diffs(ckpt_a, ckpt_b) if args.tensors else None
+        tensors, notes = _set_aside(_tensor_diffs(ckpt_a, ckpt_b), a, b) if args.tensors else (None, [])
     except (CheckpointError, OSError, _Unavailable) as e:
         if getattr(args, "debug", False):
             raise
@@ -285,11 +307,11 @@ def run(args: argparse.Namespace) -> int:
             "exempt": len(diffs) - strict,
         }
         if tensors is not None:
-            doc["tensors"] = tensors
+            doc["tensors"], doc["notes"] = tensors, notes
         print(json.dumps(doc, sort_keys=True, indent=2, ensure_ascii=True))
     else:
         lines = _config_lines(a, b, diffs)
         if tensors is not None:
-            lines += _tensor_lines(tensors)
+            lines += _tensor_lines(tensors) + notes
         print("\n".join(lines))
     return 1 if strict or tensors else 0

@@ -55,7 +55,8 @@ CONFIG_FILE = "ckptkit.config.json"
 CONFIG_TYPE = "ckptkit.integrations.transformers:{args: TrainingArguments, model: model.config}"
 #: Keys that may change on a resume: they decide when we look or where files go, never what a step
 #: computes (the design record's rule, spec/snapshot.md R-S08). ``transformers_version`` is the
-#: environment's business (it is compared there).
+#: environment's business (it is compared there); ``_name_or_path`` is where ``from_pretrained`` read
+#: the model config from (R-HF04).
 EXEMPT: frozenset[str] = DEFAULT_EXEMPT | {
     "max_steps",
     "num_train_epochs",
@@ -72,6 +73,7 @@ EXEMPT: frozenset[str] = DEFAULT_EXEMPT | {
     "report_to",
     "resume_from_checkpoint",
     "transformers_version",
+    "_name_or_path",
 }
 _FOLDER_RE = re.compile(r"^checkpoint-(\d+)$")  # Trainer's PREFIX_CHECKPOINT_DIR-<global step>
 _SCRATCH = 1 << 20

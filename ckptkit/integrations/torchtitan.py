@@ -27,7 +27,8 @@ trainer registers (the trainer, whose ``.config`` it is), or from ``job_config=`
 your own. Its table (``_torchtitan_config.job_table``) is stored in every checkpoint under
 :data:`SNAPSHOT_KEY` (R-TT05).
 
-Known limits: local folders only (``checkpoint.folder`` as a URL is refused by the Writer);
+Known limits: local folders only (``checkpoint.folder`` as a URL is refused when the manager is
+built, R-TT10: its resume lists a local folder, and would read a URL's as empty);
 ``initial_load_path`` must be a ckptkit checkpoint or, with ``initial_load_in_hf``, Hugging Face
 safetensors (a DCP default-backend checkpoint is refused: it is pickle); a final
 ``last_save_in_hf`` export is torchtitan's own safetensors writer, never a resume point.
@@ -53,6 +54,7 @@ from ..distributed._save_load import translate
 from ..distributed._storage import Writer
 from ..errors import MalformedIndex, ResumeRefused, StateMismatch, UnsupportedOption, UnsupportedValue
 from ..format._section import check_plain
+from ..format._urls import is_url
 from ._extra import missing_extra
 from ._torchtitan_config import EXEMPT_KEYS, EXEMPT_TABLES, STRICT_KEYS, check_job, job_table
 
@@ -91,7 +93,9 @@ def find_load_step(folder: str, log: Callable[[str], None] = print) -> int:
     Raises:
         ResumeRefused: the newest checkpoint in ``folder`` is one torchtitan's default manager
             wrote (DCP's pickled format, which ckptkit never reads).
+        UnsupportedOption: ``folder`` is a URL (R-TT10).
     """
+    _local(folder)
     if not os.path.isdir(folder):
         return -1
     ours: list[int] = []
@@ -121,6 +125,17 @@ def find_load_step(folder: str, log: Callable[[str], None] = print) -> int:
     return newest
 
 
+def _local(folder: str) -> None:
+    """Refuse a checkpoint folder on a URL, which the listing above would read as empty (R-TT10)."""
+    if is_url(folder):
+        raise UnsupportedOption(
+            f"checkpoint.folder {folder}: ckptkit's torchtitan CheckpointManager serves local folders only, not "
+            f"{folder.partition('://')[0]}:// URLs: it finds the step to resume by listing a local folder, so this "
+            "one would read as empty and the run would start again at step 0 (R-TT10); use a local (or mounted) "
+            "directory, or torchtitan's own CheckpointManager for fsspec storage"
+        )
+
+
 class CheckpointManager(_TorchtitanManager):
     """torchtitan's ``CheckpointManager``, storing through ckptkit (the module docstring)."""
 
@@ -141,6 +156,7 @@ class CheckpointManager(_TorchtitanManager):
         super().__init__(config, **kwargs)
         if not self.enable:
             return
+        _local(self.folder)  # when the run starts, not at its first save
         job = job_config if job_config is not None else getattr(self.states.get(TRAIN_STATE), "config", None)
         if job is None:
             raise UnsupportedOption(

@@ -125,9 +125,21 @@ def restore_rng(states: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(states["cuda"])
 
 
-def _model_table(config: Any) -> dict[str, Any]:
+def _config_table(config: Any) -> dict[str, Any]:
     """A model config as its ``config.json`` holds it (id2label's int keys become strings there too)."""
     return {} if config is None else dict(json.loads(config.to_json_string(use_diff=False)))
+
+
+def _model_table(model: Any) -> dict[str, Any]:
+    """The model's config as ``save_pretrained`` writes it (R-HF04): ``architectures`` and ``dtype`` are
+    bookkeeping ``save_pretrained`` fills in from the model itself at every save, so they are filled in
+    here the same way, and a snapshot taken before the first save agrees with one taken after it (or
+    with a model ``from_pretrained`` read them back into)."""
+    table = _config_table(getattr(model, "config", None))
+    if table and isinstance(model, transformers.PreTrainedModel):
+        table["architectures"] = [type(model).__name__.removeprefix("FSDP")]
+        table["dtype"] = str(model.dtype).removeprefix("torch.")
+    return table
 
 
 def _defaults(args: Any, model: Any) -> dict[str, Any]:
@@ -136,7 +148,7 @@ def _defaults(args: Any, model: Any) -> dict[str, Any]:
     out = {f"args.{f.name}": f.default for f in dataclasses.fields(args) if f.init and _plain(f.default)}
     config = getattr(model, "config", None)
     if config is not None:
-        for key, value in _model_table(type(config)()).items():
+        for key, value in _config_table(type(config)()).items():
             out[f"model.{key}"] = value
     return out
 
@@ -173,9 +185,9 @@ class TrainerMixin:
         encode_snapshot(self._ckptkit_config)  # a config the snapshot cannot carry is refused now, not at a save
 
     def run_config(self) -> dict[str, Any]:
-        """The run's config: ``{"args": TrainingArguments.to_dict(), "model": model.config.to_dict()}``."""
+        """The run's config: ``{"args": TrainingArguments.to_dict(), "model": the model's config.json table}``."""
         trainer: Any = self
-        return {"args": trainer.args.to_dict(), "model": _model_table(getattr(trainer.model, "config", None))}
+        return {"args": trainer.args.to_dict(), "model": _model_table(trainer.model)}
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         """``Trainer.train``, resuming only an intact checkpoint of the same run.
@@ -191,7 +203,7 @@ class TrainerMixin:
             EnvironmentDrift: the environment differs and ``allow_env_change`` is False.
             FormatError: the folder named is damaged (the first problem; ``ckptkit verify`` lists all).
         """
-        # Taken once, before any save: save_pretrained fills in bookkeeping (model.architectures, dtype).
+        # Taken once per train(): its saves write this table, whatever Trainer changes on the model after it.
         self._ckptkit_config = self.run_config()
         folder = self._resume_folder(resume_from_checkpoint)
         self._ckptkit_resume = None if folder is None else self._check_resume(folder)
@@ -216,7 +228,14 @@ class TrainerMixin:
                 lines += [f"  {p}" for c in skipped for p in c.problems]
                 raise CheckpointNotFound("\n".join(lines))
             return folder
-        check = check_folder(os.fspath(wanted))
+        path = os.fspath(wanted)
+        if not os.path.isdir(path):  # transformers' words too: scripts and its own tests match them
+            raise CheckpointNotFound(
+                f'{path}: no such checkpoint folder (transformers: "Can\'t find a valid checkpoint at {path}"); '
+                "name an existing checkpoint-N folder, or pass resume_from_checkpoint=True to resume the newest "
+                "intact one in output_dir"
+            )
+        check = check_folder(path)
         if check.problems:
             raise check.problems[0]
         return check.path

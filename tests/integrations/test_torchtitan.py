@@ -120,17 +120,39 @@ def test_pinned_memory_async_is_refused_when_the_config_is_made() -> None:
 
 
 def test_the_job_config_is_required() -> None:
-    config = CheckpointManager.Config(enable=True)
     with pytest.raises(UnsupportedOption, match=r"needs the job config, to store it with every checkpoint"):
-        config.build(
-            dataloader=None,
-            model_parts=[torch.nn.Linear(2, 2)],
-            optimizers=None,
-            lr_schedulers=None,
-            states={},
-            sd_adapter=None,
-            base_folder="unused",
-        )
+        _build(CheckpointManager.Config(enable=True))
+
+
+def _build(config: CheckpointManager.Config, **extra: Any) -> Any:
+    """``config.build`` as torchtitan's Trainer calls it, for a manager that refuses to start."""
+    return config.build(
+        dataloader=None,
+        model_parts=[torch.nn.Linear(2, 2)],
+        optimizers=None,
+        lr_schedulers=None,
+        states={},
+        sd_adapter=None,
+        base_folder="unused",
+        **extra,
+    )
+
+
+@pytest.mark.parametrize("folder", ["memory://ckpt", "s3://bucket/run/checkpoint"])
+def test_a_checkpoint_folder_on_a_url_is_refused_when_the_manager_starts(folder: str) -> None:
+    # torchtitan reads such a folder through fsspec; ckptkit's manager lists local folders, so it would
+    # find no step there and start again at step 0, failing only at its first save.
+    said = (
+        f"checkpoint.folder {folder}: ckptkit's torchtitan CheckpointManager serves local folders only, not "
+        f"{folder.partition('://')[0]}:// URLs: it finds the step to resume by listing a local folder, so this "
+        "one would read as empty and the run would start again at step 0 (R-TT10); use a local (or mounted) "
+        "directory, or torchtitan's own CheckpointManager for fsspec storage"
+    )
+    with pytest.raises(UnsupportedOption) as info:
+        _build(CheckpointManager.Config(enable=True, folder=folder), job_config=Job())
+    assert str(info.value) == said
+    with pytest.raises(UnsupportedOption, match=r"^checkpoint\.folder .*: ckptkit's torchtitan CheckpointManager"):
+        find_load_step(folder)
 
 
 class PickledState:

@@ -278,3 +278,41 @@ def test_a_training_argument_the_snapshot_cannot_carry_is_refused_when_the_train
         "table keys are non-empty strings without '.'"
     )
     assert not list((tmp_path / "run").glob("checkpoint-*"))  # refused before any training
+
+
+def test_a_new_trainer_resumes_the_model_object_another_trained_and_one_built_by_from_pretrained(
+    base: dict[str, Any], tmp_path: Path
+) -> None:
+    # save_pretrained fills in config.architectures and config.dtype at the first save; the model of a
+    # later Trainer has them (the same object, saved since) or was read with them (from_pretrained).
+    out = tmp_path / "run"
+    _run(out, "--stop", "10", "--then-resume", "pretrained", "--then-resume", "same")
+    folder = str(out / "checkpoint-10")
+    assert json.loads((out / "result.json").read_text())["resumed_from"] == [folder, folder]
+    assert _losses(out / "checkpoint-20") == _losses(base["straight"] / "checkpoint-20")  # the same run
+    model = json.loads((out / "checkpoint-10" / CONFIG_FILE).read_text())["config"]["model"]
+    assert (model["architectures"], model["dtype"]) == (["GPT2LMHeadModel"], "float32")  # as config.json says
+
+
+def test_a_missing_resume_folder_is_refused_in_ckptkits_words_and_transformers(tmp_path: Path) -> None:
+    missing = tmp_path / "run" / "checkpoint-7"
+    said = _run(tmp_path / "run", "--resume-from", str(missing), code=3)
+    assert said.splitlines()[-1] == (
+        f"CheckpointNotFound: {missing}: no such checkpoint folder (transformers: \"Can't find a valid checkpoint "
+        f'at {missing}"); name an existing checkpoint-N folder, or pass resume_from_checkpoint=True to resume '
+        "the newest intact one in output_dir"
+    )
+
+
+def test_diff_tensors_of_two_identical_runs_exits_0_and_says_the_snapshot_differs_in_exempt_keys_only(
+    base: dict[str, Any], capsys: Any
+) -> None:
+    a, b = base["straight"] / "checkpoint-20", base["pristine"] / "checkpoint-20"
+    assert main(["diff", "--tensors", str(a), str(b)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[3].split()[:4] == ["exempt", "args.output_dir", f'"{base["straight"]}"', f'"{base["resumed"]}"']
+    note = f"exempt: monitor:files.{CONFIG_FILE} (the snapshot file's size and digest: its keys are compared above)"
+    assert lines[4:] == ["1 difference: 0 strict, 1 exempt", "tensors: bitwise identical", note]
+    assert main(["diff", "--tensors", "--json", str(a), str(b)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["strict"], doc["exempt"], doc["tensors"], doc["notes"]) == (0, 1, [], [note])
