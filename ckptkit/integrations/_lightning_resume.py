@@ -79,6 +79,20 @@ def _generator(sampler: Any) -> Any:
     return torch.Generator().manual_seed(seed)
 
 
+def _name_an_ended_epoch(trainer: Any) -> None:
+    """Name a checkpoint saved after an epoch's last batch had ended, whose resume Lightning gets wrong."""
+    done = trainer.fit_loop.epoch_loop.batch_progress.current
+    if done.completed == done.ready == trainer.fit_loop.max_batches:
+        warnings.warn(
+            f"{trainer.ckpt_path}: saved after the epoch's last batch had ended (ModelCheckpoint at an epoch's end, "
+            "or trainer.save_checkpoint after fit); Lightning resumes it with one more batch, then starts the next "
+            "epoch (with its own CheckpointIO too), so the run will not be the uninterrupted one: resume from a "
+            "checkpoint saved during the epoch, e.g. ModelCheckpoint(every_n_train_steps=N) (spec/lightning.md R-L08)",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
 class ResumeState:
     """The callback role's run state: what it saves with each checkpoint and restores on a resume."""
 
@@ -134,6 +148,7 @@ class ResumeState:
             sampler.generator = g
         self._starts = [g.get_state() for g in self._shuffles]
         if self._loaded is not None:
+            _name_an_ended_epoch(trainer)
             self._restore(trainer, self._loaded, skip=bool(plain) and not mixed)
             self._loaded = None
         elif trainer.ckpt_path is not None:

@@ -122,6 +122,16 @@ def test_a_run_resumed_from_an_epochs_end_equals_the_uninterrupted_run(tmp_path:
     assert same(dict(straight.state_dict()), dict(resumed.state_dict()))
 
 
+def test_a_checkpoint_saved_after_an_epochs_last_batch_ended_is_named_at_resume(tmp_path: Path) -> None:
+    """Lightning's own quirk (its TorchCheckpointIO too): it resumes such a checkpoint with one more batch,
+    then starts the next epoch."""
+    _model, trainer = _fit(tmp_path, 5)
+    trainer.save_checkpoint(tmp_path / "after.ckpt")
+    with pytest.warns(UserWarning, match=r"after\.ckpt: saved after the epoch's last batch had ended \(Model"):
+        resumed, _t = _fit(tmp_path, 10, ckpt_path=tmp_path / "after.ckpt")
+    assert len(resumed.seen) == 5
+
+
 class Stream(IterableDataset):
     def __iter__(self) -> Any:
         return iter([(torch.tensor([i, i, i, i]),) for i in range(5)])
