@@ -38,11 +38,17 @@ def _stateful(loader: Any) -> bool:
     return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
 
 
+def _sampler(loader: Any) -> Any:
+    """The sampler that orders the loader's samples: its batch sampler's when it has one."""
+    batches = getattr(loader, "batch_sampler", None)
+    return getattr(batches, "sampler", None) if batches is not None else getattr(loader, "sampler", None)
+
+
 def _random_sampler(loader: Any) -> Any:
     """The loader's ``RandomSampler`` (None when it has another sampler)."""
     from torch.utils.data import RandomSampler
 
-    sampler = getattr(loader, "sampler", None)
+    sampler = _sampler(loader)
     return sampler if isinstance(sampler, RandomSampler) else None
 
 
@@ -61,8 +67,9 @@ def _why_not(loader: Any) -> str | None:
         )
     if loader.batch_sampler is not None and type(loader.batch_sampler) is not BatchSampler:
         return f"its batch_sampler, a {type(loader.batch_sampler).__name__}, keeps no state"
-    if not isinstance(loader.sampler, (SequentialSampler, DistributedSampler)) and _random_sampler(loader) is None:
-        return f"its sampler, a {type(loader.sampler).__name__}, keeps no state"
+    sampler = _sampler(loader)
+    if not isinstance(sampler, (SequentialSampler, DistributedSampler)) and _random_sampler(loader) is None:
+        return f"its sampler, a {type(sampler).__name__}, keeps no state"
     return None
 
 

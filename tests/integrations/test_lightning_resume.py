@@ -22,7 +22,7 @@ import pytest
 import torch
 from _lightning_worker import every_five
 from helpers import same
-from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler, TensorDataset
 
 import ckptkit
 from ckptkit.errors import FormatError
@@ -91,7 +91,7 @@ class Dropping(L.LightningModule):
         self.seen: list[list[int]] = []
 
     def training_step(self, batch: Any, _i: int) -> torch.Tensor:
-        (idx,) = batch
+        (idx,) = batch["a"] if isinstance(batch, dict) else batch  # a dict from combined loaders
         self.seen.append(idx.tolist())
         x = torch.cos(idx.float()[:, None] * torch.arange(4.0))
         return self.fc(self.drop(x)).square().mean()
@@ -166,3 +166,58 @@ def test_an_altered_resume_state_is_refused() -> None:
         "callbacks.CheckpointIO: the plug-in's resume state is missing one of rng, batches, shuffles; "
         "the checkpoint was altered after it was written (spec/lightning.md R-L08)"
     )
+
+
+class Shuffled(Sampler[int]):
+    def __iter__(self) -> Any:
+        return iter(torch.randperm(20).tolist())
+
+
+class Pairs(Sampler[list[int]]):
+    def __iter__(self) -> Any:
+        return iter([[i, i + 1] for i in range(0, 20, 2)])
+
+
+def _data(**kw: Any) -> DataLoader[Any]:
+    return DataLoader(TensorDataset(torch.arange(20)), **kw)
+
+
+@pytest.mark.parametrize(
+    ("loader", "why"),
+    [
+        (
+            _data(batch_size=4, shuffle=True, num_workers=2),
+            (
+                "with num_workers=2 the epoch's order and the workers' seeds are drawn when Lightning starts the "
+                "epoch, before a callback can restore them"
+            ),
+        ),
+        (_data(batch_size=4, sampler=Shuffled()), "its sampler, a Shuffled, keeps no state"),
+        (_data(batch_sampler=BatchSampler(Shuffled(), 4, drop_last=False)), "its sampler, a Shuffled, keeps no state"),
+        (_data(batch_sampler=Pairs()), "its batch_sampler, a Pairs, keeps no state"),
+        ([(torch.arange(4),)], "a list keeps no position"),
+    ],
+)
+def test_each_loader_that_cannot_be_restored_is_named_with_why(loader: Any, why: str) -> None:
+    from ckptkit.integrations._lightning_resume import _why_not
+
+    assert _why_not(loader) == why
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")  # torchdata's own call
+def test_a_plain_loader_combined_with_a_stateful_one_is_named(tmp_path: Path) -> None:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    loaders = {"a": _data(batch_size=4), "b": StatefulDataLoader(TensorDataset(torch.arange(20)), batch_size=4)}
+    with pytest.warns(UserWarning, match=r"R-L08") as said:
+        _fit(tmp_path, 1, loader=loaders)
+    assert [str(w.message).split(": ")[:3] for w in said if "R-L08" in str(w.message)] == [
+        [
+            "training loader 0 (torch.utils.data.dataloader.DataLoader)",
+            "a resume from this run's checkpoints will not read the batches the run would have read",
+            (
+                "it is combined with a stateful loader, which Lightning restores on its own; use torchdata's "
+                "StatefulDataLoader (or give the loader state_dict / load_state_dict) (spec/lightning.md R-L08)"
+            ),
+        ]
+    ]
