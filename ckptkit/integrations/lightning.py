@@ -36,7 +36,10 @@ refused with :class:`~ckptkit.errors.UnsupportedValue` naming the key path
 (``checkpoint['hyper_parameters']['act']``) and what to do; nothing is written and a
 previous file at the path is untouched. Passed in ``callbacks`` as well as ``plugins``,
 the plug-in refuses hyper-parameters and callback state when ``fit`` starts, before
-step 1 (spec/lightning.md R-L04). No value is encoded lossily and none is pickled. The
+step 1 (spec/lightning.md R-L04), and keeps in each checkpoint what Lightning's resume
+leaves out -- the global generators, a plain ``DataLoader``'s position and its shuffle's
+generator -- so a run killed mid-epoch resumes bit for bit; a loader it cannot restore is
+named before step 1 (R-L08, :mod:`._lightning_resume`). No value is encoded lossily and none is pickled. The
 ``_metadata`` attribute of a state dict (module versions, which only old checkpoints of
 a few modules consult) is not stored, as with ``ckptkit.save``.
 
@@ -65,6 +68,7 @@ from ..format._checks import is_int
 from ..format._section import check_plain
 from ..format._urls import is_url, parse
 from ._extra import missing_extra
+from ._lightning_resume import ResumeState
 from .lightning_file import LAYOUT
 
 if TYPE_CHECKING:
@@ -214,7 +218,8 @@ class CheckpointIO(_LightningCheckpointIO, _Callback):
     ``fit`` starts, before step 1, that the hyper-parameters (module and datamodule) and
     every callback's ``state_dict()`` can be stored, so a refusal does not wait for the
     first checkpoint, after training has started. Lightning gives a ``CheckpointIO`` no
-    hook of its own at ``fit`` start, hence the second role.
+    hook of its own at ``fit`` start, hence the second role. In that role it also saves and
+    restores what Lightning's resume leaves out (spec/lightning.md R-L08).
 
     Args:
         compression: ``"raw"`` (default) or ``"zstd"``, or ``{section: codec}`` (see :func:`ckptkit.save`).
@@ -231,6 +236,7 @@ class CheckpointIO(_LightningCheckpointIO, _Callback):
         self.compression = compression
         self.level = level
         self._fit_checked = False  # set by the callback role's setup: the refusal then came before step 1
+        self._resume = ResumeState()  # the callback role's run state (R-L08)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         """Write ``checkpoint`` to ``path`` atomically and durably, as a v2 container (on
@@ -280,6 +286,29 @@ class CheckpointIO(_LightningCheckpointIO, _Callback):
         if stage == "fit":
             _check(_fit_state(trainer, pl_module))
             self._fit_checked = True
+            self._resume.setup(trainer)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The callback role's state in each checkpoint: the global generators, the epoch's batches taken,
+        the shuffles' generators (spec/lightning.md R-L08)."""
+        return self._resume.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Keep a checkpoint's resume state; it is restored when training starts.
+
+        Raises:
+            FormatError: the state lacks one of its keys.
+        """
+        self._resume.load_state_dict(state_dict)
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        """Before step 1: name the loaders that cannot resume exactly; on a resume, restore what Lightning
+        leaves out (R-L08)."""
+        self._resume.on_train_start(trainer)
+
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        """Keep the shuffles' generators as the epoch's order is about to be drawn."""
+        self._resume.on_train_epoch_start()
 
     def teardown(self, *args: Any, **kwargs: Any) -> None:
         """Both roles' teardown: ``CheckpointIO.teardown()`` and the callback's ``teardown(trainer, module, stage)``.

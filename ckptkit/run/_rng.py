@@ -50,6 +50,7 @@ __all__ = [
     "numpy_generator",
     "randint",
     "sample_depth",
+    "set_global_rng_state",
     "step_rng",
     "torch_generator",
     "uniform",
@@ -428,16 +429,22 @@ def global_rngs_kept() -> Iterator[None]:
     draws exactly what it would have drawn without that work, and a step that depends on
     the global generator shows up as the divergence it is instead of being papered over.
     """
-    import random
-
-    import torch
-
     before = global_rng_state()
     try:
         yield
     finally:
-        random.setstate(before["python"])
-        np.random.set_state(before["numpy"])
-        torch.set_rng_state(before["torch"])
-        if "cuda" in before:
-            torch.cuda.set_rng_state_all(before["cuda"])
+        set_global_rng_state(before)
+
+
+def set_global_rng_state(state: dict[str, Any]) -> None:
+    """Set every global generator to ``state`` (from :func:`global_rng_state`); its CUDA
+    states only where CUDA is available."""
+    import random
+
+    import torch
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
