@@ -36,7 +36,14 @@ from .guard._faults import GradSpike
 from .run import RunState
 from .run._rng import global_rng_state
 
-__all__ = ["GradSpike", "Run", "assert_resume_equivalent", "assert_step_leaves_global_rng_alone", "interruptions"]
+__all__ = [
+    "GradSpike",
+    "Run",
+    "assert_command_resumes",
+    "assert_resume_equivalent",
+    "assert_step_leaves_global_rng_alone",
+    "interruptions",
+]
 
 
 class Run(Protocol):
@@ -127,6 +134,47 @@ _RECIPES = (
     "the global generator in the step (nn.Dropout, torch.randn: wrap the step in "
     "`with ckptkit.step_rng(seed, step):`); state not registered (scheduler, scaler, EMA copy)"
 )
+
+
+def assert_command_resumes(
+    command: Sequence[str],
+    kills: Sequence[int],
+    *,
+    resume_args: Sequence[str] = (),
+    workdir: str | os.PathLike[str] | None = None,
+    timeout: float = 600.0,
+) -> None:
+    """Assert that a training command SIGKILLed at ``kills`` and resumed is the uninterrupted run.
+
+    Any command that records its run with ckptkit (``RunState.record``, the Hugging Face,
+    Lightning or torchtitan plug-ins, ``ckptkit train``) and puts its run directory where
+    ``{run_dir}`` stands: it runs once straight through, and once SIGKILLed as its history
+    reaches each step of ``kills`` (a checkpoint committed or not) and started again each time
+    with the same command plus ``resume_args``. The two runs' rows and checkpoints are compared
+    bit for bit by the audit's engine (:func:`ckptkit.audit.audit_crashes`).
+
+    Example (pytest, with :func:`interruptions` choosing the moments)::
+
+        @given(kills=interruptions(steps=20))
+        def test_my_trainer_resumes_bitwise(kills, tmp_path_factory):
+            assert_command_resumes(["python", "train.py", "--out", "{run_dir}"], kills,
+                                   workdir=tmp_path_factory.mktemp("runs"))
+
+    Args:
+        workdir: keep the two runs in ``workdir/a`` and ``workdir/b`` (new or empty); default: a
+            temporary directory, removed after.
+
+    Raises:
+        AssertionError: the runs differ: the audit's report, naming the first step and field or
+            tensor that differs, and where each kill landed.
+        AuditError: the command failed, timed out, saved no checkpoint, or ended before a kill step.
+    """
+    from .audit import audit_crashes
+
+    keep = None if workdir is None else os.fspath(workdir)
+    report = audit_crashes(command, kills, resume_args=resume_args, timeout=timeout, keep_dir=keep)
+    if not report.ok:
+        raise AssertionError(report.describe())
 
 
 def interruptions(steps: int, max_stops: int = 3) -> Any:

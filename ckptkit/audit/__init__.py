@@ -9,7 +9,7 @@ audit and replay of any loop's command, and the plot of a run. Stands on
 from __future__ import annotations
 
 from ..run._difference import Difference, first_row_difference
-from ._commands import AuditPlan, AuditReport, ReplayPlan, audit_command, replay_command
+from ._commands import AuditPlan, AuditReport, ReplayPlan, audit_command, audit_crashes, replay_command
 from ._compare import TensorDiff, compare_checkpoints, compare_states
 from ._plot import PlotSummary, RunSeries, plot_run, read_series, render, spike_config_of
 from ._recording import RunRecording, first_difference, first_divergence_in_files
@@ -24,6 +24,7 @@ __all__ = [
     "RunSeries",
     "TensorDiff",
     "audit_command",
+    "audit_crashes",
     "compare_checkpoints",
     "compare_states",
     "first_difference",

@@ -78,8 +78,9 @@ _HINT = (
     "state.step_done(step + 1) after every step (SpikeGuard.run does); docs/adopting.md"
 )
 #: How run b was stopped before its resume (R-P18): it stopped itself at the step asked for, or it
-#: ignored the stop request and was SIGKILLed after a checkpoint at or after that step.
-COOPERATIVE, KILLED = "cooperative", "killed"
+#: ignored the stop request and was SIGKILLed after a checkpoint at or after that step; or it was
+#: SIGKILLed at steps a test chose, checkpoint or not (:func:`audit_crashes`, R-P19).
+COOPERATIVE, KILLED, CRASHED = "cooperative", "killed", "crashed"
 _CAUSES = (
     "usual causes: a draw from the global generator in the step (wrap it in ckptkit.step_rng), "
     "a data position or scheduler not registered, nondeterministic kernels (see ckptkit.ReplayDivergence)"
@@ -143,6 +144,7 @@ class AuditReport:
     notes: tuple[str, ...] = ()
     stopped: str | None = None
     stop_at: int | None = None
+    kills: tuple[int, ...] = ()  # the steps run b's processes were SIGKILLed at (:data:`CRASHED`)
 
     @property
     def ok(self) -> bool:
@@ -169,7 +171,7 @@ class AuditReport:
             "b": self.b,
             "steps": self.steps,
             "resume_at": self.resume_at,
-            "stop": None if self.stopped is None else {"how": self.stopped, "requested": self.stop_at},
+            "stop": None if self.stopped is None else self._stop_json(),
             "rows_compared": self.rows_compared,
             "checkpoints_compared": self.checkpoints_compared,
             "environment": dict(sorted(self.environment.items())),
@@ -180,6 +182,11 @@ class AuditReport:
             "notes": list(self.notes),
             "divergence": None if self.divergence is None else self.divergence.to_json("a", "b"),
         }
+
+    def _stop_json(self) -> dict[str, Any]:
+        if self.stopped == CRASHED:
+            return {"how": self.stopped, "kills": list(self.kills)}
+        return {"how": self.stopped, "requested": self.stop_at}
 
     def describe(self, limit: int = 12) -> str:
         """The human report (what ``ckptkit audit`` and ``ckptkit replay`` print on stdout)."""
@@ -213,6 +220,9 @@ class AuditReport:
     def _headline(self) -> str:
         if self.what == "replay":
             return f"replay: from the checkpoint at step {self.resume_at} to step {self.steps}"
+        if self.stopped == CRASHED:
+            at = ", ".join(map(str, self.kills))
+            return f"audit: a: {self.steps} steps uninterrupted; b: SIGKILLed at step(s) {at}, resumed each time"
         if self.resume_at is None:
             return f"audit: a, b: {self.steps} steps each, each in a fresh process"
         if self.stopped == KILLED:
@@ -483,6 +493,39 @@ class _KillWatch:
 
 
 @dataclass
+class _StepWatch:
+    """When to SIGKILL a command at a moment a test chose (:func:`audit_crashes`): once the history
+    this process writes holds a ``step`` row of step ``k`` or later, checkpoint or not, as a crash
+    lands. Every process of a run makes the history its own by replacing the file (a fresh start
+    or a resume, spec/determinism.md R-D21), so the rows an earlier process left are not counted."""
+
+    run_dir: str
+    k: int
+    killed: bool = False
+
+    def __post_init__(self) -> None:
+        self._path = os.path.join(self.run_dir, HISTORY_FILE)
+        self._left = _inode(self._path)  # the file the process before this one left, if any
+        self._tail: _HistoryTail | None = None
+
+    def ready(self) -> bool:
+        if self._tail is None:
+            now = _inode(self._path)
+            if now is None or now == self._left:
+                return False
+            self._tail = _HistoryTail(self._path)
+        return self._tail.last_step() >= self.k
+
+
+def _inode(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+@dataclass
 class _Runner:
     """Runs the command, each time in a fresh process group bounded by ``timeout``."""
 
@@ -504,7 +547,7 @@ class _Runner:
         *,
         stop_at: int | None = None,
         extra: Sequence[str] = (),
-        watch: _KillWatch | None = None,
+        watch: _KillWatch | _StepWatch | None = None,
     ) -> int:
         """Run the command on ``run_dir``; returns its exit code (0, or 75 when it stopped as asked,
         or -9 when ``watch`` said to kill it).
@@ -536,7 +579,9 @@ class _Runner:
                 self.stopped = f"exit {code}: {_last_message(text)}"
         return code
 
-    def _wait(self, proc: subprocess.Popen[bytes], run_dir: str, label: str, watch: _KillWatch | None) -> int:
+    def _wait(
+        self, proc: subprocess.Popen[bytes], run_dir: str, label: str, watch: _KillWatch | _StepWatch | None
+    ) -> int:
         """The command's exit code; with ``watch``, it is looked at every few milliseconds and the
         job killed (-9) as soon as it says so."""
         deadline = time.monotonic() + self.timeout
@@ -751,6 +796,61 @@ def _stop(runner: _Runner, b: str, k: int, end: int, stop_with: Callable[[int], 
     if k not in run_checkpoints(b):
         raise AuditError(f"b: the command stopped at {k} but left no checkpoint at step {k}: {_HINT}")
     return _Stop(COOPERATIVE, k, k)
+
+
+def audit_crashes(
+    command: Sequence[str],
+    kills: Sequence[int],
+    *,
+    resume_args: Sequence[str] = (),
+    timeout: float = DEFAULT_TIMEOUT,
+    keep_dir: str | None = None,
+    log: Log | None = None,
+) -> AuditReport:
+    """Run the command uninterrupted (run a), then again (run b) SIGKILLed as the history of each
+    of its processes reaches the next step of ``kills`` -- a checkpoint committed or not, as a crash
+    lands -- and resumed after each kill by the same command plus ``resume_args``; compare the two
+    runs as :func:`audit_command` does (spec/replay.md R-P19). :func:`ckptkit.testing.assert_command_resumes`
+    is its test-suite face.
+
+    Raises:
+        AuditError: no command or no ``{run_dir}`` in it; run a saved no checkpoint; a kill step
+            outside ``1..`` run a's end ``- 1``; a process failed, timed out, or ended before its
+            history reached its kill step.
+    """
+    _check_timeout(timeout)
+    runner = _Runner(command, AuditError, timeout, log or (lambda _m: None))
+    _substitute(command, "", AuditError)
+    with _workdir(keep_dir, "ckptkit-crashes-") as base:
+        a, b = os.path.join(base, "a"), os.path.join(base, "b")
+        runner.run(a, "a (uninterrupted)")
+        end = RunRecording(a).last_step
+        if end is None:
+            raise AuditError(f"a: the command saved no checkpoint in {PLACEHOLDER} ({a}): {_HINT}")
+        order = sorted(set(kills))
+        if not order or order[0] < 1 or order[-1] >= end:
+            raise AuditError(f"kill steps {order} must lie in 1..{end - 1}: run a ended at step {end}")
+        notes: list[str] = []
+        try:
+            for i, k in enumerate(order):
+                notes.append(_crash(runner, b, k, resume_args if i else ()))
+            runner.run(b, "b (resumed to its end)", extra=resume_args)
+        except _Diverged as e:
+            report = _stopped_report("audit", command, e, None, (a, b) if keep_dir is not None else None)
+        else:
+            report = compare_runs("audit", command, a, b, resume_at=None, kept=keep_dir is not None)
+        return dataclasses.replace(report, stopped=CRASHED, kills=tuple(order), notes=(*notes, *report.notes))
+
+
+def _crash(runner: _Runner, b: str, k: int, extra: Sequence[str]) -> str:
+    """One process of run b, SIGKILLed at step ``k``; what the report says of it."""
+    watch = _StepWatch(b, k)
+    runner.run(b, f"b (killed at step {k})", extra=extra, watch=watch)
+    if not watch.killed:
+        raise AuditError(f"b: the command ended before its history reached step {k}, where it was to be killed")
+    committed = [s for s in run_checkpoints(b) if s <= k]
+    resumed = f"checkpoint {max(committed)}" if committed else "step 0 (no checkpoint committed yet)"
+    return f"b: SIGKILLed once its history reached step {k}; the next process resumes from {resumed}"
 
 
 # ----------------------------------------------------------------------------- replay

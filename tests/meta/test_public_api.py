@@ -230,6 +230,7 @@ FACES = {
         "RunSeries",
         "TensorDiff",
         "audit_command",
+        "audit_crashes",
         "compare_checkpoints",
         "compare_states",
         "first_difference",
@@ -255,6 +256,7 @@ FACES = {
     "ckptkit.testing": [
         "GradSpike",
         "Run",
+        "assert_command_resumes",
         "assert_resume_equivalent",
         "assert_step_leaves_global_rng_alone",
         "interruptions",
