@@ -19,7 +19,7 @@ import shlex
 import sys
 from typing import Any
 
-from ..errors import RunStopped, UnsupportedOption
+from ..errors import RunStopped, UnsupportedOption, UnsupportedValue
 from ..format._atomic import write_bytes_atomic
 from ..format._checkpoint import Checkpoint
 from ..format._checks import is_int
@@ -111,6 +111,7 @@ class Recorder(transformers.TrainerCallback):
         self.history: History | None = None
         self.stops = StopRequests()
         self.stopping: str | None = None
+        self.said_data = False
         self._clear()
 
     def _clear(self) -> None:
@@ -162,7 +163,7 @@ class Recorder(transformers.TrainerCallback):
         scalars = {"loss": self.loss, "grad_norm": self.grad_norm, "lr": self.lr}
         row = step_row(step, {k: v for k, v in scalars.items() if v is not None})
         if self.inputs:
-            row["data"] = data_digest(self.inputs)
+            self._add_data(row)
         self.history.append(row)
         self.stopping = self.stops.reason(state.global_step)
         if self.stopping is not None:
@@ -173,6 +174,16 @@ class Recorder(transformers.TrainerCallback):
         self._clear()
         if control.should_save:
             self.history.sync()  # every row of the steps before a checkpoint is on disk before it
+
+    def _add_data(self, row: dict[str, Any]) -> None:
+        """The step's batches as the row's ``data`` digest; a batch holding what has no digest
+        (a collator's own objects) leaves the field out, said once, and training goes on."""
+        try:
+            row["data"] = data_digest(self.inputs)
+        except UnsupportedValue as e:
+            if not self.said_data:
+                logger.warning("history.jsonl: step rows record no data digest: %s (R-HF07)", e)
+            self.said_data = True
 
     def _digest_now(self, steps_done: int, control: Any) -> bool:
         """R-HF08: every ``every`` steps; by default every step while the state is small, else at each checkpoint."""

@@ -106,6 +106,23 @@ def test_digests_every_sets_the_cadence_and_a_large_state_is_digested_at_checkpo
     assert len(_rows(tmp_path / "large", "step")) == 6
 
 
+def test_a_batch_without_a_digest_leaves_the_data_field_out_said_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    rec = make_trainer(str(tmp_path))._ckptkit_recorder
+    assert rec is not None
+    row: dict[str, Any] = {}
+    for _ in range(2):
+        rec.inputs = [{"input_ids": object()}]
+        rec._add_data(row)
+    assert row == {}
+    said = (
+        "history.jsonl: step rows record no data digest: data.0.input_ids: cannot fingerprint a object "
+        "(tensors, None, bool, int, float, str and bytes only; flatten containers first) (R-HF07)"
+    )
+    assert [r.getMessage() for r in caplog.records if r.name == _hf_record.__name__] == [said]
+
+
 def test_digests_every_must_be_a_positive_int(tmp_path: Path) -> None:
     with pytest.raises(UnsupportedOption) as info:
         make_trainer(str(tmp_path), digests_every=0)
@@ -151,6 +168,7 @@ def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
     return code, capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_the_audit_of_the_example_is_identical_and_its_replay_and_plot_serve_the_run(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -166,6 +184,7 @@ def test_the_audit_of_the_example_is_identical_and_its_replay_and_plot_serve_the
     assert code == 0 and json.loads(out)["series"] == ["grad_norm", "loss", "lr"]
 
 
+@pytest.mark.slow
 def test_the_audit_names_a_tensor_when_the_example_draws_from_the_global_generator_after_a_save(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
