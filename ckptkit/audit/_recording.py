@@ -29,6 +29,7 @@ from ..run._files import run_checkpoints
 from ..run._fingerprint import FINGERPRINT_FIELDS, step_rows
 from ..run._history import HISTORY_FILE, WALL_FIELDS, compared_rows, read_rows
 from ._compare import TensorDiff, compare_checkpoints, compare_states
+from ._trainer_folder import folder_state, is_trainer_folder
 
 __all__ = [
     "LAYOUT_ONLY",
@@ -235,7 +236,11 @@ def checkpoint_difference(step: int, path_a: str, path_b: str) -> Difference | N
     """
     if same_checkpoint(path_a, path_b):
         return None
-    if os.path.isdir(path_a):  # a distributed checkpoint: its logical tensors, whatever the world size
+    if is_trainer_folder(path_a) and is_trainer_folder(path_b):  # by the state it holds (transformers.md R-HF09)
+        diffs = compare_states(folder_state(path_a), folder_state(path_b))
+        if not diffs:
+            return None
+    elif os.path.isdir(path_a):  # a distributed checkpoint: its logical tensors, whatever the world size
         from ..distributed._storage import logical_state
 
         diffs = compare_states(dict(logical_state(path_a)), dict(logical_state(path_b)))

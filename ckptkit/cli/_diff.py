@@ -191,7 +191,7 @@ def _exempt(a: Snapshot, b: Snapshot) -> frozenset[str]:
 
 def _set_aside(tensors: list[dict[str, Any]], a: Snapshot, b: Snapshot) -> tuple[list[dict[str, Any]], list[str]]:
     """(the tensor differences that count, notes): a Trainer commit records its snapshot file's size and
-    digest, and the snapshot is compared key by key above, so that record is said, not counted (R-HF07)."""
+    digest, and the snapshot is compared key by key above, so that record is said, not counted (R-HF10)."""
     from ..integrations.hf_folder import CONFIG_FILE
 
     if not _trainer_pair(a, b):

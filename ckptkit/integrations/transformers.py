@@ -33,6 +33,11 @@ save and load hooks (``_save_checkpoint``, ``_save_optimizer_and_scheduler``,
 ``_save_scaler``, ``_save_rng_state`` and their ``_load_*`` twins), private names tested
 against the pinned release (``tests/integrations/test_transformers.py``).
 
+The run is recorded (:class:`~ckptkit.integrations._hf_record.Recording`, R-HF07..R-HF09):
+``OUTPUT_DIR/history.jsonl`` with a ``step`` row per optimizer step and ``digests`` rows, and
+``environment.json``, so ``ckptkit audit -- CMD``, ``ckptkit replay`` and ``ckptkit plot`` serve a
+Trainer script, and a resume compares the steps it re-runs with the interrupted process's rows.
+
 Known limits: one process (no DDP, FSDP or DeepSpeed: refused when the Trainer is built);
 ``TrainingArguments`` values the snapshot cannot carry (an object inside ``fsdp_config``)
 are refused, naming the key.
@@ -56,8 +61,9 @@ from ..format._atomic import write_bytes_atomic
 from ..format._checkpoint import Checkpoint, load, save
 from ..format._snapshot import encode_snapshot, read_snapshot
 from ..run._drift import check_resume
-from ..run._environment import Fact, capture, check_environment
+from ..run._environment import check_environment
 from ._extra import missing_extra
+from ._hf_record import Recording, environment
 from .hf_folder import CONFIG_FILE, CONFIG_TYPE, EXEMPT, LAYOUT, STATE_FILE, check_folder, file_record, newest_intact
 
 try:
@@ -72,15 +78,6 @@ logger = logging.getLogger(__name__)
 
 _TRAINING_ARGS_FILE = "training_args.bin"  # transformers' TRAINING_ARGS_NAME: the pickled TrainingArguments
 _PLAIN = (type(None), bool, int, float, str, enum.Enum)
-
-
-def environment() -> dict[str, Fact]:
-    """The run's environment facts (what ``environment.json`` records) plus the transformers and accelerate versions."""
-    from importlib.metadata import version
-
-    return dict(
-        sorted({**capture(), "transformers": transformers.__version__, "accelerate": version("accelerate")}.items())
-    )
 
 
 def capture_rng() -> dict[str, Any]:
@@ -157,11 +154,12 @@ def _plain(value: Any) -> bool:
     return math.isfinite(value) if isinstance(value, float) else isinstance(value, _PLAIN)
 
 
-class TrainerMixin:
+class TrainerMixin(Recording):
     """Trainer save and load hooks that commit each ``checkpoint-N/`` with ckptkit and resume only the same run.
 
     Args:
         allow_env_change: resume although the environment changed (the differences are logged).
+        record, digests_every, resume_check: the run's ``history.jsonl`` (:class:`Recording`, R-HF07).
         *args, **kwargs: the Trainer's own arguments.
 
     Raises:

@@ -41,6 +41,7 @@ __all__ = [
     "DCP_SUFFIX",
     "ENVIRONMENT_FILE",
     "SET_ASIDE",
+    "TRAINER_COMMIT",
     "LocalRunDir",
     "check_step",
     "checkpoint_name",
@@ -63,6 +64,7 @@ __all__ = [
     "step_of",
     "step_paths",
     "sweep_note",
+    "trainer_checkpoints",
     "whole_checkpoints",
     "write_companions",
 ]
@@ -72,6 +74,11 @@ T = TypeVar("T")
 _PREFIX, CKPT_SUFFIX = "step-", ".ckpt"
 #: A distributed run's checkpoints are ``ckptkit.distributed`` directories, ``step-00000120.dcp/``.
 DCP_SUFFIX = ".dcp"
+#: A Hugging Face ``Trainer`` output directory's checkpoints are ``checkpoint-N/`` folders, each
+#: committed by this file, written last (spec/transformers.md R-HF02; ``ckptkit.integrations.hf_folder``
+#: checks them): the audit and replay find them here, beside a recorded run's ``history.jsonl``.
+TRAINER_COMMIT = "ckptkit-state.ckpt"
+_TRAINER_PREFIX = "checkpoint-"
 
 
 def checkpoint_name(step: int, suffix: str = CKPT_SUFFIX) -> str:
@@ -136,8 +143,25 @@ def list_run_dir(run_dir: str) -> list[str]:
 def run_checkpoints(run_dir: str | os.PathLike[str]) -> dict[int, str]:
     """Step -> path of every committed checkpoint in ``run_dir``, of either store: ``.ckpt``
     files, or a distributed run's ``.dcp`` directories (:func:`whole_checkpoints`: debris an
-    interrupted save left is not a checkpoint, so no comparison ever reads it)."""
-    return dict(whole_checkpoints(run_dir) + whole_checkpoints(run_dir, DCP_SUFFIX))
+    interrupted save left is not a checkpoint, so no comparison ever reads it); in a Trainer
+    output directory its committed ``checkpoint-N/`` folders (:func:`trainer_checkpoints`)."""
+    return dict(whole_checkpoints(run_dir) + whole_checkpoints(run_dir, DCP_SUFFIX) + trainer_checkpoints(run_dir))
+
+
+def trainer_checkpoints(run_dir: str | os.PathLike[str]) -> list[tuple[int, str]]:
+    """``(step, path)`` of every committed ``checkpoint-N/`` folder of a Trainer output directory
+    (one holding :data:`TRAINER_COMMIT`; a torn one is not a checkpoint), oldest first."""
+    run_dir = os.fspath(run_dir)
+    out = []
+    for name in list_run_dir(run_dir):
+        digits, path = name[len(_TRAINER_PREFIX) :], os.path.join(run_dir, name)
+        if (
+            name.startswith(_TRAINER_PREFIX)
+            and digits.isdecimal()
+            and os.path.isfile(os.path.join(path, TRAINER_COMMIT))
+        ):
+            out.append((int(digits), path))
+    return sorted(out)
 
 
 def step_of(name: str, suffix: str = CKPT_SUFFIX) -> int | None:

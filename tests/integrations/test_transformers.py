@@ -133,7 +133,9 @@ def test_a_changed_training_argument_is_refused_naming_every_strict_key(base: di
         "  args.seed 1 -> 2",
         "resuming would continue a different run; restore these values, or start a new run in a new directory",
     ]
-    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-10", "checkpoint-20"]  # nothing trained or written
+    names = ["checkpoint-10", "checkpoint-20", "environment.json", "history.jsonl"]
+    assert sorted(p.name for p in out.iterdir()) == names  # nothing trained or written
+    assert (out / "history.jsonl").read_bytes() == (base["pristine"] / "history.jsonl").read_bytes()
 
 
 @pytest.mark.parametrize("name", ["model.safetensors", "trainer_state.json", CONFIG_FILE, "config.json", STATE_FILE])
