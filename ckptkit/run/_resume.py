@@ -191,10 +191,8 @@ def _finish_retention(store: Store, path: str, log: Callable[[str], None]) -> li
             log(f"retention: cannot delete {p} ({e}); will retry at the next save")
     if not gone:
         return []
-    why = "(it stopped between its last save and its retention)"
-    return [
-        f"retention finished: removed {', '.join(gone)}, which an earlier process left beyond keep={store.keep} {why}"
-    ]
+    why = "the process that saved them stopped before its retention, or kept more"
+    return [f"retention finished: removed {', '.join(gone)}, beyond keep={store.keep} ({why})"]
 
 
 def _check(
