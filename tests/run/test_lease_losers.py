@@ -239,3 +239,22 @@ def test_a_resume_finishes_the_retention_a_stopped_process_did_not_do_and_says_s
     again.close()
     said.clear()
     assert _job(place.run, keep=3, log=said.append).resume().step == 4 and said == []
+
+
+def test_a_job_built_while_another_ran_resumes_from_the_history_that_job_left(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """R-LS16 on ``s3://``: the history comes down once the lease is held, so a job built while the
+    holder ran, resuming once it ended, keeps every row the holder wrote after that."""
+    place = _place("s3", request, tmp_path)
+    holder, advance = _holder(place.run)
+    advance(1)
+    late = _job(place.run)
+    advance(2)
+    holder.close()
+    rows = place.history()
+    assert late.resume().step == 3 and Path(late.work_dir, "history.jsonl").read_bytes() == rows
+    late.record(3, loss=3.0)
+    late.save(4)
+    late.close()
+    assert place.history().startswith(rows) and place.history().count(b'"kind":"step"') == 4
