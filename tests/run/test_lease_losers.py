@@ -160,9 +160,9 @@ def test_a_job_refused_by_the_lease_writes_nothing(
     where: str, how: str, saves: tuple[int, int, int], request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
     """R-LS16, G-39: the loser of a race for one run directory writes 0 objects and 0 files, and the
-    holder's history stays its own. The profile's count of races per place, the holder's saves around
-    the loser's calls varied (ci: 3); ``HYPOTHESIS_PROFILE=thorough`` runs 120 per place (the
-    issue's 20, six times over)."""
+    holder's history stays its own. Each example is one race: the loser's call and the holder's saves
+    around the loser's calls, 24 orders per place; the profile's count of them runs (ci: 3 per place),
+    and ``HYPOTHESIS_PROFILE=thorough`` runs every one, 24 per place (the issue asked for 20)."""
     place = _place(where, request, tmp_path)
     holder, advance = _holder(place.run)
     advance(saves[0])
