@@ -468,6 +468,9 @@ class LocalRunDir:
         """Where the run's appended files (``history.jsonl``) live: the run directory itself."""
         return self.run_dir
 
+    def leased(self) -> None:
+        """Nothing to bring here: the run directory is where the run's records are."""
+
     def begin(self, environment: bytes) -> None:
         """Rank 0, a fresh run: make the directory, remove dead writers' temp files, record the environment."""
         os.makedirs(self.run_dir, exist_ok=True)

@@ -1,4 +1,4 @@
-"""One writer per run directory: the run-directory lease (spec/lease.md R-LS01..R-LS15).
+"""One writer per run directory: the run-directory lease (spec/lease.md R-LS01..R-LS17).
 
 A job holds its run directory's lease from its start or resume to its close: rank 0
 acquires it (recording host, pid, start time, ranks and the launcher), refreshes its
@@ -257,11 +257,14 @@ class FileLease:
         return _unusable(self.path, self.run_dir, why)
 
     def acquire(self, me: Holder) -> str | None:
-        os.makedirs(self.run_dir, exist_ok=True)
-        if create_exclusive(self.path, _encode(me)):
-            self.mine = me
-            return None
-        note = _judge(self.run_dir, self.holder(), me, self.ttl_s)
+        held = self.holder()  # read first: a job refused by a live holder creates nothing, not even a temp file
+        if held is None:
+            os.makedirs(self.run_dir, exist_ok=True)
+            if create_exclusive(self.path, _encode(me)):
+                self.mine = me
+                return None
+            held = self.holder()  # another job created it in between
+        note = _judge(self.run_dir, held, me, self.ttl_s)
         write_bytes_atomic(self.path, _encode(me))
         now = self.holder()
         if now is None or now.token != me.token:  # another job took it over in the same instant

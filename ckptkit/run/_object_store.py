@@ -8,12 +8,14 @@ store's own writers into a private working directory, uploaded, committed, and i
 copy removed; a resume fetches a step's listed objects (each checked against its record)
 into the working directory and checks them there as the single-file store checks its
 files. ``history.jsonl`` lives in the working directory and goes up before each commit record
-and when the run closes (R-O23).
+and when the run closes (R-O23), once it changed; the history comes down, and anything goes up,
+only once the job holds the run's lease (spec/lease.md R-LS16).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import shutil
 import tempfile
@@ -81,9 +83,17 @@ class RunObjects:
         self.url = parse(run_dir)
         self.objects = store_for(self.url)
         self._work = tempfile.mkdtemp(prefix="ckptkit-run-")
-        self._fetch(HISTORY_FILE, missing_ok=True)  # the rows so far; a resume sets aside those after its step
-        self._fetch(INTERRUPTED_FILE, missing_ok=True)  # the rows earlier resumes set aside (R-D21)
-        self._aside_sent = self._size(INTERRUPTED_FILE)
+        # The digest of each run record as last fetched or uploaded; None until the lease is held,
+        # and until then this store writes nothing (spec/lease.md R-LS16).
+        self._sent: dict[str, bytes | None] | None = None
+
+    def leased(self) -> None:
+        """Rank 0 holds the lease now: the history and the rows earlier resumes set aside (R-D21), as
+        they stand now, into the working directory; from here on, and only from here, this store
+        writes (R-LS16). A copy fetched before the lease could be older than the holder's last
+        upload, and would go up over it."""
+        if self._sent is None:
+            self._sent = {name: _digest(self._fetch(name, missing_ok=True)) for name in _RECORDS}
 
     @property
     def work_dir(self) -> str:
@@ -96,16 +106,18 @@ class RunObjects:
         """The working-directory copy of the object at ``path`` (a URL under the run)."""
         return os.path.join(self.work_dir, path.rpartition("/")[2])
 
-    def _fetch(self, name: str, *, missing_ok: bool = False) -> None:
-        """Copy the run-level object ``name`` (no record: environment, history) into the working directory."""
+    def _fetch(self, name: str, *, missing_ok: bool = False) -> bytes | None:
+        """Copy the run-level object ``name`` (no record: environment, history) into the working
+        directory; returns its bytes (None: missing, with ``missing_ok``)."""
         try:
             data = self.objects.get(self._key(name))
         except CheckpointNotFound:
             if missing_ok:
-                return
+                return None
             raise CheckpointNotFound(f"{self.url.child(name)}: the run's environment record is missing") from None
         with open(os.path.join(self.work_dir, name), "wb") as f:
             f.write(data)
+        return data
 
     def begin(self, environment: bytes) -> None:
         self.objects.put(self._key(ENVIRONMENT_FILE), environment)  # one whole object; a fresh run replaces it
@@ -117,21 +129,20 @@ class RunObjects:
         return read_environment(self.work_dir)
 
     def _upload_history(self) -> None:
-        """``history.jsonl`` as it stands, one whole object (R-O23); the rows a resume set aside
-        (:data:`INTERRUPTED_FILE`) too when a resume added to them (R-D21)."""
-        here = os.path.join(self.work_dir, HISTORY_FILE)
-        if os.path.exists(here):
+        """``history.jsonl`` as it stands, one whole object (R-O23), and the rows a resume set aside
+        (:data:`INTERRUPTED_FILE`, R-D21): each only when it changed since it was fetched or last
+        uploaded, and only by a job that holds the lease (R-LS16)."""
+        if self._sent is None:
+            return  # never held the lease: its working directory is nobody's record
+        for name in _RECORDS:
+            here = os.path.join(self.work_dir, name)
+            if not os.path.exists(here):
+                continue
             with open(here, "rb") as f:
-                self.objects.put(self._key(HISTORY_FILE), f.read())
-        size = self._size(INTERRUPTED_FILE)
-        if size != self._aside_sent:
-            with open(os.path.join(self.work_dir, INTERRUPTED_FILE), "rb") as f:
-                self.objects.put(self._key(INTERRUPTED_FILE), f.read())
-            self._aside_sent = size
-
-    def _size(self, name: str) -> int:
-        path = os.path.join(self.work_dir, name)
-        return os.path.getsize(path) if os.path.exists(path) else -1
+                data = f.read()
+            if _digest(data) != self._sent[name]:
+                self.objects.put(self._key(name), data)
+                self._sent[name] = _digest(data)
 
     def steps(self, suffix: str) -> list[tuple[int, str]]:
         """The committed checkpoints of ``suffix``: objects without a record are no checkpoint (R-O15)."""
@@ -155,6 +166,15 @@ class RunObjects:
                 self.delete(path)
             except CheckpointError as e:
                 self.log(f"retention: cannot delete {path} ({e}); will retry at the next save")
+
+
+#: The run's records in the working directory that go up as whole objects (R-O23, R-D21).
+_RECORDS = (HISTORY_FILE, INTERRUPTED_FILE)
+
+
+def _digest(data: bytes | None) -> bytes | None:
+    """What tells two versions of a run record apart, without keeping a second copy of it."""
+    return None if data is None else hashlib.blake2b(data, digest_size=16).digest()
 
 
 class ObjectRunStore(RunObjects):

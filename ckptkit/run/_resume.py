@@ -8,7 +8,9 @@ A resume (spec/runstate.md RS-2, RS-D6):
 2. **check** (every rank, agreed): the world it was saved at, the config snapshot
    (:func:`~ckptkit.run.check_resume`), the environment, a legacy container's
    gaps, and the fit to what is registered — before anything is restored;
-3. **load**: the store puts the tensors into destinations shaped like the live ones.
+3. **load**: the store puts the tensors into destinations shaped like the live ones;
+4. **retention** (rank 0): what a process stopped before its retention left beyond ``keep``
+   is removed, and that is said (spec/lease.md R-LS17).
 
 A refusal on any rank is raised on every rank. Nothing is restored until every check
 has passed.
@@ -23,7 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import LegacyCheckpoint
+from ..errors import CheckpointError, LegacyCheckpoint
 from ..format._checkpoint import Checkpoint
 from ..format._companions import UNBOUND_NOTE
 from ..format._urls import is_url
@@ -151,6 +153,7 @@ def resume(
         notes.append(f"LEGACY checkpoint {os.path.basename(path)}: proceeding without {', '.join(legacy)}")
     notes += opened.notes
     restore(ckpt, opened.sidecars)
+    notes += group.from_rank0(lambda: _finish_retention(store, path, log), "finishing retention")
     for n in notes:
         log(n)
     return ResumeInfo(
@@ -169,6 +172,27 @@ def _choose(store: Store, run_dir: str) -> tuple[str, list[str], list[tuple[str,
     if record is None:
         notes.append(f"{os.path.basename(path)} {UNBOUND_NOTE}")
     return path, notes, skipped
+
+
+def _finish_retention(store: Store, path: str, log: Callable[[str], None]) -> list[str]:
+    """Rank 0, the resume's checks passed: the retention an earlier process did not do (it stopped
+    between its last commit and its retention). Of the checkpoints up to the one resumed, all but
+    the newest ``keep`` are removed, and one line says so (spec/lease.md R-LS17); a newer one it
+    passed over is left to the next save's retention. A failure to remove is said, and retried then.
+    """
+    listed = [p for _s, p in store.listing()]
+    extra = listed[: listed.index(path) + 1][: -store.keep] if path in listed else []
+    gone = []
+    for p in extra:
+        try:
+            store.delete(p)
+            gone.append(os.path.basename(p))
+        except (CheckpointError, OSError) as e:
+            log(f"retention: cannot delete {p} ({e}); will retry at the next save")
+    if not gone:
+        return []
+    why = "the process that saved them stopped before its retention, or kept more"
+    return [f"retention finished: removed {', '.join(gone)}, beyond keep={store.keep} ({why})"]
 
 
 def _check(

@@ -98,7 +98,8 @@ class RunState(Registration, Stopping):
             (or the first ``save()``) to ``close()`` by rank 0, refreshed before every save;
             default a :class:`~ckptkit.run.FileLease` (``lease.json`` in ``run_dir``), on an
             ``s3://`` run directory an :class:`~ckptkit.run.ObjectLease` (the object ``lease.json``).
-            A second job on the directory is refused with ``RunDirInUse``; a save after
+            A second job on the directory is refused with ``RunDirInUse`` and writes nothing,
+            then or at its ``close()`` (R-LS16); a save after
             the lease was taken over, or after this rank's launcher died, raises
             ``LeaseLost`` and writes nothing.
     """
@@ -164,8 +165,10 @@ class RunState(Registration, Stopping):
     @property
     def work_dir(self) -> str:
         """Where the run's ``history.jsonl`` is written on this machine: the run directory, or for
-        an ``s3://`` run a private working directory whose history goes up with each checkpoint
-        (spec/objectstore.md R-O23); a :class:`~ckptkit.run.History` of the run is opened there."""
+        an ``s3://`` run a private working directory whose history comes down once the job holds the
+        run's lease (``start()``, ``resume()``, the first save) and goes up with each checkpoint
+        (spec/objectstore.md R-O23, spec/lease.md R-LS16); a :class:`~ckptkit.run.History` of the
+        run is opened there."""
         return self._store.work_dir
 
     @property
@@ -258,6 +261,7 @@ class RunState(Registration, Stopping):
         lease, me = self._lease, this_job(self.world_size)
         note = self._group.from_rank0(lambda: lease.acquire(me), "acquiring the run directory's lease")
         self._leased = True
+        self._store.leased()  # only now may the store write, or read what it will write over (R-LS16)
         if note:
             self._log(note)
         return note
@@ -477,6 +481,8 @@ class RunState(Registration, Stopping):
 
         The rows go through :attr:`history`: the rows an interrupted run wrote after the
         resumed step (in the resumed rollback timeline) are dropped once, whoever writes first.
+        A loop that records without :meth:`start` or :meth:`resume` takes the run directory's lease
+        at its first row (R-LS16).
 
         Args:
             fields: row fields written as given (JSON values: a loop's own schema with its own
@@ -493,6 +499,9 @@ class RunState(Registration, Stopping):
         Raises:
             TypeError: a scalar that is not a number, string or one-element tensor, or ``fields``
                 naming ``kind`` or ``step``.
+            RunDirInUse: the first row of a loop without :meth:`start` or :meth:`resume`, while
+                another job holds the run directory.
+            ValueError: that, in a distributed run (every rank calls start() or resume() first).
         """
         from ..format._tree import localized
         from ._fingerprint import checkpoint_digests, data_digest
@@ -507,8 +516,14 @@ class RunState(Registration, Stopping):
             row["data"] = data_digest(data)
         if self._replaying == "rerun":
             row["rerun"] = True  # the re-run of a spiking step (spec/rollback.md R-R04)
-        if self._began is None:
-            self._began = step  # a loop that records without start() or resume(): its history opens here
+        if self._began is None:  # a loop that records without start() or resume(): its history opens here
+            if not isinstance(self._group, Alone):
+                raise ValueError(
+                    f"{self.run_dir}: a distributed run records after start() or resume(), which every rank "
+                    "calls to take the run directory's lease before anything is written (R-LS16)"
+                )
+            self._hold()
+            self._began = step
         if digests is None:
             digests = checkpoint_digests(localized(self.checkpoint(step + 1)))
         self._history.append(row)

@@ -53,11 +53,18 @@ class Store(Protocol):
     suffix: str
     #: Optimizer state is saved by its model's parameter names (``add_optimizer(model=)``).
     names_optimizer_models: bool
+    #: How many newest checkpoints retention keeps.
+    keep: int
 
     @property
     def work_dir(self) -> str:
         """Where the run's appended files (``history.jsonl``) live on this machine: the run directory,
         or (object storage) a private working directory whose history goes up with each checkpoint."""
+        ...
+
+    def leased(self) -> None:
+        """Every rank, once rank 0 holds the run directory's lease: before it the store writes
+        nothing (spec/lease.md R-LS16); object storage brings the run's history here, as it stands now."""
         ...
 
     def path(self, step: int) -> str:
