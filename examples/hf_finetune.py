@@ -16,6 +16,7 @@ and resume-or-start, so the same command continues a stopped run (``ckptkit audi
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 import torch
@@ -101,7 +102,10 @@ def main() -> None:
     trainer = make_trainer(
         o.output_dir, steps=o.steps, save_steps=o.save_steps, seed=o.seed, global_draw_from=o.global_draw_from
     )
-    trainer.train(resume_from_checkpoint=bool(checkpoint_folders(o.output_dir)) or None)  # ckptkit: or start
+    # ckptkit: resume the newest committed checkpoint-N/, or start (a folder a kill cut off mid-save holds no
+    # commit, ckptkit-state.ckpt, and is not one)
+    committed = [f for f in checkpoint_folders(o.output_dir) if os.path.exists(os.path.join(f, "ckptkit-state.ckpt"))]
+    trainer.train(resume_from_checkpoint=bool(committed) or None)
 
 
 if __name__ == "__main__":

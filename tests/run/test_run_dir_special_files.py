@@ -142,8 +142,11 @@ def test_an_unreadable_run_directory_is_a_clear_error_for_every_command(shared_r
         )
     rs, _ = make_run(shared_run)
     with as_reader(nobody=True), pytest.raises(CheckpointError) as e:
-        rs.resume()  # its first write, the lease, is refused (a resume takes the lease before it reads)
-    assert str(e.value).startswith(f"{shared_run}/lease.json: cannot create temporary file: Permission denied")
+        rs.resume()  # its first act, reading the lease, is refused (a resume takes the lease before it reads)
+    assert str(e.value).startswith(
+        f"{shared_run}/lease.json: the run directory's lease cannot be read (cannot open the lease file "
+        "(EACCES: Permission denied))"
+    )
 
 
 # --------------------------------------------------------------------- history.jsonl
