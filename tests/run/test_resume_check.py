@@ -151,6 +151,13 @@ def test_a_start_that_committed_no_checkpoint_is_set_aside_when_the_run_starts_a
     assert _verdicts(tmp_path) == []  # nothing restored, so nothing is compared
 
 
+def test_a_fresh_start_over_a_file_that_is_no_history_replaces_it_and_says_so(tmp_path: Path) -> None:
+    (tmp_path / "history.jsonl").write_bytes(b"not json\n")
+    (note,) = History(tmp_path).start_fresh()
+    assert note.startswith("history: replaced a file that is not a history (") and "not JSON" in note, note
+    assert (tmp_path / "history.jsonl").read_bytes() == b"" and not (tmp_path / INTERRUPTED_FILE).exists()
+
+
 def test_a_loader_that_reshuffles_on_resume_is_named_as_data(tmp_path: Path) -> None:
     _killed(tmp_path, 9)
     with pytest.raises(ReplayDivergence, match=r"at step 8: data \(recorded '0x[0-9a-f]{16}', re-run '0x"):
