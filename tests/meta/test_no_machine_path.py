@@ -40,5 +40,5 @@ def test_the_pattern_finds_a_machine_path() -> None:
     """The rule can fail: the paths it is for match, a project-relative one does not."""
     for line in ["see /" + "work/shared/seeds/x.txt", "(/" + "home/ana/ckpt)", "C:" + "\\Users\\x"]:
         assert MACHINE_PATH.search(line), line
-    for line in ["runs/a/step-00000100.ckpt", "../shared/seeds/x.txt", "s3://bucket/opt/x", "~/work/x"]:
+    for line in ["runs/a/step-00000100.ckpt", "../shared/seeds/x.txt", "s3://bucket/opt/x", "~/runs/x"]:
         assert not MACHINE_PATH.search(line), line
