@@ -16,13 +16,12 @@ and resume-or-start, so the same command continues a stopped run (``ckptkit audi
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Any
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments
 
-from ckptkit.integrations.hf_folder import checkpoint_folders  # ckptkit
+from ckptkit.integrations.hf_folder import newest_intact  # ckptkit
 from ckptkit.integrations.transformers import Trainer  # ckptkit: instead of transformers.Trainer
 
 
@@ -102,10 +101,8 @@ def main() -> None:
     trainer = make_trainer(
         o.output_dir, steps=o.steps, save_steps=o.save_steps, seed=o.seed, global_draw_from=o.global_draw_from
     )
-    # ckptkit: resume the newest committed checkpoint-N/, or start (a folder a kill cut off mid-save holds no
-    # commit, ckptkit-state.ckpt, and is not one)
-    committed = [f for f in checkpoint_folders(o.output_dir) if os.path.exists(os.path.join(f, "ckptkit-state.ckpt"))]
-    trainer.train(resume_from_checkpoint=bool(committed) or None)
+    folder, _torn = newest_intact(o.output_dir)  # ckptkit: a folder a kill cut off mid-save is not one
+    trainer.train(resume_from_checkpoint=folder)  # ckptkit: resume it, or start
 
 
 if __name__ == "__main__":

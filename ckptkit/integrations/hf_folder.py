@@ -27,7 +27,7 @@ from ..errors import CheckpointError, CheckpointNotFound, ChecksumMismatch, Form
 from ..format._container import Source, read_layout
 from ..format._verify import Report, verify
 from ..run._drift import DEFAULT_EXEMPT
-from ..run._files import list_run_dir
+from ..run._files import TRAINER_COMMIT, list_run_dir
 
 __all__ = [
     "CONFIG_FILE",
@@ -47,8 +47,8 @@ __all__ = [
 
 #: The container's monitor ``layout``; another value is refused (R-HF02).
 LAYOUT = "ckptkit.integrations.transformers/1"
-#: The commit: the container written last, atomically (R-HF02).
-STATE_FILE = "ckptkit-state.ckpt"
+#: The commit: the container written last, atomically (R-HF02); the run floor lists folders by it.
+STATE_FILE = TRAINER_COMMIT
 #: The run's config snapshot (spec/snapshot.md), one per checkpoint (R-HF04).
 CONFIG_FILE = "ckptkit.config.json"
 #: What the config snapshot says it holds (``config_type``, informational).
