@@ -82,7 +82,8 @@ def test_ctrl_c_in_an_80_column_terminal_leaves_a_clean_screen_and_a_summary(tmp
     assert wrapped == [], shown  # the log lines, the bar, the stop message and the summary fit
     said = next(i for i, line in enumerate(lines) if "SIGINT: finishing the current step" in line)
     assert lines[said] == "ckptkit: SIGINT: finishing the current step, then saving it", shown  # a fresh line
-    assert lines[said - 1].startswith("train: ") and lines[said - 1].endswith("^C"), shown  # the echo, on the bar
+    # the terminal echoes ^C where its cursor is: on the bar, or after a log line being printed
+    assert lines[said - 1].endswith("^C") and lines[said - 1].startswith(("train: ", "ckptkit train: ", "^C")), shown
     assert lines[said + 1] == "(send SIGINT again to abort at once)", shown
     assert any(line.startswith("ckptkit train: step 4/100000 | loss ") for line in lines), shown
     assert any(line.startswith("               | ") for line in lines), shown  # a step line's continuation
