@@ -17,8 +17,9 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from ckptkit import Checkpoint, ReplayDivergence, UnsupportedOption
+from ckptkit.audit._recording import checkpoint_difference
 from ckptkit.cli import main
-from ckptkit.format._checkpoint import load
+from ckptkit.format._checkpoint import load, save
 from ckptkit.integrations import _lightning_record
 from ckptkit.integrations.lightning import CheckpointIO
 from ckptkit.run import checkpoint_digests, float_bits, read_rows
@@ -119,6 +120,19 @@ def test_a_resume_proves_the_steps_it_re_runs_and_a_global_draw_stops_it_naming_
     assert f"{tmp_path / 'draw'}: the resumed run differs from the interrupted run at step 3: tensor model:" in str(
         info.value
     )
+
+
+def test_two_checkpoints_that_differ_only_in_naming_their_own_run_directory_are_the_same(tmp_path: Path) -> None:
+    def write(run: Path, other: str) -> str:
+        monitor = {"dirpath": str(run), "best": str(run / "step-00000003.ckpt"), "other": other}
+        run.mkdir()
+        save(run / "step-00000003.ckpt", Checkpoint(step=3, monitor=monitor))
+        return str(run / "step-00000003.ckpt")
+
+    a, b = write(tmp_path / "a", "x"), write(tmp_path / "b", "x")
+    assert checkpoint_difference(3, a, b) is None
+    d = checkpoint_difference(3, a, write(tmp_path / "c", str(tmp_path / "a")))  # another run's folder differs
+    assert d is not None and [t.name for t in d.tensors] == ["monitor:other"]
 
 
 @pytest.mark.slow
