@@ -124,6 +124,24 @@ def test_a_resume_proves_the_steps_it_re_runs_and_a_global_draw_stops_it_naming_
     )
 
 
+def test_a_batch_without_a_digest_leaves_the_data_field_out_said_once_and_record_false_writes_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    rec = _lightning_record.Recorder(None, None)
+    row: dict[str, Any] = {}
+    for _ in range(2):
+        rec.batches = [{"ids": object()}]
+        rec._add_data(row)
+    assert row == {}
+    said = (
+        "history.jsonl: step rows record no data digest: data.0.ids: cannot fingerprint a object "
+        "(tensors, None, bool, int, float, str and bytes only; flatten containers first) (spec/lightning.md R-L09)"
+    )
+    assert [r.getMessage() for r in caplog.records if r.name == _lightning_record.__name__] == [said]
+    _fit(tmp_path, 3, record=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000003.ckpt"]
+
+
 def test_two_checkpoints_that_differ_only_in_naming_their_own_run_directory_are_the_same(tmp_path: Path) -> None:
     def write(run: Path, other: str) -> str:
         monitor = {"dirpath": str(run), "best": str(run / "step-00000003.ckpt"), "other": other}
