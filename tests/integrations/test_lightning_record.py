@@ -65,11 +65,14 @@ class StopAt(Callback):
             trainer.should_stop = True
 
 
-def _fit(run_dir: Path, steps: int, *, ckpt: str | None = None, extra: Any = (), **kwargs: Any) -> Any:
+def _fit(
+    run_dir: Path, steps: int, *, ckpt: str | None = None, extra: Any = (), accumulate: int = 1, **kwargs: Any
+) -> Any:
     torch.manual_seed(0)
     model = Losses()
     trainer = make_trainer(str(run_dir), steps=steps, **kwargs)
     trainer.callbacks.extend(extra)
+    trainer.accumulate_grad_batches = accumulate
     trainer.fit(model, loader(), ckpt_path=ckpt)
     return model
 
@@ -91,6 +94,16 @@ def test_each_step_row_holds_the_loss_training_step_returned_and_the_lr_bit_for_
     assert "optim:optimizer_states.0.state.0.momentum_buffer" in saved
     assert digests[5]["tensors"] == saved
     assert {"torch", "lightning"} <= set(json.loads((tmp_path / "environment.json").read_text()))
+
+
+def test_with_gradient_accumulation_a_step_row_sums_its_batches_losses_as_lightning_scales_them(
+    tmp_path: Path,
+) -> None:
+    model = _fit(tmp_path, 3, accumulate=2)
+    steps = _rows(tmp_path, "step")
+    assert [r["step"] for r in steps] == [0, 1, 2] and len(model.losses) == 6
+    halves = [model.losses[2 * i] / 2 + model.losses[2 * i + 1] / 2 for i in range(3)]
+    assert [r["loss_bits"] for r in steps] == [float_bits(loss) for loss in halves]
 
 
 def test_digests_every_sets_the_cadence_and_a_large_state_is_digested_at_checkpoints(
