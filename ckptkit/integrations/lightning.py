@@ -39,8 +39,9 @@ the plug-in refuses hyper-parameters and callback state when ``fit`` starts, bef
 step 1 (spec/lightning.md R-L04), and keeps in each checkpoint what Lightning's resume
 leaves out -- the global generators, a plain ``DataLoader``'s position and its shuffle's
 generator -- so a run killed mid-epoch resumes bit for bit; a loader it cannot restore is
-named before step 1 (R-L08, :mod:`._lightning_resume`); and it records the run's ``history.jsonl``
-and ``environment.json`` beside the ``ModelCheckpoint``'s files for the audit (R-L09, :mod:`._lightning_record`). No value is encoded lossily and none is pickled. The
+named before step 1 (R-L08, :mod:`._lightning_resume`); and it records the run's
+``history.jsonl`` and ``environment.json`` beside the ``ModelCheckpoint``'s files for the
+audit (R-L09, :mod:`._lightning_record`). No value is encoded lossily and none is pickled. The
 ``_metadata`` attribute of a state dict (module versions, which only old checkpoints of
 a few modules consult) is not stored, as with ``ckptkit.save``.
 
