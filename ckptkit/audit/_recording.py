@@ -246,6 +246,10 @@ def checkpoint_difference(step: int, path_a: str, path_b: str) -> Difference | N
         diffs = compare_states(dict(logical_state(path_a)), dict(logical_state(path_b)))
     else:
         diffs = compare_checkpoints(path_a, path_b)
+        if diffs:  # a value naming the run's own directory is compared relative to it (lightning.md R-L11)
+            diffs = compare_states(_run_relative(path_a), _run_relative(path_b))
+            if not diffs:
+                return None
     name = os.path.basename(path_a)
     if not diffs:
         return Difference(
@@ -262,6 +266,24 @@ def checkpoint_difference(step: int, path_a: str, path_b: str) -> Difference | N
         file=name,
         values=f"both runs' {name}, compared as ckptkit diff --tensors does",
     )
+
+
+def _run_relative(path: str) -> dict[str, Any]:
+    """The checkpoint's state, a string naming its run directory or a path under it written
+    ``{run_dir}/...`` (a ``ModelCheckpoint``'s ``dirpath``, ``best_model_path``)."""
+    from ..format._checkpoint import load
+    from ..format._tree import checkpoint_state
+
+    folder = os.path.dirname(os.path.abspath(path))
+    names = {folder, os.path.realpath(folder)}
+
+    def relative(value: Any) -> Any:
+        for run in names:
+            if isinstance(value, str) and (value == run or value.startswith(run + os.sep)):
+                return "{run_dir}" + value[len(run) :]
+        return value
+
+    return {k: relative(v) for k, v in checkpoint_state(load(path)).items()}
 
 
 def step_fields(recorded: Mapping[str, Any]) -> list[str]:

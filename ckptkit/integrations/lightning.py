@@ -39,7 +39,9 @@ the plug-in refuses hyper-parameters and callback state when ``fit`` starts, bef
 step 1 (spec/lightning.md R-L04), and keeps in each checkpoint what Lightning's resume
 leaves out -- the global generators, a plain ``DataLoader``'s position and its shuffle's
 generator -- so a run killed mid-epoch resumes bit for bit; a loader it cannot restore is
-named before step 1 (R-L08, :mod:`._lightning_resume`). No value is encoded lossily and none is pickled. The
+named before step 1 (R-L08, :mod:`._lightning_resume`); and it records the run's
+``history.jsonl`` and ``environment.json`` beside the ``ModelCheckpoint``'s files for the
+audit (R-L09, :mod:`._lightning_record`). No value is encoded lossily and none is pickled. The
 ``_metadata`` attribute of a state dict (module versions, which only old checkpoints of
 a few modules consult) is not stored, as with ``ckptkit.save``.
 
@@ -68,6 +70,7 @@ from ..format._checks import is_int
 from ..format._section import check_plain
 from ..format._urls import is_url, parse
 from ._extra import missing_extra
+from ._lightning_record import Recorder
 from ._lightning_resume import ResumeState
 from .lightning_file import LAYOUT
 
@@ -221,9 +224,23 @@ class CheckpointIO(_LightningCheckpointIO, _Callback):
     hook of its own at ``fit`` start, hence the second role. In that role it also saves and
     restores what Lightning's resume leaves out (spec/lightning.md R-L08).
 
+    In the callback role it also records the run (R-L09): ``history.jsonl`` and
+    ``environment.json`` in the folder the ``ModelCheckpoint`` writes to, so ``ckptkit audit``,
+    ``replay``, ``plot`` and the self-checking resume serve the script.
+
     Args:
         compression: ``"raw"`` (default) or ``"zstd"``, or ``{section: codec}`` (see :func:`ckptkit.save`).
         level: the zstd level.
+        record: in the callback role, write the run's history (default True; False writes nothing).
+        digests_every: a ``digests`` row every this many optimizer steps; None (the default):
+            after every step while the state is at most 64 MiB, else at each checkpoint (R-L10).
+        resume_check: what a resume does when the steps it re-runs differ from the rows the
+            interrupted process recorded (``"error"``, ``"warn"``, ``"off"``; default
+            ``$CKPTKIT_RESUME_CHECK``, else ``"error"``: spec/determinism.md R-D24).
+
+    Raises:
+        UnsupportedOption: ``digests_every`` is not None or an int >= 1, or ``resume_check`` is
+            not one of the three.
 
     Example::
 
@@ -231,10 +248,19 @@ class CheckpointIO(_LightningCheckpointIO, _Callback):
         trainer = lightning.pytorch.Trainer(plugins=[io], callbacks=[io])
     """
 
-    def __init__(self, compression: str | dict[str, str] = "raw", level: int = 3) -> None:
+    def __init__(
+        self,
+        compression: str | dict[str, str] = "raw",
+        level: int = 3,
+        *,
+        record: bool = True,
+        digests_every: int | None = None,
+        resume_check: str | None = None,
+    ) -> None:
         super().__init__()
         self.compression = compression
         self.level = level
+        self._recorder = Recorder(digests_every, resume_check) if record else None  # the run's history (R-L09)
         self._fit_checked = False  # set by the callback role's setup: the refusal then came before step 1
         self._resume = ResumeState()  # the callback role's run state (R-L08)
 
@@ -305,6 +331,28 @@ class CheckpointIO(_LightningCheckpointIO, _Callback):
         """Before step 1: name the loaders that cannot resume exactly; on a resume, restore what Lightning
         leaves out (R-L08)."""
         self._resume.on_train_start(trainer)
+        if self._recorder is not None:
+            self._recorder.start(trainer)
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        """The learning rate the step uses, for its ``step`` row (R-L09)."""
+        if self._recorder is not None:
+            self._recorder.before_optimizer_step(optimizer)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """The step's rows once the optimizer has stepped (R-L09)."""
+        if self._recorder is not None:
+            self._recorder.batch_end(trainer, pl_module, outputs, batch)
+
+    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        """Every row of the steps before a checkpoint is on disk before it (R-L09)."""
+        if self._recorder is not None:
+            self._recorder.saving(trainer, pl_module)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        """Close the history: a resume's verdict not yet written goes in (R-D23)."""
+        if self._recorder is not None:
+            self._recorder.close()
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         """Keep the shuffles' generators as the epoch's order is about to be drawn."""
