@@ -98,8 +98,7 @@ class Stopping:
     _stops: StopRequests
     _resume_hint: str | None
     save: Callable[[int], str]  # RunState's
-    wait: Callable[[], None]  # RunState's
-    _release_lease: Callable[[], None]  # RunState's
+    close: Callable[[], None]  # RunState's
 
     def preemptible(
         self, signals: Iterable[int] = DEFAULT_SIGNALS, *, resume_hint: str | None = None
@@ -140,16 +139,15 @@ class Stopping:
         (a ``SystemExit`` with code 75: uncaught, the process ends there).
 
         Raises:
-            RunStopped: a stop was requested; the checkpoint at ``steps_done`` is committed and
-                the run directory's lease released.
+            RunStopped: a stop was requested; the checkpoint at ``steps_done`` is committed, the
+                run closed (every row written, on ``s3://`` uploaded) and then its lease released.
             SaveFailed: the save failed (earlier checkpoints are intact).
         """
         why = self._stops.reason(steps_done)
         if why is None:
             return
         path = self.save(steps_done)
-        self.wait()
-        self._release_lease()  # the run ends here, whether or not the loop reaches close() (R-LS08)
+        self.close()  # the run ends here, whether or not the loop reaches close(): every row, then the lease (R-LS08)
         hint = self._resume_hint or shlex.join(
             [sys.executable, *sys.argv] if sys.argv and sys.argv[0].endswith(".py") else sys.argv
         )

@@ -143,6 +143,7 @@ class RunState(Registration, Stopping):
         self._history = History(work, at=self._opening, log=self._log) if self.rank == 0 else _Silent(work)
         self._lease: Lease = lease if lease is not None else lease_for(self.run_dir)  # a file, or an object on s3://
         self._leased = False
+        self._closed = False  # close() ran: a requested stop's, then the loop's own is a no-op
         self._launcher = launcher_pid()  # this rank's torchrun agent; None outside torchrun
         # The user vouched for the store instead of its conditional writes being checked (R-O49):
         # recorded in the history before this process's first save.
@@ -260,7 +261,7 @@ class RunState(Registration, Stopping):
             return None
         lease, me = self._lease, this_job(self.world_size)
         note = self._group.from_rank0(lambda: lease.acquire(me), "acquiring the run directory's lease")
-        self._leased = True
+        self._leased, self._closed = True, False
         self._store.leased()  # only now may the store write, or read what it will write over (R-LS16)
         if note:
             self._log(note)
@@ -296,6 +297,9 @@ class RunState(Registration, Stopping):
         Raises:
             SaveFailed: the background write failed.
         """
+        if self._closed:
+            return
+        self._closed = True
         try:
             self._history.close()
             self._store.close()

@@ -14,8 +14,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ckptkit
-from ckptkit.errors import ReplayDivergence, UnsupportedOption
+from ckptkit.errors import ReplayDivergence, RunStopped, UnsupportedOption
 from ckptkit.run._history import INTERRUPTED_FILE, History, check_history, read_rows
+from ckptkit.run._lease import LEASE_FILE
+from ckptkit.run._preemption import STOP_AT_ENV
 
 
 @dataclasses.dataclass
@@ -39,6 +41,7 @@ def _run(
     check: str | None = None,
     env_change: bool = False,
     said: list[str] | None = None,
+    stoppable: bool = False,
 ) -> ckptkit.RunState:
     """Train to ``steps`` (resuming when the directory holds a checkpoint); returns the state, not
     closed: a test that stops here is a process that died after its last row."""
@@ -63,6 +66,8 @@ def _run(
         state.record(step, loss=loss.detach(), data=x)
         if (step + 1) % every == 0:
             state.save(step + 1)
+        if stoppable:
+            state.step_done(step + 1)
     return state
 
 
@@ -162,6 +167,20 @@ def test_a_loader_that_reshuffles_on_resume_is_named_as_data(tmp_path: Path) -> 
     _killed(tmp_path, 9)
     with pytest.raises(ReplayDivergence, match=r"at step 8: data \(recorded '0x[0-9a-f]{16}', re-run '0x"):
         _run(tmp_path, 12, shuffled=True)
+
+
+def test_a_cooperative_stop_writes_the_verdict_before_it_lets_the_lease_go(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R-LS08: a loop that ends at ``step_done``'s ``RunStopped`` and never reaches ``close()``
+    (a plain script: SystemExit) has written every row, its verdict too, before the lease went."""
+    _killed(tmp_path, 11, every=4)  # checkpoint 8, then steps 8..10 recorded
+    monkeypatch.setenv(STOP_AT_ENV, "9")
+    with pytest.raises(RunStopped):
+        _run(tmp_path, 12, every=4, stoppable=True)  # re-runs step 8, stops at 9: never closed
+    assert [(v["verdict"], v["from"], v["to"]) for v in _verdicts(tmp_path)] == [("verified", 8, 8)]
+    assert [r["step"] for r in _rows(tmp_path) if r["kind"] == "step"] == list(range(9))
+    assert not (tmp_path / LEASE_FILE).exists()
 
 
 def test_what_cannot_be_verified_says_why(tmp_path: Path) -> None:
