@@ -27,6 +27,7 @@ import os
 import threading
 from typing import TYPE_CHECKING, Any
 
+from ..errors import ChecksumMismatch
 from ._container import (
     SECTIONS,
     Layout,
@@ -103,9 +104,9 @@ class LazyCheckpoint:
         self.path = os.fspath(path)
         self._src = _open_source(self.path)
         try:
-            layout = read_layout(self._src)
+            layout = read_layout(self._src, deferred=True)
             if not layout.legacy:
-                check_skeleton(self._src, layout)
+                _check_skeleton(self._src, layout)
                 check_flags(layout)
             # Private and lazy: no byte is read until touched; writes stay in this process.
             self._map: mmap.mmap | None = mmap.mmap(self._src.fd, 0, access=mmap.ACCESS_COPY)
@@ -234,6 +235,24 @@ class LazyCheckpoint:
         check_mapped(self.path, sec, i, self._map)
         rec = sec.tensors[i]
         return mapped_tensor(self._map, sec.data_start + rec.offset, rec.dtype, rec.shape)
+
+
+def _check_skeleton(src: Source, layout: Layout) -> None:
+    """The skeleton digest (R-005) over a layout whose records and trees are not decoded yet.
+
+    A mismatch means a damaged header, index or padding; a damaged index is named by its
+    own rule first (R-010..R-018), as :func:`ckptkit.load` names it, by decoding every
+    section before the mismatch is raised.
+    """
+    try:
+        check_skeleton(src, layout)
+        return
+    except ChecksumMismatch as e:
+        mismatch = e
+    for sec in layout.sections.values():
+        if sec is not None:
+            sec.tree  # noqa: B018 - decoding checks the records and the tree; raises what is wrong
+    raise mismatch
 
 
 def _refs(node: Any) -> list[TensorRef]:
