@@ -1,17 +1,19 @@
 """Lazy checkpoints: map the file, read only what is asked for, check each tensor on first access.
 
-:func:`open_checkpoint` parses the header and the section indexes and checks the
-skeleton digest (a few kilobytes: everything but the tensor bytes), then maps the
-file. Nothing else is read until a tensor is asked for; that tensor's bytes are
-then hashed straight from the mapping and compared with its digest before it is
-handed out, so one tensor of a multi-gigabyte file costs milliseconds and is as
-trustworthy as a full :func:`ckptkit.load`. Implements the lazy reading that
+:func:`open_checkpoint` parses the header, each index's map and the extent of every
+tensor, and checks the skeleton digest (a few kilobytes: everything but the tensor
+bytes), then maps the file. A section's records and tree are checked on the first use
+of that section, and a tensor's bytes are hashed straight from the mapping and compared
+with its digest before it is handed out, so one tensor of a multi-gigabyte file costs
+milliseconds, index work grows with that tensor's section, and the tensor is as
+trustworthy as a full :func:`ckptkit.load` (``spec/guarantees.md`` G-71). Implements the lazy reading that
 ``spec/container.md`` §8 designs the per-tensor digests for; the cost model is in
 ``spec/performance.md``.
 
 Invariants:
-    * A tensor is never returned before its digest matched (legacy v1 files carry
-      no digests; ``legacy`` says so).
+    * A tensor is never returned before its digest, its section's index and the
+      skeleton digest passed every check ``load`` makes (legacy v1 files carry no
+      digests; ``legacy`` says so).
     * Returned tensors share the mapping, not the file: the mapping is private
       (copy-on-write), so writing into a tensor never changes the file, and a
       checkpoint replaced on disk (ckptkit saves by rename) does not change
@@ -47,7 +49,7 @@ __all__ = ["LazyCheckpoint", "open_checkpoint"]
 
 
 def open_checkpoint(path: str | os.PathLike[str]) -> LazyCheckpoint:
-    """Open a checkpoint lazily: index and skeleton now, each tensor on first access.
+    """Open a checkpoint lazily: skeleton now, each section's index on first use, each tensor on first access.
 
     Args:
         path: a v2 (or legacy v1) checkpoint file, or an ``s3://`` URL (the committed
@@ -59,9 +61,11 @@ def open_checkpoint(path: str | os.PathLike[str]) -> LazyCheckpoint:
     Raises:
         CheckpointNotFound: no such file.
         BadMagic, UnsupportedVersion, TruncatedFile, MalformedIndex,
-        ChecksumMismatch (skeleton, R-005), ReservedBitSet: the header or an index
-            breaks a rule of ``spec/container.md``. Tensor digests are checked later,
-            by the first access to each tensor.
+        ChecksumMismatch (skeleton, R-005), ReservedBitSet: the header, an index's map
+            or lengths, a tensor's extent, or the skeleton digest breaks a rule of
+            ``spec/container.md`` (a damaged record or tree is named by its own rule).
+            The rest of a section's records and tree is checked by the first use of that
+            section, each tensor's digest by its first access (G-71).
 
     Example:
         >>> with open_checkpoint("run/step-00000100.ckpt") as ck:  # doctest: +SKIP
@@ -148,6 +152,8 @@ class LazyCheckpoint:
 
         Raises:
             KeyError: no such section or key.
+            MalformedIndex, UnsupportedVersion: the section's records or tree break a rule
+                (checked on the section's first use, G-71).
             TypeError: the value there is a leaf, not a map or list.
         """
         _, node, where = self._walk(section, keys)
@@ -164,6 +170,7 @@ class LazyCheckpoint:
 
         Raises:
             KeyError: no such section or key.
+            MalformedIndex, UnsupportedVersion: the section's records or tree break a rule (G-71).
             ChecksumMismatch: a tensor's bytes do not match its digest (R-007).
             MalformedIndex: the zstd region holding it does not decode (R-008).
         """
@@ -176,6 +183,7 @@ class LazyCheckpoint:
         Raises:
             KeyError: no such section or key.
             TypeError: the value there is not a tensor.
+            MalformedIndex, UnsupportedVersion: the section's records or tree break a rule (G-71).
             ChecksumMismatch: the tensor's bytes do not match its digest (R-007).
             MalformedIndex: the zstd region holding it does not decode (R-008).
 

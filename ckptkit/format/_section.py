@@ -218,32 +218,36 @@ class _Body:
 
     def __init__(
         self,
-        done: tuple[TensorTable, Any] | None,
-        extents: tuple[array.array[int], array.array[int]] | None = None,
-        values: dict[str, memoryview] | None = None,
-        raw_len: int = 0,
-        legacy: bool = False,
-        bad: Callable[..., FormatError] | None = None,
+        extents: tuple[array.array[int], array.array[int]] | None,
+        values: dict[str, memoryview],
+        raw_len: int,
+        legacy: bool,
+        bad: Callable[..., FormatError],
     ) -> None:
-        self._done, self._extents, self._values = done, extents, values
+        self._done: tuple[TensorTable, Any] | None = None
+        self._extents: tuple[array.array[int], array.array[int]] | None = extents
+        self._values: dict[str, memoryview] | None = values
         self._raw_len, self._legacy, self._bad = raw_len, legacy, bad
 
     def decoded(self) -> tuple[TensorTable, Any]:
-        done = self._done
-        if done is None:
-            assert self._values is not None and self._bad is not None
-            records = _decode_records(self._values["tensors"], self._raw_len, legacy=self._legacy, bad=self._bad)
-            tree = _decode_section_tree(
-                _unpack_value(self._values["tree"], _Exts(len(records)), self._bad), records, self._bad
-            )
-            done = self._done = (records, tree)
-            self._values = self._extents = None  # the table holds the extents now
-        return done
+        """``(table, tree)``, decoded and checked on the first call.
 
-    @property
-    def deferred_extents(self) -> tuple[array.array[int], array.array[int]] | None:
-        """The extents of a body not yet decoded; None once decoded (or never deferred)."""
-        return self._extents
+        Raises:
+            MalformedIndex, UnsupportedVersion: a record or the tree breaks a rule (R-013..R-018).
+        """
+        done = self._done
+        if done is not None:
+            return done
+        values = self._values
+        if values is None:  # another thread finished meanwhile: it sets _done before it drops _values
+            done = self._done
+            assert done is not None
+            return done
+        records = _decode_records(values["tensors"], self._raw_len, legacy=self._legacy, bad=self._bad)
+        tree = _decode_section_tree(_unpack_value(values["tree"], _Exts(len(records)), self._bad), records, self._bad)
+        done = self._done = (records, tree)
+        self._values = self._extents = None  # the index bytes go; the table holds the extents now
+        return done
 
     def extents(self) -> tuple[array.array[int], array.array[int]]:
         extents = self._extents
@@ -258,8 +262,8 @@ class SectionIndex:
     """A parsed section: its tree, tensor table and absolute placement in the file.
 
     The placement and the index's lengths are checked when it is made; the table and the
-    tree are checked then too (:func:`decode_index`), or on their first use for a section
-    made by :func:`frame_index` (the lazy reader's: spec/performance.md §4).
+    tree are checked then too, or on their first use for a section made with
+    ``decode_index(..., deferred=True)`` (the lazy reader's: spec/guarantees.md G-71).
     """
 
     name: str
@@ -572,12 +576,9 @@ def decode_index(
         )
     data_start = align_up(start + 8 + index_len)
     data_len, raw_len = _check_data_lengths(index, data_start, start + length, name=name, path=path, bad=bad)
-    body = _Body(None, None, values, raw_len, legacy, bad)
-    if deferred:
-        body = _Body(
-            None, _record_extents(values["tensors"], raw_len, 4 if legacy else 5), values, raw_len, legacy, bad
-        )
-    if body.deferred_extents is None:  # not deferred, or records the extents pass leaves to the full check
+    extents = _record_extents(values["tensors"], raw_len, 4 if legacy else 5) if deferred else None
+    body = _Body(extents, values, raw_len, legacy, bad)
+    if extents is None:  # not deferred, or records the extents pass leaves to the full check at once
         body.decoded()
     return SectionIndex(name, start, length, index_len, data_start, codec, data_len, raw_len, body)
 
