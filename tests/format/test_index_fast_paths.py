@@ -81,7 +81,10 @@ def test_the_extents_of_the_lazy_open_are_ordered_in_bounds_and_the_full_checks_
                 n *= d
             r[3] = n * {"float32": 4, "bfloat16": 2}.get(r[0], 1)
         records.append(r)
-    packed = memoryview(msgpack.packb(records, use_bin_type=True))
+    try:
+        packed = memoryview(msgpack.packb(records, use_bin_type=True))
+    except OverflowError:  # an integer msgpack cannot hold: no index carries it
+        return
     got = _record_extents(packed, raw_len, width)
     try:
         full = _decode_records(packed, raw_len, legacy=legacy, bad=_bad)
