@@ -6,9 +6,9 @@ bytes), then maps the file. A section's records and tree are checked on the firs
 of that section, and a tensor's bytes are hashed straight from the mapping and compared
 with its digest before it is handed out, so one tensor of a multi-gigabyte file costs
 milliseconds, index work grows with that tensor's section, and the tensor is as
-trustworthy as a full :func:`ckptkit.load` (``spec/guarantees.md`` G-71). Implements the lazy reading that
-``spec/container.md`` §8 designs the per-tensor digests for; the cost model is in
-``spec/performance.md``.
+trustworthy as a full :func:`ckptkit.load` (``spec/guarantees.md`` G-71). Implements
+the lazy reading that ``spec/container.md`` §8 designs the per-tensor digests for; the
+cost model is in ``spec/performance.md``.
 
 Invariants:
     * A tensor is never returned before its digest, its section's index and the
