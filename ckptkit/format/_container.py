@@ -108,24 +108,24 @@ class Layout:
         return tuple(FLAG_NAMES.get(b, f"bit{b}") for b in range(64) if self.flags >> b & 1)
 
 
-def read_layout(src: Source) -> Layout:
+def read_layout(src: Source, *, deferred: bool = False) -> Layout:
     """Parse the header and every section index, checking all lengths.
+
+    ``deferred`` (the lazy reader's): of a v2 file's indexes, check now only what the
+    skeleton digest needs (the maps, the lengths, the tensor extents); each section's
+    records and tree are checked on their first use (``SectionIndex.tree``, ``.tensors``).
 
     Raises:
         BadMagic, UnsupportedVersion, TruncatedFile, MalformedIndex: see spec R-001..R-016.
     """
     head = src.pread(0, min(src.size, 8), "magic") if src.size else b""
     if head[:4] == _MAGIC_PREFIX:
-        return _read_v2(src)
+        check_magic(src, MAGIC, "container", "R-001", refused="malformed magic", version_error=_version_error)
+        return _read_v2_body(src, deferred)
     return _read_v1(src, head)
 
 
-def _read_v2(src: Source) -> Layout:
-    check_magic(src, MAGIC, "container", "R-001", refused="malformed magic", version_error=_version_error)
-    return _read_v2_body(src)
-
-
-def _read_v2_body(src: Source) -> Layout:
+def _read_v2_body(src: Source, deferred: bool = False) -> Layout:
     if src.size < _HEADER.size + _TRAILER.size:
         raise TruncatedFile(
             "file ends inside the header or before the trailer",
@@ -139,7 +139,7 @@ def _read_v2_body(src: Source) -> Layout:
     _, step, m, o, t, flags, mon = _HEADER.unpack(src.pread(0, _HEADER.size, "header"))
     lengths = {"model": m, "optim": o, "teacher": t, "monitor": mon}
     offsets = {name: _FIELD_OFFSET[name] for name in lengths}
-    sections, trailer_at, digest = read_framed(src, _HEADER.size, lengths, offsets, _TRAILER_MAGIC)
+    sections, trailer_at, digest = read_framed(src, _HEADER.size, lengths, offsets, _TRAILER_MAGIC, deferred=deferred)
     return Layout(src.path, VERSION, step, flags, sections, False, (), src.size, trailer_at, digest)
 
 
@@ -229,7 +229,13 @@ def check_magic(
 
 
 def read_framed(
-    src: Source, header_size: int, lengths: dict[str, int], len_offsets: dict[str, int], end_magic: bytes
+    src: Source,
+    header_size: int,
+    lengths: dict[str, int],
+    len_offsets: dict[str, int],
+    end_magic: bytes,
+    *,
+    deferred: bool = False,
 ) -> tuple[dict[str, SectionIndex | None], int, int]:
     """Place and parse the sections that follow a header, and read the trailer.
 
@@ -252,7 +258,9 @@ def read_framed(
             actual=repr(got_magic),
             hint="R-005",
         )
-    sections = {name: _read_section(src, name, starts[name], n, legacy=False) for name, n in lengths.items()}
+    sections = {
+        name: _read_section(src, name, starts[name], n, legacy=False, deferred=deferred) for name, n in lengths.items()
+    }
     return sections, trailer_at, digest
 
 
@@ -353,7 +361,9 @@ def _place_sections(
     return starts
 
 
-def _read_section(src: Source, name: str, start: int, length: int, *, legacy: bool) -> SectionIndex | None:
+def _read_section(
+    src: Source, name: str, start: int, length: int, *, legacy: bool, deferred: bool = False
+) -> SectionIndex | None:
     if length == 0:
         return None
     if length < 8:
@@ -378,7 +388,9 @@ def _read_section(src: Source, name: str, start: int, length: int, *, legacy: bo
             hint="R-004",
         )
     raw = src.pread(start + 8, index_len, f"{name} index")
-    return decode_index(raw, name=name, start=start, length=length, index_len=index_len, legacy=legacy, path=src.path)
+    return decode_index(
+        raw, name=name, start=start, length=length, index_len=index_len, legacy=legacy, path=src.path, deferred=deferred
+    )
 
 
 def skeleton_extents(layout: Layout) -> Iterator[tuple[int, int]]:

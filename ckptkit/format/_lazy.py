@@ -1,17 +1,19 @@
 """Lazy checkpoints: map the file, read only what is asked for, check each tensor on first access.
 
-:func:`open_checkpoint` parses the header and the section indexes and checks the
-skeleton digest (a few kilobytes: everything but the tensor bytes), then maps the
-file. Nothing else is read until a tensor is asked for; that tensor's bytes are
-then hashed straight from the mapping and compared with its digest before it is
-handed out, so one tensor of a multi-gigabyte file costs milliseconds and is as
-trustworthy as a full :func:`ckptkit.load`. Implements the lazy reading that
-``spec/container.md`` §8 designs the per-tensor digests for; the cost model is in
-``spec/performance.md``.
+:func:`open_checkpoint` parses the header, each index's map and the extent of every
+tensor, and checks the skeleton digest (a few kilobytes: everything but the tensor
+bytes), then maps the file. A section's records and tree are checked on the first use
+of that section, and a tensor's bytes are hashed straight from the mapping and compared
+with its digest before it is handed out, so one tensor of a multi-gigabyte file costs
+milliseconds, index work grows with that tensor's section, and the tensor is as
+trustworthy as a full :func:`ckptkit.load` (``spec/guarantees.md`` G-71). Implements
+the lazy reading that ``spec/container.md`` §8 designs the per-tensor digests for; the
+cost model is in ``spec/performance.md``.
 
 Invariants:
-    * A tensor is never returned before its digest matched (legacy v1 files carry
-      no digests; ``legacy`` says so).
+    * A tensor is never returned before its digest, its section's index and the
+      skeleton digest passed every check ``load`` makes (legacy v1 files carry no
+      digests; ``legacy`` says so).
     * Returned tensors share the mapping, not the file: the mapping is private
       (copy-on-write), so writing into a tensor never changes the file, and a
       checkpoint replaced on disk (ckptkit saves by rename) does not change
@@ -27,6 +29,7 @@ import os
 import threading
 from typing import TYPE_CHECKING, Any
 
+from ..errors import ChecksumMismatch
 from ._container import (
     SECTIONS,
     Layout,
@@ -46,7 +49,7 @@ __all__ = ["LazyCheckpoint", "open_checkpoint"]
 
 
 def open_checkpoint(path: str | os.PathLike[str]) -> LazyCheckpoint:
-    """Open a checkpoint lazily: index and skeleton now, each tensor on first access.
+    """Open a checkpoint lazily: skeleton now, each section's index on first use, each tensor on first access.
 
     Args:
         path: a v2 (or legacy v1) checkpoint file, or an ``s3://`` URL (the committed
@@ -58,9 +61,11 @@ def open_checkpoint(path: str | os.PathLike[str]) -> LazyCheckpoint:
     Raises:
         CheckpointNotFound: no such file.
         BadMagic, UnsupportedVersion, TruncatedFile, MalformedIndex,
-        ChecksumMismatch (skeleton, R-005), ReservedBitSet: the header or an index
-            breaks a rule of ``spec/container.md``. Tensor digests are checked later,
-            by the first access to each tensor.
+        ChecksumMismatch (skeleton, R-005), ReservedBitSet: the header, an index's map
+            or lengths, a tensor's extent, or the skeleton digest breaks a rule of
+            ``spec/container.md`` (a damaged record or tree is named by its own rule).
+            The rest of a section's records and tree is checked by the first use of that
+            section, each tensor's digest by its first access (G-71).
 
     Example:
         >>> with open_checkpoint("run/step-00000100.ckpt") as ck:  # doctest: +SKIP
@@ -103,9 +108,9 @@ class LazyCheckpoint:
         self.path = os.fspath(path)
         self._src = _open_source(self.path)
         try:
-            layout = read_layout(self._src)
+            layout = read_layout(self._src, deferred=True)
             if not layout.legacy:
-                check_skeleton(self._src, layout)
+                _check_skeleton(self._src, layout)
                 check_flags(layout)
             # Private and lazy: no byte is read until touched; writes stay in this process.
             self._map: mmap.mmap | None = mmap.mmap(self._src.fd, 0, access=mmap.ACCESS_COPY)
@@ -147,6 +152,8 @@ class LazyCheckpoint:
 
         Raises:
             KeyError: no such section or key.
+            MalformedIndex, UnsupportedVersion: the section's records or tree break a rule
+                (checked on the section's first use, G-71).
             TypeError: the value there is a leaf, not a map or list.
         """
         _, node, where = self._walk(section, keys)
@@ -163,6 +170,7 @@ class LazyCheckpoint:
 
         Raises:
             KeyError: no such section or key.
+            MalformedIndex, UnsupportedVersion: the section's records or tree break a rule (G-71).
             ChecksumMismatch: a tensor's bytes do not match its digest (R-007).
             MalformedIndex: the zstd region holding it does not decode (R-008).
         """
@@ -175,6 +183,7 @@ class LazyCheckpoint:
         Raises:
             KeyError: no such section or key.
             TypeError: the value there is not a tensor.
+            MalformedIndex, UnsupportedVersion: the section's records or tree break a rule (G-71).
             ChecksumMismatch: the tensor's bytes do not match its digest (R-007).
             MalformedIndex: the zstd region holding it does not decode (R-008).
 
@@ -234,6 +243,24 @@ class LazyCheckpoint:
         check_mapped(self.path, sec, i, self._map)
         rec = sec.tensors[i]
         return mapped_tensor(self._map, sec.data_start + rec.offset, rec.dtype, rec.shape)
+
+
+def _check_skeleton(src: Source, layout: Layout) -> None:
+    """The skeleton digest (R-005) over a layout whose records and trees are not decoded yet.
+
+    A mismatch means a damaged header, index or padding; a damaged index is named by its
+    own rule first (R-010..R-018), as :func:`ckptkit.load` names it, by decoding every
+    section before the mismatch is raised.
+    """
+    try:
+        check_skeleton(src, layout)
+        return
+    except ChecksumMismatch as e:
+        mismatch = e
+    for sec in layout.sections.values():
+        if sec is not None:
+            sec.tree  # noqa: B018 - decoding checks the records and the tree; raises what is wrong
+    raise mismatch
 
 
 def _refs(node: Any) -> list[TensorRef]:

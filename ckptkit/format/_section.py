@@ -205,9 +205,66 @@ class TensorTable:
         return sum(self.sizes)
 
 
+class _Body:
+    """A section's tensor table and tree: decoded at once, or on first use (the lazy reader's sections).
+
+    A deferred body holds the undecoded index values and the tensor extents (offset and
+    size of every record, all the skeleton digest needs); the first use of the table or
+    the tree decodes and checks both (R-013..R-018), as :func:`decode_index` does at once.
+    Two threads may both decode it: the work is pure and either result is the same.
+    """
+
+    __slots__ = ("_bad", "_done", "_extents", "_legacy", "_raw_len", "_values")
+
+    def __init__(
+        self,
+        extents: tuple[array.array[int], array.array[int]] | None,
+        values: dict[str, memoryview],
+        raw_len: int,
+        legacy: bool,
+        bad: Callable[..., FormatError],
+    ) -> None:
+        self._done: tuple[TensorTable, Any] | None = None
+        self._extents: tuple[array.array[int], array.array[int]] | None = extents
+        self._values: dict[str, memoryview] | None = values
+        self._raw_len, self._legacy, self._bad = raw_len, legacy, bad
+
+    def decoded(self) -> tuple[TensorTable, Any]:
+        """``(table, tree)``, decoded and checked on the first call.
+
+        Raises:
+            MalformedIndex, UnsupportedVersion: a record or the tree breaks a rule (R-013..R-018).
+        """
+        done = self._done
+        if done is not None:
+            return done
+        values = self._values
+        if values is None:  # another thread finished meanwhile: it sets _done before it drops _values
+            done = self._done
+            assert done is not None
+            return done
+        records = _decode_records(values["tensors"], self._raw_len, legacy=self._legacy, bad=self._bad)
+        tree = _decode_section_tree(_unpack_value(values["tree"], _Exts(len(records)), self._bad), records, self._bad)
+        done = self._done = (records, tree)
+        self._values = self._extents = None  # the index bytes go; the table holds the extents now
+        return done
+
+    def extents(self) -> tuple[array.array[int], array.array[int]]:
+        extents = self._extents
+        if extents is None:
+            table = self.decoded()[0]
+            return table.offsets, table.sizes
+        return extents
+
+
 @dataclass(frozen=True)
 class SectionIndex:
-    """A parsed section: its tree, tensor table and absolute placement in the file."""
+    """A parsed section: its tree, tensor table and absolute placement in the file.
+
+    The placement and the index's lengths are checked when it is made; the table and the
+    tree are checked then too, or on their first use for a section made with
+    ``decode_index(..., deferred=True)`` (the lazy reader's: spec/guarantees.md G-71).
+    """
 
     name: str
     start: int  # absolute offset of the section's first byte
@@ -217,8 +274,17 @@ class SectionIndex:
     codec: str
     data_len: int  # stored bytes of the data region
     raw_len: int  # bytes of the data region once decoded
-    tensors: TensorTable
-    tree: Any
+    body: _Body = field(repr=False, compare=False)
+
+    @property
+    def tensors(self) -> TensorTable:
+        """The tensor table (decoded and checked on first use for a deferred section)."""
+        return self.body.decoded()[0]
+
+    @property
+    def tree(self) -> Any:
+        """The state tree, tensors as :class:`TensorRef` (decoded and checked on first use)."""
+        return self.body.decoded()[1]
 
     def skeleton_extents(self) -> Iterator[tuple[int, int]]:
         """Absolute ``(start, end)`` byte ranges of this section not inside a tensor, in file order.
@@ -231,7 +297,8 @@ class SectionIndex:
             yield (self.start, self.start + self.length)
             return
         pos, base = self.start, self.data_start
-        for off, n in zip(self.tensors.offsets, self.tensors.sizes, strict=True):
+        offsets, sizes = self.body.extents()
+        for off, n in zip(offsets, sizes, strict=True):
             a = base + off
             if a > pos:
                 yield (pos, a)
@@ -467,6 +534,7 @@ def decode_index(
     index_len: int,
     legacy: bool,
     path: str | None,
+    deferred: bool = False,
 ) -> SectionIndex:
     """Parse and validate a section index (the bytes after its ``index_len`` field).
 
@@ -477,9 +545,14 @@ def decode_index(
         index_len: the declared index length (already checked to fit).
         legacy: a v1 section, whose tensor records carry no digest.
         path: file name for messages.
+        deferred: check now only the index map, the lengths and the tensor extents
+            (each record's offset and size, R-014's order and bounds: what the skeleton
+            digest needs); check the rest of the records and the tree on their first use.
 
     Raises:
-        MalformedIndex: msgpack that does not decode, or violates R-010..R-016.
+        MalformedIndex: msgpack that does not decode, or violates R-010..R-016
+            (with ``deferred``, only the map and the extents; the table's and the tree's
+            first use raises the rest).
         UnsupportedVersion: an unknown data codec.
         TruncatedFile: the data region does not fit in the section.
     """
@@ -503,9 +576,43 @@ def decode_index(
         )
     data_start = align_up(start + 8 + index_len)
     data_len, raw_len = _check_data_lengths(index, data_start, start + length, name=name, path=path, bad=bad)
-    records = _decode_records(values["tensors"], raw_len, legacy=legacy, bad=bad)
-    tree = _decode_section_tree(_unpack_value(values["tree"], _Exts(len(records)), bad), records, bad)
-    return SectionIndex(name, start, length, index_len, data_start, codec, data_len, raw_len, records, tree)
+    extents = _record_extents(values["tensors"], raw_len, 4 if legacy else 5) if deferred else None
+    body = _Body(extents, values, raw_len, legacy, bad)
+    if extents is None:  # not deferred, or records the extents pass leaves to the full check at once
+        body.decoded()
+    return SectionIndex(name, start, length, index_len, data_start, codec, data_len, raw_len, body)
+
+
+def _record_extents(
+    raw_records: memoryview, raw_len: int, width: int
+) -> tuple[array.array[int], array.array[int]] | None:
+    """Offset and size of every record, in order and inside the data region (R-014), or None.
+
+    The deferred index's pass: one record at a time (G-70), only the two fields the
+    skeleton digest needs. None for anything else than well-formed extents; the full
+    check (:func:`_decode_records`) then runs at once and names the problem.
+    """
+    u = _unpacker(raw_records, _Exts(0))
+    offsets, sizes = array.array("Q"), array.array("Q")
+    end_prev = 0
+    try:
+        for _ in range(u.read_array_header()):
+            r = u.unpack()
+            if type(r) is not list or len(r) != width:
+                return None
+            offset, nbytes = r[2], r[3]
+            if type(offset) is not int or type(nbytes) is not int or nbytes < 0:
+                return None
+            if offset % ALIGN or offset < end_prev or offset + nbytes > raw_len:
+                return None
+            offsets.append(offset)
+            sizes.append(nbytes)
+            end_prev = offset + nbytes
+    except MemoryError:
+        raise
+    except Exception:  # noqa: BLE001 - msgpack raises many types; the full check names the problem
+        return None
+    return offsets, sizes
 
 
 def _unpacker(buf: memoryview, exts: _Exts) -> msgpack.Unpacker:

@@ -1,21 +1,24 @@
 """The index parser's fast paths accept only what its full checks accept, with the same result.
 
 ``_plain_record`` (a tensor record) and ``_map``'s first try (a msgpack map) exist for speed
-(spec/performance.md §4: the lazy reader parses every index to check the skeleton); the full
-checks name what is wrong. A fast path that accepted a record or map the full check refuses
-would let a hostile index through, so each is compared with its full check on random input.
+(spec/performance.md §4); the full checks name what is wrong. A fast path that accepted a
+record or map the full check refuses would let a hostile index through, so each is compared
+with its full check on random input. ``_record_extents`` (the lazy open's pass over a tensor
+table, G-71) may leave more to the full check, but the extents it gives are in order, inside
+the data region, and the full check's own.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import msgpack
 from helpers import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckptkit.errors import FormatError, MalformedIndex
-from ckptkit.format._section import _BadMap, _check_record, _map, _plain_record
+from ckptkit.format._section import _BadMap, _check_record, _decode_records, _map, _plain_record, _record_extents
 
 
 def _bad(problem: str, **kw: Any) -> FormatError:
@@ -56,6 +59,45 @@ def test_a_record_the_fast_path_accepts_passes_the_full_check_with_the_same_dige
     if fast is None:
         return
     assert _check_record("tensor 0", r, width, end_prev, raw_len, _bad) == fast
+
+
+@settings(max_examples=examples(2))
+@given(
+    table=st.lists(_RECORD, max_size=3),
+    legacy=st.booleans(),
+    raw_len=st.integers(0, 1 << 26),
+    shape_of_nbytes=st.booleans(),
+)
+def test_the_extents_of_the_lazy_open_are_ordered_in_bounds_and_the_full_checks_own(
+    table: list[tuple[Any, ...]], legacy: bool, raw_len: int, shape_of_nbytes: bool
+) -> None:
+    width = 4 if legacy else 5
+    records = []
+    for fields in table:
+        r = list(fields[:width])
+        if shape_of_nbytes and isinstance(r[1], list) and all(type(d) is int and d > 0 for d in r[1]):
+            n = 1
+            for d in r[1]:
+                n *= d
+            r[3] = n * {"float32": 4, "bfloat16": 2}.get(r[0], 1)
+        records.append(r)
+    try:
+        packed = memoryview(msgpack.packb(records, use_bin_type=True))
+    except OverflowError:  # an integer msgpack cannot hold: no index carries it
+        return
+    got = _record_extents(packed, raw_len, width)
+    try:
+        full = _decode_records(packed, raw_len, legacy=legacy, bad=_bad)
+    except MalformedIndex:
+        full = None
+    if full is not None:
+        assert got is None or got == (full.offsets, full.sizes)
+    if got is not None:
+        end = 0
+        for offset, nbytes in zip(*got, strict=True):
+            assert offset % 64 == 0 and offset >= end and offset + nbytes <= raw_len
+            end = offset + nbytes
+        assert len(got[0]) == len(records)
 
 
 def test_a_well_formed_record_takes_the_fast_path() -> None:
