@@ -38,6 +38,7 @@ Nothing here imports boto3 before an ``s3://`` URL is used.
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import random
 import threading
@@ -45,7 +46,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol, TypeVar
+from typing import Any, BinaryIO, Protocol, TypeVar, cast
 
 from ..errors import (
     CheckpointError,
@@ -143,6 +144,43 @@ class FileSpan:
 Body = bytes | memoryview | FileSpan
 
 
+class _Window(io.RawIOBase):
+    """Bytes ``[start, end)`` of a file as a seekable stream: a part the client reads as it sends
+    it, never whole in memory (R-O51)."""
+
+    def __init__(self, fd: int, start: int, end: int) -> None:
+        super().__init__()
+        self.fd, self.start, self.size, self.pos = fd, start, end - start, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        self.pos = max(0, offset + (0, self.pos, self.size)[whence])
+        return self.pos
+
+    def readinto(self, buf: Any) -> int:
+        view = memoryview(buf).cast("B")
+        n = max(0, min(len(view), self.size - self.pos))
+        data = os.pread(self.fd, n, self.start + self.pos)
+        view[: len(data)] = data
+        self.pos += len(data)
+        return len(data)
+
+
+def _window(data: Body, start: int, end: int) -> bytes | BinaryIO:
+    """A part's body: a stream over the file's span, or bytes of data in memory."""
+    if isinstance(data, FileSpan):
+        return cast(BinaryIO, io.BufferedReader(_Window(data.fd, start, end), 1 << 20))
+    return piece(data, start, end)
+
+
 def piece(data: Body, start: int, end: int) -> bytes:
     """``data[start:end]`` as bytes (read from the file of a :class:`FileSpan`)."""
     return data.read(start, end) if isinstance(data, FileSpan) else bytes(memoryview(data)[start:end])
@@ -155,7 +193,7 @@ class Backend(Protocol):
 
     def put(self, key: str, data: bytes, *, if_absent: bool) -> str: ...
     def start_multipart(self, key: str) -> str: ...
-    def put_part(self, key: str, upload: str, number: int, data: bytes) -> str: ...
+    def put_part(self, key: str, upload: str, number: int, data: bytes | BinaryIO) -> str: ...
     def finish_multipart(self, key: str, upload: str, etags: list[str], *, if_absent: bool) -> str: ...
     def abort_multipart(self, key: str, upload: str) -> None: ...
     def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes: ...
@@ -234,7 +272,7 @@ class S3Backend:
     def start_multipart(self, key: str) -> str:
         return str(self._call(self.client.create_multipart_upload, Key=key)["UploadId"])
 
-    def put_part(self, key: str, upload: str, number: int, data: bytes) -> str:
+    def put_part(self, key: str, upload: str, number: int, data: bytes | BinaryIO) -> str:
         r = self._call(self.client.upload_part, Key=key, UploadId=upload, PartNumber=number, Body=data)
         return str(r["ETag"])
 
@@ -497,9 +535,11 @@ class ObjectStore:
 
             def part(n: int) -> str:
                 a, b = spans[n]
-                chunk = piece(data, a, b)
-                return self._retry(
-                    f"part {n + 1}", key, lambda: self.backend.put_part(key, upload, n + 1, chunk), writing=True
+                return self._retry(  # a fresh stream for each attempt
+                    f"part {n + 1}",
+                    key,
+                    lambda: self.backend.put_part(key, upload, n + 1, _window(data, a, b)),
+                    writing=True,
                 )
 
             etags = _parallel(part, len(spans))
