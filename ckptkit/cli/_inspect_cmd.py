@@ -86,9 +86,9 @@ def run(args: argparse.Namespace) -> int:
 
         return inspect_distributed(args.path, args.json, _size)
     if is_url(args.path):
-        from ._remote import fetch_checkpoint
+        from ..format._remote import remote_source
 
-        opened = Source(args.path, data=fetch_checkpoint(args.path))
+        opened = remote_source(args.path)
     else:
         opened = Source(args.path)
     with opened as src:

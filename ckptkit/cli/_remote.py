@@ -11,14 +11,15 @@ import os
 from typing import Any
 
 from ..errors import CheckpointNotFound, FormatError, IncompleteCheckpoint
-from ..format._commit import RECORD_SUFFIX, fetch, listing, read_record
-from ..format._container import Source
+from ..format._commit import RECORD_SUFFIX, Entry, listing, read_record
+from ..format._io import Source
 from ..format._objectstore import ObjectStore, store_for
+from ..format._remote import fetched
 from ..format._urls import StorageURL, parse
 from ..format._verify import Report, layout_report, verify_source
 from ..run._files import CKPT_SUFFIX, DCP_SUFFIX
 
-__all__ = ["fetch_checkpoint", "inspect_distributed", "verify_urls"]
+__all__ = ["inspect_distributed", "verify_urls"]
 
 
 def verify_urls(urls: list[str]) -> list[Report]:
@@ -57,17 +58,22 @@ def _verify_checkpoint(store: ObjectStore, base: StorageURL, name: str) -> list[
     for entry in entries:
         where = str(base.child(entry.key))
         try:
-            data = fetch(store, base, entry)
+            src = fetched(store, base, entry)
         except (IncompleteCheckpoint, FormatError) as err:
             out.append(layout_report(where, entry.size, None, err, 0))
             continue
-        if entry.key == name and name.endswith(DCP_SUFFIX):
-            out.append(_verify_distributed(where, entry.size))
-        elif entry.key == name:
-            out.append(verify_source(where, Source(where, data=data)))
-        else:
-            out.append(Report(where, True, None, None, None, (), False, (), (), entry.size, entry.size, kind="object"))
+        with src:
+            out.append(_verify_object(where, entry, src, name))
     return out
+
+
+def _verify_object(where: str, entry: Entry, src: Source, name: str) -> Report:
+    """The report of one listed object, its size and digest checked already (R-O14)."""
+    if entry.key == name and name.endswith(DCP_SUFFIX):
+        return _verify_distributed(where, entry.size)
+    if entry.key == name:
+        return verify_source(where, src)
+    return Report(where, True, None, None, None, (), False, (), (), entry.size, entry.size, kind="object")
 
 
 def _verify_distributed(where: str, size: int) -> Report:
@@ -112,10 +118,3 @@ def inspect_distributed(text: str, as_json: bool, size: Any) -> int:
         return inspect_directory(os.path.join(tmp, remote.name), as_json, size, shown=remote.url)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def fetch_checkpoint(text: str) -> bytes:
-    """The committed checkpoint object at ``text`` (``inspect``), its record's size and digest checked."""
-    from ..format._remote import get_checkpoint
-
-    return get_checkpoint(text)

@@ -27,19 +27,20 @@ from typing import TypeVar
 
 from ..errors import IncompleteCheckpoint, UnsupportedOption
 from ..format._commit import Entry, Written, begin, fetch, finish, put_objects, read_record
-from ..format._objectstore import ObjectStore
+from ..format._objectstore import Body, FileSpan, ObjectStore
 from ..format._remote import locate
 from ..format._urls import StorageURL
 from ._format import METADATA_NAME, DirMetadata, data_name
 
 T = TypeVar("T")
+U = TypeVar("U")
 
 __all__ = [
     "RemoteCheckpoint",
     "check_listed",
     "discard",
-    "file_bytes",
     "local_name",
+    "put_file",
     "refuse_local_companions",
     "scratch",
 ]
@@ -84,18 +85,21 @@ class RemoteCheckpoint:
         """
         begin(self.store, self.base, self.name)
 
-    def put_rank(self, rank: int, data: bytes | memoryview) -> Written:
+    def put_rank(self, rank: int, data: Body) -> Written:
         """Rank ``rank``'s data file, as its object (conditional put)."""
         return put_objects(self.store, self.base, self.name, [(self.rank_key(rank), data)])[0]
 
-    def commit(self, metadata: bytes, companions: Mapping[str, bytes], ranks: Sequence[Written]) -> None:
+    def commit(self, metadata: Body, companions: Mapping[str, bytes], ranks: Sequence[Written]) -> None:
         """The coordinator: the metadata and companions as objects, then the one record listing every object.
 
         Raises:
             CommitConflict: another writer created or replaced one of them (R-O11); nothing committed.
             SaveFailed: a put failed; nothing committed.
         """
-        mine = [(self.name, metadata), *((f"{self.name}.{s}", b) for s, b in sorted(companions.items()))]
+        mine: list[tuple[str, Body]] = [
+            (self.name, metadata),
+            *((f"{self.name}.{s}", b) for s, b in sorted(companions.items())),
+        ]
         written = put_objects(self.store, self.base, self.name, mine)
         finish(self.store, self.base, self.name, [*written, *ranks])
 
@@ -126,11 +130,9 @@ class RemoteCheckpoint:
                 f"{self.url}; a checkpoint's objects are exactly those its record lists (R-O31)",
                 (key,),
             )
-        data = fetch(self.store, self.base, entry)
         path = os.path.join(into, local_name(self.name, key))
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "wb") as f:
-            f.write(data)
+        fetch(self.store, self.base, entry, path)
         return path
 
     def fetch_all(self, into: str) -> str:
@@ -175,14 +177,15 @@ def discard(path: str | None) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def file_bytes(write: Callable[[str], T], name: str) -> tuple[T, bytes]:
-    """What ``write(directory)`` returns and the bytes of the file ``name`` it wrote there: the
-    local format's writer, for an object (in a private directory, removed after)."""
+def put_file(write: Callable[[str], T], name: str, put: Callable[[Body], U]) -> tuple[T, U]:
+    """What ``write(directory)`` returns and what ``put`` returns for the file ``name`` it wrote
+    there, read a part at a time as it goes up (R-O51): the local format's writer, for an object
+    (in a private directory, removed after)."""
     local = scratch()
     try:
         result = write(local)
         with open(os.path.join(local, name), "rb") as f:
-            return result, f.read()
+            return result, put(FileSpan(f.fileno(), os.fstat(f.fileno()).st_size))
     finally:
         discard(local)
 

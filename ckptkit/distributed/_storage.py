@@ -91,7 +91,7 @@ from ._format import (
     write_data_file,
     write_metadata,
 )
-from ._objects import RemoteCheckpoint, check_listed, discard, file_bytes, refuse_local_companions, scratch
+from ._objects import RemoteCheckpoint, check_listed, discard, put_file, refuse_local_companions, scratch
 
 __all__ = ["LoadPlanner", "Reader", "Writer", "logical_state", "read_chunk"]
 
@@ -283,8 +283,11 @@ class Writer(StorageWriter, _Recorder):
         put as the rank's object, whose ``(entry, ETag)`` goes to the coordinator (R-O30)."""
         if self.remote is None:
             return (*write_data_file(into, rank, world, chunks), None)
-        (rank_file, placed), data = file_bytes(lambda d: write_data_file(d, rank, world, chunks), data_name(rank))
-        return rank_file, placed, self.remote.put_rank(rank, data)
+        remote = self.remote
+        (rank_file, placed), written = put_file(
+            lambda d: write_data_file(d, rank, world, chunks), data_name(rank), lambda body: remote.put_rank(rank, body)
+        )
+        return rank_file, placed, written
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Commit: every rank's file is durable (its write_data returned); write the metadata last,
@@ -301,11 +304,13 @@ class Writer(StorageWriter, _Recorder):
             raise self._record(e) from None
 
     def _commit_remote(self, md: DirMetadata, results: list[list[WriteResult]]) -> None:
-        """The metadata's bytes (written locally, then read), then the one record over every rank's object."""
-        assert self.remote is not None
+        """The metadata (written locally, then uploaded), then the one record over every rank's object."""
+        remote = self.remote
+        assert remote is not None
         ranks = [wr.storage_data[4] for rr in results for wr in rr if wr.storage_data[0] == "file"]
-        _none, data = file_bytes(lambda d: write_metadata(d, md), METADATA_NAME)
-        self.remote.commit(data, self.companions, ranks)
+        put_file(
+            lambda d: write_metadata(d, md), METADATA_NAME, lambda body: remote.commit(body, self.companions, ranks)
+        )
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)

@@ -206,9 +206,9 @@ def load(
         >>> load("run/step-00000100.ckpt", into={"model": {"net": net.state_dict()}})  # doctest: +SKIP
     """
     if is_url(path):
-        from ._remote import get_checkpoint
+        from ._remote import remote_source
 
-        opened = Source(os.fspath(path), data=get_checkpoint(path))
+        opened = remote_source(path)
     else:
         opened = Source(path)
     try:

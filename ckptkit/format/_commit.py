@@ -5,13 +5,16 @@ A checkpoint named ``N`` under a prefix is its data objects (``N`` and its compa
 ``N.commit.json``, written once with ``If-None-Match: *``: the record lists every
 object's key, size and xxh3-64, and its creation is the commit (spec/objectstore.md
 R-O10..R-O19). A reader trusts only what a record lists and checks every object's size
-and digest as it reads it; objects without a record are an incomplete save, which the
+and digest as it reads it; objects go up from and come down into files a part at a time, never
+whole in memory (R-O51); objects without a record are an incomplete save, which the
 next save of that name removes. Retention removes the record first, then the objects.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -23,7 +26,7 @@ import xxhash
 from ..errors import CheckpointNotFound, ChecksumMismatch, CommitConflict, FormatError, IncompleteCheckpoint
 from ._checks import is_int
 from ._json import loads_bounded
-from ._objectstore import ObjectStore
+from ._objectstore import Body, FileSpan, ObjectStore, piece
 from ._urls import StorageURL
 
 __all__ = [
@@ -36,11 +39,12 @@ __all__ = [
     "commit",
     "decode_record",
     "encode_record",
+    "fetch",
+    "fetch_committed",
     "finish",
     "leftovers",
     "listing",
     "put_objects",
-    "read_committed",
     "read_record",
     "remove",
     "sweep",
@@ -164,7 +168,7 @@ def _key(base: StorageURL, name: str) -> str:
 # ---------------------------------------------------------------------- writing
 
 
-def commit(store: ObjectStore, base: StorageURL, name: str, objects: Sequence[tuple[str, bytes | memoryview]]) -> None:
+def commit(store: ObjectStore, base: StorageURL, name: str, objects: Sequence[tuple[str, Body]]) -> None:
     """Write checkpoint ``name`` under ``base``: its objects (the first named ``name``), then its record.
 
     A committed ``name`` is never touched; what an interrupted save of ``name`` left is removed
@@ -203,10 +207,8 @@ def begin(store: ObjectStore, base: StorageURL, name: str) -> None:
 Written = tuple[Entry, str]
 
 
-def put_objects(
-    store: ObjectStore, base: StorageURL, name: str, objects: Sequence[tuple[str, bytes | memoryview]]
-) -> list[Written]:
-    """Put each ``(key relative to base, bytes)`` with a conditional put (R-O11), in order.
+def put_objects(store: ObjectStore, base: StorageURL, name: str, objects: Sequence[tuple[str, Body]]) -> list[Written]:
+    """Put each ``(key relative to base, bytes or a file's span)`` with a conditional put (R-O11), in order.
 
     Several writers of one checkpoint (the ranks of a distributed save, R-O30) each put theirs
     and hand the result to the one that calls :func:`finish`.
@@ -219,7 +221,7 @@ def put_objects(
     try:
         for rel, data in objects:
             etag = store.put(_key(base, rel), data, if_absent=True)
-            written.append((Entry(rel, len(data), xxhash.xxh3_64_intdigest(data)), etag))
+            written.append((Entry(rel, len(data), _xxh3(data, store.part_size)), etag))
     except CommitConflict as e:  # nothing removed: on a conflict, a key may be the winner's now
         raise _conflict(store, base, name, e) from None
     except Exception:
@@ -362,45 +364,46 @@ def read_record(store: ObjectStore, base: StorageURL, name: str) -> list[Entry]:
     return decode_record(data, store.url(key), name)
 
 
-def read_committed(
-    store: ObjectStore, base: StorageURL, name: str, only: Iterable[str] | None = None
-) -> dict[str, bytes]:
-    """The objects ``name``'s record lists (``only``: those of them), each checked (R-O14).
+def fetch_committed(store: ObjectStore, base: StorageURL, name: str, into: str) -> None:
+    """Every object ``name``'s record lists, each checked (R-O14), into a file of its key's name in
+    the directory ``into``.
 
     Raises:
         IncompleteCheckpoint: no record, or a listed object is missing (named).
         ChecksumMismatch, FormatError: an object's size or xxh3-64 differs from its record's (named).
     """
-    entries = read_record(store, base, name)
-    wanted = None if only is None else set(only)
-    out: dict[str, bytes] = {}
-    for e in entries:
-        if wanted is None or e.key in wanted:
-            out[e.key] = fetch(store, base, e)
-    return out
+    for e in read_record(store, base, name):
+        fetch(store, base, e, os.path.join(into, e.key))
 
 
-def fetch(store: ObjectStore, base: StorageURL, e: Entry) -> bytes:
-    """One listed object's bytes, its size and digest checked against the record (R-O14).
+def fetch(store: ObjectStore, base: StorageURL, e: Entry, path: str) -> None:
+    """One listed object into the new file ``path``, a part at a time (R-O51), its size and digest
+    checked against the record (R-O14); a failed check leaves no file.
 
     A size above the part size is compared with the object's (one HEAD) before its ranges are
-    read, so a record that declares 2^64 bytes allocates nothing (R-O47).
+    read, so a record that declares 2^64 bytes writes nothing (R-O47).
 
     Raises:
         IncompleteCheckpoint: the object is missing.
         FormatError, ChecksumMismatch: its size or bytes differ from its entry's.
     """
     url = store.url(_key(base, e.key))
+    if e.size > store.part_size:
+        _check_size(url, e.key, e.size, store.head(_key(base, e.key)))
     try:
-        if e.size > store.part_size:
-            _check_size(url, e.key, e.size, store.head(_key(base, e.key)))
-        data = store.get(_key(base, e.key), e.size)
-    except CheckpointNotFound:
-        data = None
-    _check_size(url, e.key, e.size, None if data is None else len(data))
-    assert data is not None
-    digest = xxhash.xxh3_64_intdigest(data)
+        with open(path, "w+b") as f:  # read back for its digest
+            try:
+                got: int | None = store.get_into(_key(base, e.key), e.size, f.fileno())
+            except CheckpointNotFound:
+                got = None
+            _check_size(url, e.key, e.size, got)
+            digest = _xxh3(FileSpan(f.fileno(), e.size), store.part_size)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        raise
     if digest != e.xxh3:
+        os.unlink(path)
         raise ChecksumMismatch(
             "object bytes differ from its commit record",
             path=url,
@@ -409,7 +412,16 @@ def fetch(store: ObjectStore, base: StorageURL, e: Entry) -> bytes:
             actual=f"{digest:016x}",
             hint="the object was changed after its commit; use another checkpoint",
         )
-    return data
+
+
+def _xxh3(data: Body, chunk: int) -> int:
+    """The xxh3-64 of ``data``, read ``chunk`` bytes at a time (a file's span is never whole in memory)."""
+    if not isinstance(data, FileSpan):
+        return xxhash.xxh3_64_intdigest(data)
+    h = xxhash.xxh3_64()
+    for start in range(0, len(data), chunk):
+        h.update(piece(data, start, min(start + chunk, len(data))))
+    return h.intdigest()
 
 
 def _check_size(url: str, key: str, listed: int, size: int | None) -> None:

@@ -79,15 +79,9 @@ def _open_source(path: str) -> Source:
     against its record, R-O14) in an unlinked temporary file, so that tensors map it as a file's."""
     if not is_url(path):
         return Source(path)
-    from ._remote import get_checkpoint, spool
+    from ._remote import remote_source
 
-    tmp = spool(get_checkpoint(path))
-    try:
-        src = Source(tmp)
-    finally:
-        os.unlink(tmp)
-    src.path = path
-    return src
+    return remote_source(path)
 
 
 class LazyCheckpoint:

@@ -16,7 +16,8 @@ Two layers (spec/objectstore.md):
 - :class:`ObjectStore` turns them into ckptkit's: transient failures of every request
   (LIST, GET, HEAD, PUT, DELETE) are retried with capped, jittered exponential backoff
   (R-O20, R-O50), large objects go up as parallel multipart uploads
-  and come down as parallel ranged reads (R-O21), and what is left is a ``SaveFailed``,
+  and come down as parallel ranged reads (R-O21), each part read from or written into a file
+  as it goes, so no object is ever whole in memory (R-O51), and what is left is a ``SaveFailed``,
   ``UnreadableFile``, ``CheckpointNotFound`` or :class:`~ckptkit.errors.CommitConflict`
   that names the object; a read whose every attempt failed transiently is one kind of
   ``UnreadableFile`` of its own, which a resume does not take for damage (R-O50)::
@@ -37,6 +38,7 @@ Nothing here imports boto3 before an ``s3://`` URL is used.
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import random
 import threading
@@ -44,7 +46,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol, TypeVar
+from typing import Any, BinaryIO, Protocol, TypeVar, cast
 
 from ..errors import (
     CheckpointError,
@@ -60,6 +62,8 @@ __all__ = [
     "PROBE_PREFIX",
     "SINGLE_WRITER_ENV",
     "Backend",
+    "Body",
+    "FileSpan",
     "ObjectMissing",
     "ObjectStore",
     "RequestRefused",
@@ -69,6 +73,7 @@ __all__ = [
     "TransientFault",
     "WriteConflict",
     "intercept",
+    "piece",
     "single_writer_vouched",
     "store_for",
 ]
@@ -76,8 +81,11 @@ __all__ = [
 T = TypeVar("T")
 
 #: Objects larger than this go up in parts of this size, in parallel (R-O21); S3's minimum part is 5 MiB.
+#: At most ``_THREADS`` parts are in memory at once: a transfer's bound (R-O51).
 PART_SIZE = 64 << 20
 _THREADS = 8
+#: A download is written into its file in pieces of this size, as they come off the connection.
+_CHUNK = 1 << 20
 #: Set to ``1``, the user vouches that one job at a time writes to the store: its conditional
 #: writes are not checked (R-O49), and a run records that it relied on the promise.
 SINGLE_WRITER_ENV = "CKPTKIT_SINGLE_WRITER_STORE"
@@ -112,6 +120,72 @@ class StoreUnavailable(UnreadableFile):
     take the object for damaged and fall back to an older checkpoint."""
 
 
+class FileSpan:
+    """The first ``size`` bytes of an open file as an object's body: read a part at a time, when
+    that part goes up, never whole (R-O51). The caller keeps ``fd`` open while it is put."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        self.fd, self.size = fd, size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def read(self, start: int, end: int) -> bytes:
+        out = os.pread(self.fd, end - start, start)
+        while len(out) < end - start:  # a short read of a regular file: read on
+            more = os.pread(self.fd, end - start - len(out), start + len(out))
+            if not more:
+                raise SaveFailed(f"a file being uploaded shrank: it ends at {start + len(out)}, before {end}")
+            out += more
+        return out
+
+
+#: What a put uploads: bytes in memory (run records, a lease, a probe), or a file's (a checkpoint).
+Body = bytes | memoryview | FileSpan
+
+
+class _Window(io.RawIOBase):
+    """Bytes ``[start, end)`` of a file as a seekable stream: a part the client reads as it sends
+    it, never whole in memory (R-O51)."""
+
+    def __init__(self, fd: int, start: int, end: int) -> None:
+        super().__init__()
+        self.fd, self.start, self.size, self.pos = fd, start, end - start, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        self.pos = max(0, offset + (0, self.pos, self.size)[whence])
+        return self.pos
+
+    def readinto(self, buf: Any) -> int:
+        view = memoryview(buf).cast("B")
+        n = max(0, min(len(view), self.size - self.pos))
+        data = os.pread(self.fd, n, self.start + self.pos)
+        view[: len(data)] = data
+        self.pos += len(data)
+        return len(data)
+
+
+def _window(data: Body, start: int, end: int) -> bytes | BinaryIO:
+    """A part's body: a stream over the file's span, or bytes of data in memory."""
+    if isinstance(data, FileSpan):
+        return cast(BinaryIO, io.BufferedReader(_Window(data.fd, start, end), 1 << 20))
+    return piece(data, start, end)
+
+
+def piece(data: Body, start: int, end: int) -> bytes:
+    """``data[start:end]`` as bytes (read from the file of a :class:`FileSpan`)."""
+    return data.read(start, end) if isinstance(data, FileSpan) else bytes(memoryview(data)[start:end])
+
+
 class Backend(Protocol):
     """One request per call against one bucket; failures are the four classes above."""
 
@@ -119,10 +193,11 @@ class Backend(Protocol):
 
     def put(self, key: str, data: bytes, *, if_absent: bool) -> str: ...
     def start_multipart(self, key: str) -> str: ...
-    def put_part(self, key: str, upload: str, number: int, data: bytes) -> str: ...
+    def put_part(self, key: str, upload: str, number: int, data: bytes | BinaryIO) -> str: ...
     def finish_multipart(self, key: str, upload: str, etags: list[str], *, if_absent: bool) -> str: ...
     def abort_multipart(self, key: str, upload: str) -> None: ...
     def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes: ...
+    def get_into(self, key: str, fd: int, start: int | None = None, end: int | None = None) -> int: ...
     def read(self, key: str) -> tuple[bytes, str]: ...
     def replace(self, key: str, data: bytes, etag: str) -> str: ...
     def delete_if(self, key: str, etag: str) -> None: ...
@@ -197,7 +272,7 @@ class S3Backend:
     def start_multipart(self, key: str) -> str:
         return str(self._call(self.client.create_multipart_upload, Key=key)["UploadId"])
 
-    def put_part(self, key: str, upload: str, number: int, data: bytes) -> str:
+    def put_part(self, key: str, upload: str, number: int, data: bytes | BinaryIO) -> str:
         r = self._call(self.client.upload_part, Key=key, UploadId=upload, PartNumber=number, Body=data)
         return str(r["ETag"])
 
@@ -219,6 +294,19 @@ class S3Backend:
             return bytes(body.read())
         except Exception as e:
             raise _classify(e) from e
+
+    def get_into(self, key: str, fd: int, start: int | None = None, end: int | None = None) -> int:
+        """The object's bytes ``[start, end)`` (None: all of it) written into the file ``fd`` at
+        offset ``start``, read off the connection :data:`_CHUNK` bytes at a time; how many."""
+        extra = {} if start is None else {"Range": f"bytes={start}-{'' if end is None else end - 1}"}
+        body = self._call(self.client.get_object, Key=key, **extra)["Body"]
+        done = 0
+        try:
+            for chunk in body.iter_chunks(_CHUNK):
+                done += _write_at(fd, chunk, (start or 0) + done)
+        except Exception as e:
+            raise _classify(e) from e
+        return done
 
     def read(self, key: str) -> tuple[bytes, str]:
         """The whole object and the ETag of exactly those bytes (one GET)."""
@@ -290,7 +378,8 @@ def store_for(url: StorageURL) -> ObjectStore:
     backend: Backend = client
     for wrap in _WRAP:
         backend = wrap(backend)
-    return ObjectStore(backend, url.scheme, probe=client)  # the check talks to the store itself (R-O49)
+    # PART_SIZE as it is now (a test sets it); the check talks to the store itself (R-O49).
+    return ObjectStore(backend, url.scheme, part_size=PART_SIZE, probe=client)
 
 
 class ObjectStore:
@@ -342,8 +431,9 @@ class ObjectStore:
 
     # ------------------------------------------------------------------ writes
 
-    def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> str:
+    def put(self, key: str, data: Body, *, if_absent: bool = False) -> str:
         """Create (``if_absent``: only create, R-O11) the object ``key`` holding ``data``; its ETag.
+        Above the part size it goes up in parts, each read when it is sent (R-O21, R-O51).
 
         A conditional put retried after a transient failure may meet its own first attempt,
         which the store carried out before the connection dropped: a conflict is then ours
@@ -354,7 +444,7 @@ class ObjectStore:
         attempt = self._own_retry(key, data)
         if len(data) > self.part_size:
             return self._put_parts(key, data, if_absent, attempt)
-        body = bytes(data)
+        body = piece(data, 0, len(data))
         return self._retry(
             "put", key, lambda: attempt(lambda: self.backend.put(key, body, if_absent=if_absent)), writing=True
         )
@@ -400,7 +490,7 @@ class ObjectStore:
                 "(ckptkit train --single-writer-store)"
             )
 
-    def _own_retry(self, key: str, data: bytes | memoryview) -> Callable[[Callable[[], str]], str]:
+    def _own_retry(self, key: str, data: Body) -> Callable[[Callable[[], str]], str]:
         """Runs a conditional write's attempts: a conflict met by a retry is the write's own first
         attempt when the object holds exactly ``data`` (R-O20)."""
         tried = [False]
@@ -421,26 +511,35 @@ class ObjectStore:
         """The object's ETag (what a put of it returned), or None when there is none."""
         return self._retry("head", key, lambda: self.backend.etag(key), writing=False)
 
-    def _holds(self, key: str, data: bytes | memoryview) -> bool:
+    def _holds(self, key: str, data: Body) -> bool:
+        """The object ``key`` is exactly ``data``, compared a part at a time."""
+
+        def same(a: int, b: int) -> bool:
+            return self._retry("get", key, lambda: self.backend.get(key, a, b), writing=False) == piece(data, a, b)
+
         try:
-            return self.head(key) == len(data) and self.get(key, len(data)) == bytes(data)
+            return self.head(key) == len(data) and all(same(a, b) for a, b in self._spans(len(data)))
         except (TransientFault, ObjectMissing, RequestRefused, CheckpointError):
             return False
 
-    def _put_parts(
-        self, key: str, data: bytes | memoryview, if_absent: bool, attempt: Callable[[Callable[[], str]], str]
-    ) -> str:
-        """A multipart upload of ``data``, its parts in parallel, completed conditionally."""
-        view = memoryview(data)
+    def _spans(self, size: int) -> list[tuple[int, int]]:
+        """``[start, end)`` of each part of an object of ``size`` bytes."""
+        return [(i, min(i + self.part_size, size)) for i in range(0, size, self.part_size)]
+
+    def _put_parts(self, key: str, data: Body, if_absent: bool, attempt: Callable[[Callable[[], str]], str]) -> str:
+        """A multipart upload of ``data``, its parts in parallel, each read as it goes (R-O51),
+        completed conditionally."""
         upload = self._retry("start upload", key, lambda: self.backend.start_multipart(key), writing=True)
         try:
-            spans = [(i, min(i + self.part_size, len(view))) for i in range(0, len(view), self.part_size)]
+            spans = self._spans(len(data))
 
             def part(n: int) -> str:
                 a, b = spans[n]
-                chunk = bytes(view[a:b])
-                return self._retry(
-                    f"part {n + 1}", key, lambda: self.backend.put_part(key, upload, n + 1, chunk), writing=True
+                return self._retry(  # a fresh stream for each attempt
+                    f"part {n + 1}",
+                    key,
+                    lambda: self.backend.put_part(key, upload, n + 1, _window(data, a, b)),
+                    writing=True,
                 )
 
             etags = _parallel(part, len(spans))
@@ -457,17 +556,24 @@ class ObjectStore:
 
     # ------------------------------------------------------------------ reads
 
-    def get(self, key: str, size: int | None = None) -> bytes:
-        """The object's bytes; ``size`` known (from a commit record): large ones in parallel ranges."""
-        if size is None or size <= self.part_size:
-            return self._retry("get", key, lambda: self.backend.get(key), writing=False)
-        spans = [(i, min(i + self.part_size, size)) for i in range(0, size, self.part_size)]
+    def get(self, key: str) -> bytes:
+        """A small object's bytes (a record, a run's history, a lease): one GET."""
+        return self._retry("get", key, lambda: self.backend.get(key), writing=False)
 
-        def piece(n: int) -> bytes:
+    def get_into(self, key: str, size: int, fd: int) -> int:
+        """The object's bytes written into the open file ``fd`` from its start, ``size`` known (from
+        a commit record): above the part size in parallel ranges, each written where it belongs as
+        it comes off the connection, so no more than a piece per thread is ever in memory (R-O21,
+        R-O51). Returns the number of bytes written: other than ``size`` when the object is."""
+        if size <= self.part_size:
+            return self._retry("get", key, lambda: self.backend.get_into(key, fd), writing=False)
+        spans = self._spans(size)
+
+        def fill(n: int) -> int:
             a, b = spans[n]
-            return self._retry(f"range {a}-{b}", key, lambda: self.backend.get(key, a, b), writing=False)
+            return self._retry(f"range {a}-{b}", key, lambda: self.backend.get_into(key, fd, a, b), writing=False)
 
-        return b"".join(_parallel(piece, len(spans)))
+        return sum(_parallel(fill, len(spans)))
 
     def read(self, key: str) -> tuple[bytes, str]:
         """A small object's bytes and the ETag of exactly those bytes (for a later ``replace``)."""
@@ -543,6 +649,14 @@ def _exhausted(message: str, writing: bool) -> Exception:
     """The error of a request whose every attempt failed transiently (R-O20, R-O50)."""
     message += "; the store is throttling (503 SlowDown) or failing (R-O50): try again once it answers"
     return SaveFailed(message) if writing else StoreUnavailable(message)
+
+
+def _write_at(fd: int, data: bytes, offset: int) -> int:
+    """All of ``data`` into ``fd`` at ``offset``; its length."""
+    view, done = memoryview(data), 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
+    return done
 
 
 def _parallel(fn: Callable[[int], T], n: int) -> list[T]:

@@ -10,17 +10,18 @@ are then checked as for a local file.
 
 from __future__ import annotations
 
-import mmap
 import os
+import shutil
 import tempfile
 from collections.abc import Callable
 from typing import BinaryIO
 
-from ._commit import commit, read_committed
-from ._objectstore import ObjectStore, store_for
+from ._commit import Entry, commit, fetch, read_record
+from ._io import Source
+from ._objectstore import FileSpan, ObjectStore, store_for
 from ._urls import StorageURL, parse
 
-__all__ = ["get_checkpoint", "locate", "put_checkpoint", "spool"]
+__all__ = ["fetched", "locate", "put_checkpoint", "remote_source"]
 
 
 def locate(path: str | os.PathLike[str]) -> tuple[ObjectStore, StorageURL, str]:
@@ -38,7 +39,8 @@ def locate(path: str | os.PathLike[str]) -> tuple[ObjectStore, StorageURL, str]:
 
 
 def put_checkpoint(path: str | os.PathLike[str], write: Callable[[BinaryIO], object]) -> None:
-    """Write a checkpoint through ``write(f)`` into a temporary file, then commit it at ``path``.
+    """Write a checkpoint through ``write(f)`` into a temporary file, then commit it at ``path``,
+    uploaded from the file a part at a time (R-O51).
 
     Raises:
         CommitConflict: a checkpoint is committed at ``path`` already (R-O11).
@@ -48,16 +50,12 @@ def put_checkpoint(path: str | os.PathLike[str], write: Callable[[BinaryIO], obj
     with tempfile.TemporaryFile(prefix="ckptkit-") as f:
         write(f)
         f.flush()
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:  # a container is never empty
-            data = memoryview(view)
-            try:
-                commit(store, base, name, [(name, data)])
-            finally:
-                data.release()
+        commit(store, base, name, [(name, FileSpan(f.fileno(), os.fstat(f.fileno()).st_size))])
 
 
-def get_checkpoint(path: str | os.PathLike[str]) -> bytes:
-    """The committed checkpoint object at ``path``, its size and digest checked (R-O14).
+def remote_source(path: str | os.PathLike[str]) -> Source:
+    """The committed checkpoint object at ``path``, its size and digest checked (R-O14), as a
+    :class:`Source` named by the URL (see :func:`fetched`).
 
     Raises:
         CheckpointNotFound: nothing is at ``path``.
@@ -66,16 +64,23 @@ def get_checkpoint(path: str | os.PathLike[str]) -> bytes:
         ChecksumMismatch, FormatError: the object or its record is damaged (named).
     """
     store, base, name = locate(path)
-    return read_committed(store, base, name, only=[name])[name]
+    entry = next(e for e in read_record(store, base, name) if e.key == name)  # listed first (R-O13)
+    return fetched(store, base, entry)
 
 
-def spool(data: bytes) -> str:
-    """``data`` in a new temporary file (for a reader that maps a file); the caller unlinks it."""
-    fd, tmp = tempfile.mkstemp(prefix="ckptkit-", suffix=".ckpt")
+def fetched(store: ObjectStore, base: StorageURL, entry: Entry) -> Source:
+    """The listed object ``entry``, checked (R-O14), streamed into an unlinked temporary file
+    (R-O51) that the returned :class:`Source` reads and maps as a local file's; named by its URL.
+
+    Raises:
+        IncompleteCheckpoint, ChecksumMismatch, FormatError: as :func:`~ckptkit.format._commit.fetch`.
+    """
+    folder = tempfile.mkdtemp(prefix="ckptkit-")
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-    return tmp
+        path = os.path.join(folder, "object")
+        fetch(store, base, entry, path)
+        src = Source(path)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    src.path = str(base.child(entry.key))
+    return src

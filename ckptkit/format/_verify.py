@@ -92,19 +92,14 @@ def verify(path: str | os.PathLike[str]) -> Report:
         (True, 100)
     """
     path = os.fspath(path)
+    from ._remote import remote_source  # boto3 only once an s3:// URL is used
+
     try:
-        opened = _remote_source(path) if is_url(path) else Source(path)
+        opened = remote_source(path) if is_url(path) else Source(path)
     except (UnreadableFile, IncompleteCheckpoint, FormatError) as e:
         return layout_report(path, 0, None, e, 0)
     with opened as src:
         return verify_source(path, src)
-
-
-def _remote_source(url: str) -> Source:
-    """The committed object at ``url`` (its record's size and digest checked, R-O14)."""
-    from ._remote import get_checkpoint
-
-    return Source(url, data=get_checkpoint(url))
 
 
 def verify_source(path: str, src: Source) -> Report:

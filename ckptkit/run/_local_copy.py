@@ -4,7 +4,7 @@ The commands that read a recorded run -- ``ckptkit diff``, ``plot`` and ``replay
 local files. An ``s3://`` argument is turned into such files once, at the command's
 entry, by the commit engine (spec/objectstore.md R-O40..R-O44): each checkpoint chosen is
 read through its commit record, every object's size and xxh3-64 checked
-(:func:`ckptkit.format._commit.read_committed`), and written under a private temporary
+(:func:`ckptkit.format._commit.fetch_committed`), and written under a private temporary
 directory that stands for the URL while the command runs; the run's records
 (``environment.json``, ``history.jsonl``, ``config.json``) come along as whole objects.
 An object without a record is never copied, nor is the run's lease (spec/lease.md R-LS09).
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from ..distributed._objects import RemoteCheckpoint
 from ..errors import CheckpointNotFound
-from ..format._commit import RECORD_SUFFIX, read_committed, read_record
+from ..format._commit import RECORD_SUFFIX, fetch_committed, read_record
 from ..format._objectstore import ObjectStore, store_for
 from ..format._urls import StorageURL, parse
 from ._files import DCP_SUFFIX, ENVIRONMENT_FILE, step_of
@@ -121,7 +121,7 @@ def _copy_run(store: ObjectStore, url: StorageURL, here: str, names: set[str], s
         if name.endswith(DCP_SUFFIX):  # a distributed step: its objects become the step-N.dcp/ directory
             RemoteCheckpoint(str(url.child(name)), store, url, name).fetch_all(here)
         else:
-            _write(here, read_committed(store, url, name))
+            fetch_committed(store, url, name, here)
     records = tuple(r for r in RUN_RECORDS if r in names)
     for r in records:
         _write(here, {r: store.get(url.child(r).key)})
@@ -142,10 +142,9 @@ def _copy_object(store: ObjectStore, url: StorageURL, base: str) -> Copied:
             return Copied(str(url), os.path.join(base, name), (), (name,))
         read_record(store, parent, name)  # the engine's refusal: no such checkpoint, or not committed (R-O15)
         owner = name  # its record appeared since the HEAD
-    files = read_committed(store, parent, owner)
-    if name not in files:
+    if name not in {e.key for e in read_record(store, parent, owner)}:
         raise CheckpointNotFound(f"{url}: not an object of {owner}, whose commit record does not list it")
-    _write(base, files)
+    fetch_committed(store, parent, owner, base)
     return Copied(str(url), os.path.join(base, name), (owner,), ())
 
 

@@ -26,8 +26,8 @@ from ..distributed._objects import RemoteCheckpoint
 from ..errors import CheckpointError, CheckpointNotFound
 from ..format._asyncsave import AsyncSaver
 from ..format._checkpoint import Checkpoint, save
-from ..format._commit import RECORD_SUFFIX, listing, read_committed, remove, sweep
-from ..format._objectstore import PROBE_PREFIX, store_for
+from ..format._commit import RECORD_SUFFIX, commit, fetch_committed, listing, remove, sweep
+from ..format._objectstore import PROBE_PREFIX, Body, FileSpan, store_for
 from ..format._sidecar import sidecar_path
 from ..format._snapshot import Snapshot, read_snapshot, snapshot_path
 from ..format._urls import parse
@@ -233,15 +233,14 @@ class ObjectRunStore(RunObjects):
             record = write_companions(here, step, config, sidecars)
             save(here, bind(ckpt, record), compression=self.compression)
             parts = [name, os.path.basename(snapshot_path(here)), *(f"{name}.{kind}" for kind in sorted(sidecars))]
-            objects = []
-            for part in parts:
-                with open(os.path.join(self.work_dir, part), "rb") as f:
-                    objects.append((part, f.read()))
-            from ..format._commit import commit
-
             self._upload_history()  # before the record: a commit never outruns its rows (R-O37)
             self._replace(name)
-            commit(self.objects, self.url, name, objects)
+            with contextlib.ExitStack() as files:  # each goes up from its file, a part at a time (R-O51)
+                objects: list[tuple[str, Body]] = []
+                for part in parts:
+                    f = files.enter_context(open(os.path.join(self.work_dir, part), "rb"))
+                    objects.append((part, FileSpan(f.fileno(), os.fstat(f.fileno()).st_size)))
+                commit(self.objects, self.url, name, objects)
         finally:
             self._forget(here)
         self._retain()
@@ -281,9 +280,7 @@ class ObjectRunStore(RunObjects):
     def _fetch_checkpoint(self, path: str) -> str:
         """Every object ``path``'s record lists, each checked (R-O14), into the working directory."""
         name = path.rpartition("/")[2]
-        for part, data in read_committed(self.objects, self.url, name).items():
-            with open(os.path.join(self.work_dir, part), "wb") as f:
-                f.write(data)
+        fetch_committed(self.objects, self.url, name, self.work_dir)
         self._fetch(ENVIRONMENT_FILE, missing_ok=True)  # the companion record checks its digest
         return os.path.join(self.work_dir, name)
 

@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -313,7 +314,10 @@ def test_a_large_object_goes_up_in_parallel_parts_and_comes_down_in_parallel_ran
     store.put("big", data, if_absent=True)
     head = _client().head_object(Bucket=_bucket(s3), Key="big")
     assert head["ContentLength"] == len(data) and head["ETag"].endswith('-3"')  # three parts
-    assert store.get("big", len(data)) == data
+    with tempfile.TemporaryFile() as f:
+        assert store.get_into("big", len(data), f.fileno()) == len(data)
+        f.seek(0)
+        assert f.read() == data
     with pytest.raises(CommitConflict):
         store.put("big", data[:-1], if_absent=True)  # completing the upload is conditional too
 

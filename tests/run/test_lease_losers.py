@@ -46,7 +46,7 @@ from ckptkit.run._object_store import RunObjects
 pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
 
 #: What the bucket is asked without changing it; any other request that succeeds is a write.
-_READS = frozenset({"get", "read", "head", "etag", "list"})
+_READS = frozenset({"get", "get_into", "read", "head", "etag", "list"})
 _OLD = 10**18  # nanoseconds: 2001, long before any test runs
 
 

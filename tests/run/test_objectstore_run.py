@@ -216,10 +216,13 @@ def test_a_resume_says_which_step_it_passed_over_when_the_newest_lost_an_object(
 
 
 def _resumed_from(run_dir: str, step: int) -> None:
-    from ckptkit.format._commit import read_committed
+    import tempfile
+
+    from ckptkit.format._commit import fetch_committed
     from ckptkit.format._objectstore import store_for
 
-    read_committed(store_for(parse(run_dir)), parse(run_dir), f"step-{step:08d}.ckpt")
+    with tempfile.TemporaryDirectory() as into:
+        fetch_committed(store_for(parse(run_dir)), parse(run_dir), f"step-{step:08d}.ckpt", into)
 
 
 ROLLBACK = ["--auto-rollback", "on", "--spike-at", "9", "--spike-window", "8", "--spike-min-history", "4"]
