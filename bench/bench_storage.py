@@ -286,8 +286,8 @@ def _worker(job: dict[str, Any]) -> None:
         dist.init_process_group("gloo", rank=rank, world_size=world)
     per, names = _layout(job["size_mb"], job["tensors"])
     mine = [i for i in range(len(names)) if i % world == rank]
-    fill = _tensor if job["op"] == "save" else (lambda i, per: torch.zeros(per))
-    state = {names[i]: fill(i, per) for i in mine}
+    saving = job["op"] == "save"  # a load goes into zeroed (resident) tensors, as DCP loads in place
+    state = {names[i]: _tensor(i, per) if saving else torch.zeros(per) for i in mine}
     run = _operation(job, state)
     if world > 1:
         dist.barrier()
