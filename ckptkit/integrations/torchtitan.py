@@ -22,6 +22,12 @@ nothing in torchtitan is patched. It is torchtitan's ``CheckpointManager`` with 
 * the dataloader's state is stored as a plain tree, not the ``pickle.dumps`` bytes torchtitan's
   ``ParallelAwareDataloader`` keeps, and restored without ``pickle.loads`` (R-TT08).
 
+And it records the run where torchtitan calls it (R-TT11..R-TT13): ``load()`` opens the run's
+``history.jsonl`` in the checkpoint folder (fresh, with ``environment.json``, or the resumed
+step's, compared as the steps are re-run), ``save(step)`` writes the step's row -- with what the
+loop handed to :meth:`CheckpointManager.record_step` -- and the state's digests, and a save at
+the audit's stop request (``CKPTKIT_STOP_AT``) ends the process with exit 75 once committed.
+
 The job config is ``Trainer.Config`` itself: the manager reads it from the ``train_state`` the
 trainer registers (the trainer, whose ``.config`` it is), or from ``job_config=`` for a loop of
 your own. Its table (``_torchtitan_config.job_table``) is stored in every checkpoint under
