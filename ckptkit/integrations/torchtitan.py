@@ -93,6 +93,9 @@ __all__ = [
 SNAPSHOT_KEY = "ckptkit_job_config"
 _STEP = re.compile(r"step-(\d+)")
 _DCP_DEFAULT = ".metadata"  # DCP's FileSystemWriter: pickled metadata
+#: Set by torchrun in the ranks it starts. torchrun reports a rank's exit 75 as a failure (exit 1),
+#: so under it the stop request is not taken: the audit stops the job as a crash would (R-TT13).
+_TORCHRUN = "TORCHELASTIC_RUN_ID"
 _HF_INDEX = "model.safetensors.index.json"
 
 
@@ -225,11 +228,11 @@ class CheckpointManager(_TorchtitanManager):
 
     def save(self, curr_step: int, last_step: bool = False) -> bool:
         """torchtitan's ``save``, after step ``curr_step``'s rows (R-TT11); at the audit's stop
-        request (``CKPTKIT_STOP_AT=curr_step``) the checkpoint is saved and committed, then the
-        process ends with exit 75 (:class:`~ckptkit.RunStopped`, R-TT13)."""
+        request (``CKPTKIT_STOP_AT=curr_step``; not under torchrun) the checkpoint is saved and
+        committed, then the process ends with exit 75 (:class:`~ckptkit.RunStopped`, R-TT13)."""
         if not self.enable:
             return False
-        self._stopping = self._stops.reason(curr_step) or ""
+        self._stopping = "" if _TORCHRUN in os.environ else self._stops.reason(curr_step) or ""
         if self._recorder is not None:
             self._recorder.step(curr_step, self._should_save(curr_step, last_step))
         saved = bool(super().save(curr_step, last_step))

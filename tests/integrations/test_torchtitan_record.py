@@ -17,9 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 
+import ckptkit.distributed as ckd
 from ckptkit import ReplayDivergence, RunStopped, UnsupportedOption
+from ckptkit.audit._recording import checkpoint_difference
 from ckptkit.cli import main
 from ckptkit.integrations import _run_record
 from ckptkit.integrations.torchtitan import CheckpointManager
@@ -133,6 +136,23 @@ def test_the_stop_request_commits_that_step_and_ends_the_process_with_75(
     assert (info.value.code, info.value.step, info.value.reason) == (75, 3, "CKPTKIT_STOP_AT=3")
     assert sorted(run_checkpoints(tmp_path)) == [2, 3]
     assert [r["step"] for r in _rows(tmp_path, "step")] == [0, 1, 2]
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")  # under torchrun, which reports exit 75 as a failure
+    _train(tmp_path / "torchrun")
+    assert sorted(run_checkpoints(tmp_path / "torchrun")) == [2, 4]
+
+
+def test_two_checkpoints_that_differ_only_in_naming_their_own_run_directory_are_the_same(tmp_path: Path) -> None:
+    def write(run: Path, other: str) -> str:
+        job = {"dump_folder": str(run), "nested": [str(run / "tb")], "other": other}
+        ckd.save({"w": torch.ones(2), "ckptkit_job_config": (job,)}, run / "step-2")
+        return str(run / "step-2")
+
+    a, b = write(tmp_path / "a", "x"), write(tmp_path / "b", "x")
+    assert checkpoint_difference(2, a, b) is None
+    d = checkpoint_difference(2, a, write(tmp_path / "c", str(tmp_path / "a")))  # another run's folder differs
+    assert d is not None and [t.name for t in d.tensors] == ["ckptkit_job_config"]
+    (tmp_path / "c" / "step-3").mkdir()  # a save killed before it committed: no checkpoint
+    assert sorted(run_checkpoints(tmp_path / "c")) == [2]
 
 
 def test_a_resume_proves_the_steps_it_re_runs_and_a_global_draw_stops_it_naming_a_tensor(tmp_path: Path) -> None:
