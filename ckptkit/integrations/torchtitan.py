@@ -232,7 +232,8 @@ class CheckpointManager(_TorchtitanManager):
         committed, then the process ends with exit 75 (:class:`~ckptkit.RunStopped`, R-TT13)."""
         if not self.enable:
             return False
-        self._stopping = "" if _TORCHRUN in os.environ else self._stops.reason(curr_step) or ""
+        taken = not self.load_only and _TORCHRUN not in os.environ  # a load-only manager never saves
+        self._stopping = (self._stops.reason(curr_step) if taken else None) or ""
         if self._recorder is not None:
             self._recorder.step(curr_step, self._should_save(curr_step, last_step))
         saved = bool(super().save(curr_step, last_step))
@@ -241,7 +242,7 @@ class CheckpointManager(_TorchtitanManager):
         return saved
 
     def _should_save(self, curr_step: int, last_step: bool = False) -> bool:
-        return bool(super()._should_save(curr_step, last_step)) or bool(self._stopping and not self.load_only)
+        return bool(super()._should_save(curr_step, last_step)) or bool(self._stopping)
 
     def _stop(self, curr_step: int) -> None:
         """The stop request's checkpoint has committed: close the history and end the process."""
