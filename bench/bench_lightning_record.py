@@ -14,13 +14,9 @@ hooks (the recording's cost itself, which a shared machine's noise affects less)
 
 from __future__ import annotations
 
-import argparse
-import logging
-import statistics
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +25,7 @@ import torch
 from ckptkit.integrations import _lightning_record
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import _record_bench  # this folder's: the timer and the rounds
 from lightning_finetune import Net, loader, make_trainer  # the example's network and trainer
 
 MODES: dict[str, dict[str, Any]] = {
@@ -37,21 +34,6 @@ MODES: dict[str, dict[str, Any]] = {
     "every": {"digests_every": 1},
 }
 SPENT: list[float] = []
-
-
-def timed_hooks() -> None:
-    """Wrap the recorder's per-step work in a timer."""
-    for name in ("batch_end", "before_optimizer_step"):
-        real = getattr(_lightning_record.Recorder, name)
-
-        def timed(self: Any, *a: Any, _real: Any = real, **kw: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return _real(self, *a, **kw)
-            finally:
-                SPENT.append(time.perf_counter() - start)
-
-        setattr(_lightning_record.Recorder, name, timed)
 
 
 def ms_per_step(steps: int, mode: str) -> tuple[float, float]:
@@ -67,24 +49,8 @@ def ms_per_step(steps: int, mode: str) -> tuple[float, float]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--reps", type=int, default=3)
-    opts = p.parse_args()
-    warnings.filterwarnings("ignore")
-    logging.disable(logging.WARNING)
-    torch.set_num_threads(1)
-    timed_hooks()
-    times: dict[str, list[tuple[float, float]]] = {m: [] for m in MODES}
-    for rep in range(opts.reps + 1):
-        for mode in MODES:
-            result = ms_per_step(opts.steps, mode)
-            if rep:  # round 0 warms up
-                times[mode].append(result)
-    print(f"{opts.steps} steps, median of {opts.reps}, one thread")
-    for mode, runs in times.items():
-        wall, hooks = (statistics.median(r[i] for r in runs) for i in (0, 1))
-        print(f"  {mode:6s} {wall:8.3f} ms/step; in the recorder's hooks {hooks:.3f} ms/step")
+    _record_bench.time_methods(_lightning_record.Recorder, ("batch_end", "before_optimizer_step"), SPENT)
+    _record_bench.run_modes(__doc__, 200, list(MODES), ms_per_step, "the recorder's hooks")
 
 
 if __name__ == "__main__":

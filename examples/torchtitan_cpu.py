@@ -4,6 +4,10 @@
     python examples/torchtitan_cpu.py --dump-folder runs/tt --steps 8 --kill-at 5   # killed in step 5
     torchrun --nproc-per-node 2 examples/torchtitan_cpu.py --dump-folder runs/tt --steps 8   # the same, by torchrun
     ckptkit verify runs/tt/checkpoint/step-8
+    ckptkit plot runs/tt/checkpoint                                         # the run's recorded history
+    ckptkit audit -- python examples/torchtitan_cpu.py --dump-folder {run_dir} --checkpoint-folder .
+    python examples/torchtitan_cpu.py --dump-folder runs/t2 --checkpoint-folder .   # checkpoints in runs/t2 itself
+    ckptkit replay runs/t2 --from 4 -- python examples/torchtitan_cpu.py --dump-folder {run_dir} --checkpoint-folder .
 
 Why not ``torchrun -m torchtitan.train``: torchtitan's ``Trainer`` needs CUDA (it calls
 ``torch.cuda.set_device`` when it starts; on a CPU machine that is ``AttributeError: ...
@@ -19,6 +23,12 @@ The lines marked ``# ckptkit`` are the whole integration; the rest is torchtitan
 command resumes after a kill: the manager finds the newest committed ``step-N/`` and checks
 the job config against it (spec/torchtitan.md). Run it again with another learning rate
 (``--lr 1e-3``) to see the resume refused, naming the key.
+
+The manager also records the run in its checkpoint folder (spec/torchtitan.md R-TT11):
+``history.jsonl`` -- a row per step with the loss and gradient norm the loop hands it
+(``record_step``), bit for bit, and the digest of every tensor of the state -- and
+``environment.json``. So ``ckptkit audit``, ``replay`` and ``plot`` serve this loop; for them
+the run directory is the checkpoint folder (``--checkpoint-folder .``: the dump folder itself).
 """
 
 from __future__ import annotations
@@ -74,7 +84,13 @@ class TrainState(Stateful):
 
 
 def job_config(
-    dump_folder: str, steps: int, *, interval: int = 2, lr: float = 8e-4, async_mode: str = "disabled"
+    dump_folder: str,
+    steps: int,
+    *,
+    interval: int = 2,
+    lr: float = 8e-4,
+    async_mode: str = "disabled",
+    folder: str = "checkpoint",
 ) -> Any:
     """torchtitan's llama3 debug job config, smaller, with ckptkit's CheckpointManager selected."""
     from torchtitan.models.common.attention import ScaledDotProductAttention
@@ -90,9 +106,9 @@ def job_config(
     config.training.seq_len, config.training.local_batch_size, config.training.steps = SEQ, BATCH, steps
     config.optimizer.implementation = "foreach"
     config.optimizer.param_groups[0].optimizer_kwargs.update(lr=lr)
-    config.dump_folder = dump_folder
+    config.dump_folder = os.path.abspath(dump_folder)  # as the checkpoints' job config names it: {run_dir} for an audit
     config.checkpoint = CheckpointManager.Config(  # ckptkit
-        enable=True, folder="checkpoint", interval=interval, async_mode=async_mode, last_save_model_only=False
+        enable=True, folder=folder, interval=interval, async_mode=async_mode, last_save_model_only=False
     )
     return config
 
@@ -137,11 +153,15 @@ def checkpointer(config: Any, parts: dict[str, Any]) -> Any:
     )
 
 
-def train(parts: dict[str, Any], kill_at: int = 0) -> bool:
+def train(parts: dict[str, Any], kill_at: int = 0, global_draw: bool = False) -> bool:
     """``Trainer.train``'s loop: load, then step and save until ``training.steps``; True when it resumed.
 
     ``kill_at``: SIGKILL every rank in that step, once the saves before it have committed (a crash).
+    ``global_draw``: TESTING AID: scale each step's loss by a draw from torch's global generator,
+    which no checkpoint holds: a resumed process draws other numbers, and the audit names it.
     """
+    from torchtitan.distributed.utils import clip_grad_norm_
+
     ts, ckpt = parts["train_state"], parts["checkpointer"]
     resumed = bool(ckpt.load(step=ts.config.checkpoint.load_step))
     if resumed and dist.get_rank() == 0:
@@ -153,7 +173,10 @@ def train(parts: dict[str, Any], kill_at: int = 0) -> bool:
         inputs, labels = next(batches)
         pred = parts["model"](inputs["input"])
         loss = F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten())
+        if global_draw:
+            loss = loss * (1 + 1e-3 * torch.rand(16).mean())
         loss.backward()
+        grad_norm = clip_grad_norm_(list(parts["model"].parameters()), ts.config.training.max_norm, foreach=True)
         ckpt.maybe_wait_for_staging()  # an async save has copied the state before the step changes it
         parts["optimizers"].step()
         parts["lr_schedulers"].step()
@@ -162,6 +185,7 @@ def train(parts: dict[str, Any], kill_at: int = 0) -> bool:
             ckpt.maybe_wait_for_saving()  # the previous save has committed on every rank
             dist.barrier()
             os.kill(os.getpid(), signal.SIGKILL)
+        ckpt.record_step(loss=loss.detach(), grad_norm=grad_norm, data=inputs["input"])  # ckptkit: the step's row
         ckpt.save(ts.step, last_step=ts.step == ts.config.training.steps)
         if dist.get_rank() == 0:
             print(f"step {ts.step}  loss {loss.item():.6f}", flush=True)
@@ -178,8 +202,10 @@ def rank_main(rank: int, world: int, init: str, opts: argparse.Namespace) -> Non
     from ckptkit.errors import CheckpointError
 
     try:
-        config = job_config(opts.dump_folder, opts.steps, interval=opts.interval, lr=opts.lr)
-        train(build(config, dist.get_rank(), dist.get_world_size()), opts.kill_at)
+        config = job_config(
+            opts.dump_folder, opts.steps, interval=opts.interval, lr=opts.lr, folder=opts.checkpoint_folder
+        )
+        train(build(config, dist.get_rank(), dist.get_world_size()), opts.kill_at, opts.global_draw)
     except CheckpointError as e:  # a refused resume (ConfigDrift, ...): one line, not a traceback per rank
         if dist.get_rank() == 0:
             print(f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
@@ -195,6 +221,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--interval", type=int, default=2, help="checkpoint.interval, in steps")
     p.add_argument("--lr", type=float, default=8e-4, help="the learning rate (strict: a resume must keep it)")
     p.add_argument("--kill-at", type=int, default=0, help="SIGKILL the ranks in this step, as a crash would")
+    p.add_argument(
+        "--checkpoint-folder",
+        default="checkpoint",
+        help="checkpoint.folder, in the dump folder: the run directory of audit, replay, plot ('.': the dump folder)",
+    )
+    p.add_argument("--global-draw", action="store_true", help="TESTING AID: a draw no checkpoint holds (see train)")
     opts = p.parse_args(argv)
     if "RANK" in os.environ:  # under torchrun
         rank_main(0, 0, "", opts)

@@ -240,12 +240,13 @@ def checkpoint_difference(step: int, path_a: str, path_b: str) -> Difference | N
         diffs = compare_states(folder_state(path_a), folder_state(path_b))
         if not diffs:
             return None
-    elif os.path.isdir(path_a):  # a distributed checkpoint: its logical tensors, whatever the world size
-        from ..distributed._storage import logical_state
-
-        diffs = compare_states(dict(logical_state(path_a)), dict(logical_state(path_b)))
     else:
-        diffs = compare_checkpoints(path_a, path_b)
+        if os.path.isdir(path_a):  # a distributed checkpoint: its logical tensors, whatever the world size
+            from ..distributed._storage import logical_state
+
+            diffs = compare_states(dict(logical_state(path_a)), dict(logical_state(path_b)))
+        else:
+            diffs = compare_checkpoints(path_a, path_b)
         if diffs:  # a value naming the run's own directory is compared relative to it (lightning.md R-L11)
             diffs = compare_states(_run_relative(path_a), _run_relative(path_b))
             if not diffs:
@@ -269,8 +270,10 @@ def checkpoint_difference(step: int, path_a: str, path_b: str) -> Difference | N
 
 
 def _run_relative(path: str) -> dict[str, Any]:
-    """The checkpoint's state, a string naming its run directory or a path under it written
-    ``{run_dir}/...`` (a ``ModelCheckpoint``'s ``dirpath``, ``best_model_path``)."""
+    """The checkpoint's state (a distributed checkpoint's logical state), a string naming its run
+    directory or a path under it written ``{run_dir}/...``, in nested values too (a
+    ``ModelCheckpoint``'s ``dirpath``, ``best_model_path``; torchtitan's job config table, whose
+    ``dump_folder`` may be the run directory: torchtitan.md R-TT13)."""
     from ..format._checkpoint import load
     from ..format._tree import checkpoint_state
 
@@ -278,11 +281,19 @@ def _run_relative(path: str) -> dict[str, Any]:
     names = {folder, os.path.realpath(folder)}
 
     def relative(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: relative(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(relative(v) for v in value)
         for run in names:
             if isinstance(value, str) and (value == run or value.startswith(run + os.sep)):
                 return "{run_dir}" + value[len(run) :]
         return value
 
+    if os.path.isdir(path):
+        from ..distributed._storage import logical_state
+
+        return {k: relative(v) for k, v in logical_state(path)}
     return {k: relative(v) for k, v in checkpoint_state(load(path)).items()}
 
 

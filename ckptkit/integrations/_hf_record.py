@@ -12,24 +12,22 @@ Trainer script as they serve a ``RunState`` loop; and it honours the audit's sto
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shlex
 import sys
 from typing import Any
 
-from ..errors import RunStopped, UnsupportedOption, UnsupportedValue
-from ..format._atomic import write_bytes_atomic
+from ..errors import RunStopped
 from ..format._checkpoint import Checkpoint
-from ..format._checks import is_int
-from ..run import ENVIRONMENT_FILE, History
+from ..run import History
 from ..run._environment import Fact, capture, check_environment
-from ..run._fingerprint import checkpoint_digests, data_digest
+from ..run._fingerprint import checkpoint_digests
 from ..run._history import digests_row, step_row
 from ..run._preemption import StopRequests
 from ..run._resume_check import ResumeCheck, check_mode, replay_command
 from ._extra import missing_extra
+from ._run_record import check_cadence, data_field, open_history, small_state
 
 try:
     import transformers
@@ -37,13 +35,9 @@ try:
 except ModuleNotFoundError as e:  # imported first by the public face, named in the message
     raise missing_extra(e, "ckptkit.integrations.transformers", "transformers", "transformers") from None
 
-__all__ = ["SMALL_STATE", "Recorder", "Recording", "environment"]
+__all__ = ["Recorder", "Recording", "environment"]
 
 logger = logging.getLogger(__name__)
-
-#: The registered state (weights, optimizer and scheduler states) up to which the default
-#: cadence digests it after every step; a larger state is digested at each checkpoint (R-HF08).
-SMALL_STATE = 64 << 20
 
 
 class Recording:
@@ -53,7 +47,7 @@ class Recording:
         record: write the run's history (default True; False writes nothing and ignores the
             audit's stop request).
         digests_every: a ``digests`` row every this many optimizer steps; None (the default):
-            after every step while the registered state is at most :data:`SMALL_STATE` bytes,
+            after every step while the registered state is at most ``_run_record.SMALL_STATE`` bytes,
             else at each checkpoint (R-HF08).
         resume_check: what a resumed run does when the steps it re-runs differ from the rows
             the interrupted process recorded (``"error"``, ``"warn"``, ``"off"``; default
@@ -73,11 +67,7 @@ class Recording:
         resume_check: str | None = None,
         **kwargs: Any,
     ) -> None:
-        if digests_every is not None and not is_int(digests_every, least=1):
-            raise UnsupportedOption(
-                f"digests_every={digests_every!r}: a digests row every N optimizer steps needs an int N >= 1, "
-                "or None for the default cadence (R-HF08)"
-            )
+        check_cadence(digests_every, "R-HF08")
         mode = check_mode(resume_check)
         super().__init__(*args, **kwargs)
         self._ckptkit_recorder = Recorder(self, digests_every, mode) if record else None
@@ -130,18 +120,12 @@ class Recorder(transformers.TrainerCallback):
         """Make the history this run's: a fresh one (and ``environment.json``) when ``train()``
         starts, else the resumed step's, the rows after it set aside and compared (R-D20)."""
         out = str(args.output_dir)
-        os.makedirs(out, exist_ok=True)
-        self.history = History(out, log=logger.info)
         self.stopping = None
         self._clear()
         resumed = getattr(self.trainer, "resumed_from", None)
-        if resumed is None:
-            self.history.start_fresh()
-            facts = json.dumps(environment(), sort_keys=True, indent=2) + "\n"
-            write_bytes_atomic(os.path.join(out, ENVIRONMENT_FILE), facts.encode())
-            return
-        self.history.expect(ResumeCheck(self.mode, out, replay_command(out), self._not_comparable()))
-        for note in self.history.resume_at(state.global_step):
+        check = None if resumed is None else ResumeCheck(self.mode, out, replay_command(out), self._not_comparable())
+        self.history, notes = open_history(out, logger, environment(), check, state.global_step)
+        for note in notes:
             logger.info("resume %s: %s", resumed, note)
 
     def _not_comparable(self) -> str | None:
@@ -178,17 +162,12 @@ class Recorder(transformers.TrainerCallback):
     def _add_data(self, row: dict[str, Any]) -> None:
         """The step's batches as the row's ``data`` digest; a batch holding what has no digest
         (a collator's own objects) leaves the field out, said once, and training goes on."""
-        try:
-            row["data"] = data_digest(self.inputs)
-        except UnsupportedValue as e:
-            if not self.said_data:
-                logger.warning("history.jsonl: step rows record no data digest: %s (R-HF07)", e)
-            self.said_data = True
+        self.said_data = data_field(row, self.inputs, self.said_data, logger, "R-HF07")
 
     def _digest_now(self, steps_done: int, control: Any) -> bool:
         """R-HF08: every ``every`` steps; by default every step while the state is small, else at each checkpoint."""
         if self.every is None:  # decided once, at the first step
-            self.every = 1 if _state_bytes(self._state(steps_done)) <= SMALL_STATE else 0
+            self.every = 1 if small_state(self._state(steps_done)) else 0
         if self.every == 0:
             return bool(control.should_save)
         return steps_done % self.every == 0
@@ -231,10 +210,3 @@ def environment() -> dict[str, Fact]:
     return dict(
         sorted({**capture(), "transformers": transformers.__version__, "accelerate": version("accelerate")}.items())
     )
-
-
-def _state_bytes(ckpt: Checkpoint) -> int:
-    """The bytes of every tensor of a state."""
-    from ..format._tree import checkpoint_state
-
-    return sum(v.numel() * v.element_size() for v in checkpoint_state(ckpt).values() if hasattr(v, "element_size"))

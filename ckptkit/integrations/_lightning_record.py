@@ -10,42 +10,21 @@ stops such a script as a crash would (spec/replay.md R-P18): this recorder takes
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from typing import Any
 
-from ..errors import UnsupportedOption, UnsupportedValue
-from ..format._atomic import write_bytes_atomic
 from ..format._checkpoint import Checkpoint
-from ..format._checks import is_int
-from ..format._tree import checkpoint_state
-from ..run import ENVIRONMENT_FILE, History
+from ..run import History
 from ..run._environment import Fact, capture
-from ..run._fingerprint import checkpoint_digests, data_digest
+from ..run._fingerprint import checkpoint_digests
 from ..run._history import digests_row, step_row
 from ..run._resume_check import ResumeCheck, check_mode, replay_command
+from ._run_record import check_cadence, data_field, open_history, small_state
 
-__all__ = ["SMALL_STATE", "Recorder", "check_cadence", "environment", "run_dir"]
+__all__ = ["Recorder", "environment", "run_dir"]
 
 logger = logging.getLogger(__name__)
-
-#: The state (weights, optimizer and scheduler states) up to which the default cadence digests
-#: it after every optimizer step; a larger state is digested at each checkpoint (R-L10).
-SMALL_STATE = 64 << 20
-
-
-def check_cadence(every: int | None) -> None:
-    """Refuse a ``digests_every`` other than None or an int >= 1 (R-L10).
-
-    Raises:
-        UnsupportedOption: naming the value and the rule.
-    """
-    if every is not None and not is_int(every, least=1):
-        raise UnsupportedOption(
-            f"digests_every={every!r}: a digests row every N optimizer steps needs an int N >= 1, "
-            "or None for the default cadence (spec/lightning.md R-L10)"
-        )
 
 
 def run_dir(trainer: Any) -> str:
@@ -62,7 +41,7 @@ class Recorder:
     compared, R-D20)."""
 
     def __init__(self, every: int | None, resume_check: str | None) -> None:
-        check_cadence(every)
+        check_cadence(every, "spec/lightning.md R-L10")
         self.every, self.mode = every, check_mode(resume_check)
         self.history: History | None = None
         self.said_data = False
@@ -78,17 +57,11 @@ class Recorder:
         """Make the history this run's: a fresh one (and ``environment.json``) when ``fit`` starts
         from nothing, else the resumed step's, the rows after it set aside and compared (R-D20)."""
         out = run_dir(trainer)
-        os.makedirs(out, exist_ok=True)
-        self.history = History(out, log=logger.info)
         self._steps = int(trainer.global_step)
         self._clear()
-        if trainer.ckpt_path is None:
-            self.history.start_fresh()
-            facts = json.dumps(environment(), sort_keys=True, indent=2) + "\n"
-            write_bytes_atomic(os.path.join(out, ENVIRONMENT_FILE), facts.encode())
-            return
-        self.history.expect(ResumeCheck(self.mode, out, replay_command(out), None))
-        for note in self.history.resume_at(self._steps):
+        check = None if trainer.ckpt_path is None else ResumeCheck(self.mode, out, replay_command(out), None)
+        self.history, notes = open_history(out, logger, environment(), check, self._steps)
+        for note in notes:
             logger.info("resume %s: %s", trainer.ckpt_path, note)
 
     def before_optimizer_step(self, optimizer: Any) -> None:
@@ -116,20 +89,13 @@ class Recorder:
     def _add_data(self, row: dict[str, Any]) -> None:
         """The step's batches as the row's ``data`` digest; a batch holding what has no digest
         leaves the field out, said once, and training goes on."""
-        try:
-            row["data"] = data_digest(self.batches)
-        except UnsupportedValue as e:
-            if not self.said_data:
-                logger.warning("history.jsonl: step rows record no data digest: %s (spec/lightning.md R-L09)", e)
-            self.said_data = True
+        self.said_data = data_field(row, self.batches, self.said_data, logger, "spec/lightning.md R-L09")
 
     def _digest_now(self, trainer: Any, pl_module: Any) -> bool:
         """R-L10: every ``every`` steps; by default every step while the state is small, else at
         each checkpoint (:meth:`saving`)."""
         if self.every is None:  # decided once, at the first step
-            tensors = checkpoint_state(state(trainer, pl_module, self._steps)).values()
-            size = sum(v.numel() * v.element_size() for v in tensors if hasattr(v, "element_size"))
-            self.every = 1 if size <= SMALL_STATE else 0
+            self.every = 1 if small_state(state(trainer, pl_module, self._steps)) else 0
         return self.every != 0 and self._steps % self.every == 0
 
     def saving(self, trainer: Any, pl_module: Any) -> None:

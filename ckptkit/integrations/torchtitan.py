@@ -22,6 +22,12 @@ nothing in torchtitan is patched. It is torchtitan's ``CheckpointManager`` with 
 * the dataloader's state is stored as a plain tree, not the ``pickle.dumps`` bytes torchtitan's
   ``ParallelAwareDataloader`` keeps, and restored without ``pickle.loads`` (R-TT08).
 
+And it records the run where torchtitan calls it (R-TT11..R-TT13): ``load()`` opens the run's
+``history.jsonl`` in the checkpoint folder (fresh, with ``environment.json``, or the resumed
+step's, compared as the steps are re-run), ``save(step)`` writes the step's row -- with what the
+loop handed to :meth:`CheckpointManager.record_step` -- and the state's digests, and a save at
+the audit's stop request (``CKPTKIT_STOP_AT``) ends the process with exit 75 once committed.
+
 The job config is ``Trainer.Config`` itself: the manager reads it from the ``train_state`` the
 trainer registers (the trainer, whose ``.config`` it is), or from ``job_config=`` for a loop of
 your own. Its table (``_torchtitan_config.job_table``) is stored in every checkpoint under
@@ -43,6 +49,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
@@ -52,15 +59,20 @@ from ..distributed._save_load import load as ckd_load
 from ..distributed._save_load import save as ckd_save
 from ..distributed._save_load import translate
 from ..distributed._storage import Writer
-from ..errors import MalformedIndex, ResumeRefused, StateMismatch, UnsupportedOption, UnsupportedValue
+from ..errors import MalformedIndex, ResumeRefused, RunStopped, StateMismatch, UnsupportedOption, UnsupportedValue
+from ..format._checkpoint import Checkpoint
 from ..format._section import check_plain
 from ..format._urls import is_url
+from ..run._preemption import StopRequests
+from ..run._resume_check import check_mode
 from ._extra import missing_extra
+from ._run_record import check_cadence
 from ._torchtitan_config import EXEMPT_KEYS, EXEMPT_TABLES, STRICT_KEYS, check_job, job_table
+from ._torchtitan_record import Recorder
 
 try:
     from torchdata.stateful_dataloader import StatefulDataLoader
-    from torchtitan.components.checkpoint import DATALOADER, MODEL, TRAIN_STATE, AsyncMode
+    from torchtitan.components.checkpoint import DATALOADER, LR_SCHEDULER, MODEL, OPTIMIZER, TRAIN_STATE, AsyncMode
     from torchtitan.components.checkpoint import CheckpointManager as _TorchtitanManager
     from torchtitan.components.dataloader import ParallelAwareDataloader
     from torchtitan.tools.logging import logger
@@ -81,6 +93,9 @@ __all__ = [
 SNAPSHOT_KEY = "ckptkit_job_config"
 _STEP = re.compile(r"step-(\d+)")
 _DCP_DEFAULT = ".metadata"  # DCP's FileSystemWriter: pickled metadata
+#: Set by torchrun in the ranks it starts. torchrun reports a rank's exit 75 as a failure (exit 1),
+#: so under it the stop request is not taken: the audit stops the job as a crash would (R-TT13).
+_TORCHRUN = "TORCHELASTIC_RUN_ID"
 _HF_INDEX = "model.safetensors.index.json"
 
 
@@ -141,10 +156,22 @@ class CheckpointManager(_TorchtitanManager):
 
     @dataclass(kw_only=True, slots=True)
     class Config(_TorchtitanManager.Config):
-        """torchtitan's checkpoint options, each meaning what it means there (R-TT03 refuses one value)."""
+        """torchtitan's checkpoint options, each meaning what it means there (R-TT03 refuses one value),
+        and the run's recording (R-TT11, R-TT12)."""
+
+        record: bool = True
+        """Write the run's ``history.jsonl`` and ``environment.json`` in the checkpoint folder (R-TT11)."""
+        digests_every: int | None = None
+        """A ``digests`` row every this many steps; None: every step while the state is at most 64 MiB,
+        else at each checkpoint (R-TT12)."""
+        resume_check: str | None = None
+        """A resume's check of the steps it re-runs: ``error``, ``warn`` or ``off``; None:
+        ``$CKPTKIT_RESUME_CHECK``, else ``error`` (spec/determinism.md R-D24)."""
 
         def __post_init__(self) -> None:
             _TorchtitanManager.Config.__post_init__(self)
+            check_cadence(self.digests_every, "spec/torchtitan.md R-TT12")
+            check_mode(self.resume_check)
             if self.async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM.value:
                 raise UnsupportedOption(
                     "checkpoint.async_mode='async_with_pinned_mem': DCP runs that save in another process, which "
@@ -167,6 +194,82 @@ class CheckpointManager(_TorchtitanManager):
         self.job_table = job_table(job)  # refused here, before step 1, when it cannot be stored
         if self.states.get(DATALOADER) is not None:
             self.states[DATALOADER] = DataLoaderState(self.states[DATALOADER])
+        self._resumed: int | None = None  # the step load() resumed from this folder
+        self._stops, self._stopping = StopRequests(), ""
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        mode = check_mode(config.resume_check)
+        self._recorder = (
+            Recorder(os.path.normpath(self.folder), rank, config.digests_every, mode, self._state)
+            if config.record
+            else None
+        )
+
+    def record_step(self, *, data: Any = None, **scalars: Any) -> None:
+        """The scalars (``loss``, ``grad_norm``, ...: numbers, strings, bools or one-element
+        tensors) and, optionally, the batch of the step the next ``save(step)`` ends: its
+        ``step`` row holds them, floats with their exact bits (R-TT11). Call it on every rank
+        (rank 0's are recorded) before ``save``; a step without it is recorded without scalars.
+
+        Raises:
+            TypeError: at ``save``, a scalar no row can hold, or one named ``kind``, ``step``,
+                ``rerun`` or ``*_bits``.
+        """
+        if self._recorder is not None:
+            self._recorder.scalars, self._recorder.data = scalars, data
+
+    def load(self, step: int = -1) -> bool:
+        """torchtitan's ``load``; then the run's history opens: the resumed step's when a
+        checkpoint of this folder was loaded, else a fresh one (R-TT11)."""
+        self._resumed = None
+        loaded = bool(super().load(step))
+        if self.enable and self._recorder is not None:
+            self._recorder.start(self._resumed if loaded else None)
+        return loaded
+
+    def save(self, curr_step: int, last_step: bool = False) -> bool:
+        """torchtitan's ``save``, after step ``curr_step``'s rows (R-TT11); at the audit's stop
+        request (``CKPTKIT_STOP_AT=curr_step``; not under torchrun) the checkpoint is saved and
+        committed, then the process ends with exit 75 (:class:`~ckptkit.RunStopped`, R-TT13)."""
+        if not self.enable:
+            return False
+        taken = not self.load_only and _TORCHRUN not in os.environ  # a load-only manager never saves
+        self._stopping = (self._stops.reason(curr_step) if taken else None) or ""
+        if self._recorder is not None:
+            self._recorder.step(curr_step, self._should_save(curr_step, last_step))
+        saved = bool(super().save(curr_step, last_step))
+        if self._stopping:
+            self._stop(curr_step)
+        return saved
+
+    def _should_save(self, curr_step: int, last_step: bool = False) -> bool:
+        return bool(super()._should_save(curr_step, last_step)) or bool(self._stopping)
+
+    def _stop(self, curr_step: int) -> None:
+        """The stop request's checkpoint has committed: close the history and end the process."""
+        self.maybe_wait_for_saving()
+        if self._recorder is not None:
+            self._recorder.close()
+        folder = os.path.join(self.folder, f"step-{curr_step}")
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            logger.warning(f"ckptkit: stopped at step {curr_step} ({self._stopping}): saved {folder}")
+        raise RunStopped(curr_step, folder, self._stopping)
+
+    def _state(self, steps_done: int) -> Checkpoint:
+        """The state a checkpoint after ``steps_done`` steps holds, as the digests name it: the
+        weights ``model:<fqn>``, the optimizer and LR schedule ``optim:optimizer.*``,
+        ``optim:lr_scheduler.*``, every other state (the dataloader, ``train_state``) ``monitor:<key>.*``."""
+        own = (MODEL, OPTIMIZER, LR_SCHEDULER)
+        model = self.states[MODEL].state_dict() if MODEL in self.states else {}
+        optim = {k: self.states[k].state_dict() for k in own[1:] if self.states.get(k) is not None}
+        monitor = {k: v.state_dict() for k, v in self.states.items() if k not in own and hasattr(v, "state_dict")}
+        return Checkpoint(step=steps_done, model=model, optim=optim, monitor=monitor)
+
+    def close(self) -> None:
+        """torchtitan's ``close``; the run's history is closed too."""
+        recorder = getattr(self, "_recorder", None)
+        if recorder is not None:
+            recorder.close()
+        super().close()
 
     def dcp_save(
         self,
@@ -235,6 +338,8 @@ class CheckpointManager(_TorchtitanManager):
             return
         if os.path.normpath(os.path.dirname(os.path.normpath(checkpoint_id))) == os.path.normpath(self.folder):
             self._check_job(checkpoint_id)
+            m = _STEP.fullmatch(os.path.basename(os.path.normpath(checkpoint_id)))
+            self._resumed = int(m.group(1)) if m else None
         ckd_load(state_dict, checkpoint_id)
         if MODEL in self.states:  # torchtitan flattens the model's keys into the state dict
             self.states[MODEL].load_state_dict(state_dict)

@@ -144,22 +144,29 @@ def run_checkpoints(run_dir: str | os.PathLike[str]) -> dict[int, str]:
     """Step -> path of every committed checkpoint in ``run_dir``, of either store: ``.ckpt``
     files, or a distributed run's ``.dcp`` directories (:func:`whole_checkpoints`: debris an
     interrupted save left is not a checkpoint, so no comparison ever reads it); in a Trainer
-    output directory its committed ``checkpoint-N/`` folders (:func:`trainer_checkpoints`)."""
-    return dict(whole_checkpoints(run_dir) + whole_checkpoints(run_dir, DCP_SUFFIX) + trainer_checkpoints(run_dir))
+    output directory its committed ``checkpoint-N/`` folders, in a torchtitan checkpoint folder
+    its committed ``step-N/`` directories (:func:`trainer_checkpoints`)."""
+    from ..distributed._format import METADATA_NAME
+
+    return dict(
+        whole_checkpoints(run_dir)
+        + whole_checkpoints(run_dir, DCP_SUFFIX)
+        + trainer_checkpoints(run_dir)
+        + trainer_checkpoints(run_dir, _PREFIX, METADATA_NAME)  # torchtitan's step-N/ (torchtitan.md R-TT04)
+    )
 
 
-def trainer_checkpoints(run_dir: str | os.PathLike[str]) -> list[tuple[int, str]]:
-    """``(step, path)`` of every committed ``checkpoint-N/`` folder of a Trainer output directory
-    (one holding :data:`TRAINER_COMMIT`; a torn one is not a checkpoint), oldest first."""
+def trainer_checkpoints(
+    run_dir: str | os.PathLike[str], prefix: str = _TRAINER_PREFIX, commit: str = TRAINER_COMMIT
+) -> list[tuple[int, str]]:
+    """``(step, path)`` of every committed ``<prefix>N/`` folder a trainer wrote (one holding
+    its ``commit`` file, written last; a torn one is not a checkpoint), oldest first: by default
+    a Hugging Face Trainer's ``checkpoint-N/`` (:data:`TRAINER_COMMIT`)."""
     run_dir = os.fspath(run_dir)
     out = []
     for name in list_run_dir(run_dir):
-        digits, path = name[len(_TRAINER_PREFIX) :], os.path.join(run_dir, name)
-        if (
-            name.startswith(_TRAINER_PREFIX)
-            and digits.isdecimal()
-            and os.path.isfile(os.path.join(path, TRAINER_COMMIT))
-        ):
+        digits, path = name[len(prefix) :], os.path.join(run_dir, name)
+        if name.startswith(prefix) and digits.isdecimal() and os.path.isfile(os.path.join(path, commit)):
             out.append((int(digits), path))
     return sorted(out)
 

@@ -21,7 +21,7 @@ from ckptkit import Checkpoint, FormatError, ReplayDivergence, RunStopped, Unsup
 from ckptkit.audit._recording import checkpoint_difference
 from ckptkit.cli import main
 from ckptkit.format._checkpoint import load, save
-from ckptkit.integrations import _hf_record
+from ckptkit.integrations import _hf_record, _run_record
 from ckptkit.integrations.hf_folder import STATE_FILE
 from ckptkit.run import read_rows
 from ckptkit.run._files import TRAINER_COMMIT, run_checkpoints
@@ -116,7 +116,7 @@ def test_digests_every_sets_the_cadence_and_a_large_state_is_digested_at_checkpo
 ) -> None:
     make_trainer(str(tmp_path / "three"), steps=6, save_steps=4, digests_every=3).train()
     assert [r["step"] for r in _rows(tmp_path / "three", "digests")] == [3, 6]
-    monkeypatch.setattr(_hf_record, "SMALL_STATE", 0)
+    monkeypatch.setattr(_run_record, "SMALL_STATE", 0)
     make_trainer(str(tmp_path / "large"), steps=6, save_steps=4).train()
     assert [r["step"] for r in _rows(tmp_path / "large", "digests")] == sorted(run_checkpoints(tmp_path / "large"))
     assert sorted(run_checkpoints(tmp_path / "large")) == [4, 6]  # Trainer saves the last step too

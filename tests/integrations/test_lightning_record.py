@@ -21,7 +21,7 @@ from ckptkit import Checkpoint, ReplayDivergence, UnsupportedOption
 from ckptkit.audit._recording import checkpoint_difference
 from ckptkit.cli import main
 from ckptkit.format._checkpoint import load, save
-from ckptkit.integrations import _lightning_record
+from ckptkit.integrations import _lightning_record, _run_record
 from ckptkit.integrations.lightning import CheckpointIO
 from ckptkit.run import checkpoint_digests, float_bits, read_rows
 from ckptkit.run._files import run_checkpoints
@@ -117,7 +117,7 @@ def test_digests_every_sets_the_cadence_and_a_large_state_is_digested_at_checkpo
         "digests_every=0: a digests row every N optimizer steps needs an int N >= 1, "
         "or None for the default cadence (spec/lightning.md R-L10)"
     )
-    monkeypatch.setattr(_lightning_record, "SMALL_STATE", 0)
+    monkeypatch.setattr(_run_record, "SMALL_STATE", 0)
     _fit(tmp_path / "large", 7)
     assert [r["step"] for r in _rows(tmp_path / "large", "digests")] == sorted(run_checkpoints(tmp_path / "large"))
     assert sorted(run_checkpoints(tmp_path / "large")) == [3, 6]

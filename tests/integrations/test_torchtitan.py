@@ -65,7 +65,7 @@ def ranks(phase: str, out: Path, world: int = 2, timeout: float = 240) -> list[i
 def test_killed_and_resumed_is_the_uninterrupted_run_bitwise_and_nothing_unpickles(tmp_path: Path) -> None:
     assert ranks("first", tmp_path) == [-signal.SIGKILL, -signal.SIGKILL]
     folder = tmp_path / "run" / "checkpoint"
-    assert sorted(os.listdir(folder)) == ["step-2", "step-4"]
+    assert sorted(os.listdir(folder)) == ["environment.json", "history.jsonl", "step-2", "step-4"]  # R-TT11
     (folder / "step-6").mkdir()  # a save killed before it committed: never a resume point
     (folder / "step-6" / "__0_0.distcp").write_bytes(b"half a rank file")
     assert ranks("resume", tmp_path) == [0, 0]
