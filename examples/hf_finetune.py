@@ -4,6 +4,8 @@
     ckptkit audit -- python examples/hf_finetune.py --output-dir {run_dir}
     ckptkit replay runs/hf --from 4 -- python examples/hf_finetune.py --output-dir {run_dir}
     ckptkit plot runs/hf
+    torchrun --nproc-per-node 2 examples/hf_finetune.py --output-dir runs/hf-ddp   # DDP, 2 gloo ranks on CPU
+    accelerate launch --multi_gpu --num_processes 2 examples/hf_finetune.py --output-dir runs/hf-ddp
 
 A tiny GPT-2 built from a config (no download; dropout on, so the RNG matters), random
 token sequences, CPU, a few seconds. Lines marked ``# ckptkit`` are what was added to a
@@ -11,6 +13,8 @@ plain fine-tune: ckptkit's ``Trainer`` (committed, verified checkpoints and
 ``OUTPUT_DIR/history.jsonl``: every optimizer step's loss, gradient norm and learning rate
 bit for bit and the digest of the weights and optimizer state, spec/transformers.md R-HF07)
 and resume-or-start, so the same command continues a stopped run (``ckptkit audit`` relies on it).
+Under ``torchrun`` or ``accelerate launch`` it is a DDP job with nothing changed (``use_cpu=True``:
+gloo; spec/transformers.md R-HF11): each rank's RNG states are kept, rank 0 commits each folder.
 """
 
 from __future__ import annotations

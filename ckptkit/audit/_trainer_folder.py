@@ -4,7 +4,8 @@ Two runs of one experiment write ``checkpoint-N/`` folders whose bytes differ wh
 does: the config snapshot holds the exempt ``output_dir`` (and ``logging_dir``), the commit's
 file record holds the snapshot's digest, and ``trainer_state.json``'s log averages the loss
 since the last log, which a resume restarts. So a folder is compared by what a resume
-restores from it: the weights and the commit's optimizer, scheduler, scaler and RNG states.
+restores from it: the weights, the commit's optimizer, scheduler, scaler and RNG states, and in a
+multi-process run each other rank's RNG states (its own container in the folder, R-HF11).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ def is_trainer_folder(path: str) -> bool:
 
 def folder_state(folder: str) -> dict[str, Any]:
     """The state a resume restores from ``folder``, flattened: each ``*.safetensors`` file's
-    tensors as ``<file>:<name>``, and the commit's ``optim:*`` and ``monitor:rng.*`` leaves.
+    tensors as ``<file>:<name>``, the commit's ``optim:*`` and ``monitor:rng.*`` leaves, and each
+    other container's (a rank's RNG file) ``monitor:rng.*`` leaves as ``<file>:monitor:rng.*``.
 
     Raises:
         FormatError: the commit does not verify, or a weights file cannot be read.
@@ -41,6 +43,9 @@ def folder_state(folder: str) -> dict[str, Any]:
         k: v for k, v in checkpoint_state(load(os.path.join(folder, TRAINER_COMMIT))).items() if k.startswith(_RESTORED)
     }
     for name in sorted(os.listdir(folder)):
+        if name.endswith(".ckpt") and name != TRAINER_COMMIT:
+            rank = checkpoint_state(load(os.path.join(folder, name)))
+            state.update((f"{name}:{k}", v) for k, v in rank.items() if k.startswith("monitor:rng."))
         if name.endswith(".safetensors"):
             path = os.path.join(folder, name)
             try:

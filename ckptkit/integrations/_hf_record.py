@@ -8,6 +8,8 @@ one :class:`~ckptkit.run.History` and ``OUTPUT_DIR/environment.json`` when a run
 ``ckptkit audit``, ``ckptkit replay``, ``ckptkit plot`` and the self-checking resume serve a
 Trainer script as they serve a ``RunState`` loop; and it honours the audit's stop request
 (``CKPTKIT_STOP_AT``): the checkpoint at that step is committed, then the process exits 75.
+In a multi-process run (R-HF11) rank 0 writes both files, with rank 0's loss and batches; every
+rank answers the stop request, at the same step.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from ..format._checkpoint import Checkpoint
 from ..run import History
 from ..run._environment import Fact, capture, check_environment
 from ..run._fingerprint import checkpoint_digests
+from ..run._group import group_of
 from ..run._history import digests_row, step_row
 from ..run._preemption import StopRequests
 from ..run._resume_check import ResumeCheck, check_mode, replay_command
@@ -94,7 +97,8 @@ class Recording:
 class Recorder(transformers.TrainerCallback):
     """Writes a ``step`` row after every optimizer step and a ``digests`` row at the cadence;
     opens the history where ``train()`` begins (fresh, or set aside after the resumed step and
-    compared, R-D20); answers the stop request after the checkpoint it asks for."""
+    compared, R-D20); answers the stop request after the checkpoint it asks for. On a rank other
+    than 0 it writes nothing and only answers the stop request (R-HF11)."""
 
     def __init__(self, trainer: Any, every: int | None, mode: str) -> None:
         self.trainer, self.every, self.mode = trainer, every, mode
@@ -122,6 +126,8 @@ class Recorder(transformers.TrainerCallback):
         out = str(args.output_dir)
         self.stopping = None
         self._clear()
+        if group_of(None).rank != 0:
+            return  # the run's history is rank 0's
         resumed = getattr(self.trainer, "resumed_from", None)
         check = None if resumed is None else ResumeCheck(self.mode, out, replay_command(out), self._not_comparable())
         self.history, notes = open_history(out, logger, environment(), check, state.global_step)
@@ -141,21 +147,25 @@ class Recorder(transformers.TrainerCallback):
         self.lr = self.trainer._get_learning_rate()  # what Trainer logs: read where Trainer reads it
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """The step's rows; a stop requested at this step count saves it and ends training."""
-        assert self.history is not None, "on_train_begin opens the history"
-        step = state.global_step - 1
-        scalars = {"loss": self.loss, "grad_norm": self.grad_norm, "lr": self.lr}
-        row = step_row(step, {k: v for k, v in scalars.items() if v is not None})
-        if self.inputs:
-            self._add_data(row)
-        self.history.append(row)
+        """The step's rows (rank 0); a stop requested at this step count saves it and ends training (every rank)."""
         self.stopping = self.stops.reason(state.global_step)
         if self.stopping is not None:
             control.should_save = True
             control.should_training_stop = True
-        if self._digest_now(state.global_step, control):
-            self.history.append(digests_row(state.global_step, checkpoint_digests(self._state(state.global_step))))
+        if self.history is not None:
+            self._write_rows(state.global_step, control)
         self._clear()
+
+    def _write_rows(self, steps_done: int, control: Any) -> None:
+        """Step ``steps_done - 1``'s row, then its digests row at the cadence; synced before a checkpoint."""
+        assert self.history is not None, "on_train_begin opens the history on rank 0"
+        scalars = {"loss": self.loss, "grad_norm": self.grad_norm, "lr": self.lr}
+        row = step_row(steps_done - 1, {k: v for k, v in scalars.items() if v is not None})
+        if self.inputs:
+            self._add_data(row)
+        self.history.append(row)
+        if self._digest_now(steps_done, control):
+            self.history.append(digests_row(steps_done, checkpoint_digests(self._state(steps_done))))
         if control.should_save:
             self.history.sync()  # every row of the steps before a checkpoint is on disk before it
 
@@ -183,18 +193,20 @@ class Recorder(transformers.TrainerCallback):
         return Checkpoint(step=steps_done, model={"model": t.model.state_dict()}, optim=optim)
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """After the checkpoint a stop asked for is committed: close the history and end the process (75)."""
-        if self.stopping is None or self.history is None:
+        """After the checkpoint a stop asked for is committed: close the history and end the process (75);
+        every rank ends, rank 0 says so."""
+        if self.stopping is None:
             return
-        self.history.close()
         folder = os.path.join(str(args.output_dir), f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-        argv = [sys.executable, *sys.argv] if sys.argv and sys.argv[0].endswith(".py") else sys.argv
-        print(
-            f"ckptkit: stopped at step {state.global_step} ({self.stopping}): saved {folder}; "
-            f"resume with: {shlex.join(argv)}",
-            file=sys.stderr,
-            flush=True,
-        )
+        if self.history is not None:
+            self.history.close()
+            argv = [sys.executable, *sys.argv] if sys.argv and sys.argv[0].endswith(".py") else sys.argv
+            print(
+                f"ckptkit: stopped at step {state.global_step} ({self.stopping}): saved {folder}; "
+                f"resume with: {shlex.join(argv)}",
+                file=sys.stderr,
+                flush=True,
+            )
         raise RunStopped(state.global_step, folder, self.stopping)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

@@ -46,7 +46,7 @@ __all__ = [
 ]
 
 #: The container's monitor ``layout``; another value is refused (R-HF02).
-LAYOUT = "ckptkit.integrations.transformers/1"
+LAYOUT = "ckptkit.integrations.transformers/2"
 #: The commit: the container written last, atomically (R-HF02); the run floor lists folders by it.
 STATE_FILE = TRAINER_COMMIT
 #: The run's config snapshot (spec/snapshot.md), one per checkpoint (R-HF04).

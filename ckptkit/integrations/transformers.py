@@ -38,9 +38,14 @@ The run is recorded (:class:`~ckptkit.integrations._hf_record.Recording`, R-HF07
 ``environment.json``, so ``ckptkit audit -- CMD``, ``ckptkit replay`` and ``ckptkit plot`` serve a
 Trainer script, and a resume compares the steps it re-runs with the interrupted process's rows.
 
-Known limits: one process (no DDP, FSDP or DeepSpeed: refused when the Trainer is built);
-``TrainingArguments`` values the snapshot cannot carry (an object inside ``fsdp_config``)
-are refused, naming the key.
+Several processes (R-HF11): DDP under ``torchrun`` or ``accelerate launch`` (on CPU with
+``ddp_backend="gloo"``). Rank 0 writes Trainer's files and the commit; every other rank writes
+its RNG states to ``ckptkit-rng-<rank>.ckpt`` in the folder, and the commit is written only
+after every rank's file is durable, so a kill of the job at any moment leaves the folder torn or
+whole. A resume at another world size is refused (:class:`~ckptkit.errors.WorldSizeChanged`).
+
+Known limits: FSDP and DeepSpeed are refused when the Trainer is built; ``TrainingArguments``
+values the snapshot cannot carry (an object inside ``fsdp_config``) are refused, naming the key.
 """
 
 from __future__ import annotations
@@ -56,12 +61,14 @@ import random
 import shutil
 from typing import Any
 
-from ..errors import CheckpointNotFound, ResumeRefused, UnsupportedValue
+from ..errors import CheckpointNotFound, LeaseLost, ResumeRefused, UnsupportedValue, WorldSizeChanged
 from ..format._atomic import write_bytes_atomic
 from ..format._checkpoint import Checkpoint, load, save
 from ..format._snapshot import encode_snapshot, read_snapshot
 from ..run._drift import check_resume
 from ..run._environment import check_environment
+from ..run._group import Group, group_of
+from ..run._lease import launcher_pid
 from ._extra import missing_extra
 from ._hf_record import Recording, environment
 from .hf_folder import CONFIG_FILE, CONFIG_TYPE, EXEMPT, LAYOUT, STATE_FILE, check_folder, file_record, newest_intact
@@ -77,6 +84,7 @@ __all__ = ["CONFIG_TYPE", "EXEMPT", "Trainer", "TrainerMixin", "capture_rng", "e
 logger = logging.getLogger(__name__)
 
 _TRAINING_ARGS_FILE = "training_args.bin"  # transformers' TRAINING_ARGS_NAME: the pickled TrainingArguments
+_RANK_FILE = "ckptkit-rng-{rank}.ckpt"  # rank r >= 1's RNG states in a multi-process run (R-HF11)
 _PLAIN = (type(None), bool, int, float, str, enum.Enum)
 
 
@@ -163,24 +171,32 @@ class TrainerMixin(Recording):
         *args, **kwargs: the Trainer's own arguments.
 
     Raises:
-        UnsupportedValue: a setup this mixin does not cover (more than one process, FSDP,
-            DeepSpeed), or a ``TrainingArguments`` / model config value the snapshot cannot carry.
+        UnsupportedValue: a setup this mixin does not cover (FSDP, DeepSpeed), or a
+            ``TrainingArguments`` / model config value the snapshot cannot carry.
     """
 
     def __init__(self, *args: Any, allow_env_change: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.allow_env_change = allow_env_change
         self._ckptkit_resume: Checkpoint | None = None
+        self._ckptkit_rng: dict[str, Any] | None = None  # this rank's RNG states to restore
+        self._ckptkit_launcher = launcher_pid()  # this rank's torchrun agent; None outside torchrun
         #: The ``checkpoint-N/`` folder the last ``train()`` resumed from (None: it started).
         self.resumed_from: str | None = None
         self._ckptkit_config = self.run_config()
         trainer: Any = self
-        if trainer.args.world_size > 1 or trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
+        if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
             raise UnsupportedValue(
-                "ckptkit.integrations.transformers covers one process without FSDP or DeepSpeed "
-                f"(got world_size {trainer.args.world_size}); for several processes use ckptkit.distributed"
+                "ckptkit.integrations.transformers covers one process and DDP (torchrun or accelerate launch), "
+                f"not {'FSDP' if trainer.is_fsdp_enabled else 'DeepSpeed'} (R-HF11): train without it, or save "
+                "the run with ckptkit.RunState and a DCP store (ckptkit.distributed)"
             )
         encode_snapshot(self._ckptkit_config)  # a config the snapshot cannot carry is refused now, not at a save
+
+    @property
+    def _ckptkit_group(self) -> Group:
+        """The run's processes: rank 0 decides and commits, every rank agrees (one process: plain calls)."""
+        return group_of(None)
 
     def run_config(self) -> dict[str, Any]:
         """The run's config: ``{"args": TrainingArguments.to_dict(), "model": the model's config.json table}``."""
@@ -203,13 +219,16 @@ class TrainerMixin(Recording):
         """
         # Taken once per train(): its saves write this table, whatever Trainer changes on the model after it.
         self._ckptkit_config = self.run_config()
-        folder = self._resume_folder(resume_from_checkpoint)
-        self._ckptkit_resume = None if folder is None else self._check_resume(folder)
+        group = self._ckptkit_group
+        folder = group.from_rank0(lambda: self._resume_folder(resume_from_checkpoint), "choosing the checkpoint")
+        self._ckptkit_resume = None
+        if folder is not None:
+            self._ckptkit_resume = group.agree(lambda: self._check_resume(folder), f"checking {folder}")
         self.resumed_from = folder
         try:
             return super().train(folder, *args, **kwargs)  # type: ignore[misc]
         finally:
-            self._ckptkit_resume = None
+            self._ckptkit_resume = self._ckptkit_rng = None
 
     def _resume_folder(self, wanted: str | bool | None) -> str | None:
         trainer: Any = self
@@ -239,9 +258,10 @@ class TrainerMixin(Recording):
         return check.path
 
     def _check_resume(self, folder: str) -> Checkpoint:
-        """Load the commit and refuse another run's config or environment."""
+        """Load the commit (and this rank's RNG file) and refuse another world, run config or environment."""
         trainer: Any = self
         state = load(os.path.join(folder, STATE_FILE))
+        self._ckptkit_rng = self._rank_rng(folder, state)
         if state.optim is None:
             raise ResumeRefused(
                 f"{folder}: saved with save_only_model=True: it holds no optimizer, scheduler or RNG state, so "
@@ -256,21 +276,68 @@ class TrainerMixin(Recording):
             logger.warning("resume %s: environment: %s", folder, e)
         return state
 
+    def _rank_rng(self, folder: str, state: Checkpoint) -> dict[str, Any]:
+        """This rank's RNG states in ``folder``: rank 0's are the commit's, rank r's its file's (R-HF11)."""
+        group = self._ckptkit_group
+        saved = state.monitor.get("world_size")
+        if saved != group.world:
+            raise WorldSizeChanged(
+                f"{folder}: saved by {saved} process(es), resumed by {group.world}; each rank's RNG states and its "
+                f"share of the data continue the same run only at the world size it was saved at: start the job "
+                f"with {saved} process(es) (torchrun --nproc-per-node {saved}), or begin a new run (R-HF11)",
+                {"world_size": saved},
+                {"world_size": group.world},
+            )
+        if group.rank == 0:
+            return dict(state.monitor["rng"])
+        # Rank 0 checked the folder: this file's size and digest are the commit's record of it (R-HF03).
+        return dict(load(os.path.join(folder, _RANK_FILE.format(rank=group.rank))).monitor["rng"])
+
     # ------------------------------------------------------------------ save: Trainer's hooks
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
-        """Trainer's save, then the snapshot and the commit, then rotation (after the commit, not before)."""
+        """Trainer's save, every rank's RNG file, then (rank 0) the snapshot and the commit, then rotation
+        (after the commit, not before). Each step is agreed: no rank goes on before every rank did it (R-HF11)."""
         trainer: Any = self
+        group = self._ckptkit_group
         run_dir = trainer._get_output_dir(trial=trial)
         folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}")
-        _discard(folder)
+        group.agree(lambda: self._may_write(folder), f"discarding what {folder} held")
         limit, trainer.args.save_total_limit = trainer.args.save_total_limit, None
         try:
             super()._save_checkpoint(model, trial)  # type: ignore[misc]
         finally:
             trainer.args.save_total_limit = limit
-        if not trainer.args.should_save:
+        group.agree(lambda: self._save_rank_rng(folder), f"writing each rank's RNG states to {folder}")
+        group.on_rank0(lambda: self._finish(folder, run_dir, limit), f"committing {folder}")
+
+    def _may_write(self, folder: str) -> None:
+        """Before anything is written: this rank's launcher lives (a job whose torchrun agent was killed
+        stops, so a job started again on ``output_dir`` is its one writer), and rank 0 removes what a torn
+        save left at this step."""
+        rank = self._ckptkit_group.rank
+        if self._ckptkit_launcher is not None and os.getppid() != self._ckptkit_launcher:
+            raise LeaseLost(
+                f"{folder}: this rank's launcher (pid {self._ckptkit_launcher}) is gone: rank {rank} "
+                "stops before saving, without writing (R-HF11)"
+            )
+        if rank == 0:
+            _discard(folder)
+
+    def _save_rank_rng(self, folder: str) -> None:
+        """Rank r >= 1 writes its RNG states to ``ckptkit-rng-<r>.ckpt``, durably (rank 0's go into the commit)."""
+        trainer: Any = self
+        rank = self._ckptkit_group.rank
+        if rank == 0:
             return
+        os.makedirs(folder, exist_ok=True)
+        monitor = {"layout": LAYOUT, "rank": rank, "rng": capture_rng()}
+        ckpt = Checkpoint(step=trainer.state.global_step, monitor=monitor)
+        save(os.path.join(folder, _RANK_FILE.format(rank=rank)), ckpt)
+
+    def _finish(self, folder: str, run_dir: str, limit: int | None) -> None:
+        """Rank 0, once every rank's files are written: the snapshot, the commit, then rotation."""
+        trainer: Any = self
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(folder, _TRAINING_ARGS_FILE))  # a pickle; the snapshot says the same
         write_bytes_atomic(os.path.join(folder, CONFIG_FILE), encode_snapshot(self._ckptkit_config, CONFIG_TYPE))
@@ -296,6 +363,7 @@ class TrainerMixin(Recording):
             "files": file_record(folder, durable=True),
             "rng": capture_rng(),
             "environment": environment(),
+            "world_size": self._ckptkit_group.world,
         }
         save(os.path.join(folder, STATE_FILE), Checkpoint(step=trainer.state.global_step, optim=optim, monitor=monitor))
 
@@ -328,9 +396,9 @@ class TrainerMixin(Recording):
         scaler.load_state_dict(self._ckptkit_resume.optim["scalers"]["scaler"])
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
-        """Restore the global RNGs where Trainer restores them (after skipping a resumed epoch's batches)."""
-        if checkpoint is not None and self._ckptkit_resume is not None:
-            restore_rng(self._ckptkit_resume.monitor["rng"])
+        """Restore this rank's global RNGs where Trainer restores them (after skipping a resumed epoch's batches)."""
+        if checkpoint is not None and self._ckptkit_rng is not None:
+            restore_rng(self._ckptkit_rng)
 
 
 def _discard(folder: str) -> None:
