@@ -1,7 +1,8 @@
-"""Fixtures shared by the distributed tests (the hypothesis profiles are in the root conftest.py)."""
+"""Fixtures shared by the tests (the hypothesis profiles are in the root conftest.py)."""
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +13,41 @@ import pytest
 # The tests sit in one folder per floor; their shared helpers (helpers.py, the worker scripts) sit
 # here, imported as top-level modules from every folder.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+#: torch's process-wide determinism switches as a fresh process has them.
+_FRESH_FLAGS = (False, False, False, False)
+
+
+def _torch_flags() -> tuple[bool, bool, bool, bool]:
+    """cudnn's deterministic and benchmark, deterministic algorithms and their warn-only; a process
+    that has not imported torch has them as a fresh one does (torch is absent from the core venv)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return _FRESH_FLAGS
+    return (
+        torch.backends.cudnn.deterministic,
+        torch.backends.cudnn.benchmark,
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _process_as_it_was() -> Iterator[None]:
+    """Put torch's process-wide flags and the environment variables back after each module: an
+    in-process Trainer (Lightning's ``deterministic=True``, Hugging Face's ``full_determinism``)
+    switches them, and a later test's run would record an environment (``environment.json``'s
+    ``deterministic_algorithms``) that its own child processes do not have."""
+    flags, environ = _torch_flags(), dict(os.environ)
+    yield
+    torch = sys.modules.get("torch")
+    if torch is not None and _torch_flags() != flags:
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = flags[:2]
+        torch.use_deterministic_algorithms(flags[2], warn_only=flags[3])
+    if os.environ != environ:
+        os.environ.clear()
+        os.environ.update(environ)
 
 
 @pytest.fixture(scope="module")

@@ -32,23 +32,6 @@ sys.path.insert(0, str(EXAMPLE.parent))
 from hf_finetune import make_trainer  # noqa: E402
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _process_as_it_was() -> Any:
-    """The example's ``full_determinism`` switches torch's process-wide flags and sets environment
-    variables; put them back after this module, so that later tests' runs record the environment
-    their own processes have (an ``environment.json`` fact ``cudnn_deterministic`` otherwise drifts)."""
-    import torch
-
-    cudnn = (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
-    algorithms = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
-    environ = dict(os.environ)
-    yield
-    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = cudnn
-    torch.use_deterministic_algorithms(algorithms[0], warn_only=algorithms[1])
-    os.environ.clear()
-    os.environ.update(environ)
-
-
 def _rows(out: Path, kind: str) -> list[dict[str, Any]]:
     return [r for r in read_rows(out / "history.jsonl")[0] if r["kind"] == kind]
 
