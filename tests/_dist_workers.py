@@ -14,6 +14,7 @@ import os
 import queue
 import signal
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -241,3 +242,85 @@ def save_without_collectives(path: str) -> str:
     except BaseException as e:  # noqa: BLE001 - reported as the test expects it
         return f"{type(e).__name__}: {e}"
     return "saved"
+
+
+def wide(seed: int) -> torch.nn.Sequential:
+    """Four 256x256 layers: 3 MiB of state with AdamW's once it stepped."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(*(torch.nn.Linear(256, 256) for _ in range(4)))
+
+
+def _fsdp_wide(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """:func:`wide`, each layer sharded by FSDP2, with AdamW."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = wide(seed)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def load_unsharded(model: torch.nn.Module, path: str) -> dict[str, Any]:
+    """``model`` and a fresh AdamW loaded from ``path`` in this process (world size 1); the full state."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    msd, osd = get_state_dict(model, optim)
+    state: dict[str, Any] = {"model": msd, "optim": osd}
+    ckd.load(state, path)
+    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return _full(model, optim)
+
+
+def _counted(fn: Callable[[], Any]) -> tuple[Any, dict[str, int], int]:
+    """``fn()`` (or the ckptkit error it raised, as text), the bytes its storage reads fetched by
+    object key, and the LISTs it made."""
+    from _store_faults import Fetched
+
+    from ckptkit.format import _objectstore as objectstore
+
+    made: list[Fetched] = []
+
+    def counted(backend: objectstore.Backend) -> objectstore.Backend:
+        made.append(Fetched(backend))
+        return made[-1]
+
+    with objectstore.intercept(counted):
+        try:
+            out = fn()
+        except ckptkit.CheckpointError as e:
+            out = f"{type(e).__name__}: {e}"
+    fetched: dict[str, int] = {}
+    for f in made:
+        for key, n in f.bytes.items():
+            fetched[key] = fetched.get(key, 0) + n
+    return out, fetched, sum(f.lists for f in made)
+
+
+def fsdp_s3_fetched(url: str, env: dict[str, str]) -> tuple[dict[str, Any], dict[str, int], dict[str, Any]]:
+    """One AdamW step of :func:`_fsdp_wide` saved to ``url`` (an ``s3://`` URL on the tests' server,
+    ``env`` its AWS variables), loaded into a differently initialised copy: the full state saved, the
+    bytes this rank's load fetched by object key, and the full state loaded."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    os.environ.update(env)
+    model, optim = _fsdp_wide(0)
+    model(torch.randn(4, 256, generator=torch.Generator().manual_seed(1))).pow(2).mean().backward()
+    optim.step()
+    ckd.save(_state(model, optim), url)
+    saved = _full(model, optim)
+    model, optim = _fsdp_wide(123)
+    state = _state(model, optim)
+    _, fetched, _ = _counted(lambda: ckd.load(state, url))
+    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return saved, fetched, _full(model, optim)
+
+
+def s3_load_uncommitted(url: str, env: dict[str, str]) -> tuple[str, int]:
+    """A load of ``url``, which has no record: this rank's error and the LISTs it made."""
+    os.environ.update(env)
+    error, _, lists = _counted(lambda: ckd.load({"w": torch.zeros(4)}, url))
+    return error, lists

@@ -1,5 +1,6 @@
 """The fault stores the object-storage tests share: a backend that fails at its k-th request,
-and :class:`StoreProxy`, a loopback HTTP proxy in front of the tests' S3 server that answers
+one that counts the bytes each object's reads fetched (:class:`Fetched`), and
+:class:`StoreProxy`, a loopback HTTP proxy in front of the tests' S3 server that answers
 chosen requests with ``503 SlowDown`` or drops ``If-None-Match`` (a store that ignores it).
 
 Used by tests/format/test_objectstore_faults.py, tests/run/test_objectstore_run.py,
@@ -61,6 +62,43 @@ class Faulty:
             return op(*args, **kw)
 
         return call
+
+
+class Fetched:
+    """``inner``, counting the bytes its reads (GET, ranged or whole) brought back, by key, and its LISTs."""
+
+    def __init__(self, inner: Backend) -> None:
+        self.inner, self.bucket = inner, inner.bucket
+        self.bytes: dict[str, int] = {}
+        self.lists = 0
+        self.lock = threading.Lock()
+
+    def list(self, prefix: str) -> list[tuple[str, int, float]]:
+        with self.lock:
+            self.lists += 1
+        return self.inner.list(prefix)
+
+    def _count(self, key: str, n: int) -> None:
+        with self.lock:
+            self.bytes[key] = self.bytes.get(key, 0) + n
+
+    def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        data = self.inner.get(key, start, end)
+        self._count(key, len(data))
+        return data
+
+    def get_into(self, key: str, fd: int, start: int | None = None, end: int | None = None) -> int:
+        n = self.inner.get_into(key, fd, start, end)
+        self._count(key, n)
+        return n
+
+    def read(self, key: str) -> tuple[bytes, str]:
+        data, etag = self.inner.read(key)
+        self._count(key, len(data))
+        return data, etag
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
 
 
 def state_of(seed: int) -> ckptkit.Checkpoint:

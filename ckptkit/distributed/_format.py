@@ -502,11 +502,12 @@ def _len(v: Any) -> Any:
     return len(v) if isinstance(v, list) else type(v).__name__
 
 
-def chunk_mismatch(directory: str, fqn: str, c: Chunk, got: int) -> ChecksumMismatch:
-    """The error for a chunk whose bytes do not match the digest in the metadata."""
+def chunk_mismatch(path: str, fqn: str, c: Chunk, got: int) -> ChecksumMismatch:
+    """The error for a chunk of the rank file ``path`` (or object URL) whose bytes do not match the
+    digest in the metadata."""
     return ChecksumMismatch(
         f"tensor {fqn!r} chunk at {list(c.offsets)} of {list(c.sizes)} ({c.nbytes} bytes): digest does not match",
-        path=os.path.join(directory, data_name(c.rank)),
+        path=path,
         offset=c.offset,
         expected=f"0x{c.digest:016x}",
         actual=f"0x{got:016x}",
@@ -553,7 +554,7 @@ def verify_directory(directory: str | os.PathLike[str]) -> DirReport:
             h = xxhash.xxh3_64()
             src.feed(c.offset, c.offset + c.nbytes, h.update, scratch)
             if h.intdigest() != c.digest:
-                raise chunk_mismatch(directory, fqn, c, h.intdigest())
+                raise chunk_mismatch(str(src.path), fqn, c, h.intdigest())
             hashed[0] += c.nbytes
 
         check_data_files(directory, md, check_chunk)

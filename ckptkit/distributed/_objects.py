@@ -11,22 +11,24 @@ one checkpoint of the commit-record engine (:mod:`ckptkit.format._commit`): each
 object conditionally and hands ``(key, size, xxh3, ETag)`` to the coordinator through DCP's
 gather; the coordinator puts the metadata and then the record. A rank that dies leaves no
 record, so nothing of the save is ever read (R-O15), and the next save of ``N`` cleans what it
-left (R-O16). A reader fetches the record, then only the objects it lists, each checked against
-its size and digest before a byte of it is parsed, into a private local directory laid out as a
-local checkpoint directory (R-O18: the same bytes), which the local reader then reads.
+left (R-O16). A reader fetches the record and the metadata object, checked against its entry
+(R-O14), then only the byte ranges of the rank files that hold the chunks its plan reads
+(:class:`RankRanges`, R-O33): each chunk is checked against its digest in that metadata, the
+way a local load checks it, so no rank fetches another rank's whole file.
 """
 
 from __future__ import annotations
 
+import bisect
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
 from ..errors import IncompleteCheckpoint, UnsupportedOption
-from ..format._commit import Entry, Written, begin, fetch, finish, put_objects, read_record
+from ..format._commit import Entry, Written, begin, fetch, finish, put_objects, read_range, read_record
 from ..format._objectstore import Body, FileSpan, ObjectStore
 from ..format._remote import locate
 from ..format._urls import StorageURL
@@ -35,7 +37,15 @@ from ._format import METADATA_NAME, DirMetadata, data_name
 T = TypeVar("T")
 U = TypeVar("U")
 
+#: Chunks of one rank file fewer than this many bytes apart are read by one ranged GET, the bytes
+#: between them read and dropped: a rank's many small tensors (biases, AdamW's step counters) cost
+#: a few requests, never one each, and at most this much is read in vain per gap. 64 KiB take
+#: less time to transfer than a request's round trip to S3 on any link where it matters.
+RANGE_GAP = 64 << 10
+
 __all__ = [
+    "RANGE_GAP",
+    "RankRanges",
     "RemoteCheckpoint",
     "check_listed",
     "discard",
@@ -105,15 +115,16 @@ class RemoteCheckpoint:
 
     # ------------------------------------------------------------------ reading
 
-    def entries(self) -> dict[str, Entry]:
-        """The record's entries by key.
+    def entries(self, *, name_leftovers: bool = True) -> dict[str, Entry]:
+        """The record's entries by key; without a record, ``name_leftovers`` LISTs what the save left
+        to name it (the coordinator's part, R-O33).
 
         Raises:
-            CheckpointNotFound: no object of the checkpoint exists.
+            CheckpointNotFound: no object of the checkpoint exists (not ``name_leftovers``: no record).
             IncompleteCheckpoint: no record (an interrupted save), naming the objects it left (R-O15).
             FormatError: a damaged record.
         """
-        return {e.key: e for e in read_record(self.store, self.base, self.name)}
+        return {e.key: e for e in read_record(self.store, self.base, self.name, name_leftovers=name_leftovers)}
 
     def fetch(self, entries: Mapping[str, Entry], key: str, into: str) -> str:
         """The listed object ``key``, checked against its entry (R-O14), into the local copy under
@@ -125,15 +136,24 @@ class RemoteCheckpoint:
         """
         entry = entries.get(key)
         if entry is None:
-            raise IncompleteCheckpoint(
-                f"{self.store.url(self._key(key))}: not listed by the commit record {self.name}.commit.json of "
-                f"{self.url}; a checkpoint's objects are exactly those its record lists (R-O31)",
-                (key,),
-            )
+            raise self._unlisted(key)
         path = os.path.join(into, local_name(self.name, key))
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fetch(self.store, self.base, entry, path)
         return path
+
+    def ranges(self, entries: Mapping[str, Entry], rank: int, extents: Iterable[tuple[int, int]]) -> RankRanges:
+        """The bytes ``[start, end)`` of each of ``extents`` in ``rank``'s listed data file, to be read
+        by ranged GETs (R-O33); the caller checks their digests.
+
+        Raises:
+            IncompleteCheckpoint: the rank file is not listed.
+        """
+        key = self.rank_key(rank)
+        entry = entries.get(key)
+        if entry is None:
+            raise self._unlisted(key)
+        return RankRanges(self.store, self.base, entry, self.store.url(self._key(key)), extents)
 
     def fetch_all(self, into: str) -> str:
         """Every listed object into a local copy under ``into`` (R-O14); the copy's directory path."""
@@ -144,6 +164,66 @@ class RemoteCheckpoint:
 
     def _key(self, rel: str) -> str:
         return f"{self.base.key}/{rel}" if self.base.key else rel
+
+    def _unlisted(self, key: str) -> IncompleteCheckpoint:
+        return IncompleteCheckpoint(
+            f"{self.store.url(self._key(key))}: not listed by the commit record {self.name}.commit.json of "
+            f"{self.url}; a checkpoint's objects are exactly those its record lists (R-O31)",
+            (key,),
+        )
+
+
+class RankRanges:
+    """The parts of one listed rank file that a rank's load reads, as positional reads (what
+    :func:`~ckptkit.distributed._storage.read_chunk` takes from a local file).
+
+    The extents are merged where less than :data:`RANGE_GAP` apart; a read of a byte not yet held
+    GETs from it to the end of its merged range, at most the store's part size at once, so a rank
+    holds one window of at most a part of the file (R-O51), never the whole file, and reads no byte
+    outside its merged ranges. Reads are expected in file order (a chunk's pieces, chunks by offset);
+    out of order they are right, only fetched again.
+    """
+
+    def __init__(
+        self, store: ObjectStore, base: StorageURL, entry: Entry, path: str, extents: Iterable[tuple[int, int]]
+    ) -> None:
+        self.store, self.base, self.entry = store, base, entry
+        self.path = path  # the object's URL, which errors name
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+        for a, b in sorted((a, b) for a, b in extents if b > a):
+            if self.ends and a - self.ends[-1] < RANGE_GAP:
+                self.ends[-1] = max(self.ends[-1], b)
+            else:
+                self.starts.append(a)
+                self.ends.append(b)
+        self.window, self.at = b"", 0
+
+    def readinto(self, offset: int, buf: memoryview) -> None:
+        """Fill ``buf`` with the file's bytes from ``offset``, which lie inside the extents.
+
+        Raises:
+            IncompleteCheckpoint, FormatError: the object is missing or shorter than listed (named).
+            StoreUnavailable, UnreadableFile: the store failed every attempt, or refused the read.
+        """
+        done = 0
+        while done < buf.nbytes:
+            pos = offset + done
+            if not self.at <= pos < self.at + len(self.window):
+                self._fill(pos)
+            n = min(buf.nbytes - done, self.at + len(self.window) - pos)
+            buf[done : done + n] = self.window[pos - self.at : pos - self.at + n]
+            done += n
+
+    def _fill(self, pos: int) -> None:
+        i = bisect.bisect_right(self.starts, pos) - 1
+        assert i >= 0 and pos < self.ends[i], f"byte {pos} of {self.path} is outside the ranges to read"
+        end = min(self.ends[i], pos + self.store.part_size)
+        self.window, self.at = b"", pos  # the old window goes before the new one comes
+        self.window = read_range(self.store, self.base, self.entry, pos, end)
+
+    def close(self) -> None:
+        self.window = b""
 
 
 def check_listed(remote: RemoteCheckpoint, entries: Mapping[str, Entry], md: DirMetadata) -> None:

@@ -30,12 +30,13 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import itertools
 import math
 import os
 import shutil
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 import xxhash
@@ -354,6 +355,13 @@ def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+def _rank() -> int:
+    """This process's rank in the default group (0 in one process): the one that lists for all (R-O33)."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 def _committed(path: str) -> bool:
     return os.path.exists(os.path.join(path, METADATA_NAME))
 
@@ -539,10 +547,11 @@ class Reader(StorageReader, _Recorder):
     writer stored through stream extensions (default: DCP's registry, which knows zstd),
     after their stored bytes are verified.
 
-    On object storage (``s3://``) each rank fetches the commit record, then only the listed
-    objects it reads (the metadata, the rank files its plan needs), each checked against the
-    record's size and digest before a byte of it is parsed (R-O33), into a private directory it
-    removes when the read is done.
+    On object storage (``s3://``) each rank fetches the commit record and the metadata object,
+    checked against the record's size and digest before a byte of it is parsed, then only the byte
+    ranges of the rank files that hold the chunks its plan reads, each chunk checked against its
+    digest in that metadata (R-O33): a rank fetches about its share of the checkpoint, not every
+    rank's file.
 
     Raises:
         UnsupportedOption: ``path`` is a URL of another scheme than ``s3://``.
@@ -554,8 +563,7 @@ class Reader(StorageReader, _Recorder):
     def __init__(self, path: str | os.PathLike[str], _extension_registry: Any = None) -> None:
         super().__init__()
         self.path, self.remote = place(path)
-        self.local: str | None = None  # object storage: the private copy of what was fetched
-        self.entries: dict[str, Any] = {}
+        self.entries: dict[str, Any] = {}  # object storage: the record's entries by key
         self.extension_registry = _extension_registry
         self.load_id = uuid.uuid4().hex
         self.metadata: DirMetadata | None = None
@@ -565,8 +573,7 @@ class Reader(StorageReader, _Recorder):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id:
             self.path, self.remote = place(checkpoint_id)
-        discard(self.local)
-        self.local, self.entries = None, {}
+        self.entries = {}
         self.load_id = uuid.uuid4().hex
         self.storage_data = {}
         self.failure = None
@@ -609,20 +616,17 @@ class Reader(StorageReader, _Recorder):
         )
 
     def _remote_metadata(self) -> DirMetadata:
-        """The record, then the metadata object it lists (checked), read from a private copy; every
-        rank file the metadata names must be listed with the size it says (R-O33)."""
+        """The record, then the metadata object it lists (checked), read from a private copy removed
+        after; every rank file the metadata names must be listed with the size it says (R-O33)."""
         assert self.remote is not None
-        discard(self.local)
-        self.local = scratch()
+        local = scratch()
         try:
-            self.entries = self.remote.entries()
-            self.remote.fetch(self.entries, self.remote.name, self.local)
-            md = read_metadata(os.path.join(self.local, self.remote.name), check_files=False)
-            check_listed(self.remote, self.entries, md)
-        except BaseException:
-            discard(self.local)
-            self.local = None
-            raise
+            self.entries = self.remote.entries(name_leftovers=_rank() == 0)  # one LIST for all ranks, if any
+            self.remote.fetch(self.entries, self.remote.name, local)
+            md = read_metadata(os.path.join(local, self.remote.name), check_files=False)
+        finally:
+            discard(local)
+        check_listed(self.remote, self.entries, md)
         return md
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -682,29 +686,26 @@ class Reader(StorageReader, _Recorder):
                 f"{self.path}: {len(problems)} tensor(s) do not fit their destination: " + "; ".join(problems[:10]),
                 problems,
             )
-        files: dict[int, Source] = {}
-        try:
-            for (fqn, _), (c, reqs) in groups.items():
-                src = files.get(c.rank)
-                if src is None:
-                    src = files[c.rank] = Source(self._rank_file(c.rank))
-                self._read_chunk(src, fqn, c, reqs, planner)
-        finally:
-            for src in files.values():
+        # in file order, one rank file open at a time: on object storage a rank file's reads are then
+        # ranged GETs front to back, holding one window of it (R-O33, R-O51)
+        order = sorted(groups.items(), key=lambda kv: (kv[1][0].rank, kv[1][0].offset))
+        for rank, group in itertools.groupby(order, key=lambda kv: kv[1][0].rank):
+            items = list(group)
+            src = self._rank_file(rank, [c for _, (c, _) in items])
+            try:
+                for (fqn, _), (c, reqs) in items:
+                    self._read_chunk(src, fqn, c, reqs, planner)
+            finally:
                 src.close()
-            if self.remote is not None:
-                discard(self.local)
-                self.local = None
 
-    def _rank_file(self, rank: int) -> str:
-        """The local path of ``rank``'s data file: in the directory, or fetched (checked) from its object."""
+    def _rank_file(self, rank: int, chunks: list[Chunk]) -> _Chunks:
+        """``rank``'s data file, to read ``chunks`` from: in the directory, or their byte ranges of its object."""
         if self.remote is None:
-            return os.path.join(self.path, data_name(rank))
-        assert self.local is not None, "read_metadata() first"
-        return self.remote.fetch(self.entries, self.remote.rank_key(rank), self.local)
+            return Source(os.path.join(self.path, data_name(rank)))
+        return self.remote.ranges(self.entries, rank, ((c.offset, c.offset + c.nbytes) for c in chunks))
 
     def _read_chunk(
-        self, src: Source, fqn: str, c: Chunk, reqs: list[tuple[Any, torch.Tensor]], planner: DCPLoadPlanner
+        self, src: _Chunks, fqn: str, c: Chunk, reqs: list[tuple[Any, torch.Tensor]], planner: DCPLoadPlanner
     ) -> None:
         req, dest = reqs[0]
         direct = (
@@ -715,7 +716,7 @@ class Reader(StorageReader, _Recorder):
             and not any(req.storage_offsets)
         )
         whole = dest if direct else torch.empty(c.sizes, dtype=dest.dtype)
-        read_chunk(src, self.path, fqn, c, whole, self.extension_registry)
+        read_chunk(src, fqn, c, whole, self.extension_registry)
         for req, dest in reqs:
             if not direct:
                 dest.copy_(_box(whole, req.storage_offsets, req.lengths))
@@ -727,8 +728,19 @@ class Reader(StorageReader, _Recorder):
         return _served(checkpoint_id)
 
 
-def read_chunk(src: Source, directory: str, fqn: str, c: Chunk, out: torch.Tensor, registry: Any = None) -> None:
-    """Read chunk ``c`` into the contiguous CPU tensor ``out``, hashing each piece while in cache.
+class _Chunks(Protocol):
+    """Where a rank file's chunks are read from: the local file (:class:`Source`), or the byte
+    ranges of its object (:class:`~ckptkit.distributed._objects.RankRanges`); ``path`` names it."""
+
+    @property
+    def path(self) -> str | None: ...
+    def readinto(self, offset: int, buf: memoryview) -> None: ...
+    def close(self) -> None: ...
+
+
+def read_chunk(src: _Chunks, fqn: str, c: Chunk, out: torch.Tensor, registry: Any = None) -> None:
+    """Read chunk ``c`` of the rank file ``src`` into the contiguous CPU tensor ``out``, hashing each
+    piece while in cache.
 
     A transformed chunk's stored bytes are read and verified first, then decoded through
     ``registry`` (DCP's ``ExtensionRegistry``; default: DCP's, which knows zstd).
@@ -747,16 +759,16 @@ def read_chunk(src: Source, directory: str, fqn: str, c: Chunk, out: torch.Tenso
         src.readinto(c.offset + a, piece)
         h.update(piece)
     if h.intdigest() != c.digest:
-        raise chunk_mismatch(directory, fqn, c, h.intdigest())
+        raise chunk_mismatch(str(src.path), fqn, c, h.intdigest())
     if c.transforms:
-        _untransform(stored, buf, directory, fqn, c, registry)
+        _untransform(stored, buf, str(src.path), fqn, c, registry)
 
 
-def _untransform(stored: memoryview, out: memoryview, directory: str, fqn: str, c: Chunk, registry: Any) -> None:
+def _untransform(stored: memoryview, out: memoryview, path: str, fqn: str, c: Chunk, registry: Any) -> None:
     """Decode verified stored bytes through the chunk's transforms into ``out``, which they must fill exactly."""
     from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
 
-    path, field = os.path.join(directory, data_name(c.rank)), f"tensor {fqn!r}"
+    field = f"tensor {fqn!r}"
     try:
         extensions = (registry or ExtensionRegistry()).from_descriptor_list(list(c.transforms))
         if not all(isinstance(e, StreamTransformExtension) for e in extensions):
@@ -823,7 +835,7 @@ def logical_state(directory: str | os.PathLike[str]) -> Iterator[tuple[str, Any]
                 if src is None:
                     src = files[c.rank] = Source(os.path.join(directory, data_name(c.rank)))
                 part = torch.empty(c.sizes, dtype=full.dtype)
-                read_chunk(src, directory, fqn, c, part)
+                read_chunk(src, fqn, c, part)
                 _box(full, c.offsets, c.sizes).copy_(part)
             yield fqn, full
     finally:

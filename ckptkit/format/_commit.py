@@ -45,6 +45,7 @@ __all__ = [
     "leftovers",
     "listing",
     "put_objects",
+    "read_range",
     "read_record",
     "remove",
     "sweep",
@@ -342,10 +343,15 @@ def listing(store: ObjectStore, base: StorageURL, suffix: str) -> dict[str, bool
     return out
 
 
-def read_record(store: ObjectStore, base: StorageURL, name: str) -> list[Entry]:
+def read_record(store: ObjectStore, base: StorageURL, name: str, *, name_leftovers: bool = True) -> list[Entry]:
     """The entries of ``name``'s record.
 
+    Args:
+        name_leftovers: without a record, LIST what the save left to name it; False where one
+            process of many lists it for all (R-O33), the others then saying only that there is none.
+
     Raises:
+        CheckpointNotFound: no record and no object of the checkpoint (or, not ``name_leftovers``, no record).
         IncompleteCheckpoint: no record: the save did not commit (the objects it left named).
         FormatError: the record breaks R-O12/R-O13.
     """
@@ -353,6 +359,11 @@ def read_record(store: ObjectStore, base: StorageURL, name: str) -> list[Entry]:
     try:
         data = store.get(key)
     except CheckpointNotFound:
+        if not name_leftovers:
+            raise CheckpointNotFound(
+                f"{store.url(_key(base, name))}: no commit record {name}{RECORD_SUFFIX}: not committed, or no such "
+                "checkpoint; the coordinator's error names which (R-O15)"
+            ) from None
         left = [k.rpartition("/")[2] for k, _m in leftovers(store, base, name)]
         if not left:
             raise CheckpointNotFound(f"{store.url(_key(base, name))}: no such checkpoint") from None
@@ -414,6 +425,34 @@ def fetch(store: ObjectStore, base: StorageURL, e: Entry, path: str) -> None:
         )
 
 
+def read_range(store: ObjectStore, base: StorageURL, e: Entry, start: int, end: int) -> bytes:
+    """Bytes ``[start, end)`` of the listed object ``e`` (one ranged GET, retried, R-O20): a part of
+    it whose own digest the caller checks (a distributed load's chunks, R-O33); the object's digest
+    is not, so the caller MUST check every byte it uses.
+
+    Raises:
+        IncompleteCheckpoint: the object is missing.
+        FormatError: it holds fewer bytes than its entry lists (or the store ignored the range).
+    """
+    assert 0 <= start < end <= e.size, (start, end, e.size)  # the caller reads inside the listed size
+    key = _key(base, e.key)
+    try:
+        data = store.get(key, start, end)
+    except CheckpointNotFound:
+        raise _missing(store.url(key), e.key) from None
+    if len(data) != end - start:
+        raise FormatError(
+            f"a read of bytes [{start}, {end}) returned {len(data)} bytes",
+            path=store.url(key),
+            offset=start,
+            field="size",
+            expected=end - start,
+            actual=len(data),
+            hint=f"the object is not the {e.size} bytes its commit record lists; use another checkpoint",
+        )
+    return data
+
+
 def _xxh3(data: Body, chunk: int) -> int:
     """The xxh3-64 of ``data``, read ``chunk`` bytes at a time (a file's span is never whole in memory)."""
     if not isinstance(data, FileSpan):
@@ -432,7 +471,7 @@ def _check_size(url: str, key: str, listed: int, size: int | None) -> None:
         FormatError: another size.
     """
     if size is None:
-        raise IncompleteCheckpoint(f"{url}: listed by its commit record but missing; the checkpoint is damaged", (key,))
+        raise _missing(url, key)
     if size != listed:
         raise FormatError(
             "object size differs from its commit record",
@@ -442,3 +481,7 @@ def _check_size(url: str, key: str, listed: int, size: int | None) -> None:
             actual=size,
             hint="R-O47",
         )
+
+
+def _missing(url: str, key: str) -> IncompleteCheckpoint:
+    return IncompleteCheckpoint(f"{url}: listed by its commit record but missing; the checkpoint is damaged", (key,))

@@ -210,6 +210,12 @@ class Backend(Protocol):
 _THROTTLE = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed"}
 
 
+def _status(e: Exception) -> int:
+    """The HTTP status of a botocore ``ClientError`` (0 for anything else)."""
+    response = getattr(e, "response", None)
+    return int(response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0) if isinstance(response, dict) else 0
+
+
 def _classify(e: Exception) -> Exception:
     """A botocore exception as one of the four classes."""
     from botocore.exceptions import (
@@ -226,7 +232,7 @@ def _classify(e: Exception) -> Exception:
 
     if isinstance(e, ClientError):
         code = str(e.response.get("Error", {}).get("Code", ""))
-        status = int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+        status = _status(e)
         what = f"{code or 'error'} (HTTP {status})"
         if status == 412 or code in ("PreconditionFailed", "ConditionalRequestConflict"):
             return WriteConflict(what)
@@ -288,11 +294,15 @@ class S3Backend:
         self._call(self.client.abort_multipart_upload, Key=key, UploadId=upload)
 
     def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        """The object's bytes, or its bytes ``[start, end)``: short (empty) where the object ends
+        sooner, as a file's read is (HTTP 416 for a range that starts past its end)."""
         extra = {} if start is None else {"Range": f"bytes={start}-{'' if end is None else end - 1}"}
-        body = self._call(self.client.get_object, Key=key, **extra)["Body"]
         try:
+            body = self.client.get_object(Bucket=self.bucket, Key=key, **extra)["Body"]
             return bytes(body.read())
         except Exception as e:
+            if start is not None and _status(e) == 416:
+                return b""
             raise _classify(e) from e
 
     def get_into(self, key: str, fd: int, start: int | None = None, end: int | None = None) -> int:
@@ -556,9 +566,12 @@ class ObjectStore:
 
     # ------------------------------------------------------------------ reads
 
-    def get(self, key: str) -> bytes:
-        """A small object's bytes (a record, a run's history, a lease): one GET."""
-        return self._retry("get", key, lambda: self.backend.get(key), writing=False)
+    def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        """A small object's bytes (a record, a run's history, a lease), or its bytes ``[start, end)``
+        (what a rank reads of a rank file, R-O33): one GET, retried as every request is (R-O20).
+        A range past the object's end comes back short: the caller compares the length."""
+        op = "get" if start is None else f"range {start}-{end}"
+        return self._retry(op, key, lambda: self.backend.get(key, start, end), writing=False)
 
     def get_into(self, key: str, size: int, fd: int) -> int:
         """The object's bytes written into the open file ``fd`` from its start, ``size`` known (from

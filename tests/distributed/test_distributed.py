@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from _dist_workers import RankPool, _full, assert_same, tiny_model
+from _dist_workers import RankPool, assert_same, load_unsharded, tiny_model
 
 import ckptkit
 import ckptkit.distributed as ckd
@@ -42,15 +42,7 @@ def copy(saved, tmp_path):
 
 def load_single(path: str, seed: int = 7) -> dict[str, Any]:
     """Load into an unsharded model and AdamW in this process (world size 1)."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    model = tiny_model(seed)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    msd, osd = get_state_dict(model, optim)
-    state: dict[str, Any] = {"model": msd, "optim": osd}
-    ckd.load(state, path)
-    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    return _full(model, optim)
+    return load_unsharded(tiny_model(seed), path)
 
 
 def test_fsdp2_adamw_round_trip_at_world_size_2_is_bitwise(pool, saved):

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+
 import boto3
 import pytest
 import torch
@@ -74,12 +76,20 @@ def test_a_load_trusts_only_what_the_record_lists_and_names_each_object_it_refus
     url = f"{s3}/ck/step-1"
     ckd.save(state_of(), url)
     objects = _objects(f"{s3}/ck")
-    rank = bytearray(objects["step-1.rank-00000.ckdcp"])
-    rank[-40] ^= 1
-    _put(f"{s3}/ck", "step-1.rank-00000.ckdcp", bytes(rank))
+    meta = objects["step-1"]
+    _put(f"{s3}/ck", "step-1", meta[:-9] + bytes([meta[-9] ^ 1]) + meta[-8:])
     with pytest.raises(ChecksumMismatch) as bad:
         ckd.load(_blank(), url)
-    assert bad.value.path == f"{url}.rank-00000.ckdcp" and "differ from its commit record" in str(bad.value)
+    assert bad.value.path == url and "differ from its commit record" in str(bad.value)  # R-O14
+    _put(f"{s3}/ck", "step-1", meta)
+    good = objects["step-1.rank-00000.ckdcp"]
+    _put(f"{s3}/ck", "step-1.rank-00000.ckdcp", good[: len(good) // 2])
+    with pytest.raises(ckptkit.FormatError) as short:
+        ckd.load(_blank(), url)
+    assert short.value.path == f"{url}.rank-00000.ckdcp" and f"the {len(good)} bytes its commit record" in str(
+        short.value
+    )
+    _put(f"{s3}/ck", "step-1.rank-00000.ckdcp", good)
     meta = objects["step-1"]
     _put(
         f"{s3}/ck",
@@ -140,3 +150,58 @@ def test_a_distributed_save_failing_at_every_request_commits_whole_or_nothing_an
             ckd.load(out, url)
         assert torch.equal(out["model"]["w"], state_of()["model"]["w"]) and out["step"] == 7, k
         assert mode != "transient" or error is None, f"request {k}: a transient fault was not retried: {error}"
+
+
+@pytest.mark.slow
+def test_each_rank_of_a_sharded_resume_fetches_its_share_of_the_checkpoint_not_every_rank_file(
+    pool, s3, tmp_path
+) -> None:
+    """R-O33, G-60: an FSDP2 + AdamW state of 3 MiB saved by 2 ranks and loaded back by them; each
+    rank GETs the record, the metadata and the byte ranges of the chunks its plan reads: about half
+    of the data, though AdamW's replicated step counters lie in both rank files. A 1-process load
+    of the same checkpoint (a reshard) reads every chunk and gets the state bitwise. A load of an
+    uncommitted checkpoint is listed by rank 0 alone."""
+    from _dist_workers import assert_same, load_unsharded, wide
+
+    url = f"{s3}/ck/step-1"
+    env = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
+    (saved, fetched0, loaded), (_, fetched1, _) = pool.run("fsdp_s3_fetched", url, env)
+    assert_same(saved, loaded)  # rank 0's full view, gathered from both ranks' shards
+    sizes = {k: len(v) for k, v in _objects(f"{s3}/ck").items()}
+    data = sizes["step-1.rank-00000.ckdcp"] + sizes["step-1.rank-00001.ckdcp"]
+    assert data > 3 << 20
+    for fetched in (fetched0, fetched1):
+        assert fetched["ck/step-1.commit.json"] == sizes["step-1.commit.json"]
+        assert fetched["ck/step-1"] == sizes["step-1"]  # the metadata, checked whole against the record
+        ranks = fetched.get("ck/step-1.rank-00000.ckdcp", 0) + fetched.get("ck/step-1.rank-00001.ckdcp", 0)
+        assert 0.4 * data < ranks <= 0.6 * data, (fetched0, fetched1, data)
+    assert_same(saved, load_unsharded(wide(7), url))
+    _put(f"{s3}/ck", "step-2.rank-00000.ckdcp", b"left by a save that did not commit")
+    (error0, lists0), (error1, lists1) = pool.run("s3_load_uncommitted", f"{s3}/ck/step-2", env)
+    assert (lists0, lists1) == (1, 0)  # rank 0 alone lists what the save left (R-O33)
+    assert error0 == (
+        f"IncompleteCheckpoint: {s3}/ck/step-2: not committed (no commit record step-2.commit.json; objects "
+        "without a record: step-2.rank-00000.ckdcp); an interrupted save, which the next save removes (R-O15)"
+    )
+    assert error1 == (
+        f"CheckpointNotFound: {s3}/ck/step-2: no commit record step-2.commit.json: not committed, or no such "
+        "checkpoint; the coordinator's error names which (R-O15)"
+    )
+
+
+def test_a_damaged_byte_inside_a_chunk_read_by_range_is_refused_naming_the_object(s3) -> None:
+    """R-O33, R-DC07: the load GETs the chunk's byte range alone (not the object, whose digest in
+    the record would catch it) and checks it against the chunk's digest in the checked metadata."""
+    url = f"{s3}/ck/step-1"
+    ckd.save(state_of(), url)
+    rank = bytearray(_objects(f"{s3}/ck")["step-1.rank-00000.ckdcp"])
+    at = bytes(rank).index(state_of()["model"]["w"].numpy().tobytes())
+    rank[at + 20] ^= 0x10
+    _put(f"{s3}/ck", "step-1.rank-00000.ckdcp", bytes(rank))
+    with pytest.raises(ChecksumMismatch) as bad:
+        ckd.load(_blank(), url)
+    assert str(bad.value).startswith(
+        f"{url}.rank-00000.ckdcp: offset {at} (0x{at:x}): tensor 'model.w' chunk at [0, 0] of [3, 4] (48 bytes): "
+        "digest does not match"
+    )
+    assert str(bad.value).endswith("the rank data file is damaged; load an earlier checkpoint (R-DC07)")
