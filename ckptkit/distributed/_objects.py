@@ -19,11 +19,12 @@ way a local load checks it, so no rank fetches another rank's whole file.
 
 from __future__ import annotations
 
-import bisect
 import os
 import shutil
 import tempfile
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -42,9 +43,16 @@ U = TypeVar("U")
 #: a few requests, never one each, and at most this much is read in vain per gap. 64 KiB take
 #: less time to transfer than a request's round trip to S3 on any link where it matters.
 RANGE_GAP = 64 << 10
+#: A rank file's byte ranges are fetched in windows of at most this size (or the part size, if
+#: smaller), up to RANGES_AHEAD at once ahead of the reads: at most 72 MiB held per rank (R-O51),
+#: 8 connections in flight as a whole object's parallel ranged GETs have (R-O21).
+RANGE_WINDOW = 8 << 20
+RANGES_AHEAD = 8
 
 __all__ = [
+    "RANGES_AHEAD",
     "RANGE_GAP",
+    "RANGE_WINDOW",
     "RankRanges",
     "RemoteCheckpoint",
     "check_listed",
@@ -177,11 +185,12 @@ class RankRanges:
     """The parts of one listed rank file that a rank's load reads, as positional reads (what
     :func:`~ckptkit.distributed._storage.read_chunk` takes from a local file).
 
-    The extents are merged where less than :data:`RANGE_GAP` apart; a read of a byte not yet held
-    GETs from it to the end of its merged range, at most the store's part size at once, so a rank
-    holds one window of at most a part of the file (R-O51), never the whole file, and reads no byte
-    outside its merged ranges. Reads are expected in file order (a chunk's pieces, chunks by offset);
-    out of order they are right, only fetched again.
+    The extents are merged where less than :data:`RANGE_GAP` apart and cut into windows of at most
+    :data:`RANGE_WINDOW`; the windows are fetched in file order by ranged GETs, up to
+    :data:`RANGES_AHEAD` of them at once ahead of the reads, so a rank holds at most that many
+    windows of a rank file (R-O51), never the whole file, and fetches no byte outside its merged
+    extents. Reads are expected in file order (a chunk's pieces, chunks by offset); a read behind
+    the windows fetched is right, only fetched again.
     """
 
     def __init__(
@@ -189,14 +198,16 @@ class RankRanges:
     ) -> None:
         self.store, self.base, self.entry = store, base, entry
         self.path = path  # the object's URL, which errors name
-        self.starts: list[int] = []
-        self.ends: list[int] = []
+        spans: list[list[int]] = []
         for a, b in sorted((a, b) for a, b in extents if b > a):
-            if self.ends and a - self.ends[-1] < RANGE_GAP:
-                self.ends[-1] = max(self.ends[-1], b)
+            if spans and a - spans[-1][1] < RANGE_GAP:
+                spans[-1][1] = max(spans[-1][1], b)
             else:
-                self.starts.append(a)
-                self.ends.append(b)
+                spans.append([a, b])
+        step = min(store.part_size, RANGE_WINDOW)
+        self.todo = deque((a, min(a + step, end)) for start, end in spans for a in range(start, end, step))
+        self.ahead: deque[tuple[int, Future[bytes]]] = deque()
+        self.pool = ThreadPoolExecutor(RANGES_AHEAD, thread_name_prefix="ckptkit-ranges")
         self.window, self.at = b"", 0
 
     def readinto(self, offset: int, buf: memoryview) -> None:
@@ -216,14 +227,29 @@ class RankRanges:
             done += n
 
     def _fill(self, pos: int) -> None:
-        i = bisect.bisect_right(self.starts, pos) - 1
-        assert i >= 0 and pos < self.ends[i], f"byte {pos} of {self.path} is outside the ranges to read"
-        end = min(self.ends[i], pos + self.store.part_size)
-        self.window, self.at = b"", pos  # the old window goes before the new one comes
-        self.window = read_range(self.store, self.base, self.entry, pos, end)
+        """Make the window that holds byte ``pos`` the current one; the windows before it are dropped."""
+        self.window = b""
+        while True:
+            while self.todo and len(self.ahead) < RANGES_AHEAD:
+                a, b = self.todo.popleft()
+                self.ahead.append((a, self.pool.submit(read_range, self.store, self.base, self.entry, a, b)))
+            if not self.ahead or self.ahead[0][0] > pos:
+                break
+            a, fut = self.ahead.popleft()
+            data = fut.result()
+            if pos < a + len(data):
+                self.window, self.at = data, a
+                return
+        # behind the windows fetched (a read out of order): fetched again, up to the next one
+        stop = min(pos + RANGE_WINDOW, self.ahead[0][0] if self.ahead else self.entry.size)
+        self.window, self.at = read_range(self.store, self.base, self.entry, pos, stop), pos
 
     def close(self) -> None:
+        """Drop what is held, cancel what is not fetched yet and wait for what is being fetched."""
         self.window = b""
+        self.todo.clear()
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.ahead.clear()
 
 
 def check_listed(remote: RemoteCheckpoint, entries: Mapping[str, Entry], md: DirMetadata) -> None:

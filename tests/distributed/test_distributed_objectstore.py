@@ -15,6 +15,7 @@ import ckptkit
 import ckptkit.distributed as ckd
 from ckptkit.errors import ChecksumMismatch, CommitConflict, IncompleteCheckpoint, UnsupportedOption
 from ckptkit.format._commit import Entry, encode_record
+from ckptkit.format._objectstore import StoreUnavailable
 
 
 def state_of() -> dict:
@@ -205,3 +206,43 @@ def test_a_damaged_byte_inside_a_chunk_read_by_range_is_refused_naming_the_objec
         "digest does not match"
     )
     assert str(bad.value).endswith("the rank data file is damaged; load an earlier checkpoint (R-DC07)")
+
+
+def test_a_throttled_ranged_read_is_retried_and_a_persistent_one_named(s3, store_proxy) -> None:
+    """R-O33, R-O20, R-O50: a ranged GET of a rank file answered 503 SlowDown is retried like every
+    request; one that never succeeds is StoreUnavailable naming the object and the range."""
+    url = f"{s3}/ck/step-1"
+    ckd.save(state_of(), url)
+    store_proxy.fail("GET", times=3, containing="rank-00000")
+    out = _blank()
+    ckd.load(out, url)
+    assert torch.equal(out["model"]["w"], state_of()["model"]["w"]) and out["step"] == 7
+    assert [k for k, p in store_proxy.seen if "rank-00000" in p] == ["PUT", "HEAD", "GET", "GET", "GET", "GET"]
+    store_proxy.fail("GET", containing="rank-00000")
+    with pytest.raises(StoreUnavailable) as e:
+        ckd.load(_blank(), url)
+    assert str(e.value).startswith(f"{url}.rank-00000.ckdcp: range ")
+    assert "failed 6 times, last: SlowDown (HTTP 503)" in str(e.value)
+
+
+def test_a_rank_file_is_read_in_windows_fetched_ahead_and_a_read_out_of_order_is_right(s3, monkeypatch) -> None:
+    """R-O33, R-O51: windows of RANGE_WINDOW bytes (made tiny here) fetched ahead of the reads in
+    file order; a load reads right through many of them, and a read behind them is fetched again."""
+    from ckptkit.distributed import _objects as objects
+
+    monkeypatch.setattr(objects, "RANGE_WINDOW", 40)
+    url = f"{s3}/ck/step-1"
+    ckd.save(state_of(), url)
+    out = _blank()
+    ckd.load(out, url)
+    assert torch.equal(out["model"]["w"], state_of()["model"]["w"]) and torch.equal(out["model"]["b"], torch.ones(4))
+    body = _objects(f"{s3}/ck")["step-1.rank-00000.ckdcp"]
+    remote = objects.RemoteCheckpoint.at(url)
+    ranges = remote.ranges(remote.entries(), 0, [(0, len(body))])
+    try:
+        for start in (len(body) - 50, 0, 130, 5):
+            buf = bytearray(50)
+            ranges.readinto(start, memoryview(buf))
+            assert bytes(buf) == body[start : start + 50], start
+    finally:
+        ranges.close()
