@@ -636,8 +636,27 @@ def _trouble(label: str, code: int, stderr: str, run_dir: str) -> None:
     rows = [r for r in rows if r["kind"] != CHECK_KIND]  # a resume's verdict may follow (determinism.md R-D23)
     if rows and rows[-1]["kind"] == "rebuild":
         raise _Diverged(rebuild_difference(rows[-1]), rows[-1].get("to", rows[-1]["step"]))
-    tail = stderr.strip().splitlines()[-15:]
-    raise AuditError(f"{label}: the command exited {code}:\n" + "\n".join(tail))
+    raise AuditError(f"{label}: the command exited {code}:\n" + "\n".join(_stderr_tail(stderr)))
+
+
+#: The line torchrun's agent ends its own traceback with when a rank failed.
+_TORCHRUN_FAILED = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError"
+
+
+def _stderr_tail(stderr: str) -> list[str]:
+    """What a person needs of a failed command's stderr: its last 15 lines; under ``torchrun``,
+    whose own traceback and report box of exit codes fill those, the ranks' last 10 lines before
+    the agent's traceback (the error itself: a Python exception, gloo's abort) and the report's
+    root cause."""
+    lines = stderr.strip().splitlines()
+    failed = [i for i, line in enumerate(lines) if line.startswith(_TORCHRUN_FAILED)]
+    if not failed:
+        return lines[-15:]
+    starts = [i for i in range(failed[-1]) if lines[i].startswith("Traceback (most recent call last):")]
+    ranks = lines[: starts[-1] if starts else failed[-1]]
+    cause = [i for i in range(failed[-1], len(lines)) if lines[i].startswith("Root Cause")]
+    box = lines[cause[0] : cause[0] + 9] if cause else lines[failed[-1] :][:9]
+    return [*ranks[-10:], *box]
 
 
 @contextlib.contextmanager

@@ -214,6 +214,20 @@ def test_a_command_that_ignores_the_stop_request_and_saves_only_at_its_end_is_re
     ) in err
 
 
+def test_a_torchrun_job_whose_rank_fails_is_refused_naming_the_rank_s_error_not_only_torchrun_s_report(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    script = tmp_path / "job.py"
+    failing = 'if os.environ["RANK"] == "1":\n    raise RuntimeError("rank 1 broke: the planted failure")\n'
+    script.write_text("import os\n" + failing)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    err = _trouble(["audit", "--quiet", "--", *launcher, str(script), "{run_dir}"], capsys)
+    assert "a (uninterrupted): the command exited 1:\n" in err
+    assert "RuntimeError: rank 1 broke: the planted failure" in err  # above torchrun's traceback
+    assert "Root Cause (first observed failure)" in err and "rank      : 1 (local_rank: 1)" in err
+    assert "launch_agent" not in err  # torchrun's own traceback is left out
+
+
 @pytest.mark.parametrize("tool", ["audit", "replay"])
 def test_a_timeout_that_is_not_positive_is_refused_before_anything_runs(
     tool: str, toy: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
