@@ -96,8 +96,8 @@ class RunState(Registration, Stopping):
             size 1: ``resume(reshard=True)`` continues the run there.
         lease: the run directory's lease (spec/lease.md): held from ``start()``/``resume()``
             (or the first ``save()``) to ``close()`` by rank 0, refreshed before every save;
-            default a :class:`~ckptkit.run.FileLease` (``lease.json`` in ``run_dir``), on an
-            ``s3://`` run directory an :class:`~ckptkit.run.ObjectLease` (the object ``lease.json``).
+            default :func:`~ckptkit.run.lease_for` ``(run_dir)``: ``lease.json`` in ``run_dir``, a file,
+            or on an ``s3://`` run directory an object.
             A second job on the directory is refused with ``RunDirInUse`` and writes nothing,
             then or at its ``close()`` (R-LS16); a save after
             the lease was taken over, or after this rank's launcher died, raises
