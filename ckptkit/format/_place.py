@@ -2,13 +2,17 @@
 
 :func:`place_for` is the one question "is this path a URL?" the run's lease asks; it
 answers with a :class:`Place`, and the code above it never asks again. A place keeps a
-run's small records (``lease.json``, ``environment.json``): each read with a version, created
-only where none is, replaced or removed only while the version read still holds, or written
-whole. A local directory does it with files: a hard link creates without replacing (the local
-form of ``If-None-Match: *``), an atomic rename replaces, and a version is the digest of the
-bytes, read back after each write; an object prefix does it with conditional requests
-(``If-None-Match: *``, ``If-Match`` on the ETag). spec/lease.md and spec/objectstore.md are the
-contract; tests/format/test_place_contract.py runs the same tests against both.
+run's small records. The lease (``lease.json``) is read with a version, created only where
+none is, and replaced or removed only while the version read still holds. A local directory
+does it with files: a hard link creates without replacing (the local form of
+``If-None-Match: *``), an atomic rename replaces, and a version is the digest of the bytes,
+read back after each write; an object prefix does it with conditional requests
+(``If-None-Match: *``, ``If-Match`` on the ETag). The records a run writes as files
+(``environment.json``, ``history.jsonl``) are written in the place's *stage*, a local folder:
+a local directory's stage is the directory itself; an object prefix's is a private folder, and
+:meth:`Place.bring` and :meth:`Place.send` move a record between it and the prefix as one whole
+object (spec/objectstore.md R-O23). spec/lease.md and spec/objectstore.md are the contract;
+tests/format/test_place_contract.py runs the same tests against both.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import shutil
+import tempfile
 from typing import Protocol
 
 from ..errors import CheckpointNotFound, CommitConflict
@@ -68,6 +74,25 @@ class Place(Protocol):
         Raises:
             CommitConflict: it is another now (``CheckpointNotFound``: there is none).
         """
+        ...
+
+    @property
+    def stage(self) -> str:
+        """The local folder where the run's records are written as files (``history.jsonl``)."""
+        ...
+
+    def bring(self, name: str) -> bool:
+        """The record ``name`` into the stage as it is at the place now; False when the place has
+        none (the stage is then left as it was)."""
+        ...
+
+    def send(self, name: str) -> None:
+        """The stage's record ``name`` to the place, whole, when it changed since it was brought
+        or last sent (none in the stage: nothing)."""
+        ...
+
+    def close(self) -> None:
+        """Free the stage (a record not sent is lost)."""
         ...
 
 
@@ -145,6 +170,20 @@ class LocalPlace:
         except FileNotFoundError:
             raise CheckpointNotFound(f"{self.child(name)}: no such file") from None
 
+    @property
+    def stage(self) -> str:
+        """The directory itself: a record written in the stage is at the place."""
+        return self.where
+
+    def bring(self, name: str) -> bool:
+        return os.path.lexists(self.child(name))
+
+    def send(self, name: str) -> None:
+        """Nothing to do: the stage is the place."""
+
+    def close(self) -> None:
+        """Nothing to free: the stage is the run directory."""
+
 
 class ObjectPlace:
     """An ``s3://bucket/prefix``; its records are objects under it, written with conditional requests."""
@@ -153,6 +192,8 @@ class ObjectPlace:
         self.where = where
         self.url = parse(where)
         self.objects: ObjectStore = store_for(self.url)
+        self._stage: str | None = None  # made on first use
+        self._sent: dict[str, str | None] = {}  # each record's version as last brought or sent (None: none)
 
     def child(self, name: str) -> str:
         return str(self.url.child(name))
@@ -174,3 +215,37 @@ class ObjectPlace:
 
     def delete_if(self, name: str, version: str) -> None:
         self.objects.delete_if(self._key(name), version)
+
+    @property
+    def stage(self) -> str:
+        """A private folder, made on first use: a record written there is at the place once sent."""
+        if self._stage is None:
+            self._stage = tempfile.mkdtemp(prefix="ckptkit-run-")
+        return self._stage
+
+    def bring(self, name: str) -> bool:
+        try:
+            data = self.objects.get(self._key(name))
+        except CheckpointNotFound:
+            self._sent[name] = None
+            return False
+        with open(os.path.join(self.stage, name), "wb") as f:
+            f.write(data)
+        self._sent[name] = _version(data)
+        return True
+
+    def send(self, name: str) -> None:
+        """One whole object (R-O23); only when it changed, so that a run whose rows did not change
+        puts nothing."""
+        try:
+            with open(os.path.join(self.stage, name), "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            return
+        if _version(data) != self._sent.get(name):
+            self.objects.put(self._key(name), data)
+            self._sent[name] = _version(data)
+
+    def close(self) -> None:
+        if self._stage is not None:
+            shutil.rmtree(self._stage, ignore_errors=True)

@@ -36,6 +36,7 @@ from ..errors import MalformedIndex, ReplicaDivergence, ResumeRefused, Unsupport
 from ..format._atomic import clean_stale_temps
 from ..format._checkpoint import Checkpoint
 from ..format._companions import record_of
+from ..format._place import LocalPlace, Place
 from ..format._section import check_plain
 from ..format._tree import clone, tree_digest
 from . import _files as files
@@ -115,6 +116,7 @@ class DcpStore(files.LocalRunDir):
         if compression != "raw":
             raise ValueError(f"compression must be 'raw' in a distributed run (got {compression!r})")
         self.run_dir, self.reg, self.g, self.keep, self.log = run_dir, reg, group, keep, log
+        self.place: Place = LocalPlace(run_dir)
         reg.access = dcp_access()
         self._saver: Any = None
         self._pending: str | None = None  # the checkpoint being saved, until committed

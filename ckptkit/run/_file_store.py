@@ -22,6 +22,7 @@ from ..format._atomic import clean_stale_temps
 from ..format._checkpoint import Checkpoint, load, save
 from ..format._companions import COMPANIONS_KEY, record_of
 from ..format._container import SECTIONS
+from ..format._place import LocalPlace
 from ._files import (
     CKPT_SUFFIX,
     DCP_SUFFIX,
@@ -65,6 +66,7 @@ class FileStore(LocalRunDir):
         log: Callable[[str], None],
     ) -> None:
         self.run_dir, self.reg, self.keep, self.compression, self.log = run_dir, reg, keep, compression, log
+        self.place = LocalPlace(run_dir)
         self._saver: AsyncSaver | None = AsyncSaver(compression=compression) if async_save else None
         self._checked: tuple[str, Checkpoint, Sidecars] | None = None  # check() read every byte: open() takes them
 

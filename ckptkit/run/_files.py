@@ -32,8 +32,10 @@ from ..format._atomic import clean_stale_temps, write_bytes_atomic
 from ..format._companions import ENVIRONMENT_FILE, check_companions, file_digest, make_record, record_of
 from ..format._io import file_kind
 from ..format._objectstore import StoreUnavailable
+from ..format._place import Place
 from ..format._sidecar import Sidecar, read_sidecar, sidecar_path, write_sidecar
 from ..format._snapshot import Snapshot, read_small_file, read_snapshot, snapshot_path
+from ._history import HISTORY_FILE, INTERRUPTED_FILE
 
 __all__ = [
     "CKPT_SUFFIX",
@@ -43,6 +45,7 @@ __all__ = [
     "SET_ASIDE",
     "TRAINER_COMMIT",
     "LocalRunDir",
+    "RunRecords",
     "check_step",
     "checkpoint_name",
     "debris",
@@ -464,28 +467,60 @@ def is_fallback_note(note: str) -> bool:
     return note.startswith((_SKIPPED, _FELL_BACK))
 
 
-class LocalRunDir:
+#: The run's records a run appends to in its place's stage, brought once the lease is held and
+#: sent before each commit record and at the close (spec/objectstore.md R-O23, R-D21).
+_APPENDED = (HISTORY_FILE, INTERRUPTED_FILE)
+
+
+class RunRecords:
+    """What every store shares of the :class:`~ckptkit.run._store.Store` protocol about the run's own
+    records, on the run's place (:mod:`ckptkit.format._place`): ``environment.json`` and the history,
+    written as files in the place's stage (a local run directory itself; for an ``s3://`` prefix a
+    private folder), brought from and sent to the place whole."""
+
+    place: Place
+    _leased = False  # rank 0 holds the lease: from here on, and only from here, records are sent (R-LS16)
+
+    @property
+    def work_dir(self) -> str:
+        """Where the run's appended files (``history.jsonl``) are written: the place's stage."""
+        return self.place.stage
+
+    def leased(self) -> None:
+        """Rank 0 holds the lease now: the history and the rows earlier resumes set aside (R-D21), as
+        they stand now, into the stage; from here on, and only from here, records go to the place
+        (R-LS16). A copy brought before the lease could be older than the holder's last one, and
+        would be sent over it."""
+        if not self._leased:
+            self._leased = True
+            for name in _APPENDED:
+                self.place.bring(name)
+
+    def send_records(self) -> None:
+        """The history and the rows set aside, each when it changed (R-O23), and only by a job that
+        holds the lease (R-LS16): a job that never held it has nobody's records in its stage."""
+        if self._leased:
+            for name in _APPENDED:
+                self.place.send(name)
+
+    def begin(self, environment: bytes) -> None:
+        """Rank 0, a fresh run: make the stage, remove dead writers' temp files, record the environment."""
+        os.makedirs(self.place.stage, exist_ok=True)
+        clean_stale_temps(self.place.stage)
+        write_bytes_atomic(os.path.join(self.place.stage, ENVIRONMENT_FILE), environment)
+        self.place.send(ENVIRONMENT_FILE)  # one whole object; a fresh run replaces it
+
+    def environment(self) -> dict[str, Any]:
+        if not self.place.bring(ENVIRONMENT_FILE):
+            raise CheckpointNotFound(f"{self.place.child(ENVIRONMENT_FILE)}: the run's environment record is missing")
+        return read_environment(self.place.stage)
+
+
+class LocalRunDir(RunRecords):
     """What both local stores (one file per step, DCP directories) share of the
     :class:`~ckptkit.run._store.Store` protocol: the run directory is a local folder."""
 
     run_dir: str
-
-    @property
-    def work_dir(self) -> str:
-        """Where the run's appended files (``history.jsonl``) live: the run directory itself."""
-        return self.run_dir
-
-    def leased(self) -> None:
-        """Nothing to bring here: the run directory is where the run's records are."""
-
-    def begin(self, environment: bytes) -> None:
-        """Rank 0, a fresh run: make the directory, remove dead writers' temp files, record the environment."""
-        os.makedirs(self.run_dir, exist_ok=True)
-        clean_stale_temps(self.run_dir)
-        write_bytes_atomic(os.path.join(self.run_dir, ENVIRONMENT_FILE), environment)
-
-    def environment(self) -> dict[str, Any]:
-        return read_environment(self.run_dir)
 
     def snapshot(self, path: str) -> Snapshot:
         return read_snapshot(snapshot_path(path))

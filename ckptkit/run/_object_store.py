@@ -15,19 +15,18 @@ only once the job holds the run's lease (spec/lease.md R-LS16).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import shutil
-import tempfile
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..distributed._objects import RemoteCheckpoint
-from ..errors import CheckpointError, CheckpointNotFound
+from ..errors import CheckpointError
 from ..format._asyncsave import AsyncSaver
 from ..format._checkpoint import Checkpoint, save
 from ..format._commit import RECORD_SUFFIX, commit, fetch_committed, listing, remove, sweep
 from ..format._objectstore import PROBE_PREFIX, Body, FileSpan, store_for
+from ..format._place import ObjectPlace
 from ..format._sidecar import sidecar_path
 from ..format._snapshot import Snapshot, read_snapshot, snapshot_path
 from ..format._urls import parse
@@ -37,23 +36,23 @@ from ._files import (
     CKPT_SUFFIX,
     DCP_SUFFIX,
     ENVIRONMENT_FILE,
+    RunRecords,
     checkpoint_name,
-    read_environment,
     remove_companions,
     step_of,
     write_companions,
 )
 from ._group import Group, world_size_changed
-from ._history import HISTORY_FILE, INTERRUPTED_FILE
 from ._registry import Registry
 from ._store import Opened
 
 __all__ = ["ObjectDcpStore", "ObjectRunStore", "RunObjects"]
 
 
-class RunObjects:
-    """What both object stores share: the prefix, a private working directory, the run's records
-    (``environment.json``, ``history.jsonl``: objects without a record) and retention."""
+class RunObjects(RunRecords):
+    """What both object stores share: the prefix, its place (whose stage is a private working
+    directory, where the run's records are written: :class:`~ckptkit.run._files.RunRecords`) and
+    retention."""
 
     run_dir: str
     keep: int
@@ -80,24 +79,8 @@ class RunObjects:
         return any(not key.rpartition("/")[2].startswith(PROBE_PREFIX) for key, _size, _modified in found)
 
     def _open_objects(self, run_dir: str) -> None:
-        self.url = parse(run_dir)
-        self.objects = store_for(self.url)
-        self._work = tempfile.mkdtemp(prefix="ckptkit-run-")
-        # The digest of each run record as last fetched or uploaded; None until the lease is held,
-        # and until then this store writes nothing (spec/lease.md R-LS16).
-        self._sent: dict[str, bytes | None] | None = None
-
-    def leased(self) -> None:
-        """Rank 0 holds the lease now: the history and the rows earlier resumes set aside (R-D21), as
-        they stand now, into the working directory; from here on, and only from here, this store
-        writes (R-LS16). A copy fetched before the lease could be older than the holder's last
-        upload, and would go up over it."""
-        if self._sent is None:
-            self._sent = {name: _digest(self._fetch(name, missing_ok=True)) for name in _RECORDS}
-
-    @property
-    def work_dir(self) -> str:
-        return self._work
+        self.place = place = ObjectPlace(run_dir)
+        self.url, self.objects = place.url, place.objects
 
     def _key(self, name: str) -> str:
         return self.url.child(name).key
@@ -105,44 +88,6 @@ class RunObjects:
     def _here(self, path: str) -> str:
         """The working-directory copy of the object at ``path`` (a URL under the run)."""
         return os.path.join(self.work_dir, path.rpartition("/")[2])
-
-    def _fetch(self, name: str, *, missing_ok: bool = False) -> bytes | None:
-        """Copy the run-level object ``name`` (no record: environment, history) into the working
-        directory; returns its bytes (None: missing, with ``missing_ok``)."""
-        try:
-            data = self.objects.get(self._key(name))
-        except CheckpointNotFound:
-            if missing_ok:
-                return None
-            raise CheckpointNotFound(f"{self.url.child(name)}: the run's environment record is missing") from None
-        with open(os.path.join(self.work_dir, name), "wb") as f:
-            f.write(data)
-        return data
-
-    def begin(self, environment: bytes) -> None:
-        self.objects.put(self._key(ENVIRONMENT_FILE), environment)  # one whole object; a fresh run replaces it
-        with open(os.path.join(self.work_dir, ENVIRONMENT_FILE), "wb") as f:
-            f.write(environment)
-
-    def environment(self) -> dict[str, Any]:
-        self._fetch(ENVIRONMENT_FILE)
-        return read_environment(self.work_dir)
-
-    def _upload_history(self) -> None:
-        """``history.jsonl`` as it stands, one whole object (R-O23), and the rows a resume set aside
-        (:data:`INTERRUPTED_FILE`, R-D21): each only when it changed since it was fetched or last
-        uploaded, and only by a job that holds the lease (R-LS16)."""
-        if self._sent is None:
-            return  # never held the lease: its working directory is nobody's record
-        for name in _RECORDS:
-            here = os.path.join(self.work_dir, name)
-            if not os.path.exists(here):
-                continue
-            with open(here, "rb") as f:
-                data = f.read()
-            if _digest(data) != self._sent[name]:
-                self.objects.put(self._key(name), data)
-                self._sent[name] = _digest(data)
 
     def steps(self, suffix: str) -> list[tuple[int, str]]:
         """The committed checkpoints of ``suffix``: objects without a record are no checkpoint (R-O15)."""
@@ -166,15 +111,6 @@ class RunObjects:
                 self.delete(path)
             except CheckpointError as e:
                 self.log(f"retention: cannot delete {path} ({e}); will retry at the next save")
-
-
-#: The run's records in the working directory that go up as whole objects (R-O23, R-D21).
-_RECORDS = (HISTORY_FILE, INTERRUPTED_FILE)
-
-
-def _digest(data: bytes | None) -> bytes | None:
-    """What tells two versions of a run record apart, without keeping a second copy of it."""
-    return None if data is None else hashlib.blake2b(data, digest_size=16).digest()
 
 
 class ObjectRunStore(RunObjects):
@@ -233,7 +169,7 @@ class ObjectRunStore(RunObjects):
             record = write_companions(here, step, config, sidecars)
             save(here, bind(ckpt, record), compression=self.compression)
             parts = [name, os.path.basename(snapshot_path(here)), *(f"{name}.{kind}" for kind in sorted(sidecars))]
-            self._upload_history()  # before the record: a commit never outruns its rows (R-O37)
+            self.send_records()  # before the record: a commit never outruns its rows (R-O37)
             self._replace(name)
             with contextlib.ExitStack() as files:  # each goes up from its file, a part at a time (R-O51)
                 objects: list[tuple[str, Body]] = []
@@ -261,9 +197,9 @@ class ObjectRunStore(RunObjects):
         try:
             if self._saver is not None:
                 self._saver.close()
-            self._upload_history()
+            self.send_records()
         finally:
-            shutil.rmtree(self.work_dir, ignore_errors=True)
+            self.place.close()
 
     # ------------------------------------------------------------------ resume
 
@@ -281,7 +217,7 @@ class ObjectRunStore(RunObjects):
         """Every object ``path``'s record lists, each checked (R-O14), into the working directory."""
         name = path.rpartition("/")[2]
         fetch_committed(self.objects, self.url, name, self.work_dir)
-        self._fetch(ENVIRONMENT_FILE, missing_ok=True)  # the companion record checks its digest
+        self.place.bring(ENVIRONMENT_FILE)  # the companion record checks its digest
         return os.path.join(self.work_dir, name)
 
     def check(self, step: int, path: str) -> dict[str, Any] | None:
@@ -347,7 +283,7 @@ class ObjectDcpStore(RunObjects, DcpStore):
         here = self._here(path)
         self._replace(path.rpartition("/")[2])  # every rank waits for rank 0 here, before it writes
         if not os.path.exists(os.path.join(self.work_dir, ENVIRONMENT_FILE)):
-            self._fetch(ENVIRONMENT_FILE, missing_ok=True)
+            self.place.bring(ENVIRONMENT_FILE)
         try:
             record = write_companions(here, step, config, sidecars)
             staged = {}
@@ -357,7 +293,7 @@ class ObjectDcpStore(RunObjects, DcpStore):
         finally:
             self._forget(here)
         self._staged = staged
-        self._upload_history()  # before the record: a commit never outruns its rows (R-O37)
+        self.send_records()  # before the record: a commit never outruns its rows (R-O37)
         return record
 
     def _companion_objects(self) -> dict[str, bytes] | None:
@@ -371,9 +307,9 @@ class ObjectDcpStore(RunObjects, DcpStore):
         try:
             DcpStore.close(self)
             if self.rank == 0:
-                self._upload_history()
+                self.send_records()
         finally:
-            shutil.rmtree(self.work_dir, ignore_errors=True)
+            self.place.close()
 
     # ------------------------------------------------------------------ resume
 
@@ -392,7 +328,7 @@ class ObjectDcpStore(RunObjects, DcpStore):
         if not os.path.exists(os.path.join(here, "metadata.ckdcp")):
             self._forget(here)
             RemoteCheckpoint.at(path).fetch_all(self.work_dir)
-            self._fetch(ENVIRONMENT_FILE, missing_ok=True)  # the companion record checks its digest
+            self.place.bring(ENVIRONMENT_FILE)  # the companion record checks its digest
         return here
 
     def _forget(self, here: str) -> None:

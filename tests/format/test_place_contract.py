@@ -6,6 +6,7 @@ read back with the version its write returned.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -75,3 +76,25 @@ def test_place_for_is_the_one_url_test(tmp_path: Path, s3: str) -> None:
     with pytest.raises(UnsupportedOption, match=r"^gs://b/run: the gs:// scheme is not supported; "):
         place_for("gs://b/run")
     assert not (tmp_path / "gs:").exists()
+
+
+def test_a_record_written_in_the_stage_is_at_the_place_once_sent_and_brought_back_whole(place: Place) -> None:
+    other = place_for(place.where)  # another job's view of the same place
+    assert not other.bring("history.jsonl")  # none yet
+    Path(place.stage).mkdir(parents=True, exist_ok=True)
+    (Path(place.stage) / "history.jsonl").write_bytes(b'{"kind":"start","step":0}\n')
+    place.send("history.jsonl")
+    assert other.bring("history.jsonl")
+    assert (Path(other.stage) / "history.jsonl").read_bytes() == b'{"kind":"start","step":0}\n'
+    with (Path(other.stage) / "history.jsonl").open("ab") as f:
+        f.write(b'{"kind":"step","step":0}\n')
+    other.send("history.jsonl")
+    place.send("history.jsonl")  # unchanged since it was sent: nothing goes over the other's rows
+    assert place.bring("history.jsonl")
+    assert (Path(place.stage) / "history.jsonl").read_bytes().count(b"\n") == 2
+    place.send("missing.json")  # none in the stage: nothing
+    assert not other.bring("missing.json")
+    stage = place.stage
+    other.close()
+    place.close()
+    assert os.path.isdir(stage) == isinstance(place, LocalPlace)  # a local stage is the run directory itself
