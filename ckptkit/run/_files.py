@@ -10,7 +10,6 @@ public through :mod:`ckptkit.run` (spec/runstate.md "Files in the run directory"
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 import shutil
@@ -21,6 +20,7 @@ from typing import Any, TypeVar
 import xxhash
 
 from ..errors import (
+    CheckpointError,
     CheckpointNotFound,
     FormatError,
     NoConsistentCheckpoint,
@@ -32,7 +32,7 @@ from ..format._atomic import clean_stale_temps, write_bytes_atomic
 from ..format._companions import ENVIRONMENT_FILE, check_companions, file_digest, make_record, record_of
 from ..format._io import file_kind
 from ..format._objectstore import StoreUnavailable
-from ..format._place import Place
+from ..format._place import Place, list_run_dir
 from ..format._sidecar import Sidecar, read_sidecar, sidecar_path, write_sidecar
 from ..format._snapshot import Snapshot, read_small_file, read_snapshot, snapshot_path
 from ._history import HISTORY_FILE, INTERRUPTED_FILE
@@ -44,7 +44,6 @@ __all__ = [
     "ENVIRONMENT_FILE",
     "SET_ASIDE",
     "TRAINER_COMMIT",
-    "LocalRunDir",
     "RunRecords",
     "check_step",
     "checkpoint_name",
@@ -52,7 +51,6 @@ __all__ = [
     "fallback_notes",
     "is_fallback_note",
     "list_checkpoints",
-    "list_run_dir",
     "newest_consistent",
     "read_companions",
     "read_environment",
@@ -121,26 +119,6 @@ def list_checkpoints(run_dir: str | os.PathLike[str], suffix: str = CKPT_SUFFIX)
         if step is not None:
             out.append((step, os.path.join(run_dir, name)))
     return sorted(out)
-
-
-def list_run_dir(run_dir: str) -> list[str]:
-    """The names in ``run_dir`` (none when it does not exist).
-
-    Raises:
-        UnreadableFile: it cannot be listed (no permission, not a directory) (R-025).
-    """
-    try:
-        return os.listdir(run_dir)
-    except FileNotFoundError:
-        return []
-    except OSError as e:
-        code = errno.errorcode.get(e.errno or 0, "error")
-        raise UnreadableFile(
-            f"{run_dir}: cannot list the run directory ({code}: {e.strerror}); "
-            "check its permissions, or run as its owner",
-            errno=e.errno,
-            path=run_dir,
-        ) from None
 
 
 def run_checkpoints(run_dir: str | os.PathLike[str]) -> dict[int, str]:
@@ -248,27 +226,32 @@ def sweep_note(removed: list[str]) -> list[str]:
 
 
 def retain(
-    run_dir: str, keep: int, delete: Callable[[str], None], log: Callable[[str], None], suffix: str = CKPT_SUFFIX
+    stage: str,
+    listed: list[tuple[int, str]],
+    keep: int,
+    delete: Callable[[str], None],
+    log: Callable[[str], None],
+    suffix: str = CKPT_SUFFIX,
 ) -> None:
-    """Delete all but the newest ``keep`` checkpoints, and companions orphaned by a
-    crash mid-delete (``delete`` removes a container and its companions). The new
-    checkpoint is already committed, so a failure here is reported and retried by the
-    next save, never raised."""
-    ckpts = list_checkpoints(run_dir, suffix)
-    for _step, path in ckpts[:-keep]:
+    """Delete all but the newest ``keep`` of the checkpoints ``listed`` (oldest first), and the
+    companions in the run's ``stage`` a crash mid-delete orphaned (``delete`` removes a checkpoint
+    and its companions). The new checkpoint is already committed, so a failure here is reported and
+    retried by the next save, never raised."""
+    kept = {p.rpartition("/")[2] for _s, p in listed[-keep:]}
+    for _step, path in listed[:-keep]:
         try:
             delete(path)
-        except OSError as e:
-            log(f"retention: cannot delete {path} ({e.strerror}); will retry at the next save")
-    kept = {p for _s, p in list_checkpoints(run_dir, suffix)}
-    oldest = ckpts[-keep:][0][0] if ckpts else None
-    for name in sorted(os.listdir(run_dir)):
+        except (OSError, CheckpointError) as e:
+            kept.add(path.rpartition("/")[2])
+            why = e if isinstance(e, CheckpointError) else e.strerror
+            log(f"retention: cannot delete {path} ({why}); will retry at the next save")
+    oldest = listed[-keep:][0][0] if listed else None
+    for name in sorted(list_run_dir(stage)):
         head, sep, _kind = name.partition(suffix + ".")
-        container = os.path.join(run_dir, head + suffix)
         step = step_of(head + suffix, suffix)
-        if sep and step is not None and container not in kept and oldest is not None and step < oldest:
+        if sep and step is not None and head + suffix not in kept and oldest is not None and step < oldest:
             try:
-                os.unlink(os.path.join(run_dir, name))
+                os.unlink(os.path.join(stage, name))
             except FileNotFoundError:
                 pass
             except OSError as e:
@@ -479,6 +462,7 @@ class RunRecords:
     private folder), brought from and sent to the place whole."""
 
     place: Place
+    suffix: str  # the store's checkpoint names: step-N.ckpt, or a distributed run's step-N.dcp
     _leased = False  # rank 0 holds the lease: from here on, and only from here, records are sent (R-LS16)
 
     @property
@@ -515,21 +499,32 @@ class RunRecords:
             raise CheckpointNotFound(f"{self.place.child(ENVIRONMENT_FILE)}: the run's environment record is missing")
         return read_environment(self.place.stage)
 
+    def _here(self, path: str) -> str:
+        """The stage's copy of the checkpoint at ``path`` (locally ``path`` itself)."""
+        return os.path.join(self.place.stage, path.rpartition("/")[2])
 
-class LocalRunDir(RunRecords):
-    """What both local stores (one file per step, DCP directories) share of the
-    :class:`~ckptkit.run._store.Store` protocol: the run directory is a local folder."""
+    def steps(self, suffix: str, *, committed: bool = False) -> list[tuple[int, str]]:
+        """``(step, path)`` of the checkpoints named ``...suffix`` at the place, oldest first
+        (``committed``: only those committed; a ``.dcp`` directory is once it holds its metadata)."""
+        from ..distributed._format import METADATA_NAME
 
-    run_dir: str
+        found = self.place.names(suffix, marker=METADATA_NAME if suffix == DCP_SUFFIX else None)
+        named = [(step_of(n, suffix), n) for n, done in found.items() if done or not committed]
+        return sorted((s, self.place.child(n)) for s, n in named if s is not None)
+
+    def listing(self) -> list[tuple[int, str]]:
+        return self.steps(self.suffix)
 
     def snapshot(self, path: str) -> Snapshot:
-        return read_snapshot(snapshot_path(path))
+        return read_snapshot(snapshot_path(self._here(path)))
 
     def any_checkpoints(self) -> bool:
-        """A checkpoint of either store is in the directory (``resume_or_start``); what an
-        interrupted save left is none (R-023)."""
-        return any(whole_checkpoints(self.run_dir, s) for s in (CKPT_SUFFIX, DCP_SUFFIX))
+        """A checkpoint of either store is at the place (``resume_or_start``); what an interrupted
+        save left is none (R-023, R-O15)."""
+        return any(self.steps(s, committed=True) for s in (CKPT_SUFFIX, DCP_SUFFIX))
 
     def began(self) -> bool:
-        began = os.path.isfile(os.path.join(self.run_dir, ENVIRONMENT_FILE))
-        return began or any(debris(self.run_dir, suffix) for suffix in (CKPT_SUFFIX, DCP_SUFFIX))
+        """The run's environment record, or what an interrupted save left, is at the place."""
+        if self.place.began() or os.path.isfile(os.path.join(self.place.stage, ENVIRONMENT_FILE)):
+            return True
+        return any(debris(self.place.stage, suffix) for suffix in (CKPT_SUFFIX, DCP_SUFFIX))

@@ -98,3 +98,39 @@ def test_a_record_written_in_the_stage_is_at_the_place_once_sent_and_brought_bac
     other.close()
     place.close()
     assert os.path.isdir(stage) == isinstance(place, LocalPlace)  # a local stage is the run directory itself
+
+
+def _stage_step(place: Place, name: str) -> list[str]:
+    """A step's files written in the stage, as a store writes them: companions, then the container."""
+    Path(place.stage).mkdir(parents=True, exist_ok=True)
+    parts = [name, f"{name}.config.json"]
+    for part in reversed(parts):
+        (Path(place.stage) / part).write_bytes(f"bytes of {part}".encode())
+    return parts
+
+
+def test_a_step_written_in_the_stage_is_committed_named_fetched_and_removed_record_first(place: Place) -> None:
+    other = place_for(place.where)  # another job's view: it sees only what the place holds
+    name = "step-00000001.ckpt"
+    assert other.names(".ckpt") == {}
+    place.commit(name, _stage_step(place, name))
+    assert other.names(".ckpt") == {name: True}
+    here = other.fetch(name)
+    assert Path(here).read_bytes() == b"bytes of step-00000001.ckpt"
+    assert (Path(here).parent / f"{name}.config.json").read_bytes() == b"bytes of step-00000001.ckpt.config.json"
+    other.release(name)
+    other.remove(name, [os.path.join(other.stage, name), os.path.join(other.stage, f"{name}.config.json")])
+    assert place.names(".ckpt") == {}
+    assert not os.path.exists(os.path.join(place.stage, name))  # (a local stage is the place)
+
+
+def test_a_step_saved_again_replaces_the_committed_one(place: Place) -> None:
+    name = "step-00000002.ckpt"
+    place.commit(name, _stage_step(place, name))
+    (Path(place.stage) / name).write_bytes(b"again")
+    (Path(place.stage) / f"{name}.config.json").write_bytes(b"again")
+    place.make_room(name)
+    place.commit(name, [name, f"{name}.config.json"])
+    other = place_for(place.where)
+    assert Path(other.fetch(name)).read_bytes() == b"again"
+    assert other.names(".ckpt") == {name: True}
