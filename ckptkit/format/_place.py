@@ -358,9 +358,11 @@ class ObjectPlace:
 
     @property
     def stage(self) -> str:
-        """A private folder, made on first use: a record written there is at the place once sent."""
+        """A private folder named as the prefix, made on first use: a record written there is at the
+        place once sent."""
         if self._stage is None:
-            self._stage = tempfile.mkdtemp(prefix="ckptkit-run-")
+            self._stage = os.path.join(tempfile.mkdtemp(prefix="ckptkit-"), self.url.name or self.url.bucket)
+            os.mkdir(self._stage)
         return self._stage
 
     def bring(self, name: str) -> bool:
@@ -388,7 +390,7 @@ class ObjectPlace:
 
     def close(self) -> None:
         if self._stage is not None:
-            shutil.rmtree(self._stage, ignore_errors=True)
+            shutil.rmtree(os.path.dirname(self._stage), ignore_errors=True)
 
     def began(self) -> bool:
         """Any object under the prefix: the run's environment record, or what a save left (not a
