@@ -36,7 +36,7 @@ from typing import Protocol
 
 from ..errors import CheckpointNotFound, CommitConflict, UnreadableFile
 from ._atomic import clean_stale_temps, create_exclusive, write_bytes_atomic
-from ._commit import RECORD_SUFFIX, commit, fetch, listing, read_record, remove, sweep
+from ._commit import RECORD_SUFFIX, commit, fetch_committed, listing, remove, sweep
 from ._io import open_regular
 from ._objectstore import PROBE_PREFIX, Body, FileSpan, ObjectStore, single_writer_vouched, store_for
 from ._urls import is_url, parse
@@ -437,13 +437,7 @@ class ObjectPlace:
     def fetch(self, name: str, layout: Callable[[str, str], str] | None = None) -> str:
         if name not in self._fetched:
             self.release(name)
-            paths = []
-            for e in read_record(self.objects, self.url, name):
-                path = os.path.join(self.stage, layout(name, e.key) if layout else e.key)
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                fetch(self.objects, self.url, e, path)
-                paths.append(path)
-            self._fetched[name] = paths
+            self._fetched[name] = fetch_committed(self.objects, self.url, name, self.stage, layout)
         return os.path.join(self.stage, name)
 
     def release(self, name: str) -> None:
