@@ -359,13 +359,13 @@ def exercise_lease(data: bytes, run_dir: str) -> dict[str, str]:
     acquire, which judges the holder (its pid on this host, its heartbeat) and may take it over."""
     import os
 
-    from ckptkit.run._lease import LEASE_FILE, FileLease, this_job
+    from ckptkit.run._lease import LEASE_FILE, lease_for, this_job
 
     out: dict[str, str] = {}
     for reader in READERS_LEASE:
         with open(os.path.join(run_dir, LEASE_FILE), "wb") as f:
             f.write(data)
-        lease = FileLease(run_dir)
+        lease = lease_for(run_dir)
         read = lease.holder if reader == "lease-holder" else lambda lease=lease: lease.acquire(this_job(1))
         start = time.perf_counter()
         out[reader] = _call(lambda read=read: read() and None)

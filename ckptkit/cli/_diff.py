@@ -31,7 +31,7 @@ from ..errors import CheckpointError, CheckpointNotFound, FormatError
 from ..format._snapshot import SNAPSHOT_SUFFIX, Snapshot, read_snapshot, snapshot_path
 from ..run._drift import DEFAULT_EXEMPT, KeyDiff, diff_keys
 from ..run._files import list_checkpoints
-from ..run._local_copy import newest_step
+from ._copies import newest_step
 
 __all__ = ["URL_COPIES", "add_parser", "run"]
 

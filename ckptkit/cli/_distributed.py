@@ -23,7 +23,8 @@ from ..distributed._format import (
     verify_directory,
 )
 from ..errors import CheckpointError, CheckpointNotFound
-from ..run._files import DCP_SUFFIX, list_run_dir, step_of
+from ..format._place import list_run_dir
+from ..run._files import DCP_SUFFIX, step_of
 
 __all__ = [
     "diff_directories",

@@ -9,9 +9,10 @@ import sys
 from collections.abc import Callable, Mapping
 
 from ..errors import CheckpointNotFound
+from ..format._place import list_run_dir
 from ..format._urls import is_url, local_only, parse, require_client
-from ..run._files import DAMAGED, list_run_dir
-from ..run._local_copy import Select, local_copy
+from ..run._files import DAMAGED
+from ._copies import Select, local_copy
 
 __all__ = ["Copies", "copy_urls", "expand_checkpoints", "refuse_urls"]
 

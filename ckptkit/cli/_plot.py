@@ -12,7 +12,7 @@ import json
 import sys
 from typing import Any
 
-from ..run._local_copy import no_step
+from ._copies import no_step
 
 __all__ = ["URL_COPIES", "add_parser", "run"]
 

@@ -17,7 +17,7 @@ import argparse
 import sys
 from typing import Any
 
-from ..run._local_copy import replay_from
+from ._copies import replay_from
 from ._output import print_verdict
 from ._progress import Progress
 

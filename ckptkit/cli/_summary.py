@@ -17,8 +17,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..format._urls import is_url, join
-from ..run._files import is_fallback_note, run_checkpoints
+from ..format._place import Place, place_for
+from ..format._urls import join
+from ..run._files import CKPT_SUFFIX, DCP_SUFFIX, is_fallback_note, step_of
 from ..run._history import HISTORY_FILE, read_rows
 from ..run._resume_check import CHECK_KIND, verdict_line
 from ._width import fit, fit_command
@@ -103,39 +104,23 @@ class TrainSummary:
         return out + fit_command(f"  {self.next_step:<12} ", self.extend, width, _TEXT_AT + 2)
 
 
-def _read_rows(history: str) -> tuple[list[dict[str, Any]], bool]:
-    """The history's rows, from a file or (an ``s3://`` run) its object."""
-    if not is_url(history):
-        return read_rows(history)
-    import tempfile
-
-    from ..format._objectstore import store_for
-    from ..format._urls import parse
-
-    url = parse(history)
-    with tempfile.TemporaryDirectory(prefix="ckptkit-") as tmp:
-        here = os.path.join(tmp, HISTORY_FILE)
-        with open(here, "wb") as f:
-            f.write(store_for(url).get(url.key))
-        return read_rows(here)
+def _read_rows(place: Place) -> tuple[list[dict[str, Any]], bool]:
+    """The history's rows, read in the place's stage (an ``s3://`` run's: its object, brought there)."""
+    place.bring(HISTORY_FILE)
+    return read_rows(os.path.join(place.stage, HISTORY_FILE))
 
 
-def _checkpoints(run_dir: str) -> list[tuple[int, str]]:
-    """Every checkpoint in the run directory (an ``s3://`` run's: the committed ones)."""
-    if is_url(run_dir):
-        from ..format._commit import listing
-        from ..format._objectstore import store_for
-        from ..format._urls import parse
-        from ..run._files import step_of
+def _steps(place: Place) -> list[int]:
+    """The step of every committed checkpoint at the place, of either store (R-O35)."""
+    from ..distributed._format import METADATA_NAME
 
-        found = {
-            (step_of(n, suffix), n)
-            for suffix in (".ckpt", ".dcp")  # one process, or a distributed run (R-O35)
-            for n, ok in listing(store_for(parse(run_dir)), parse(run_dir), suffix).items()
-            if ok
-        }
-        return sorted((s, n) for s, n in found if s is not None)
-    return sorted(run_checkpoints(run_dir).items())
+    found = {
+        step_of(n, suffix)
+        for suffix, marker in ((CKPT_SUFFIX, None), (DCP_SUFFIX, METADATA_NAME))
+        for n, committed in place.names(suffix, marker=marker).items()
+        if committed
+    }
+    return sorted(s for s in found if s is not None)
 
 
 def summarize(run_dir: str, *, seconds: float, keep: int, extend: str, next_step: str = "extend") -> TrainSummary:
@@ -151,8 +136,12 @@ def summarize(run_dir: str, *, seconds: float, keep: int, extend: str, next_step
     Raises:
         FormatError: a complete line of ``history.jsonl`` is not a history row.
     """
-    history = join(run_dir, HISTORY_FILE)
-    rows, _torn = _read_rows(history)
+    history, place = join(run_dir, HISTORY_FILE), place_for(run_dir)
+    try:
+        rows, _torn = _read_rows(place)
+        checkpoints = tuple(_steps(place))
+    finally:
+        place.close()
     marks = [i for i, r in enumerate(rows) if r["kind"] in ("start", "resume")]
     first = marks[-1] if marks else 0
     mine = rows[first:]
@@ -172,7 +161,7 @@ def summarize(run_dir: str, *, seconds: float, keep: int, extend: str, next_step
         spikes_in_run=sum(1 for r in steps if _spiked(r)),
         rollbacks=tuple(r for r in mine if r["kind"] == "rollback"),
         rollbacks_in_run=sum(1 for r in rows if r["kind"] == "rollback"),
-        checkpoints=tuple(s for s, _ in _checkpoints(run_dir)),
+        checkpoints=checkpoints,
         keep=keep,
         history=history,
         step_rows=len(steps),

@@ -345,8 +345,8 @@ def _run_sidecar_kinds(records: dict[str, Any], run_dirs: set[str]) -> dict[str,
 
 def _sidecars_beside(path: str) -> set[str]:
     """The kinds of the sidecar files ``<checkpoint>.<kind>`` beside a checkpoint of a run directory."""
+    from ..format._place import list_run_dir
     from ..format._snapshot import SNAPSHOT_SUFFIX
-    from ..run._files import list_run_dir
 
     head = os.path.basename(path) + "."
     names = list_run_dir(os.path.dirname(path) or ".")

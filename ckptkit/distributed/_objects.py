@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from ..errors import IncompleteCheckpoint, UnsupportedOption
-from ..format._commit import Entry, Written, begin, fetch, finish, put_objects, read_range, read_record
+from ..format._commit import Entry, Written, begin, fetch, fetch_committed, finish, put_objects, read_range, read_record
 from ..format._objectstore import Body, FileSpan, ObjectStore
 from ..format._remote import locate
 from ..format._urls import StorageURL
@@ -165,9 +165,7 @@ class RemoteCheckpoint:
 
     def fetch_all(self, into: str) -> str:
         """Every listed object into a local copy under ``into`` (R-O14); the copy's directory path."""
-        entries = self.entries()
-        for key in entries:
-            self.fetch(entries, key, into)
+        fetch_committed(self.store, self.base, self.name, into, local_name)
         return os.path.join(into, self.name)
 
     def _key(self, rel: str) -> str:

@@ -375,16 +375,23 @@ def read_record(store: ObjectStore, base: StorageURL, name: str, *, name_leftove
     return decode_record(data, store.url(key), name)
 
 
-def fetch_committed(store: ObjectStore, base: StorageURL, name: str, into: str) -> None:
-    """Every object ``name``'s record lists, each checked (R-O14), into a file of its key's name in
-    the directory ``into``.
+def fetch_committed(
+    store: ObjectStore, base: StorageURL, name: str, into: str, layout: Callable[[str, str], str] | None = None
+) -> list[str]:
+    """Every object ``name``'s record lists, each checked (R-O14), into the directory ``into``: at
+    ``layout(name, key)`` (default: a file of the key's name); the paths written.
 
     Raises:
         IncompleteCheckpoint: no record, or a listed object is missing (named).
         ChecksumMismatch, FormatError: an object's size or xxh3-64 differs from its record's (named).
     """
+    paths = []
     for e in read_record(store, base, name):
-        fetch(store, base, e, os.path.join(into, e.key))
+        path = os.path.join(into, layout(name, e.key) if layout else e.key)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fetch(store, base, e, path)
+        paths.append(path)
+    return paths
 
 
 def fetch(store: ObjectStore, base: StorageURL, e: Entry, path: str) -> None:

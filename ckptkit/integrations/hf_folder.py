@@ -25,9 +25,10 @@ import xxhash
 
 from ..errors import CheckpointError, CheckpointNotFound, ChecksumMismatch, FormatError, IncompleteCheckpoint
 from ..format._container import Source, read_layout
+from ..format._place import list_run_dir
 from ..format._verify import Report, verify
 from ..run._drift import DEFAULT_EXEMPT
-from ..run._files import TRAINER_COMMIT, list_run_dir
+from ..run._files import TRAINER_COMMIT
 
 __all__ = [
     "CONFIG_FILE",

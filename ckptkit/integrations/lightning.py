@@ -60,15 +60,15 @@ irrelevant: nothing is unpickled, ever.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from typing import TYPE_CHECKING, Any, TypeGuard
 
 from ..errors import CommitConflict, FormatError, UnsupportedValue
 from ..format._checkpoint import Checkpoint, load, save
 from ..format._checks import is_int
+from ..format._place import place_for
 from ..format._section import check_plain
-from ..format._urls import is_url, parse
+from ..format._urls import is_url
 from ._extra import missing_extra
 from ._lightning_record import Recorder
 from ._lightning_resume import ResumeState
@@ -180,10 +180,10 @@ def from_container(ckpt: Checkpoint, path: str = "") -> dict[str, Any]:
 
 
 def _path(path: str | os.PathLike[str]) -> str:
-    """A local path, or an ``s3://`` URL (another scheme is refused naming the served one, R-O02)."""
+    """A local path, or an ``s3://`` URL (another scheme, or no S3 client, is refused by the place
+    it names, R-O01, R-O02)."""
     name = os.fspath(path)
-    if is_url(name):
-        parse(name)
+    place_for(name)
     return name
 
 
@@ -203,15 +203,9 @@ def _save(name: str, ckpt: Checkpoint, compression: str | dict[str, str], level:
 
 
 def _remove(name: str) -> None:
-    """Delete the checkpoint ``name``: a local file, or an object's record first, then its objects (R-O17)."""
-    if is_url(name):
-        from ..format._commit import remove
-        from ..format._remote import locate
-
-        remove(*locate(name))
-        return
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(name)
+    """Delete the checkpoint ``name`` from its place: a local file, or an object's record first, then
+    its objects (R-O17); a missing one is fine."""
+    place_for(os.path.dirname(name) or ".").remove(os.path.basename(name), [name])
 
 
 class CheckpointIO(_LightningCheckpointIO, _Callback):

@@ -27,7 +27,7 @@ from ._fingerprint import (
     tensor_digest,
 )
 from ._history import History, HistoryCheck, check_history, compared_rows, kept_rows, read_rows
-from ._lease import FileLease, Lease, ObjectLease, lease_for
+from ._lease import Lease, lease_for
 from ._rng import (
     Stream,
     draw,
@@ -48,12 +48,10 @@ __all__ = [
     "DEFAULT_EXEMPT",
     "ENVIRONMENT_FILE",
     "FINGERPRINT_FIELDS",
-    "FileLease",
     "History",
     "HistoryCheck",
     "KeyDiff",
     "Lease",
-    "ObjectLease",
     "ResumeInfo",
     "RunState",
     "Stream",

@@ -25,7 +25,6 @@ torch is imported lazily: ``import ckptkit`` stays torch-free.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import shutil
@@ -33,9 +32,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..errors import MalformedIndex, ReplicaDivergence, ResumeRefused, UnsupportedValue
-from ..format._atomic import clean_stale_temps
 from ..format._checkpoint import Checkpoint
 from ..format._companions import record_of
+from ..format._place import Place, list_run_dir
 from ..format._section import check_plain
 from ..format._tree import clone, tree_digest
 from . import _files as files
@@ -88,22 +87,31 @@ def _sweep_aside(run_dir: str) -> list[str]:
     staging directory ``.step-N.dcp.new`` (``storage.staging_path``), and ``.old`` ones
     that ckptkit versions before the atomic swap left."""
     gone = []
-    for name in sorted(files.list_run_dir(run_dir)):
+    for name in sorted(list_run_dir(run_dir)):
         if name.startswith(".step-") and name.endswith((f"{files.DCP_SUFFIX}.old", f"{files.DCP_SUFFIX}.new")):
             shutil.rmtree(os.path.join(run_dir, name), ignore_errors=True)
             gone.append(name)
     return gone
 
 
-class DcpStore(files.LocalRunDir):
-    """``step-N.dcp/`` directories in ``run_dir``, saved and loaded by every rank of ``group``."""
+class DcpStore(files.RunRecords):
+    """``step-N.dcp`` checkpoints at the run's place, saved and loaded by every rank of ``group``.
+
+    In a local run directory a step is a ``step-N.dcp/`` directory with rank 0's companions
+    beside it. Under an ``s3://`` prefix it is the objects of a :mod:`ckptkit.distributed`
+    checkpoint at ``run_dir/step-N.dcp`` (its metadata, every rank's data file) and rank 0's
+    companions, all listed by its one commit record (spec/objectstore.md R-O35..R-O37). No rank
+    shares a stage with another (a node may be another machine): a step is checked and opened
+    from the rank's stage, where an object prefix fetches it first, each object checked against
+    the record, by the same checks.
+    """
 
     suffix = files.DCP_SUFFIX
     names_optimizer_models = True  # DCP saves an optimizer's state by its model's parameter names
 
     def __init__(
         self,
-        run_dir: str,
+        place: Place,
         reg: Registry,
         group: Group,
         *,
@@ -114,10 +122,12 @@ class DcpStore(files.LocalRunDir):
     ) -> None:
         if compression != "raw":
             raise ValueError(f"compression must be 'raw' in a distributed run (got {compression!r})")
-        self.run_dir, self.reg, self.g, self.keep, self.log = run_dir, reg, group, keep, log
+        self.place, self.run_dir = place, place.where
+        self.reg, self.g, self.keep, self.log = reg, group, keep, log
         reg.access = dcp_access()
         self._saver: Any = None
         self._pending: str | None = None  # the checkpoint being saved, until committed
+        self._staged: dict[str, bytes] | None = None  # rank 0's companions, for a writer that commits them
         if async_save and not isinstance(group, Alone):  # one process alone saves synchronously (no group to save on)
             import ckptkit.distributed as ckd
 
@@ -127,18 +137,19 @@ class DcpStore(files.LocalRunDir):
     def rank(self) -> int:
         return self.g.rank
 
-    def path(self, step: int) -> str:
-        return os.path.join(self.run_dir, files.checkpoint_name(step, files.DCP_SUFFIX))
+    @staticmethod
+    def saved_into(place: Place) -> bool:
+        """A distributed run saved a step at ``place`` (so a resume in one process takes this store,
+        with a reshard: RS-D7)."""
+        return bool(place.names(files.DCP_SUFFIX))
 
-    def listing(self) -> list[tuple[int, str]]:
-        return files.list_checkpoints(self.run_dir, files.DCP_SUFFIX)
+    def path(self, step: int) -> str:
+        return self.place.child(files.checkpoint_name(step, files.DCP_SUFFIX))
 
     def committed(self) -> list[tuple[int, str]]:
-        """The committed steps (``metadata.ckdcp`` present), as a one-process run lists its files."""
-        from ..distributed._format import METADATA_NAME
-
+        """The committed steps (``metadata.ckdcp`` present, or committed by its record)."""
         self.wait()
-        return [(s, p) for s, p in self.listing() if os.path.exists(os.path.join(p, METADATA_NAME))]
+        return self.steps(files.DCP_SUFFIX, committed=True)
 
     def facts(self) -> dict[str, Any]:
         modules = dict(self.reg.models)
@@ -150,9 +161,9 @@ class DcpStore(files.LocalRunDir):
         """A distributed run refuses a run directory a one-process run saved into.
 
         Raises:
-            WorldSizeChanged: the directory holds ``step-*.ckpt`` files.
+            WorldSizeChanged: the directory holds ``step-*.ckpt`` checkpoints (R-O35).
         """
-        if files.list_checkpoints(self.run_dir):
+        if self.steps(files.CKPT_SUFFIX):
             raise world_size_changed(self.run_dir, {}, self.facts())
 
     def refuse_unstorable(self, kind: str, name: str, obj: Any) -> None:
@@ -178,7 +189,7 @@ class DcpStore(files.LocalRunDir):
         record = self.g.from_rank0(lambda: self._companions(path, step, config, sidecars), "writing the companions")
         state = self._state(ckpt, record)
         self._pending = path
-        companions = self._companion_objects()
+        companions, self._staged = self._staged, None
         # overwrite: a rollback saves its step again; the Writer commits the new directory
         # beside the old one and swaps the two atomically (spec/distributed.md §1)
         if self._saver is not None:
@@ -189,20 +200,26 @@ class DcpStore(files.LocalRunDir):
         return path
 
     def _companions(self, path: str, step: int, config: bytes, sidecars: Mapping[str, Any]) -> dict[str, Any]:
-        """Rank 0: the companions written, after removing what an earlier save of this step
-        left uncommitted (a dead rank's temp file included); a committed one stays until replaced."""
+        """Rank 0: the companions written in the stage, after removing what an earlier save of this
+        step left uncommitted (a dead rank's temp file included); a committed one stays until replaced
+        where the place replaces atomically, else goes now (R-O38: every rank waits for rank 0 here,
+        before it writes). A writer that commits them with the checkpoint takes them (R-O36); the
+        history goes before the commit (a commit never outruns its rows, R-O37)."""
         from ..distributed._format import METADATA_NAME
 
-        os.makedirs(self.run_dir, exist_ok=True)
-        if not os.path.exists(os.path.join(path, METADATA_NAME)):
-            shutil.rmtree(path, ignore_errors=True)
-        files.set_aside(files.step_paths(path, sidecars)[1:], step, self.log)  # a damaged step's companions (R-028)
-        return files.write_companions(path, step, config, sidecars)
-
-    def _companion_objects(self) -> dict[str, bytes] | None:
-        """What the coordinator commits with the checkpoint (object storage: its companions); locally
-        nothing, the companions being files beside the directory."""
-        return None
+        name, here = path.rpartition("/")[2], self._here(path)
+        self.place.make_room(name)
+        os.makedirs(self.place.stage, exist_ok=True)
+        if not os.path.exists(os.path.join(here, METADATA_NAME)):
+            shutil.rmtree(here, ignore_errors=True)
+        if not os.path.exists(os.path.join(self.place.stage, files.ENVIRONMENT_FILE)):
+            self.place.bring(files.ENVIRONMENT_FILE)  # the companion record carries its digest
+        parts = files.step_paths(here, sorted(sidecars))[1:]
+        files.set_aside(parts, step, self.log)  # a damaged step's companions (R-028)
+        record = files.write_companions(here, step, config, sidecars)
+        self._staged = self.place.hand_over(name, [os.path.basename(p) for p in parts])
+        self.send_records()
+        return record
 
     def _commit(self) -> None:
         """After DCP committed (the replacement, if any, swapped in): retention."""
@@ -282,33 +299,52 @@ class DcpStore(files.LocalRunDir):
             self._commit()
 
     def close(self) -> None:
-        if self._saver is not None:
-            try:
-                self.wait()
-            finally:
-                self._saver.close()
-                self._saver = None
+        try:
+            if self._saver is not None:
+                try:
+                    self.wait()
+                finally:
+                    self._saver.close()
+                    self._saver = None
+            if self.rank == 0:
+                self.send_records()
+        finally:
+            self.place.close()
 
     def _retain(self) -> None:
-        files.retain(self.run_dir, self.keep, self.delete, self.log, files.DCP_SUFFIX)
+        files.retain(self.place.stage, self.listing(), self.keep, self.delete, self.log, files.DCP_SUFFIX)
 
     def delete(self, path: str) -> None:
-        """Uncommit first (the metadata), then the rank files, then the companions."""
+        """Uncommit first (the metadata, or the record), then the rank files, then the companions."""
         from ..distributed._format import METADATA_NAME
 
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(path, METADATA_NAME))
-        if os.path.isdir(path):
-            shutil.rmtree(path)
-        files.remove_companions(path, self.reg.sidecars)
+        here = self._here(path)
+        companions = files.step_paths(here, self.reg.sidecars)[1:]
+        self.place.remove(
+            path.rpartition("/")[2], [os.path.join(here, METADATA_NAME), os.path.join(here, ""), *companions]
+        )
 
     # ------------------------------------------------------------------ resume
 
     def sweep(self) -> list[str]:
-        return clean_stale_temps(self.run_dir) + _sweep_aside(self.run_dir) + files.remove_debris(self.run_dir)
+        """Rank 0: what interrupted saves left, a step's rank objects included (R-O16)."""
+        stage = self.place.stage
+        left = self.place.sweep(files.DCP_SUFFIX, lambda name: files.step_of(name, files.DCP_SUFFIX) is not None)
+        return left + _sweep_aside(stage) + files.remove_debris(stage)
+
+    def _copy(self, path: str) -> str:
+        """The stage's copy of the step at ``path`` (an object prefix fetches every listed object,
+        each checked, R-O14), with the run's environment record (the companion record checks its digest)."""
+        from ..distributed._objects import local_name
+
+        here = self.place.fetch(path.rpartition("/")[2], local_name)
+        self.place.bring(files.ENVIRONMENT_FILE)
+        return here
 
     def check(self, step: int, path: str) -> dict[str, Any] | None:
         from ..distributed._format import read_metadata, verify_directory
+
+        path = self._copy(path)
 
         report = verify_directory(path)
         if report.error is not None:
@@ -324,6 +360,7 @@ class DcpStore(files.LocalRunDir):
         loads), and its sidecars."""
         from ..distributed._format import read_metadata
 
+        path = self._copy(path)
         md = read_metadata(path, check_files=False)  # the load below checks the rank files (R-DC06)
         run = run_tree(md, path)
         saved, now = run["world"], self.facts()
@@ -340,7 +377,10 @@ class DcpStore(files.LocalRunDir):
         return Opened(ckpt, sidecars, resharded, notes)
 
     def load(self, path: str, opened: Opened, *, copy: bool = False) -> Checkpoint:
-        return self._load(path, opened.ckpt, copy=copy)
+        try:
+            return self._load(self._copy(path), opened.ckpt, copy=copy)
+        finally:
+            self.place.release(path.rpartition("/")[2])
 
     def _plain_state(self, path: str, md: Any, run: dict[str, Any], resharded: bool) -> tuple[Checkpoint, list[str]]:
         """The checkpoint as far as it is plain values, for the registration checks: the

@@ -10,7 +10,6 @@ protocol; spec/runstate.md is the contract.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 from collections.abc import Callable, Mapping
@@ -18,27 +17,25 @@ from typing import Any
 
 from ..errors import CheckpointError
 from ..format._asyncsave import AsyncSaver
-from ..format._atomic import clean_stale_temps
 from ..format._checkpoint import Checkpoint, load, save
 from ..format._companions import COMPANIONS_KEY, record_of
 from ..format._container import SECTIONS
+from ..format._place import Place
 from ._files import (
     CKPT_SUFFIX,
     DCP_SUFFIX,
-    LocalRunDir,
+    ENVIRONMENT_FILE,
+    RunRecords,
     check_step,
     checkpoint_name,
-    list_checkpoints,
     read_companions,
-    read_environment,
     read_sidecars,
-    remove_companions,
     remove_debris,
     restorable,
     retain,
     set_aside,
+    step_of,
     step_paths,
-    whole_checkpoints,
     write_companions,
 )
 from ._group import WORLD_SIZE, world_of, world_size_changed
@@ -48,15 +45,23 @@ from ._store import Opened, Sidecars
 __all__ = ["FileStore", "bind", "submit"]
 
 
-class FileStore(LocalRunDir):
-    """``step-N.ckpt`` files in ``run_dir`` (a one-process run)."""
+class FileStore(RunRecords):
+    """``step-N.ckpt`` checkpoints at the run's place (a one-process run).
+
+    A step is written in the place's stage, companions first, then committed there
+    (:meth:`~ckptkit.format._place.Place.commit`): in a local run directory the container,
+    renamed into place last, is the commit; under an ``s3://`` prefix the same files, byte for
+    byte, stream up as objects and the step's commit record follows (spec/objectstore.md R-O22).
+    A resume reads a step from the stage, where an object prefix fetches it first, each object
+    checked against its record (R-O14).
+    """
 
     suffix = CKPT_SUFFIX
     names_optimizer_models = False
 
     def __init__(
         self,
-        run_dir: str,
+        place: Place,
         reg: Registry,
         *,
         keep: int,
@@ -64,19 +69,17 @@ class FileStore(LocalRunDir):
         async_save: bool,
         log: Callable[[str], None],
     ) -> None:
-        self.run_dir, self.reg, self.keep, self.compression, self.log = run_dir, reg, keep, compression, log
+        self.place, self.run_dir = place, place.where
+        self.reg, self.keep, self.compression, self.log = reg, keep, compression, log
         self._saver: AsyncSaver | None = AsyncSaver(compression=compression) if async_save else None
         self._checked: tuple[str, Checkpoint, Sidecars] | None = None  # check() read every byte: open() takes them
 
     def path(self, step: int) -> str:
-        return os.path.join(self.run_dir, checkpoint_name(step))
-
-    def listing(self) -> list[tuple[int, str]]:
-        return list_checkpoints(self.run_dir)
+        return self.place.child(checkpoint_name(step))
 
     def committed(self) -> list[tuple[int, str]]:
         self.wait()
-        return list_checkpoints(self.run_dir)
+        return self.listing()
 
     def facts(self) -> dict[str, Any]:
         return {}
@@ -87,9 +90,9 @@ class FileStore(LocalRunDir):
         Raises:
             WorldSizeChanged: the directory holds ``step-*.dcp`` checkpoints.
         """
-        if whole_checkpoints(self.run_dir, DCP_SUFFIX):  # what an interrupted save left is none (R-023)
+        if self.steps(DCP_SUFFIX, committed=True):  # what an interrupted save left is none (R-023)
             try:
-                saved = world_of(read_environment(self.run_dir))
+                saved = world_of(self.environment())
             except CheckpointError:
                 saved = {WORLD_SIZE: "N (environment.json is unreadable)"}
             raise world_size_changed(self.run_dir, saved, {})
@@ -102,48 +105,64 @@ class FileStore(LocalRunDir):
     # ------------------------------------------------------------------ save
 
     def save(self, step: int, ckpt: Checkpoint, config: bytes, sidecars: Mapping[str, tuple[int, Any]]) -> str:
-        os.makedirs(self.run_dir, exist_ok=True)
-        path = self.path(step)
+        os.makedirs(self.place.stage, exist_ok=True)
         if self._saver is not None:
-            submit(self._saver, ckpt, sidecars, lambda taken, copied: self._write(path, taken, config, copied))
+            submit(self._saver, ckpt, sidecars, lambda taken, copied: self._write(step, taken, config, copied))
         else:
-            self._write(path, ckpt, config, sidecars)
-        return path
+            self._write(step, ckpt, config, sidecars)
+        return self.path(step)
 
-    def _write(self, path: str, ckpt: Checkpoint, config: bytes, sidecars: Mapping[str, tuple[int, Any]]) -> None:
-        set_aside(step_paths(path, sidecars), ckpt.step, self.log)  # a damaged step's pieces (R-028)
-        record = write_companions(path, ckpt.step, config, sidecars)
-        save(path, bind(ckpt, record), compression=self.compression)
+    def _write(self, step: int, ckpt: Checkpoint, config: bytes, sidecars: Mapping[str, tuple[int, Any]]) -> None:
+        """Companions, then the container, in the stage; the history before the commit (a commit
+        never outruns its rows, R-O37); the commit; then retention."""
+        name = checkpoint_name(step)
+        here = os.path.join(self.place.stage, name)
+        parts = step_paths(here, sorted(sidecars))
+        set_aside(parts, ckpt.step, self.log)  # a damaged step's pieces (R-028)
+        record = write_companions(here, ckpt.step, config, sidecars)
+        save(here, bind(ckpt, record), compression=self.compression)
+        self.send_records()
+        self.place.commit(name, [os.path.basename(p) for p in parts])
         self._retain()
 
     def _retain(self) -> None:
-        retain(self.run_dir, self.keep, self.delete, self.log)
+        retain(self.place.stage, self.listing(), self.keep, self.delete, self.log)
 
     def delete(self, path: str) -> None:
         # Container first: a crash mid-delete leaves orphan companions (swept by
         # retention), never a container without its companions.
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-        remove_companions(path, self.reg.sidecars)
+        self.place.remove(path.rpartition("/")[2], step_paths(self._here(path), self.reg.sidecars))
 
     def wait(self) -> None:
         if self._saver is not None:
             self._saver.wait()
 
     def close(self) -> None:
-        if self._saver is not None:
-            self._saver.close()
+        try:
+            if self._saver is not None:
+                self._saver.close()
+            self.send_records()
+        finally:
+            self.place.close()
 
     # ------------------------------------------------------------------ resume
 
     def sweep(self) -> list[str]:
-        return clean_stale_temps(self.run_dir) + remove_debris(self.run_dir)
+        return self.place.sweep(CKPT_SUFFIX, lambda name: step_of(name) is not None) + remove_debris(self.place.stage)
+
+    def _fetch(self, path: str) -> str:
+        """The checkpoint at ``path`` in the stage, with the run's environment record (its companion
+        record checks its digest); the stage copy's path."""
+        here = self.place.fetch(path.rpartition("/")[2])
+        self.place.bring(ENVIRONMENT_FILE)
+        return here
 
     def check(self, step: int, path: str) -> dict[str, Any] | None:
         self._checked = None
-        ckpt = load(path)
-        check_step(path, step, ckpt.step, field="step", what="header step", offset=8)
-        sidecars = read_companions(path, step, self.reg.sidecars, ckpt.monitor)
+        here = self._fetch(path)
+        ckpt = load(here)
+        check_step(here, step, ckpt.step, field="step", what="header step", offset=8)
+        sidecars = read_companions(here, step, self.reg.sidecars, ckpt.monitor)
         self._checked = (path, ckpt, restorable(sidecars))
         return record_of(ckpt.monitor)
 
@@ -151,11 +170,15 @@ class FileStore(LocalRunDir):
         checked, self._checked = self._checked, None
         if checked is not None and checked[0] == path:
             return Opened(checked[1], checked[2])
-        ckpt = load(path)
-        return Opened(ckpt, restorable(read_sidecars(path, ckpt.step, self.reg.sidecars)))
+        here = self._fetch(path)
+        ckpt = load(here)
+        return Opened(ckpt, restorable(read_sidecars(here, ckpt.step, self.reg.sidecars)))
 
     def load(self, path: str, opened: Opened, *, copy: bool = False) -> Checkpoint:
-        return opened.ckpt  # every tensor was read (and verified) into memory of its own by open()
+        """Every tensor was read (and verified) into memory of its own, or mapped, by open(): the
+        stage copy can go."""
+        self.place.release(path.rpartition("/")[2])
+        return opened.ckpt
 
 
 def submit(

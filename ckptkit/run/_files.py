@@ -10,7 +10,6 @@ public through :mod:`ckptkit.run` (spec/runstate.md "Files in the run directory"
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 import shutil
@@ -21,6 +20,7 @@ from typing import Any, TypeVar
 import xxhash
 
 from ..errors import (
+    CheckpointError,
     CheckpointNotFound,
     FormatError,
     NoConsistentCheckpoint,
@@ -32,8 +32,10 @@ from ..format._atomic import clean_stale_temps, write_bytes_atomic
 from ..format._companions import ENVIRONMENT_FILE, check_companions, file_digest, make_record, record_of
 from ..format._io import file_kind
 from ..format._objectstore import StoreUnavailable
+from ..format._place import Place, list_run_dir
 from ..format._sidecar import Sidecar, read_sidecar, sidecar_path, write_sidecar
 from ..format._snapshot import Snapshot, read_small_file, read_snapshot, snapshot_path
+from ._history import HISTORY_FILE, INTERRUPTED_FILE
 
 __all__ = [
     "CKPT_SUFFIX",
@@ -42,14 +44,13 @@ __all__ = [
     "ENVIRONMENT_FILE",
     "SET_ASIDE",
     "TRAINER_COMMIT",
-    "LocalRunDir",
+    "RunRecords",
     "check_step",
     "checkpoint_name",
     "debris",
     "fallback_notes",
     "is_fallback_note",
     "list_checkpoints",
-    "list_run_dir",
     "newest_consistent",
     "read_companions",
     "read_environment",
@@ -118,26 +119,6 @@ def list_checkpoints(run_dir: str | os.PathLike[str], suffix: str = CKPT_SUFFIX)
         if step is not None:
             out.append((step, os.path.join(run_dir, name)))
     return sorted(out)
-
-
-def list_run_dir(run_dir: str) -> list[str]:
-    """The names in ``run_dir`` (none when it does not exist).
-
-    Raises:
-        UnreadableFile: it cannot be listed (no permission, not a directory) (R-025).
-    """
-    try:
-        return os.listdir(run_dir)
-    except FileNotFoundError:
-        return []
-    except OSError as e:
-        code = errno.errorcode.get(e.errno or 0, "error")
-        raise UnreadableFile(
-            f"{run_dir}: cannot list the run directory ({code}: {e.strerror}); "
-            "check its permissions, or run as its owner",
-            errno=e.errno,
-            path=run_dir,
-        ) from None
 
 
 def run_checkpoints(run_dir: str | os.PathLike[str]) -> dict[int, str]:
@@ -245,27 +226,32 @@ def sweep_note(removed: list[str]) -> list[str]:
 
 
 def retain(
-    run_dir: str, keep: int, delete: Callable[[str], None], log: Callable[[str], None], suffix: str = CKPT_SUFFIX
+    stage: str,
+    listed: list[tuple[int, str]],
+    keep: int,
+    delete: Callable[[str], None],
+    log: Callable[[str], None],
+    suffix: str = CKPT_SUFFIX,
 ) -> None:
-    """Delete all but the newest ``keep`` checkpoints, and companions orphaned by a
-    crash mid-delete (``delete`` removes a container and its companions). The new
-    checkpoint is already committed, so a failure here is reported and retried by the
-    next save, never raised."""
-    ckpts = list_checkpoints(run_dir, suffix)
-    for _step, path in ckpts[:-keep]:
+    """Delete all but the newest ``keep`` of the checkpoints ``listed`` (oldest first), and the
+    companions in the run's ``stage`` a crash mid-delete orphaned (``delete`` removes a checkpoint
+    and its companions). The new checkpoint is already committed, so a failure here is reported and
+    retried by the next save, never raised."""
+    kept = {p.rpartition("/")[2] for _s, p in listed[-keep:]}
+    for _step, path in listed[:-keep]:
         try:
             delete(path)
-        except OSError as e:
-            log(f"retention: cannot delete {path} ({e.strerror}); will retry at the next save")
-    kept = {p for _s, p in list_checkpoints(run_dir, suffix)}
-    oldest = ckpts[-keep:][0][0] if ckpts else None
-    for name in sorted(os.listdir(run_dir)):
+        except (OSError, CheckpointError) as e:
+            kept.add(path.rpartition("/")[2])
+            why = e if isinstance(e, CheckpointError) else e.strerror
+            log(f"retention: cannot delete {path} ({why}); will retry at the next save")
+    oldest = listed[-keep:][0][0] if listed else None
+    for name in sorted(list_run_dir(stage)):
         head, sep, _kind = name.partition(suffix + ".")
-        container = os.path.join(run_dir, head + suffix)
         step = step_of(head + suffix, suffix)
-        if sep and step is not None and container not in kept and oldest is not None and step < oldest:
+        if sep and step is not None and head + suffix not in kept and oldest is not None and step < oldest:
             try:
-                os.unlink(os.path.join(run_dir, name))
+                os.unlink(os.path.join(stage, name))
             except FileNotFoundError:
                 pass
             except OSError as e:
@@ -464,37 +450,81 @@ def is_fallback_note(note: str) -> bool:
     return note.startswith((_SKIPPED, _FELL_BACK))
 
 
-class LocalRunDir:
-    """What both local stores (one file per step, DCP directories) share of the
-    :class:`~ckptkit.run._store.Store` protocol: the run directory is a local folder."""
+#: The run's records a run appends to in its place's stage, brought once the lease is held and
+#: sent before each commit record and at the close (spec/objectstore.md R-O23, R-D21).
+_APPENDED = (HISTORY_FILE, INTERRUPTED_FILE)
 
-    run_dir: str
+
+class RunRecords:
+    """What every store shares of the :class:`~ckptkit.run._store.Store` protocol about the run's own
+    records, on the run's place (:mod:`ckptkit.format._place`): ``environment.json`` and the history,
+    written as files in the place's stage (a local run directory itself; for an ``s3://`` prefix a
+    private folder), brought from and sent to the place whole."""
+
+    place: Place
+    suffix: str  # the store's checkpoint names: step-N.ckpt, or a distributed run's step-N.dcp
+    _leased = False  # rank 0 holds the lease: from here on, and only from here, records are sent (R-LS16)
 
     @property
     def work_dir(self) -> str:
-        """Where the run's appended files (``history.jsonl``) live: the run directory itself."""
-        return self.run_dir
+        """Where the run's appended files (``history.jsonl``) are written: the place's stage."""
+        return self.place.stage
 
     def leased(self) -> None:
-        """Nothing to bring here: the run directory is where the run's records are."""
+        """Rank 0 holds the lease now: the history and the rows earlier resumes set aside (R-D21), as
+        they stand now, into the stage; from here on, and only from here, records go to the place
+        (R-LS16). A copy brought before the lease could be older than the holder's last one, and
+        would be sent over it."""
+        if not self._leased:
+            self._leased = True
+            for name in _APPENDED:
+                self.place.bring(name)
+
+    def send_records(self) -> None:
+        """The history and the rows set aside, each when it changed (R-O23), and only by a job that
+        holds the lease (R-LS16): a job that never held it has nobody's records in its stage."""
+        if self._leased:
+            for name in _APPENDED:
+                self.place.send(name)
 
     def begin(self, environment: bytes) -> None:
-        """Rank 0, a fresh run: make the directory, remove dead writers' temp files, record the environment."""
-        os.makedirs(self.run_dir, exist_ok=True)
-        clean_stale_temps(self.run_dir)
-        write_bytes_atomic(os.path.join(self.run_dir, ENVIRONMENT_FILE), environment)
+        """Rank 0, a fresh run: make the stage, remove dead writers' temp files, record the environment."""
+        os.makedirs(self.place.stage, exist_ok=True)
+        clean_stale_temps(self.place.stage)
+        write_bytes_atomic(os.path.join(self.place.stage, ENVIRONMENT_FILE), environment)
+        self.place.send(ENVIRONMENT_FILE)  # one whole object; a fresh run replaces it
 
     def environment(self) -> dict[str, Any]:
-        return read_environment(self.run_dir)
+        if not self.place.bring(ENVIRONMENT_FILE):
+            raise CheckpointNotFound(f"{self.place.child(ENVIRONMENT_FILE)}: the run's environment record is missing")
+        return read_environment(self.place.stage)
+
+    def _here(self, path: str) -> str:
+        """The stage's copy of the checkpoint at ``path`` (locally ``path`` itself)."""
+        return os.path.join(self.place.stage, path.rpartition("/")[2])
+
+    def steps(self, suffix: str, *, committed: bool = False) -> list[tuple[int, str]]:
+        """``(step, path)`` of the checkpoints named ``...suffix`` at the place, oldest first
+        (``committed``: only those committed; a ``.dcp`` directory is once it holds its metadata)."""
+        from ..distributed._format import METADATA_NAME
+
+        found = self.place.names(suffix, marker=METADATA_NAME if suffix == DCP_SUFFIX else None)
+        named = [(step_of(n, suffix), n) for n, done in found.items() if done or not committed]
+        return sorted((s, self.place.child(n)) for s, n in named if s is not None)
+
+    def listing(self) -> list[tuple[int, str]]:
+        return self.steps(self.suffix)
 
     def snapshot(self, path: str) -> Snapshot:
-        return read_snapshot(snapshot_path(path))
+        return read_snapshot(snapshot_path(self._here(path)))
 
     def any_checkpoints(self) -> bool:
-        """A checkpoint of either store is in the directory (``resume_or_start``); what an
-        interrupted save left is none (R-023)."""
-        return any(whole_checkpoints(self.run_dir, s) for s in (CKPT_SUFFIX, DCP_SUFFIX))
+        """A checkpoint of either store is at the place (``resume_or_start``); what an interrupted
+        save left is none (R-023, R-O15)."""
+        return any(self.steps(s, committed=True) for s in (CKPT_SUFFIX, DCP_SUFFIX))
 
     def began(self) -> bool:
-        began = os.path.isfile(os.path.join(self.run_dir, ENVIRONMENT_FILE))
-        return began or any(debris(self.run_dir, suffix) for suffix in (CKPT_SUFFIX, DCP_SUFFIX))
+        """The run's environment record, or what an interrupted save left, is at the place."""
+        if self.place.began() or os.path.isfile(os.path.join(self.place.stage, ENVIRONMENT_FILE)):
+            return True
+        return any(debris(self.place.stage, suffix) for suffix in (CKPT_SUFFIX, DCP_SUFFIX))

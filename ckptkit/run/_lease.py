@@ -7,10 +7,10 @@ heartbeat before every save, and releases it at ``close()``. A second job refuse
 holder is gone -- a dead pid on this host, or a heartbeat older than the lease's time to
 live -- is taken over, and the takeover is said.
 
-:class:`Lease` is the one interface: :class:`FileLease` implements it with a file in the
-run directory (created by a hard link, which never replaces: the local form of a
-conditional put); :class:`ObjectLease` implements the same four methods on an ``s3://``
-run prefix with ``If-None-Match`` / ``If-Match`` requests. :func:`lease_for` picks one.
+:class:`Lease` is the one interface; :class:`PlaceLease` implements it once, on the run's
+place (:mod:`ckptkit.format._place`): a file in a local run directory, an object under an
+``s3://`` prefix, each written only where none is or over the version last seen.
+:func:`lease_for` builds it for a run directory.
 """
 
 from __future__ import annotations
@@ -27,21 +27,19 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..errors import CheckpointNotFound, CommitConflict, LeaseLost, RunDirInUse, UnreadableFile
-from ..format._atomic import create_exclusive, pid_alive, write_bytes_atomic
+from ..format._atomic import pid_alive
 from ..format._checks import is_int, is_number
-from ..format._container import open_regular
 from ..format._json import loads_bounded
-from ..format._objectstore import store_for
-from ..format._urls import is_url, parse
+from ..format._objectstore import StoreUnavailable
+from ..format._place import Place, place_for
 
 __all__ = [
     "DEFAULT_TTL_S",
     "LEASE_FILE",
     "TAKEOVER",
-    "FileLease",
     "Holder",
     "Lease",
-    "ObjectLease",
+    "PlaceLease",
     "gone",
     "launcher_pid",
     "lease_for",
@@ -50,6 +48,8 @@ __all__ = [
 
 #: The lease's file in the run directory.
 LEASE_FILE = "lease.json"
+#: A lease ckptkit writes is a few hundred bytes; a reader reads no more than this of one (R-LS15).
+_MAX_LEASE = 1 << 16
 #: How long a holder on another host stays live without a heartbeat (seconds); a heartbeat
 #: comes with every save, so a run that saves less often than this should pass a longer one.
 DEFAULT_TTL_S = 6 * 3600.0
@@ -143,9 +143,9 @@ class Lease(Protocol):
         ...
 
 
-def lease_for(run_dir: str | os.PathLike[str], ttl_s: float = DEFAULT_TTL_S) -> Lease:
-    """The lease of ``run_dir``: an :class:`ObjectLease` on an ``s3://`` prefix, else a :class:`FileLease`."""
-    return ObjectLease(os.fspath(run_dir), ttl_s) if is_url(run_dir) else FileLease(run_dir, ttl_s)
+def lease_for(run_dir: str | os.PathLike[str], ttl_s: float = DEFAULT_TTL_S) -> PlaceLease:
+    """The lease of ``run_dir``, a local directory or an ``s3://`` prefix: ``lease.json`` there."""
+    return PlaceLease(place_for(run_dir), ttl_s)
 
 
 def _check_ttl(ttl_s: float) -> float:
@@ -229,121 +229,65 @@ def _lost(run_dir: str, held: Holder | None) -> LeaseLost:
     )
 
 
-class FileLease:
-    """:class:`Lease` as ``lease.json`` in the run directory (R-LS01, R-LS02).
+class PlaceLease:
+    """:class:`Lease` as the record ``lease.json`` of the run's place (R-LS01, R-LS02, R-LS10..R-LS13):
+    created only where none is, renewed and taken over only over the version this job last wrote
+    or read, released only while it is this job's. In a local run directory the record is a file
+    (created by a hard link, replaced by a rename and read back); under an ``s3://`` prefix an
+    object (``If-None-Match: *``, ``If-Match`` on its ETag, a conditional DELETE).
 
     Args:
-        run_dir: the run directory.
+        place: where the run lives (:func:`~ckptkit.format._place.place_for`).
         ttl_s: how long a holder on another host is live without a heartbeat.
     """
 
-    def __init__(self, run_dir: str | os.PathLike[str], ttl_s: float = DEFAULT_TTL_S) -> None:
+    def __init__(self, place: Place, ttl_s: float = DEFAULT_TTL_S) -> None:
         self.ttl_s = _check_ttl(ttl_s)
-        self.run_dir = os.fspath(run_dir)
-        self.path = os.path.join(self.run_dir, LEASE_FILE)
+        self.place, self.run_dir, self.path = place, place.where, place.child(LEASE_FILE)
         self.mine: Holder | None = None
-
-    def holder(self) -> Holder | None:
-        try:  # opened without blocking and checked to be a file, as every file of the run (R-025)
-            fd, _size = open_regular(self.path, "lease")
-        except CheckpointNotFound:
-            return None
-        except UnreadableFile as e:
-            raise self._unusable(f"cannot be read ({str(e).removeprefix(self.path + ': ')})") from None
-        with os.fdopen(fd, "rb") as f:
-            return _decode(f.read(1 << 16), self._unusable)
-
-    def _unusable(self, why: str) -> RunDirInUse:
-        return _unusable(self.path, self.run_dir, why)
-
-    def acquire(self, me: Holder) -> str | None:
-        held = self.holder()  # read first: a job refused by a live holder creates nothing, not even a temp file
-        if held is None:
-            os.makedirs(self.run_dir, exist_ok=True)
-            if create_exclusive(self.path, _encode(me)):
-                self.mine = me
-                return None
-            held = self.holder()  # another job created it in between
-        note = _judge(self.run_dir, held, me, self.ttl_s)
-        write_bytes_atomic(self.path, _encode(me))
-        now = self.holder()
-        if now is None or now.token != me.token:  # another job took it over in the same instant
-            raise _raced(self.run_dir, now)
-        self.mine = me
-        return note
-
-    def refresh(self) -> None:
-        assert self.mine is not None, "refresh() before acquire()"
-        held = self.holder()
-        if held is None or held.token != self.mine.token:
-            raise _lost(self.run_dir, held)
-        self.mine = dataclasses.replace(self.mine, heartbeat=time.time())
-        write_bytes_atomic(self.path, _encode(self.mine))
-
-    def release(self) -> None:
-        if self.mine is None:
-            return
-        with contextlib.suppress(RunDirInUse):
-            held = self.holder()
-            if held is not None and held.token == self.mine.token:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self.path)
-        self.mine = None
-
-
-class ObjectLease:
-    """:class:`Lease` as the object ``lease.json`` under an ``s3://`` run prefix (R-LS10..R-LS13):
-    created with ``If-None-Match: *``, renewed and taken over with ``If-Match`` on the ETag last
-    written or read, released with a DELETE ``If-Match``; no read-back, the store decides.
-
-    Args:
-        run_dir: the run prefix, ``s3://bucket/prefix``.
-        ttl_s: how long a holder on another host is live without a heartbeat.
-    """
-
-    def __init__(self, run_dir: str, ttl_s: float = DEFAULT_TTL_S) -> None:
-        self.ttl_s = _check_ttl(ttl_s)
-        url = parse(run_dir)
-        self.run_dir, self.key, self.path = run_dir, url.child(LEASE_FILE).key, str(url.child(LEASE_FILE))
-        self.objects = store_for(url)
-        self.mine: Holder | None = None
-        self._etag = ""  # of the lease object this job wrote last
+        self._version = ""  # of the lease this job wrote last
 
     def _read(self) -> tuple[Holder, str] | None:
         try:
-            raw, etag = self.objects.read(self.key)
-        except CheckpointNotFound:
-            return None
-        return _decode(raw, lambda why: _unusable(self.path, self.run_dir, why)), etag
+            found = self.place.read(LEASE_FILE, kind="lease", limit=_MAX_LEASE)
+        except StoreUnavailable:
+            raise
+        except UnreadableFile as e:  # a FIFO, a directory: refused unread (R-025)
+            raise self._unusable(f"cannot be read ({str(e).removeprefix(self.path + ': ')})") from None
+        return None if found is None else (_decode(found[0], self._unusable), found[1])
+
+    def _unusable(self, why: str) -> RunDirInUse:
+        return _unusable(self.path, self.run_dir, why)
 
     def holder(self) -> Holder | None:
         found = self._read()
         return None if found is None else found[0]
 
     def acquire(self, me: Holder) -> str | None:
-        body = _encode(me)
-        for _ in range(2):  # a second time only when the holder released it between the two requests
-            try:
-                self._etag = self.objects.put(self.key, body, if_absent=True)
+        body, found = _encode(me), self._read()  # read first: a job refused by a live holder writes nothing
+        for _ in range(2):  # a second time only when the holder released it between two requests
+            if found is None:
+                try:
+                    self._version = self.place.create(LEASE_FILE, body)
+                except CommitConflict:
+                    found = self._read()  # another job created it in between
+                    continue
                 self.mine = me
                 return None
-            except CommitConflict:
-                found = self._read()
-            if found is not None:
-                note = _judge(self.run_dir, found[0], me, self.ttl_s)
-                try:  # over exactly the lease judged gone: a renewal or takeover since then wins
-                    self._etag = self.objects.replace(self.key, body, found[1])
-                except (CommitConflict, CheckpointNotFound):
-                    raise _raced(self.run_dir, self.holder()) from None
-                self.mine = me
-                return note
+            note = _judge(self.run_dir, found[0], me, self.ttl_s)
+            try:  # over exactly the lease judged gone: a renewal or takeover since then wins
+                self._version = self.place.replace(LEASE_FILE, body, found[1])
+            except (CommitConflict, CheckpointNotFound):
+                raise _raced(self.run_dir, self.holder()) from None
+            self.mine = me
+            return note
         raise _raced(self.run_dir, self.holder())
 
     def refresh(self) -> None:
         assert self.mine is not None, "refresh() before acquire()"
         renewed = dataclasses.replace(self.mine, heartbeat=time.time())
-        try:  # only while the object is the one this job wrote last (R-LS11)
-            self._etag = self.objects.replace(self.key, _encode(renewed), self._etag)
+        try:  # only while the lease is the one this job wrote last (R-LS11)
+            self._version = self.place.replace(LEASE_FILE, _encode(renewed), self._version)
         except (CommitConflict, CheckpointNotFound):
             raise _lost(self.run_dir, self.holder()) from None
         self.mine = renewed
@@ -351,11 +295,12 @@ class ObjectLease:
     def release(self) -> None:
         if self.mine is None:
             return
+        found = None
         with contextlib.suppress(RunDirInUse):
             found = self._read()
         if found is not None and found[0].token == self.mine.token:
             with contextlib.suppress(CommitConflict, CheckpointNotFound):  # taken over in between: theirs
-                self.objects.delete_if(self.key, found[1])
+                self.place.delete_if(LEASE_FILE, found[1])
         self.mine = None
 
 

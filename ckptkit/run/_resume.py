@@ -28,7 +28,6 @@ from typing import Any
 from ..errors import CheckpointError, LegacyCheckpoint
 from ..format._checkpoint import Checkpoint
 from ..format._companions import UNBOUND_NOTE
-from ..format._urls import is_url
 from ._drift import KeyDiff, check_resume
 from ._environment import EnvDiff, capture, check_environment
 from ._files import (
@@ -112,7 +111,7 @@ def start(store: Store, group: Group, run_dir: str, log: Callable[[str], None]) 
 
     def rank0() -> list[str]:
         store.refuse_foreign()
-        notes = sweep_note(store.sweep()) if is_url(run_dir) or os.path.isdir(run_dir) else []  # R-O36
+        notes = sweep_note(store.sweep())  # R-O36
         refuse_existing(run_dir, store.listing())
         record = {**capture(), **store.facts()}
         store.begin((json.dumps(record, sort_keys=True, indent=2) + "\n").encode())

@@ -44,18 +44,16 @@ from typing import Any
 from ..errors import LeaseLost
 from ..format._checkpoint import Checkpoint
 from ..format._checks import is_int
-from ..format._objectstore import SINGLE_WRITER_ENV, single_writer_vouched
+from ..format._objectstore import SINGLE_WRITER_ENV
+from ..format._place import place_for
 from ..format._snapshot import encode_snapshot
-from ..format._urls import is_url
 from . import _resume as protocol
 from ._dcp_store import DcpStore
 from ._drift import DEFAULT_EXEMPT
 from ._file_store import FileStore
-from ._files import DCP_SUFFIX, list_checkpoints
 from ._group import Alone, group_of
 from ._history import HISTORY_FILE, History, read_rows
 from ._lease import Lease, launcher_pid, lease_for, this_job
-from ._object_store import ObjectDcpStore, ObjectRunStore
 from ._preemption import Stopping, StopRequests
 from ._registration import Registration
 from ._registry import Registry
@@ -96,8 +94,8 @@ class RunState(Registration, Stopping):
             size 1: ``resume(reshard=True)`` continues the run there.
         lease: the run directory's lease (spec/lease.md): held from ``start()``/``resume()``
             (or the first ``save()``) to ``close()`` by rank 0, refreshed before every save;
-            default a :class:`~ckptkit.run.FileLease` (``lease.json`` in ``run_dir``), on an
-            ``s3://`` run directory an :class:`~ckptkit.run.ObjectLease` (the object ``lease.json``).
+            default :func:`~ckptkit.run.lease_for` ``(run_dir)``: ``lease.json`` in ``run_dir``, a file,
+            or on an ``s3://`` run directory an object.
             A second job on the directory is refused with ``RunDirInUse`` and writes nothing,
             then or at its ``close()`` (R-LS16); a save after
             the lease was taken over, or after this rank's launcher died, raises
@@ -147,21 +145,18 @@ class RunState(Registration, Stopping):
         self._launcher = launcher_pid()  # this rank's torchrun agent; None outside torchrun
         # The user vouched for the store instead of its conditional writes being checked (R-O49):
         # recorded in the history before this process's first save.
-        self._unchecked_store = is_url(self.run_dir) and single_writer_vouched()
+        self._unchecked_store = self._store.place.unchecked()
 
     def _open_store(self, async_save: bool) -> Store:
         """The DCP store when given a group, built in an initialised job, or on a run directory a
         distributed run saved into (which it may only resume with a reshard, RS-D7); else one
-        file per step. On an ``s3://`` run directory each over object storage (spec/objectstore.md
-        R-O22, R-O35)."""
-        remote = is_url(self.run_dir)
-        saved = ObjectDcpStore.saved_into if remote else lambda d: bool(list_checkpoints(d, DCP_SUFFIX))
+        file per step. Either over the run's place: a local directory or an ``s3://`` prefix
+        (spec/objectstore.md R-O22, R-O35)."""
+        place = place_for(self.run_dir)
         kw = {"keep": self.keep, "compression": self.compression, "async_save": async_save, "log": self._log}
-        if not isinstance(self._group, Alone) or saved(self.run_dir):
-            dcp = ObjectDcpStore if remote else DcpStore
-            return dcp(self.run_dir, self._reg, self._group, **kw)  # type: ignore[arg-type]
-        one = ObjectRunStore if remote else FileStore
-        return one(self.run_dir, self._reg, **kw)  # type: ignore[arg-type]
+        if not isinstance(self._group, Alone) or DcpStore.saved_into(place):
+            return DcpStore(place, self._reg, self._group, **kw)  # type: ignore[arg-type]
+        return FileStore(place, self._reg, **kw)  # type: ignore[arg-type]
 
     @property
     def work_dir(self) -> str:

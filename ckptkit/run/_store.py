@@ -3,10 +3,10 @@
 :class:`~ckptkit.RunState` is one façade over one :class:`Store`, the way
 torchtitan's checkpointer is one manager with a class per storage: the single-file
 store (:class:`~ckptkit.run._file_store.FileStore`, ``step-N.ckpt`` and its
-companions), the DCP store (:class:`~ckptkit.run._dcp_store.DcpStore`, one
-``ckptkit.distributed`` directory per step) and the object store
-(:class:`~ckptkit.run._object_store.ObjectRunStore`, the single-file store's objects
-under an ``s3://`` prefix, each step committed by its record, spec/objectstore.md). What every store shares — which
+companions) and the DCP store (:class:`~ckptkit.run._dcp_store.DcpStore`, one
+``ckptkit.distributed`` checkpoint per step). *What* a checkpoint is is the store; *where*
+it lives is the store's :class:`~ckptkit.format._place.Place`, a local directory or an
+``s3://`` prefix whose steps are each committed by a record (spec/objectstore.md). What every store shares — which
 checkpoint to resume, the companion check, drift, environment, legacy, the fit to
 what is registered — is written once, in :mod:`ckptkit.run._resume`; a store only
 knows its files. A store's collective work goes through the run's
@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ..format._checkpoint import Checkpoint
+from ..format._place import Place
 from ..format._snapshot import Snapshot
 
 __all__ = ["Opened", "Sidecars", "Store"]
@@ -55,6 +56,8 @@ class Store(Protocol):
     names_optimizer_models: bool
     #: How many newest checkpoints retention keeps.
     keep: int
+    #: Where the run lives: a local directory or an ``s3://`` prefix.
+    place: Place
 
     @property
     def work_dir(self) -> str:

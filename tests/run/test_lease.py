@@ -21,7 +21,7 @@ from helpers import TINY_FLAGS, Flat
 
 from ckptkit import LeaseLost, RunDirInUse, RunState
 from ckptkit.cli import main
-from ckptkit.run._lease import LEASE_FILE, FileLease, Holder, this_job
+from ckptkit.run._lease import LEASE_FILE, Holder, lease_for, this_job
 
 FLAGS = [*TINY_FLAGS, "--threads", "1", "--quiet"]
 
@@ -70,7 +70,7 @@ def test_a_second_job_on_a_run_directory_in_use_is_refused_and_a_killed_ones_lea
 
 def test_a_holder_on_another_host_is_live_until_its_heartbeat_expires(tmp_path: Path) -> None:
     _write(tmp_path, _holder(heartbeat=time.time() - 50))
-    lease = FileLease(tmp_path, ttl_s=100)
+    lease = lease_for(tmp_path, ttl_s=100)
     with pytest.raises(
         RunDirInUse, match=r"in use by another job, pid 4242 on elsewhere \(2 rank\(s\), launcher pid 4241;"
     ) as e:
@@ -94,7 +94,7 @@ def test_a_run_state_whose_lease_was_taken_over_saves_nothing(tmp_path: Path) ->
         state.save(2)
     assert sorted(os.listdir(tmp_path)) == before
     state.close()
-    assert FileLease(tmp_path).holder() == other  # a job that lost the lease never removes another's
+    assert lease_for(tmp_path).holder() == other  # a job that lost the lease never removes another's
 
 
 def test_a_lease_file_that_is_no_lease_is_refused_with_what_to_do(tmp_path: Path) -> None:
@@ -115,7 +115,7 @@ def test_a_lease_file_that_is_no_lease_is_refused_with_what_to_do(tmp_path: Path
         f"file (a lease is a regular file)); if no job uses {tmp_path}, delete it and start again"
     )
     with pytest.raises(ValueError, match=r"^ttl_s must be > 0 seconds \(got 0\)$"):
-        FileLease(tmp_path, ttl_s=0)
+        lease_for(tmp_path, ttl_s=0)
 
 
 def test_the_same_process_takes_its_own_lease_again_and_close_releases_it(
@@ -127,7 +127,7 @@ def test_the_same_process_takes_its_own_lease_again_and_close_releases_it(
     first.save(1)
     again = RunState(tmp_path, config=Flat(), log=said.append)  # a loop that rebuilt its state (no close)
     assert again.resume().step == 1
-    assert said == [] and FileLease(tmp_path).holder() is not None
+    assert said == [] and lease_for(tmp_path).holder() is not None
     assert main(["verify", str(tmp_path)]) == 0  # the lease is no checkpoint nor companion (R-LS09)
     assert LEASE_FILE not in capsys.readouterr().out
     again.close()

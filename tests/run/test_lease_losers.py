@@ -41,7 +41,6 @@ from ckptkit.format._urls import parse
 from ckptkit.run import _state as state_module
 from ckptkit.run._file_store import FileStore
 from ckptkit.run._lease import LEASE_FILE, this_job
-from ckptkit.run._object_store import RunObjects
 
 pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
 
@@ -223,7 +222,7 @@ def test_a_resume_finishes_the_retention_a_stopped_process_did_not_do_and_says_s
     first.start()
     for step in (1, 2, 3):
         first.save(step)
-    with mock.patch.object(FileStore, "_retain"), mock.patch.object(RunObjects, "_retain"):
+    with mock.patch.object(FileStore, "_retain"):
         first.save(4)  # the process stops here, before its retention
     assert [s for s, _p in first.checkpoints()] == [1, 2, 3, 4]
     first.close()

@@ -22,7 +22,7 @@ from ckptkit.cli import main
 from ckptkit.format import _objectstore as objectstore
 from ckptkit.format._objectstore import Backend
 from ckptkit.format._urls import parse
-from ckptkit.run._lease import LEASE_FILE, Holder, ObjectLease, lease_for, this_job
+from ckptkit.run._lease import LEASE_FILE, Holder, lease_for, this_job
 
 pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
 
@@ -47,11 +47,10 @@ def test_an_object_lease_is_held_once_renewed_on_its_etag_and_never_removes_anot
     """R-LS10, R-LS11, R-LS12, R-LS13, G-80."""
     run = f"{s3}/unit"
     mine = lease_for(run, ttl_s=100)
-    assert isinstance(mine, ObjectLease)
     assert mine.holder() is None and mine.acquire(this_job(1)) is None and mine.holder() == mine.mine
     live = _holder(host=socket.gethostname(), pid=os.getppid())  # a live process of this host
     with pytest.raises(RunDirInUse, match=rf"^{run}: in use by another job, pid {os.getpid()} on ") as e:
-        ObjectLease(run).acquire(live)
+        lease_for(run).acquire(live)
     assert e.value.holder == mine.mine
     assert mine.acquire(this_job(1)) is None  # this same process again: silently its own (R-LS05)
     mine.refresh()
@@ -94,9 +93,9 @@ def test_a_takeover_loses_to_a_renewal_between_its_read_and_its_conditional_put(
             return self.inner.replace(key, data, etag)
 
     with objectstore.intercept(RenewedInBetween), pytest.raises(RunDirInUse) as e:
-        ObjectLease(run, ttl_s=100).acquire(this_job(1))
+        lease_for(run, ttl_s=100).acquire(this_job(1))
     assert str(e.value) == f"{run}: another job took the lease over while this one did"
-    assert e.value.holder == renewed and ObjectLease(run).holder() == renewed
+    assert e.value.holder == renewed and lease_for(run).holder() == renewed
 
 
 def test_train_on_s3_refuses_a_prefix_in_use_takes_a_gone_holders_over_and_a_state_that_lost_it_writes_nothing(
@@ -130,4 +129,4 @@ def test_train_on_s3_refuses_a_prefix_in_use_takes_a_gone_holders_over_and_a_sta
     assert main(["verify", other]) == 0  # the lease object is no checkpoint (R-LS09)
     assert LEASE_FILE not in capsys.readouterr().out
     state.close()
-    assert ObjectLease(other).holder() == live
+    assert lease_for(other).holder() == live

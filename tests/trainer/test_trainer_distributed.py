@@ -30,7 +30,7 @@ from ckptkit.audit._commands import stop_job
 from ckptkit.cli import main
 from ckptkit.errors import ConfigDrift, RunDirInUse
 from ckptkit.run._history import compared_rows
-from ckptkit.run._lease import FileLease, this_job
+from ckptkit.run._lease import lease_for, this_job
 from ckptkit.trainer._data import ByteStream, data_fingerprint, load_bytes
 from ckptkit.trainer._digests import param_digests
 from ckptkit.trainer._loop import build, deterministic_torch, expected_offset, intra_op_threads, run_state
@@ -453,7 +453,7 @@ def test_ranks_whose_launcher_was_killed_stop_before_their_next_save_and_meanwhi
         assert _stray(run_dir), "the ranks died with their launcher: nothing to test"
         holder = json.loads((run_dir / "lease.json").read_text())["pid"]
         with pytest.raises(RunDirInUse, match=f"in use by another job, pid {holder} on "):
-            FileLease(run_dir).acquire(this_job(2))  # what a relaunch's rank 0 does first (R-LS03)
+            lease_for(run_dir).acquire(this_job(2))  # what a relaunch's rank 0 does first (R-LS03)
         while _stray(run_dir):  # the orphans stop at their next save, on their own
             assert time.monotonic() < deadline, f"the orphaned ranks did not stop: {_stray(run_dir)}"
             time.sleep(0.05)

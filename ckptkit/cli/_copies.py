@@ -2,31 +2,27 @@
 
 The commands that read a recorded run -- ``ckptkit diff``, ``plot`` and ``replay`` -- read
 local files. An ``s3://`` argument is turned into such files once, at the command's
-entry, by the commit engine (spec/objectstore.md R-O40..R-O44): each checkpoint chosen is
-read through its commit record, every object's size and xxh3-64 checked
-(:func:`ckptkit.format._commit.fetch_committed`), and written under a private temporary
-directory that stands for the URL while the command runs; the run's records
-(``environment.json``, ``history.jsonl``, ``config.json``) come along as whole objects.
-An object without a record is never copied, nor is the run's lease (spec/lease.md R-LS09).
-The command then reads the copy with every check it makes on a local run.
+entry, by the run's place (:mod:`ckptkit.format._place`, spec/objectstore.md R-O40..R-O44):
+each checkpoint chosen is fetched into the place's stage through its commit record, every
+object's size and xxh3-64 checked, and the stage stands for the URL while the command runs;
+the run's records (``environment.json``, ``history.jsonl``, ``config.json``) come along as
+whole objects. An object without a record is never copied, nor is the run's lease
+(spec/lease.md R-LS09). The command then reads the copy with every check it makes on a local run.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import shutil
-import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-from ..distributed._objects import RemoteCheckpoint
+from ..distributed._objects import local_name
 from ..errors import CheckpointNotFound
-from ..format._commit import RECORD_SUFFIX, fetch_committed, read_record
-from ..format._objectstore import ObjectStore, store_for
-from ..format._urls import StorageURL, parse
-from ._files import DCP_SUFFIX, ENVIRONMENT_FILE, step_of
-from ._history import HISTORY_FILE
+from ..format._place import Place, place_for
+from ..format._urls import parse
+from ..run._files import DCP_SUFFIX, ENVIRONMENT_FILE, step_of
+from ..run._history import HISTORY_FILE
 
 __all__ = ["RUN_RECORDS", "Copied", "Select", "every_step", "local_copy", "newest_step", "no_step", "replay_from"]
 
@@ -94,58 +90,48 @@ def local_copy(url: str, select: Select = every_step) -> Iterator[Copied]:
         ChecksumMismatch, FormatError: an object differs from its record (named by URL).
     """
     where = parse(url)
-    base = tempfile.mkdtemp(prefix="ckptkit-copy-")
+    run = place_for(url)
     try:
-        yield _copy(store_for(where), where, base, select)
+        if run.began():
+            yield _copy_run(run, str(where), select)
+            return
+        if not where.key:
+            raise CheckpointNotFound(f"{where}: the bucket holds no run (expected s3://bucket/prefix)")
+        parent = place_for(str(where.parent))
+        try:
+            yield _copy_object(parent, url, where.name)
+        finally:
+            parent.close()
     finally:
-        shutil.rmtree(base, ignore_errors=True)
+        run.close()
 
 
-def _copy(store: ObjectStore, url: StorageURL, base: str, select: Select) -> Copied:
-    head = f"{url.key}/" if url.key else ""
-    names = {rel for key, _size, _mtime in store.list(head) if "/" not in (rel := key[len(head) :])}
-    if names:
-        return _copy_run(store, url, os.path.join(base, url.name or url.bucket), names, select)
-    if not url.key:
-        raise CheckpointNotFound(f"{url}: the bucket holds no run (expected s3://bucket/prefix)")
-    return _copy_object(store, url, base)
-
-
-def _copy_run(store: ObjectStore, url: StorageURL, here: str, names: set[str], select: Select) -> Copied:
-    """A run prefix's chosen committed steps and its records into ``here`` (R-O41)."""
-    os.makedirs(here)
-    committed = (n[: -len(RECORD_SUFFIX)] for n in names if n.endswith(RECORD_SUFFIX))
-    steps = dict(sorted((s, n) for n in committed if (s := _step(n)) is not None))
+def _copy_run(run: Place, url: str, select: Select) -> Copied:
+    """A run prefix's chosen committed steps and its records into the place's stage (R-O41)."""
+    steps = dict(sorted((s, n) for n in run.names("") if (s := _step(n)) is not None))
     chosen = [steps[s] for s in sorted(set(select(sorted(steps))))]
-    for name in chosen:
-        if name.endswith(DCP_SUFFIX):  # a distributed step: its objects become the step-N.dcp/ directory
-            RemoteCheckpoint(str(url.child(name)), store, url, name).fetch_all(here)
-        else:
-            fetch_committed(store, url, name, here)
-    records = tuple(r for r in RUN_RECORDS if r in names)
-    for r in records:
-        _write(here, {r: store.get(url.child(r).key)})
+    for name in chosen:  # a distributed step's objects become the step-N.dcp/ directory
+        run.fetch(name, local_name if name.endswith(DCP_SUFFIX) else None)
+    records = tuple(r for r in RUN_RECORDS if run.bring(r))
     if not chosen and not records:
         raise CheckpointNotFound(
             f"{url}: no committed checkpoint and none of {', '.join(RUN_RECORDS)} under this prefix"
         )
-    return Copied(str(url), here, tuple(chosen), records)
+    return Copied(url, run.stage, tuple(chosen), records)
 
 
-def _copy_object(store: ObjectStore, url: StorageURL, base: str) -> Copied:
-    """The one object ``url`` names, with the rest of its checkpoint (R-O42)."""
-    name, parent = url.name, url.parent
-    owner = next((n for n in _stems(name) if store.head(parent.child(n + RECORD_SUFFIX).key) is not None), None)
-    if owner is None:
-        if name in RUN_RECORDS:
-            _write(base, {name: store.get(url.key)})
-            return Copied(str(url), os.path.join(base, name), (), (name,))
-        read_record(store, parent, name)  # the engine's refusal: no such checkpoint, or not committed (R-O15)
-        owner = name  # its record appeared since the HEAD
-    if name not in {e.key for e in read_record(store, parent, owner)}:
+def _copy_object(parent: Place, url: str, name: str) -> Copied:
+    """The one object ``url`` (``name`` under ``parent``) names, with the rest of its checkpoint (R-O42)."""
+    committed = parent.names("")
+    owner = next((n for n in _stems(name) if n in committed), None)
+    if owner is None and name in RUN_RECORDS and parent.bring(name):
+        return Copied(url, os.path.join(parent.stage, name), (), (name,))
+    owner = owner or name  # no record: the fetch refuses it (no such checkpoint, or not committed: R-O15)
+    here = os.path.join(parent.stage, name)
+    parent.fetch(owner)
+    if not os.path.exists(here):
         raise CheckpointNotFound(f"{url}: not an object of {owner}, whose commit record does not list it")
-    fetch_committed(store, parent, owner, base)
-    return Copied(str(url), os.path.join(base, name), (owner,), ())
+    return Copied(url, here, (owner,), ())
 
 
 def _step(name: str) -> int | None:
@@ -160,9 +146,3 @@ def _stems(name: str) -> list[str]:
     while "." in out[-1]:
         out.append(out[-1].rpartition(".")[0])
     return out
-
-
-def _write(here: str, files: dict[str, bytes]) -> None:
-    for part, data in files.items():
-        with open(os.path.join(here, part), "wb") as f:
-            f.write(data)
