@@ -305,11 +305,12 @@ def committed_steps(run_dir: str) -> list[int]:
         loop.rs.close()
 
 
-def wide_on_s3(run: str, env: dict[str, str], until: int) -> tuple[dict[str, Any], dict[str, int], list[str]]:
+def wide_on_s3(run: str, env: dict[str, str], until: int) -> tuple[dict[str, Any], dict[str, int], int, list[str]]:
     """:func:`_dist_workers._fsdp_wide` (3 MiB with AdamW's state, each rank holding its shards) on
     ``run``, an ``s3://`` prefix of the tests' server (``env``: its AWS variables), trained from its
     newest step (or the start) to ``until``, saving every 2 steps: the full state at the end, the
-    bytes by object key this rank fetched to resume, and the notes its run state said."""
+    bytes by object key this rank fetched to resume and the LISTs it made, and the notes its run
+    state said."""
     os.environ.update(env)
     model, opt = _fsdp_wide(0)
     said: list[str] = []
@@ -320,7 +321,7 @@ def wide_on_s3(run: str, env: dict[str, str], until: int) -> tuple[dict[str, Any
         rs.add_optimizer("adamw", opt)
         return rs, rs.resume_or_start()
 
-    (rs, start), fetched, _lists = _counted(resumed)
+    (rs, start), fetched, lists = _counted(resumed)
     try:
         for step in range(start, until):
             model(torch.randn(4, 256, generator=torch.Generator().manual_seed(step))).pow(2).mean().backward()
@@ -328,6 +329,6 @@ def wide_on_s3(run: str, env: dict[str, str], until: int) -> tuple[dict[str, Any
             opt.zero_grad()
             if (step + 1) % 2 == 0:
                 rs.save(step + 1)
-        return _full(model, opt), fetched, said
+        return _full(model, opt), fetched, lists, said
     finally:
         rs.close()
