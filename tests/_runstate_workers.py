@@ -12,12 +12,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import os
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from _dist_workers import _full, _state, tiny_model
+from _dist_workers import _counted, _fsdp_wide, _full, _state, tiny_model
 
 import ckptkit
 
@@ -302,3 +303,32 @@ def committed_steps(run_dir: str) -> list[int]:
         return [s for s, _ in loop.rs.checkpoints()]
     finally:
         loop.rs.close()
+
+
+def wide_on_s3(run: str, env: dict[str, str], until: int) -> tuple[dict[str, Any], dict[str, int], int, list[str]]:
+    """:func:`_dist_workers._fsdp_wide` (3 MiB with AdamW's state, each rank holding its shards) on
+    ``run``, an ``s3://`` prefix of the tests' server (``env``: its AWS variables), trained from its
+    newest step (or the start) to ``until``, saving every 2 steps: the full state at the end, the
+    bytes by object key this rank fetched to resume and the LISTs it made, and the notes its run
+    state said."""
+    os.environ.update(env)
+    model, opt = _fsdp_wide(0)
+    said: list[str] = []
+
+    def resumed() -> tuple[ckptkit.RunState, int]:
+        rs = ckptkit.RunState(run, config=LoopConfig(), keep=2, log=said.append)
+        rs.add_model("model", model)
+        rs.add_optimizer("adamw", opt)
+        return rs, rs.resume_or_start()
+
+    (rs, start), fetched, lists = _counted(resumed)
+    try:
+        for step in range(start, until):
+            model(torch.randn(4, 256, generator=torch.Generator().manual_seed(step))).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            if (step + 1) % 2 == 0:
+                rs.save(step + 1)
+        return _full(model, opt), fetched, lists, said
+    finally:
+        rs.close()

@@ -376,10 +376,16 @@ def read_record(store: ObjectStore, base: StorageURL, name: str, *, name_leftove
 
 
 def fetch_committed(
-    store: ObjectStore, base: StorageURL, name: str, into: str, layout: Callable[[str, str], str] | None = None
+    store: ObjectStore,
+    base: StorageURL,
+    name: str,
+    into: str,
+    layout: Callable[[str, str], str] | None = None,
+    only: Callable[[str], bool] | None = None,
 ) -> list[str]:
-    """Every object ``name``'s record lists, each checked (R-O14), into the directory ``into``: at
-    ``layout(name, key)`` (default: a file of the key's name); the paths written.
+    """Every object ``name``'s record lists (``only``: those whose key it keeps), each checked (R-O14),
+    into the directory ``into``: at ``layout(name, key)`` (default: a file of the key's name); the
+    paths written.
 
     Raises:
         IncompleteCheckpoint: no record, or a listed object is missing (named).
@@ -387,6 +393,8 @@ def fetch_committed(
     """
     paths = []
     for e in read_record(store, base, name):
+        if only is not None and not only(e.key):
+            continue
         path = os.path.join(into, layout(name, e.key) if layout else e.key)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fetch(store, base, e, path)

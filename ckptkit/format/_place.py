@@ -155,8 +155,18 @@ class Place(Protocol):
         """
         ...
 
+    def fetch_listed(self, name: str, only: Callable[[str], bool], layout: Callable[[str, str], str]) -> str:
+        """As :meth:`fetch`, but a prefix fetches only the listed objects whose key ``only`` keeps
+        (the small ones a reader needs whole; it reads the others by range), again on each call;
+        a local directory's is where it is, whole.
+
+        Raises:
+            As :meth:`fetch`, for the objects fetched.
+        """
+        ...
+
     def release(self, name: str) -> None:
-        """Free the stage copy :meth:`fetch` made of ``name`` (locally nothing)."""
+        """Free the stage copy :meth:`fetch` or :meth:`fetch_listed` made of ``name`` (locally nothing)."""
         ...
 
     def remove(self, name: str, files: Sequence[str]) -> None:
@@ -308,6 +318,9 @@ class LocalPlace:
     def fetch(self, name: str, layout: Callable[[str, str], str] | None = None) -> str:
         return self.child(name)
 
+    def fetch_listed(self, name: str, only: Callable[[str], bool], layout: Callable[[str, str], str]) -> str:
+        return self.child(name)
+
     def release(self, name: str) -> None:
         """Nothing to free: the checkpoint was read where it is."""
 
@@ -438,6 +451,11 @@ class ObjectPlace:
         if name not in self._fetched:
             self.release(name)
             self._fetched[name] = fetch_committed(self.objects, self.url, name, self.stage, layout)
+        return os.path.join(self.stage, name)
+
+    def fetch_listed(self, name: str, only: Callable[[str], bool], layout: Callable[[str, str], str]) -> str:
+        self.release(name)
+        self._fetched[name] = fetch_committed(self.objects, self.url, name, self.stage, layout, only)
         return os.path.join(self.stage, name)
 
     def release(self, name: str) -> None:

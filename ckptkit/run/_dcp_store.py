@@ -31,7 +31,16 @@ import shutil
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..errors import MalformedIndex, ReplicaDivergence, ResumeRefused, UnsupportedValue
+from ..errors import (
+    CheckpointNotFound,
+    DistributedFailure,
+    FormatError,
+    MalformedIndex,
+    ReplicaDivergence,
+    ResumeRefused,
+    UnreadableFile,
+    UnsupportedValue,
+)
 from ..format._checkpoint import Checkpoint
 from ..format._companions import record_of
 from ..format._place import Place, list_run_dir
@@ -102,8 +111,10 @@ class DcpStore(files.RunRecords):
     checkpoint at ``run_dir/step-N.dcp`` (its metadata, every rank's data file) and rank 0's
     companions, all listed by its one commit record (spec/objectstore.md R-O35..R-O37). No rank
     shares a stage with another (a node may be another machine): a step is checked and opened
-    from the rank's stage, where an object prefix fetches it first, each object checked against
-    the record, by the same checks.
+    from the rank's stage, where an object prefix fetches its metadata and companions first, each
+    checked against the record, by the same checks; its rank files are never copied: the load
+    reads the byte ranges of the chunks this rank's plan needs, each checked against its digest,
+    so each rank fetches about its share (R-O36).
     """
 
     suffix = files.DCP_SUFFIX
@@ -333,25 +344,30 @@ class DcpStore(files.RunRecords):
         return left + _sweep_aside(stage) + files.remove_debris(stage)
 
     def _copy(self, path: str) -> str:
-        """The stage's copy of the step at ``path`` (an object prefix fetches every listed object,
-        each checked, R-O14), with the run's environment record (the companion record checks its digest)."""
+        """The stage's copy of the step at ``path`` (an object prefix fetches the metadata and the
+        companions, each checked, R-O14, not the rank files: R-O36), with the run's environment
+        record (the companion record checks its digest). A copy elsewhere than ``path`` lacks the
+        rank files."""
         from ..distributed._objects import local_name
 
-        here = self.place.fetch(path.rpartition("/")[2], local_name)
+        name = path.rpartition("/")[2]
+        here = self.place.fetch_listed(name, lambda key: not _rank_file(name, key), local_name)
         self.place.bring(files.ENVIRONMENT_FILE)
         return here
 
     def check(self, step: int, path: str) -> dict[str, Any] | None:
+        """A local step: every byte. On an object prefix the rank files are not read here: each
+        rank's load checks the chunks it reads, and a damaged one is passed over then (R-O36)."""
         from ..distributed._format import read_metadata, verify_directory
 
-        path = self._copy(path)
-
-        report = verify_directory(path)
-        if report.error is not None:
-            raise report.error
-        run = run_tree(read_metadata(path, check_files=False), path)  # the files: verified just above
-        files.check_step(path, step, run["step"], field="run.step", what="the stored step")
-        files.read_companions(path, step, self.reg.sidecars, run)
+        here = self._copy(path)
+        if here == path:
+            report = verify_directory(path)
+            if report.error is not None:
+                raise report.error
+        run = run_tree(read_metadata(here, check_files=False), here)  # the files: verified above, or by the load
+        files.check_step(here, step, run["step"], field="run.step", what="the stored step")
+        files.read_companions(here, step, self.reg.sidecars, run)
         return record_of(run)
 
     def open(self, path: str, *, reshard: bool) -> Opened:
@@ -360,27 +376,55 @@ class DcpStore(files.RunRecords):
         loads), and its sidecars."""
         from ..distributed._format import read_metadata
 
-        path = self._copy(path)
-        md = read_metadata(path, check_files=False)  # the load below checks the rank files (R-DC06)
-        run = run_tree(md, path)
+        here = self._copy(path)
+        md = read_metadata(here, check_files=False)  # the load below checks the rank files (R-DC06)
+        run = run_tree(md, here)
         saved, now = run["world"], self.facts()
         resharded = saved != now
         if resharded and not reshard:
             raise world_size_changed(self.run_dir, saved, now)
-        sidecars = files.restorable(files.read_sidecars(path, run["step"], self.reg.sidecars))
-        ckpt, notes = self._plain_state(path, md, run, resharded)
+        sidecars = files.restorable(files.read_sidecars(here, run["step"], self.reg.sidecars))
+        ckpt, notes = self._plain_state(here, md, run, resharded)
         if resharded:
             notes.append(
                 f"resharded at step {run['step']} from {describe_world(saved)} to {describe_world(now)}: "
                 f"{RESHARD_NOTE} (the steps before it ran at another world size or layout)"
             )
-        return Opened(ckpt, sidecars, resharded, notes)
+        return Opened(ckpt, sidecars, resharded, notes, checked_whole=here == path)
 
     def load(self, path: str, opened: Opened, *, copy: bool = False) -> Checkpoint:
         try:
-            return self._load(self._copy(path), opened.ckpt, copy=copy)
+            here = self._copy(path)
+            if here == path:
+                return self._load(here, path, opened.ckpt, copy=copy)
+            return self._load_ranged(here, path, opened.ckpt)
         finally:
             self.place.release(path.rpartition("/")[2])
+
+    def _load_ranged(self, here: str, path: str, ckpt: Checkpoint) -> Checkpoint:
+        """The load of a step on an object prefix, whose rank files :meth:`check` did not read: into
+        copies, so that a damaged chunk changes nothing registered. Damage found on any rank is
+        raised on every rank (its own, else the lowest damaged rank's), which the resume passes
+        over (R-O36); where a rank failed otherwise, no rank raises it as damage.
+
+        Raises:
+            FormatError, CheckpointNotFound, UnreadableFile: a chunk or rank file is damaged.
+            DistributedFailure: a rank failed otherwise (its error, on the other ranks).
+        """
+        err: Exception | None = None
+        try:
+            loaded = self.g.agree(lambda: self._load(here, path, ckpt, copy=True), "loading the checkpoint")
+        except Exception as e:  # noqa: BLE001 - the ranks must agree on what it was
+            err = e
+        damaged = isinstance(err, (FormatError, CheckpointNotFound, UnreadableFile))
+        if not all(self.g.gather(damaged, "agreeing on the damage found")) and err is not None:
+            if damaged:
+                line = f"{type(err).__name__}: {err}"
+                raise DistributedFailure(f"rank {self.rank}: {line}", {self.rank: line}) from err
+            raise err
+        if err is not None:
+            raise err
+        return loaded
 
     def _plain_state(self, path: str, md: Any, run: dict[str, Any], resharded: bool) -> tuple[Checkpoint, list[str]]:
         """The checkpoint as far as it is plain values, for the registration checks: the
@@ -425,10 +469,10 @@ class DcpStore(files.RunRecords):
             )
         return int(want)
 
-    def _load(self, path: str, ckpt: Checkpoint, *, copy: bool = False) -> Checkpoint:
-        """Every rank: DCP loads the modules and optimizers (resharding as needed) into
-        destinations shaped like the live ones (``copy``: into copies of them, the live
-        objects untouched); ``ckpt`` with them."""
+    def _load(self, here: str, path: str, ckpt: Checkpoint, *, copy: bool = False) -> Checkpoint:
+        """Every rank: DCP loads the modules and optimizers of ``path`` (resharding as needed), its
+        metadata read at ``here``, into destinations shaped like the live ones (``copy``: into
+        copies of them, the live objects untouched); ``ckpt`` with them."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         import ckptkit.distributed as ckd
@@ -436,7 +480,7 @@ class DcpStore(files.RunRecords):
         from ..distributed._format import read_metadata
 
         reg = self.reg
-        stored = set(read_metadata(path, check_files=False).tensors)  # keys only; the load checks the files
+        stored = set(read_metadata(here, check_files=False).tensors)  # keys only; the load checks the files
         optim = {}
         for n, o in reg.optimizers.items():
             model = reg.optimizer_models[n]
@@ -461,6 +505,13 @@ class DcpStore(files.RunRecords):
             optim={**(ckpt.optim or {}), "optimizers": optim} if optim else ckpt.optim,
             teacher=dest.get("teacher"),
         )
+
+
+def _rank_file(name: str, key: str) -> bool:
+    """Whether the object ``key`` listed by ``name``'s record is one of its rank files."""
+    from ..distributed._objects import local_name
+
+    return local_name(name, key) != key and key != name
 
 
 def run_tree(md: Any, path: str) -> dict[str, Any]:

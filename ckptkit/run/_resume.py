@@ -18,6 +18,7 @@ has passed.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -25,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import CheckpointError, LegacyCheckpoint
+from ..errors import CheckpointError, CheckpointNotFound, FormatError, LegacyCheckpoint, UnreadableFile
 from ..format._checkpoint import Checkpoint
 from ..format._companions import UNBOUND_NOTE
 from ._drift import KeyDiff, check_resume
@@ -143,10 +144,18 @@ def resume(
         As :meth:`ckptkit.RunState.resume`, on every rank.
     """
     store.wait()
-    path, notes, skipped = group.from_rank0(lambda: _choose(store, run_dir), "choosing the checkpoint")
-    checked = group.agree(lambda: _check(store, reg, run_dir, path, how), "checking the checkpoint")
-    opened, exempt, env, legacy = checked
-    ckpt = store.load(path, opened)
+    passed: list[tuple[str, str]] = []  # damaged, found so while loading (R-O36)
+    while True:
+        path, notes, skipped = group.from_rank0(lambda: _choose(store, run_dir, passed), "choosing the checkpoint")
+        checked = group.agree(functools.partial(_check, store, reg, run_dir, path, how), "checking the checkpoint")
+        opened, exempt, env, legacy = checked
+        try:
+            ckpt = store.load(path, opened)
+            break
+        except (FormatError, CheckpointNotFound, UnreadableFile) as e:
+            if opened.checked_whole:
+                raise
+            passed.append((path, str(e)))  # raised on every rank, nothing restored (R-O36)
     notes = [*notes, *(d.describe() for d in exempt), *(f"environment override: {d}" for d in env)]
     if legacy:
         notes.append(f"LEGACY checkpoint {os.path.basename(path)}: proceeding without {', '.join(legacy)}")
@@ -160,13 +169,16 @@ def resume(
     )
 
 
-def _choose(store: Store, run_dir: str) -> tuple[str, list[str], list[tuple[str, str]]]:
-    """Rank 0: the newest consistent checkpoint; every fallback said."""
+def _choose(store: Store, run_dir: str, passed: list[tuple[str, str]]) -> tuple[str, list[str], list[tuple[str, str]]]:
+    """Rank 0: the newest consistent checkpoint but those ``passed`` over already, ``(path, why)``;
+    every fallback said."""
     store.refuse_foreign()
     notes = sweep_note(store.sweep())
+    gone = {p for p, _why in passed}
     (step, record), path, skipped = newest_consistent(
-        run_dir, store.listing(), lambda step, p: (step, store.check(step, p))
+        run_dir, [(s, p) for s, p in store.listing() if p not in gone], lambda step, p: (step, store.check(step, p))
     )
+    skipped = [*passed, *skipped]
     notes += fallback_notes(skipped, path, step)
     if record is None:
         notes.append(f"{os.path.basename(path)} {UNBOUND_NOTE}")

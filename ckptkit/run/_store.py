@@ -39,12 +39,16 @@ class Opened:
         sidecars: its sidecars, each checked against its step.
         resharded: it was saved at another world size or layout (a reshard was asked for).
         notes: what opening it on this rank had to say (a reshard, per-rank values).
+        checked_whole: :meth:`Store.check` read every byte of it; False (a DCP step on an object
+            prefix) when the load checks the rank files' chunks it reads, so that damage it finds
+            is raised on every rank, changes nothing registered and is passed over (R-O36).
     """
 
     ckpt: Checkpoint
     sidecars: Sidecars
     resharded: bool = False
     notes: list[str] = field(default_factory=list)
+    checked_whole: bool = True
 
 
 class Store(Protocol):
@@ -126,9 +130,10 @@ class Store(Protocol):
         ...
 
     def check(self, step: int, path: str) -> dict[str, Any] | None:
-        """Rank 0: that the checkpoint at ``path``, named ``step``, is consistent — every byte,
-        its snapshot, sidecars and companion record; returns that record (None: a checkpoint
-        from before the binding). Damage raises ``FormatError`` or ``CheckpointNotFound``."""
+        """Rank 0: that the checkpoint at ``path``, named ``step``, is consistent — every byte (a
+        DCP step on an object prefix: all but its rank files, whose chunks its load checks), its
+        snapshot, sidecars and companion record; returns that record (None: a checkpoint from
+        before the binding). Damage raises ``FormatError`` or ``CheckpointNotFound``."""
         ...
 
     def open(self, path: str, *, reshard: bool) -> Opened:
@@ -138,7 +143,12 @@ class Store(Protocol):
 
     def load(self, path: str, opened: Opened, *, copy: bool = False) -> Checkpoint:
         """Every rank: the checkpoint's contents with its tensors, in destinations shaped like the
-        registered objects (``copy``: in copies of them, the registered objects untouched)."""
+        registered objects (``copy``: in copies of them, the registered objects untouched).
+
+        Raises:
+            FormatError, CheckpointNotFound, UnreadableFile: (``opened.checked_whole`` false) damage
+                found while loading, raised on every rank.
+        """
         ...
 
     def delete(self, path: str) -> None:

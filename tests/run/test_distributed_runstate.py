@@ -12,6 +12,7 @@ import shutil
 from collections.abc import Iterator
 from typing import Any
 
+import boto3
 import pytest
 import torch
 from _dist_workers import RankPool, assert_same
@@ -345,3 +346,50 @@ def test_a_reshard_refuses_a_data_position_without_an_offset_rule(ddp_run):
         f"{run}/step-00000006.dcp: data position 'train' has no offset rule, so a reshard cannot re-derive it for "
         "rank 0 of 1; register it with add_data_position(..., expected=...)"
     )
+
+
+def _rank_objects(url: str, step: int) -> dict[str, int]:
+    """The sizes of the rank files of ``step`` under the ``s3://`` prefix ``url``, by key."""
+    bucket, _, prefix = url.removeprefix("s3://").partition("/")
+    listed = boto3.client("s3").list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/step-{step:08d}.dcp.rank-")
+    return {o["Key"]: o["Size"] for o in listed.get("Contents", [])}
+
+
+def test_each_rank_of_a_resume_on_s3_fetches_its_share_and_the_run_equals_uninterrupted(pool, s3):
+    """R-O36, G-60: a 2-rank FSDP2 run of 3 MiB stopped at step 2 and resumed on an s3:// prefix: each
+    rank fetches the metadata and companions whole and, of the rank files, the chunks its shards
+    need (about half), never a copy of every rank file; rank 0 alone lists the steps; it ends where
+    an uninterrupted run does."""
+    env = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
+    straight = pool.run(W + "wide_on_s3", f"{s3}/straight", env, 4)
+    pool.run(W + "wide_on_s3", f"{s3}/split", env, 2)
+    sizes = _rank_objects(f"{s3}/split", 2)
+    data = sum(sizes.values())
+    assert len(sizes) == 2 and data > 3 << 20
+    got = pool.run(W + "wide_on_s3", f"{s3}/split", env, 4)
+    for (want, *_), (state, fetched, _, _) in zip(straight, got, strict=True):
+        assert_same(want, state)
+        ranks = sum(n for key, n in fetched.items() if key in sizes)
+        assert 0.4 * data < ranks <= 0.6 * data, (fetched, data)
+    assert got[0][2] > 0 and got[1][2] == 0  # rank 0's listing reaches rank 1 through the run's group
+
+
+def test_a_damaged_chunk_one_rank_reads_on_s3_makes_every_rank_fall_back_to_the_previous_step(pool, s3):
+    """R-O36, R-026: rank 0's check reads no rank file; rank 1's load finds its chunk damaged, every
+    rank passes the step over, and the run resumes from the step before, to an uninterrupted run's state."""
+    env = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
+    straight = pool.run(W + "wide_on_s3", f"{s3}/straight", env, 6)
+    pool.run(W + "wide_on_s3", f"{s3}/split", env, 4)
+    bucket, _, prefix = s3.removeprefix("s3://").partition("/")
+    key = f"{prefix}/split/step-00000004.dcp.rank-00001.ckdcp".lstrip("/")
+    client = boto3.client("s3")
+    body = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+    body[len(body) // 2] ^= 1
+    client.put_object(Bucket=bucket, Key=key, Body=bytes(body))
+    got = pool.run(W + "wide_on_s3", f"{s3}/split", env, 6)
+    for (want, *_), (state, *_) in zip(straight, got, strict=True):
+        assert_same(want, state)
+    for rank, (*_, notes) in enumerate(got):
+        skipped = [n for n in notes if n.startswith("skipped ")]
+        assert skipped == [n for n in notes if "step-00000004.dcp: " in n and "rank-00001.ckdcp" in n], (rank, notes)
+        assert len(skipped) == 1 and "falling back to step-00000002.dcp (step 2)" in notes, (rank, notes)
