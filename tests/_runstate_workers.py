@@ -332,3 +332,35 @@ def wide_on_s3(run: str, env: dict[str, str], until: int) -> tuple[dict[str, Any
         return _full(model, opt), fetched, lists, said
     finally:
         rs.close()
+
+
+def wide_on_s3_throttled(run: str, env: dict[str, str], until: int) -> tuple[str, list[str]]:
+    """:func:`wide_on_s3`'s resume while the store answers every ranged read of rank 1's rank files
+    with 503 SlowDown (R-O50): what the resume raised (as text), and the notes its run state said."""
+    from _store_faults import Faulty
+
+    from ckptkit.format import _objectstore as objectstore
+
+    os.environ.update(env)
+    model, opt = _fsdp_wide(0)
+    said: list[str] = []
+    throttled = torch.distributed.get_rank() == 1
+
+    class SlowDown(Faulty):
+        def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+            if throttled and start is not None and ".rank-" in key:
+                raise objectstore.TransientFault(f"injected 503 SlowDown ({key} {start}-{end})")
+            return self.inner.get(key, start, end)
+
+    rs = ckptkit.RunState(run, config=LoopConfig(), keep=2, log=said.append)
+    try:
+        rs.add_model("model", model)
+        rs.add_optimizer("adamw", opt)
+        with objectstore.intercept(lambda backend: SlowDown(backend, None, "count")):
+            try:
+                rs.resume_or_start()
+            except ckptkit.CheckpointError as e:
+                return f"{type(e).__name__}: {e}", said
+        return "resumed", said
+    finally:
+        rs.close()

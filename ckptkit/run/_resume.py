@@ -29,6 +29,7 @@ from typing import Any
 from ..errors import CheckpointError, CheckpointNotFound, FormatError, LegacyCheckpoint, UnreadableFile
 from ..format._checkpoint import Checkpoint
 from ..format._companions import UNBOUND_NOTE
+from ..format._objectstore import StoreUnavailable
 from ._drift import KeyDiff, check_resume
 from ._environment import EnvDiff, capture, check_environment
 from ._files import (
@@ -152,6 +153,8 @@ def resume(
         try:
             ckpt = store.load(path, opened)
             break
+        except StoreUnavailable:
+            raise  # says nothing of the checkpoint (R-O50): never passed over
         except (FormatError, CheckpointNotFound, UnreadableFile) as e:
             if opened.checked_whole:
                 raise

@@ -393,3 +393,16 @@ def test_a_damaged_chunk_one_rank_reads_on_s3_makes_every_rank_fall_back_to_the_
         skipped = [n for n in notes if n.startswith("skipped ")]
         assert skipped == [n for n in notes if "step-00000004.dcp: " in n and "rank-00001.ckdcp" in n], (rank, notes)
         assert len(skipped) == 1 and "falling back to step-00000002.dcp (step 2)" in notes, (rank, notes)
+
+
+def test_a_store_that_throttles_one_rank_s_ranged_reads_stops_the_resume_and_passes_no_step_over(pool, s3):
+    """R-O50 and R-O36: a rank whose ranged reads of the rank files keep failing (503 SlowDown past
+    every retry) learned nothing about the step: the resume stops on every rank with the store named,
+    and no step is passed over as damaged."""
+    env = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
+    pool.run(W + "wide_on_s3", f"{s3}/run", env, 4)
+    got = pool.run(W + "wide_on_s3_throttled", f"{s3}/run", env, 6)
+    for raised, notes in got:  # rank 0 too: the ranks agree on the error (R-D25)
+        assert raised.startswith("StoreUnavailable: s3://") and ".dcp.rank-00001.ckdcp: range " in raised, raised
+        assert raised.endswith("the store is throttling (503 SlowDown) or failing (R-O50): try again once it answers")
+        assert not [n for n in notes if n.startswith("skipped ") or "falling back" in n], notes
