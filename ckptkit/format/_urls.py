@@ -1,9 +1,9 @@
-"""Storage URLs: the one place a path argument is told apart from ``scheme://bucket/key``.
+"""Storage URLs: ``scheme://bucket/key`` parsed, the helper of :mod:`ckptkit.format._place`.
 
 Every function that takes a path (``save``/``load``/``verify``/``open_checkpoint``,
 ``RunState``'s run directory, ``ckptkit.distributed``, the Lightning plug-in, the CLI)
-asks :func:`parse` or :func:`local_only` first, so a URL never becomes a local folder
-named ``s3:`` (spec/objectstore.md R-O01). ``s3://`` is served by
+asks the place (``place_for``, ``is_local``), whose one test is :func:`is_url`, so a URL
+never becomes a local folder named ``s3:`` (spec/objectstore.md R-O01). ``s3://`` is served by
 :mod:`ckptkit.format._objectstore` when the ``ckptkit[s3]`` extra is installed; any other
 scheme, and a place that does not serve object storage, is refused naming what to do.
 """
