@@ -9,8 +9,8 @@ import sys
 from collections.abc import Callable, Mapping
 
 from ..errors import CheckpointNotFound
-from ..format._place import is_local, list_run_dir
-from ..format._urls import local_only, parse, require_client
+from ..format._place import is_local, list_run_dir, local_only
+from ..format._urls import parse, require_client
 from ..run._files import DAMAGED
 from ._copies import Select, local_copy
 

@@ -35,14 +35,24 @@ import tempfile
 from collections.abc import Callable, Sequence
 from typing import BinaryIO, Protocol
 
-from ..errors import CheckpointNotFound, CommitConflict, UnreadableFile
+from ..errors import CheckpointNotFound, CommitConflict, UnreadableFile, UnsupportedOption
 from ._atomic import atomic_write, clean_stale_temps, create_exclusive, write_bytes_atomic
 from ._commit import RECORD_SUFFIX, commit, fetch_committed, listing, remove, sweep
 from ._io import Source, open_regular
 from ._objectstore import PROBE_PREFIX, Body, FileSpan, ObjectStore, single_writer_vouched, store_for
 from ._urls import is_url, parse
 
-__all__ = ["LocalPlace", "ObjectPlace", "Place", "is_local", "list_run_dir", "place_for", "read_file", "write_file"]
+__all__ = [
+    "LocalPlace",
+    "ObjectPlace",
+    "Place",
+    "is_local",
+    "list_run_dir",
+    "local_only",
+    "place_for",
+    "read_file",
+    "write_file",
+]
 
 
 class Place(Protocol):
@@ -191,6 +201,26 @@ def is_local(path: object) -> bool:
     served or not: R-O01): what a caller that only routes a path (an argument, a plug-in's option) asks,
     before a place is made, so that no module above this one tests for a URL."""
     return not is_url(path)
+
+
+def local_only(path: str | os.PathLike[str], what: str) -> str:
+    """``path`` as a local path, for a place that does not serve object storage (R-O01).
+
+    Raises:
+        UnsupportedOption: ``path`` is a URL; the message names ``what`` refuses it.
+    """
+    text = os.fspath(path)
+    if not is_local(text):
+        scheme = text.partition("://")[0]
+        served = (
+            "; ckptkit.save/load/verify/open_checkpoint, ckptkit.distributed, RunState, the Lightning plug-in and "
+            "`ckptkit train --run-dir/verify/inspect/diff/plot/replay RUN` serve s3://"
+        )
+        raise UnsupportedOption(
+            f"{text}: {what} does not serve {scheme}:// URLs yet (it writes and reads local files only){served}; "
+            "use a local (or mounted) directory"
+        )
+    return text
 
 
 def read_file(path: str | os.PathLike[str]) -> Source:

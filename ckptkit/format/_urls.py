@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from ..errors import UnsupportedOption
 
-__all__ = ["S3_EXTRA", "StorageURL", "is_url", "join", "local_only", "parse", "require_client"]
+__all__ = ["S3_EXTRA", "StorageURL", "is_url", "parse", "require_client"]
 
 _SCHEME = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://(?P<rest>.*)$", re.S)
 #: How to install object-storage support (the message of a missing client names it).
@@ -75,31 +75,6 @@ def parse(path: str | os.PathLike[str]) -> StorageURL:
     if not bucket:
         raise UnsupportedOption(f"{text}: no bucket (expected s3://bucket/prefix)")
     return StorageURL(scheme, bucket, key.strip("/"))
-
-
-def join(base: str, name: str) -> str:
-    """``name`` inside ``base``: a local path, or a URL's child (one spelling for both)."""
-    return str(parse(base).child(name)) if is_url(base) else os.path.join(base, name)
-
-
-def local_only(path: str | os.PathLike[str], what: str) -> str:
-    """``path`` as a local path, for a place that does not serve object storage (R-O01).
-
-    Raises:
-        UnsupportedOption: ``path`` is a URL; the message names ``what`` refuses it.
-    """
-    text = os.fspath(path)
-    if is_url(text):
-        scheme = text.partition("://")[0]
-        served = (
-            "; ckptkit.save/load/verify/open_checkpoint, ckptkit.distributed, RunState, the Lightning plug-in and "
-            "`ckptkit train --run-dir/verify/inspect/diff/plot/replay RUN` serve s3://"
-        )
-        raise UnsupportedOption(
-            f"{text}: {what} does not serve {scheme}:// URLs yet (it writes and reads local files only){served}; "
-            "use a local (or mounted) directory"
-        )
-    return text
 
 
 def require_client() -> None:
