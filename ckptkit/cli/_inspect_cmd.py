@@ -12,9 +12,9 @@ import os
 from typing import Any
 
 from ..errors import CheckpointError, CheckpointNotFound
-from ..format._container import Source, check_flags, read_layout
+from ..format._container import check_flags, read_layout
+from ..format._place import is_local, read_file
 from ..format._section import TensorRef
-from ..format._urls import is_url
 from ..format._values import TypedValue
 from ..format._verify import layout_report
 from ..run._resume_check import verdict_line
@@ -81,17 +81,11 @@ def run(args: argparse.Namespace) -> int:
         return _trainer.inspect(args.path, args.json, _size)
     if os.path.isdir(args.path):
         raise CheckpointNotFound(f"{args.path}: is a directory; inspect takes one checkpoint file")
-    if is_url(args.path) and args.path.rstrip("/").endswith(".dcp"):  # a distributed run's step (R-DC22)
+    if not is_local(args.path) and args.path.rstrip("/").endswith(".dcp"):  # a distributed run's step (R-DC22)
         from ._remote import inspect_distributed
 
         return inspect_distributed(args.path, args.json, _size)
-    if is_url(args.path):
-        from ..format._remote import remote_source
-
-        opened = remote_source(args.path)
-    else:
-        opened = Source(args.path)
-    with opened as src:
+    with read_file(args.path) as src:
         layout = read_layout(src)
     if not layout.legacy:
         check_flags(layout)  # state this reader cannot restore is refused here as by load and verify
@@ -129,7 +123,7 @@ def _resumes(path: str) -> tuple[dict[str, Any], ...]:
     from ..run._history import HISTORY_FILE, check_history
 
     history = os.path.join(os.path.dirname(path) or ".", HISTORY_FILE)
-    if is_url(path) or not os.path.isfile(history):
+    if not is_local(path) or not os.path.isfile(history):
         return ()
     try:
         return check_history(history).resumes

@@ -9,8 +9,8 @@ import sys
 from collections.abc import Callable, Mapping
 
 from ..errors import CheckpointNotFound
-from ..format._place import list_run_dir
-from ..format._urls import is_url, local_only, parse, require_client
+from ..format._place import is_local, list_run_dir, local_only
+from ..format._urls import parse, require_client
 from ..run._files import DAMAGED
 from ._copies import Select, local_copy
 
@@ -74,7 +74,7 @@ def refuse_urls(args: argparse.Namespace, *, served: tuple[str, ...]) -> None:
         if name in ("cmd", "command"):
             continue
         for item in value if isinstance(value, list) else [value]:
-            if not is_url(item):
+            if is_local(item):
                 continue
             if name not in served:
                 local_only(item, f"ckptkit {args.command}")
@@ -92,7 +92,7 @@ def copy_urls(args: argparse.Namespace, copies: Copies, stack: contextlib.ExitSt
     """
     for name, select in sorted(copies.items()):
         value = getattr(args, name, None)
-        if isinstance(value, str) and is_url(value):
+        if isinstance(value, str) and not is_local(value):
             copied = stack.enter_context(local_copy(value, select(args)))
             print(f"ckptkit {args.command}: {copied.describe()}", file=sys.stderr)
             setattr(args, name, copied.path)

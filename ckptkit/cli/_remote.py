@@ -14,6 +14,7 @@ from ..errors import CheckpointNotFound, FormatError, IncompleteCheckpoint
 from ..format._commit import RECORD_SUFFIX, Entry, listing, read_record
 from ..format._io import Source
 from ..format._objectstore import ObjectStore, store_for
+from ..format._place import place_for
 from ..format._remote import fetched
 from ..format._urls import StorageURL, parse
 from ..format._verify import Report, layout_report, verify_source
@@ -78,25 +79,21 @@ def _verify_object(where: str, entry: Entry, src: Source, name: str) -> Report:
 
 def _verify_distributed(where: str, size: int) -> Report:
     """A ``ckptkit.distributed`` checkpoint's metadata object: its listed objects fetched (each
-    checked) into a private directory, which is verified as a local one (R-DC22, R-DC24)."""
-    import shutil
-    import tempfile
+    checked) into its place's stage, which is verified as a local directory (R-DC22, R-DC24)."""
+    from ..distributed._format import read_metadata, verify_directory
+    from ..distributed._objects import RemoteCheckpoint, check_listed, local_name
 
-    from ..distributed._format import verify_directory
-    from ..distributed._objects import RemoteCheckpoint, check_listed
-
-    tmp = tempfile.mkdtemp(prefix="ckptkit-verify-")
+    remote = RemoteCheckpoint.at(where)
+    place = place_for(str(remote.base))
     try:
-        remote = RemoteCheckpoint.at(where)
-        report = verify_directory(remote.fetch_all(tmp))
+        path = place.fetch(remote.name, local_name)
+        report = verify_directory(path)
         if report.ok:
-            from ..distributed._format import read_metadata
-
-            check_listed(remote, remote.entries(), read_metadata(os.path.join(tmp, remote.name), check_files=False))
+            check_listed(remote, remote.entries(), read_metadata(path, check_files=False))
     except (IncompleteCheckpoint, FormatError) as e:
         return layout_report(where, size, None, e, 0)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        place.close()
     if report.error is not None:
         return layout_report(where, size, None, report.error, 0)
     return Report(where, True, None, None, None, (), False, (), (), size, size, kind="object")

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..format._place import Place, place_for
-from ..format._urls import join
 from ..run._files import CKPT_SUFFIX, DCP_SUFFIX, is_fallback_note, step_of
 from ..run._history import HISTORY_FILE, read_rows
 from ..run._resume_check import CHECK_KIND, verdict_line
@@ -136,7 +135,8 @@ def summarize(run_dir: str, *, seconds: float, keep: int, extend: str, next_step
     Raises:
         FormatError: a complete line of ``history.jsonl`` is not a history row.
     """
-    history, place = join(run_dir, HISTORY_FILE), place_for(run_dir)
+    place = place_for(run_dir)
+    history = place.child(HISTORY_FILE)
     try:
         rows, _torn = _read_rows(place)
         checkpoints = tuple(_steps(place))

@@ -78,8 +78,8 @@ from ..format._atomic import exchange, fsync_dir
 from ..format._checks import check_int
 from ..format._codec import check_tensor, decode_tree, dtype_name, memory_available, tensor_bytes, torch_dtype
 from ..format._container import Source
+from ..format._place import is_local
 from ..format._section import DTYPE_SIZES, check_plain
-from ..format._urls import is_url
 from ._format import (
     METADATA_NAME,
     Chunk,
@@ -405,7 +405,7 @@ def replace_directory(path: str, staged: str) -> None:
 def _served(checkpoint_id: Any) -> bool:
     if not isinstance(checkpoint_id, (str, os.PathLike)):
         return False
-    return not is_url(checkpoint_id) or os.fspath(checkpoint_id).lower().startswith("s3://")
+    return is_local(checkpoint_id) or os.fspath(checkpoint_id).lower().startswith("s3://")
 
 
 def place(checkpoint_id: str | os.PathLike[str]) -> tuple[str, RemoteCheckpoint | None]:
@@ -415,7 +415,7 @@ def place(checkpoint_id: str | os.PathLike[str]) -> tuple[str, RemoteCheckpoint 
     Raises:
         UnsupportedOption: another scheme, a bucket without a name, or no S3 client (R-O01, R-O02).
     """
-    if is_url(checkpoint_id):
+    if not is_local(checkpoint_id):
         remote = RemoteCheckpoint.at(checkpoint_id)
         return remote.url, remote
     return os.fspath(checkpoint_id), None

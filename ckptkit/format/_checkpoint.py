@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InsufficientMemory, UnsupportedValue
-from ._atomic import atomic_write
 from ._checks import check_u64, is_int
 from ._container import (
     FLAG_FP32_FALLBACK,
@@ -31,7 +30,6 @@ from ._container import (
     read_layout,
     write_container,
 )
-from ._urls import is_url
 
 if TYPE_CHECKING:
     import torch
@@ -129,12 +127,9 @@ def save(
     def write(f: Any) -> None:
         write_container(f, step=ckpt.step, flags=ckpt.flags, plans=dict(zip(SECTIONS, plans, strict=True)))
 
-    if is_url(path):  # the same bytes, committed by its record (spec/objectstore.md)
-        from ._remote import put_checkpoint
+    from ._place import write_file
 
-        put_checkpoint(path, write)
-    else:
-        atomic_write(path, write)
+    write_file(path, write)  # at a URL, the same bytes committed by its record (spec/objectstore.md)
     del keep  # the tensors backing the written bytes may go now
 
 
@@ -205,12 +200,9 @@ def load(
         >>> net.load_state_dict(ckpt.model["net"])  # doctest: +SKIP
         >>> load("run/step-00000100.ckpt", into={"model": {"net": net.state_dict()}})  # doctest: +SKIP
     """
-    if is_url(path):
-        from ._remote import remote_source
+    from ._place import read_file
 
-        opened = remote_source(path)
-    else:
-        opened = Source(path)
+    opened = read_file(path)
     try:
         return _load_source(opened, map_location=map_location, into=into, strict=strict, max_memory=max_memory)
     except (MemoryError, RuntimeError) as e:

@@ -40,7 +40,6 @@ from ._container import (
 )
 from ._read import check_mapped
 from ._section import SectionIndex, TensorRef
-from ._urls import is_url
 
 if TYPE_CHECKING:
     import torch
@@ -77,11 +76,9 @@ def open_checkpoint(path: str | os.PathLike[str]) -> LazyCheckpoint:
 def _open_source(path: str) -> Source:
     """The file at ``path``; at an ``s3://`` URL, the committed object (size and digest checked
     against its record, R-O14) in an unlinked temporary file, so that tensors map it as a file's."""
-    if not is_url(path):
-        return Source(path)
-    from ._remote import remote_source
+    from ._place import read_file
 
-    return remote_source(path)
+    return read_file(path)
 
 
 class LazyCheckpoint:

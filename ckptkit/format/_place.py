@@ -1,7 +1,8 @@
 """Where a run lives, as one plug: a local directory or an object prefix.
 
-:func:`place_for` is the one question "is this path a URL?" the run's lease asks; it
-answers with a :class:`Place`, and the code above it never asks again. A place keeps a
+:func:`place_for` (and :func:`is_local`, for a caller that only routes a path) is the one
+question "is this path a URL?" in the library (spec/objectstore.md §1); it answers with a
+:class:`Place`, and the code above it never asks again. A place keeps a
 run's small records. The lease (``lease.json``) is read with a version, created only where
 none is, and replaced or removed only while the version read still holds. A local directory
 does it with files: a hard link creates without replacing (the local form of
@@ -32,16 +33,26 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import BinaryIO, Protocol
 
-from ..errors import CheckpointNotFound, CommitConflict, UnreadableFile
-from ._atomic import clean_stale_temps, create_exclusive, write_bytes_atomic
+from ..errors import CheckpointNotFound, CommitConflict, UnreadableFile, UnsupportedOption
+from ._atomic import atomic_write, clean_stale_temps, create_exclusive, write_bytes_atomic
 from ._commit import RECORD_SUFFIX, commit, fetch_committed, listing, remove, sweep
-from ._io import open_regular
+from ._io import Source, open_regular
 from ._objectstore import PROBE_PREFIX, Body, FileSpan, ObjectStore, single_writer_vouched, store_for
 from ._urls import is_url, parse
 
-__all__ = ["LocalPlace", "ObjectPlace", "Place", "list_run_dir", "place_for"]
+__all__ = [
+    "LocalPlace",
+    "ObjectPlace",
+    "Place",
+    "is_local",
+    "list_run_dir",
+    "local_only",
+    "place_for",
+    "read_file",
+    "write_file",
+]
 
 
 class Place(Protocol):
@@ -192,7 +203,67 @@ def place_for(path: str | os.PathLike[str]) -> Place:
     Raises:
         UnsupportedOption: a URL of a scheme not served, or the S3 client is missing.
     """
-    return ObjectPlace(os.fspath(path)) if is_url(path) else LocalPlace(os.fspath(path))
+    return LocalPlace(os.fspath(path)) if is_local(path) else ObjectPlace(os.fspath(path))
+
+
+def is_local(path: object) -> bool:
+    """``path`` names a local (or mounted) file or directory, not object storage (any ``scheme://``,
+    served or not: R-O01): what a caller that only routes a path (an argument, a plug-in's option) asks,
+    before a place is made, so that no module above this one tests for a URL."""
+    return not is_url(path)
+
+
+def local_only(path: str | os.PathLike[str], what: str) -> str:
+    """``path`` as a local path, for a place that does not serve object storage (R-O01).
+
+    Raises:
+        UnsupportedOption: ``path`` is a URL; the message names ``what`` refuses it.
+    """
+    text = os.fspath(path)
+    if not is_local(text):
+        scheme = text.partition("://")[0]
+        served = (
+            "; ckptkit.save/load/verify/open_checkpoint, ckptkit.distributed, RunState, the Lightning plug-in and "
+            "`ckptkit train --run-dir/verify/inspect/diff/plot/replay RUN` serve s3://"
+        )
+        raise UnsupportedOption(
+            f"{text}: {what} does not serve {scheme}:// URLs yet (it writes and reads local files only){served}; "
+            "use a local (or mounted) directory"
+        )
+    return text
+
+
+def read_file(path: str | os.PathLike[str]) -> Source:
+    """The checkpoint file at ``path`` to be read: a local file, or at an ``s3://`` URL the committed
+    object, its size and digest checked against its record (R-O14), in an unlinked temporary file
+    that tensors map as a file's (named by the URL).
+
+    Raises:
+        CheckpointNotFound: nothing is at ``path``; IncompleteCheckpoint, ChecksumMismatch,
+            FormatError: (a URL) objects without a commit record, or damaged (named);
+            UnsupportedOption: another scheme, or no S3 client.
+    """
+    if is_local(path):
+        return Source(path)
+    from ._remote import remote_source
+
+    return remote_source(path)
+
+
+def write_file(path: str | os.PathLike[str], write: Callable[[BinaryIO], object]) -> None:
+    """Write the checkpoint file at ``path`` through ``write(f)``, whole or not at all: locally renamed
+    into place; at an ``s3://`` URL the same bytes, committed by its record (R-O10, R-O18).
+
+    Raises:
+        CommitConflict: (a URL) a checkpoint is committed there already (R-O11); SaveFailed,
+            OSError: nothing at ``path`` is replaced.
+    """
+    if is_local(path):
+        atomic_write(path, write)
+        return
+    from ._remote import put_checkpoint
+
+    put_checkpoint(path, write)
 
 
 def list_run_dir(run_dir: str) -> list[str]:

@@ -1,9 +1,9 @@
-"""Storage URLs: the one place a path argument is told apart from ``scheme://bucket/key``.
+"""Storage URLs: ``scheme://bucket/key`` parsed, the helper of :mod:`ckptkit.format._place`.
 
 Every function that takes a path (``save``/``load``/``verify``/``open_checkpoint``,
 ``RunState``'s run directory, ``ckptkit.distributed``, the Lightning plug-in, the CLI)
-asks :func:`parse` or :func:`local_only` first, so a URL never becomes a local folder
-named ``s3:`` (spec/objectstore.md R-O01). ``s3://`` is served by
+asks the place (``place_for``, ``is_local``), whose one test is :func:`is_url`, so a URL
+never becomes a local folder named ``s3:`` (spec/objectstore.md R-O01). ``s3://`` is served by
 :mod:`ckptkit.format._objectstore` when the ``ckptkit[s3]`` extra is installed; any other
 scheme, and a place that does not serve object storage, is refused naming what to do.
 """
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from ..errors import UnsupportedOption
 
-__all__ = ["S3_EXTRA", "StorageURL", "is_url", "join", "local_only", "parse", "require_client"]
+__all__ = ["S3_EXTRA", "StorageURL", "is_url", "parse", "require_client"]
 
 _SCHEME = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://(?P<rest>.*)$", re.S)
 #: How to install object-storage support (the message of a missing client names it).
@@ -75,31 +75,6 @@ def parse(path: str | os.PathLike[str]) -> StorageURL:
     if not bucket:
         raise UnsupportedOption(f"{text}: no bucket (expected s3://bucket/prefix)")
     return StorageURL(scheme, bucket, key.strip("/"))
-
-
-def join(base: str, name: str) -> str:
-    """``name`` inside ``base``: a local path, or a URL's child (one spelling for both)."""
-    return str(parse(base).child(name)) if is_url(base) else os.path.join(base, name)
-
-
-def local_only(path: str | os.PathLike[str], what: str) -> str:
-    """``path`` as a local path, for a place that does not serve object storage (R-O01).
-
-    Raises:
-        UnsupportedOption: ``path`` is a URL; the message names ``what`` refuses it.
-    """
-    text = os.fspath(path)
-    if is_url(text):
-        scheme = text.partition("://")[0]
-        served = (
-            "; ckptkit.save/load/verify/open_checkpoint, ckptkit.distributed, RunState, the Lightning plug-in and "
-            "`ckptkit train --run-dir/verify/inspect/diff/plot/replay RUN` serve s3://"
-        )
-        raise UnsupportedOption(
-            f"{text}: {what} does not serve {scheme}:// URLs yet (it writes and reads local files only){served}; "
-            "use a local (or mounted) directory"
-        )
-    return text
 
 
 def require_client() -> None:

@@ -15,7 +15,6 @@ from ..errors import CheckpointError, FormatError, IncompleteCheckpoint, Insuffi
 from ._container import _CHUNK, _V1_SECTIONS, Layout, check_flags, check_skeleton, read_layout
 from ._io import Source
 from ._read import check_all_tensors
-from ._urls import is_url
 
 __all__ = ["Report", "SectionInfo", "layout_report", "section_infos", "verify", "verify_source"]
 
@@ -92,10 +91,10 @@ def verify(path: str | os.PathLike[str]) -> Report:
         (True, 100)
     """
     path = os.fspath(path)
-    from ._remote import remote_source  # boto3 only once an s3:// URL is used
+    from ._place import read_file
 
     try:
-        opened = remote_source(path) if is_url(path) else Source(path)
+        opened = read_file(path)
     except (UnreadableFile, IncompleteCheckpoint, FormatError) as e:
         return layout_report(path, 0, None, e, 0)
     with opened as src:

@@ -66,9 +66,8 @@ from typing import TYPE_CHECKING, Any, TypeGuard
 from ..errors import CommitConflict, FormatError, UnsupportedValue
 from ..format._checkpoint import Checkpoint, load, save
 from ..format._checks import is_int
-from ..format._place import place_for
+from ..format._place import is_local, place_for
 from ..format._section import check_plain
-from ..format._urls import is_url
 from ._extra import missing_extra
 from ._lightning_record import Recorder
 from ._lightning_resume import ResumeState
@@ -188,7 +187,7 @@ def _path(path: str | os.PathLike[str]) -> str:
 
 
 def _save(name: str, ckpt: Checkpoint, compression: str | dict[str, str], level: int) -> None:
-    if not is_url(name):
+    if is_local(name):
         os.makedirs(os.path.dirname(name) or ".", exist_ok=True)
         save(name, ckpt, compression=compression, level=level)
         return

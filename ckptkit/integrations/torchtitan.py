@@ -61,8 +61,8 @@ from ..distributed._save_load import translate
 from ..distributed._storage import Writer
 from ..errors import MalformedIndex, ResumeRefused, RunStopped, StateMismatch, UnsupportedOption, UnsupportedValue
 from ..format._checkpoint import Checkpoint
+from ..format._place import is_local
 from ..format._section import check_plain
-from ..format._urls import is_url
 from ..run._preemption import StopRequests
 from ..run._resume_check import check_mode
 from ._extra import missing_extra
@@ -142,7 +142,7 @@ def find_load_step(folder: str, log: Callable[[str], None] = print) -> int:
 
 def _local(folder: str) -> None:
     """Refuse a checkpoint folder on a URL, which the listing above would read as empty (R-TT10)."""
-    if is_url(folder):
+    if not is_local(folder):
         raise UnsupportedOption(
             f"checkpoint.folder {folder}: ckptkit's torchtitan CheckpointManager serves local folders only, not "
             f"{folder.partition('://')[0]}:// URLs: it finds the step to resume by listing a local folder, so this "

@@ -50,7 +50,7 @@ from ..errors import CheckpointNotFound, FormatError
 from ..format._atomic import write_bytes_atomic
 from ..format._checks import is_number
 from ..format._container import open_regular
-from ..format._urls import local_only
+from ..format._place import local_only
 from ._resume_check import CHECK_KIND, INTERRUPTED_FILE, Overlap, ResumeCheck
 
 __all__ = [

@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ReplayDivergence, ResumeRefused, SidecarMismatch
-from ..format._urls import join
+from ..format._place import place_for
 from ..guard._config import RollbackConfig
 from ..guard._faults import GradSpike
 from ..guard._monitor import SpikeMonitor, Verdict
@@ -719,7 +719,7 @@ def train(
     return TrainResult(
         final,
         path,
-        join(os.fspath(run_dir), HISTORY_FILE),
+        place_for(run_dir).child(HISTORY_FILE),
         run.fp32_latched,
         run.monitor.report(),
         tuple(notes),

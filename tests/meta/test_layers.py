@@ -214,6 +214,37 @@ def test_nothing_outside_run_touches_a_private_name_of_run() -> None:
     assert bad == [], "\n".join(bad)
 
 
+#: the place module and its URL parser: the only modules that tell a URL from a local path
+#: (spec/objectstore.md §1); everything else asks the place (``place_for``, ``is_local``).
+URL_TESTERS = {"format/_urls.py", "format/_place.py"}
+
+
+def _url_tests(path: Path) -> list[int]:
+    """Lines of ``path`` that name ``is_url`` (an import of it, or a call)."""
+    tree = ast.parse(path.read_text())
+    return sorted(
+        node.lineno
+        for node in ast.walk(tree)
+        if (isinstance(node, ast.Name) and node.id == "is_url")
+        or (isinstance(node, ast.ImportFrom) and any(a.name == "is_url" for a in node.names))
+    )
+
+
+def test_only_the_place_tests_for_a_url(tmp_path: Path) -> None:
+    """A caller that tested for a URL itself would decide local-or-object-storage apart from the place
+    (issue 38): a new store or scheme would then have to be taught to it too."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("from ..format._urls import is_url\n\ndef f(p):\n    return is_url(p)\n")
+    assert _url_tests(probe) == [1, 4]  # the rule can fail
+    bad = [
+        f"{path.relative_to(ROOT)}:{line}: is_url (ask ckptkit.format._place: place_for, is_local)"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path.relative_to(PACKAGE).as_posix() not in URL_TESTERS
+        for line in _url_tests(path)
+    ]
+    assert bad == [], "\n".join(bad)
+
+
 @pytest.mark.parametrize(
     ("source", "found"),
     [
