@@ -134,3 +134,19 @@ def test_a_step_saved_again_replaces_the_committed_one(place: Place) -> None:
     other = place_for(place.where)
     assert Path(other.fetch(name)).read_bytes() == b"again"
     assert other.names(".ckpt") == {name: True}
+
+
+def test_a_listed_fetch_brings_only_the_objects_kept_and_a_local_step_is_read_where_it_is(place: Place) -> None:
+    """What a distributed resume reads whole (metadata, companions) comes down; what it reads by
+    range (the rank files) stays at the place (spec/objectstore.md R-O36)."""
+    name = "step-00000003.ckpt"
+    place.commit(name, _stage_step(place, name))
+    other = place_for(place.where)
+    here = Path(other.fetch_listed(name, lambda key: key.endswith(".config.json"), lambda _name, key: key))
+    assert (here.parent / f"{name}.config.json").read_bytes() == b"bytes of step-00000003.ckpt.config.json"
+    if isinstance(other, LocalPlace):
+        assert here == Path(place.where) / name and here.read_bytes() == b"bytes of step-00000003.ckpt"
+    else:
+        assert not here.exists()  # the object left out is not fetched
+    other.release(name)
+    assert place.names(".ckpt") == {name: True}  # a release frees the copy, never the step
