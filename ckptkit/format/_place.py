@@ -155,10 +155,13 @@ class Place(Protocol):
         staying where they are."""
         ...
 
-    def fetch(self, name: str, layout: Callable[[str, str], str] | None = None) -> str:
+    def fetch(
+        self, name: str, layout: Callable[[str, str], str] | None = None, *, only: Callable[[str], bool] | None = None
+    ) -> str:
         """The committed checkpoint ``name`` in the stage, to be read there; its path. A prefix fetches
-        every object its record lists, each checked (R-O14), to ``layout(name, key)`` (default: the
-        key), once until :meth:`release`; a local directory's is where it is.
+        every object its record lists (``only``: those whose key it keeps, the small ones a reader
+        needs whole, which reads the others by range), each checked (R-O14), to ``layout(name, key)``
+        (default: the key), once until :meth:`release`; a local directory's is where it is, whole.
 
         Raises:
             CheckpointNotFound, IncompleteCheckpoint, ChecksumMismatch, FormatError: (a prefix) no
@@ -166,18 +169,8 @@ class Place(Protocol):
         """
         ...
 
-    def fetch_listed(self, name: str, only: Callable[[str], bool], layout: Callable[[str, str], str]) -> str:
-        """As :meth:`fetch`, but a prefix fetches only the listed objects whose key ``only`` keeps
-        (the small ones a reader needs whole; it reads the others by range), again on each call;
-        a local directory's is where it is, whole.
-
-        Raises:
-            As :meth:`fetch`, for the objects fetched.
-        """
-        ...
-
     def release(self, name: str) -> None:
-        """Free the stage copy :meth:`fetch` or :meth:`fetch_listed` made of ``name`` (locally nothing)."""
+        """Free the stage copy :meth:`fetch` made of ``name`` (locally nothing)."""
         ...
 
     def remove(self, name: str, files: Sequence[str]) -> None:
@@ -386,10 +379,9 @@ class LocalPlace:
     def hand_over(self, name: str, parts: Sequence[str]) -> dict[str, bytes] | None:
         return None
 
-    def fetch(self, name: str, layout: Callable[[str, str], str] | None = None) -> str:
-        return self.child(name)
-
-    def fetch_listed(self, name: str, only: Callable[[str], bool], layout: Callable[[str, str], str]) -> str:
+    def fetch(
+        self, name: str, layout: Callable[[str, str], str] | None = None, *, only: Callable[[str], bool] | None = None
+    ) -> str:
         return self.child(name)
 
     def release(self, name: str) -> None:
@@ -518,15 +510,12 @@ class ObjectPlace:
             os.unlink(path)
         return out
 
-    def fetch(self, name: str, layout: Callable[[str, str], str] | None = None) -> str:
+    def fetch(
+        self, name: str, layout: Callable[[str, str], str] | None = None, *, only: Callable[[str], bool] | None = None
+    ) -> str:
         if name not in self._fetched:
             self.release(name)
-            self._fetched[name] = fetch_committed(self.objects, self.url, name, self.stage, layout)
-        return os.path.join(self.stage, name)
-
-    def fetch_listed(self, name: str, only: Callable[[str], bool], layout: Callable[[str, str], str]) -> str:
-        self.release(name)
-        self._fetched[name] = fetch_committed(self.objects, self.url, name, self.stage, layout, only)
+            self._fetched[name] = fetch_committed(self.objects, self.url, name, self.stage, layout, only)
         return os.path.join(self.stage, name)
 
     def release(self, name: str) -> None:

@@ -352,7 +352,7 @@ class DcpStore(files.RunRecords):
         from ..distributed._objects import local_name
 
         name = path.rpartition("/")[2]
-        here = self.place.fetch_listed(name, lambda key: not _rank_file(name, key), local_name)
+        here = self.place.fetch(name, local_name, only=lambda key: not _rank_file(name, key))
         self.place.bring(files.ENVIRONMENT_FILE)
         return here
 

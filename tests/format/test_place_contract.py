@@ -142,7 +142,7 @@ def test_a_listed_fetch_brings_only_the_objects_kept_and_a_local_step_is_read_wh
     name = "step-00000003.ckpt"
     place.commit(name, _stage_step(place, name))
     other = place_for(place.where)
-    here = Path(other.fetch_listed(name, lambda key: key.endswith(".config.json"), lambda _name, key: key))
+    here = Path(other.fetch(name, only=lambda key: key.endswith(".config.json")))
     assert (here.parent / f"{name}.config.json").read_bytes() == b"bytes of step-00000003.ckpt.config.json"
     if isinstance(other, LocalPlace):
         assert here == Path(place.where) / name and here.read_bytes() == b"bytes of step-00000003.ckpt"
