@@ -7,7 +7,6 @@ checkpoint whose objects have no record is reported as not committed (R-O15), na
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from ..errors import CheckpointNotFound, FormatError, IncompleteCheckpoint
@@ -101,17 +100,15 @@ def _verify_distributed(where: str, size: int) -> Report:
 
 def inspect_distributed(text: str, as_json: bool, size: Any) -> int:
     """``ckptkit inspect`` of a ``ckptkit.distributed`` checkpoint at ``text``: its record, then its
-    metadata object (checked against the record, R-O33), shown as a local directory is."""
-    import shutil
-    import tempfile
-
-    from ..distributed._objects import RemoteCheckpoint
+    metadata object alone (checked against the record, R-O33) in its place's stage, shown as a local
+    directory is."""
+    from ..distributed._objects import RemoteCheckpoint, local_name
     from ._distributed import inspect_directory
 
-    tmp = tempfile.mkdtemp(prefix="ckptkit-inspect-")
+    remote = RemoteCheckpoint.at(text)
+    place = place_for(str(remote.base))
     try:
-        remote = RemoteCheckpoint.at(text)
-        remote.fetch(remote.entries(), remote.name, tmp)
-        return inspect_directory(os.path.join(tmp, remote.name), as_json, size, shown=remote.url)
+        path = place.fetch(remote.name, local_name, only=lambda key: key == remote.name)
+        return inspect_directory(path, as_json, size, shown=remote.url)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        place.close()
