@@ -32,18 +32,14 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..errors import (
-    CheckpointNotFound,
     DistributedFailure,
-    FormatError,
     MalformedIndex,
     ReplicaDivergence,
     ResumeRefused,
-    UnreadableFile,
     UnsupportedValue,
 )
 from ..format._checkpoint import Checkpoint
 from ..format._companions import record_of
-from ..format._objectstore import StoreUnavailable
 from ..format._place import Place, list_run_dir
 from ..format._section import check_plain
 from ..format._tree import clone, tree_digest
@@ -417,10 +413,7 @@ class DcpStore(files.RunRecords):
             loaded = self.g.agree(lambda: self._load(here, path, ckpt, copy=True), "loading the checkpoint")
         except Exception as e:  # noqa: BLE001 - the ranks must agree on what it was
             err = e
-        # a store that failed every retry says nothing of the checkpoint (R-O50): no damage
-        damaged = isinstance(err, (FormatError, CheckpointNotFound, UnreadableFile)) and not isinstance(
-            err, StoreUnavailable
-        )
+        damaged = err is not None and files.is_damage(err)
         if not all(self.g.gather(damaged, "agreeing on the damage found")) and err is not None:
             if damaged:
                 line = f"{type(err).__name__}: {err}"

@@ -49,6 +49,7 @@ __all__ = [
     "checkpoint_name",
     "debris",
     "fallback_notes",
+    "is_damage",
     "is_fallback_note",
     "list_checkpoints",
     "newest_consistent",
@@ -406,6 +407,13 @@ def refuse_existing(run_dir: str, existing: list[tuple[int, str]]) -> None:
         )
 
 
+def is_damage(e: BaseException) -> bool:
+    """``e`` says a checkpoint is damaged or cannot be read, which a resume passes over for an older
+    one (R-026): never drift, and never an object store that still failed after every retry, which
+    says nothing of the checkpoint (R-O50)."""
+    return isinstance(e, (FormatError, CheckpointNotFound, UnreadableFile)) and not isinstance(e, StoreUnavailable)
+
+
 def newest_consistent(
     run_dir: str, candidates: list[tuple[int, str]], check: Callable[[int, str], T]
 ) -> tuple[T, str, list[tuple[str, str]]]:
@@ -426,9 +434,9 @@ def newest_consistent(
     for named_step, path in reversed(candidates):
         try:
             return check(named_step, path), path, skipped
-        except StoreUnavailable:
-            raise
-        except (FormatError, CheckpointNotFound, UnreadableFile) as e:  # damaged or unreadable: the same (R-026)
+        except CheckpointError as e:
+            if not is_damage(e):
+                raise
             skipped.append((path, str(e)))
     detail = "; ".join(f"{os.path.basename(p)}: {why}" for p, why in skipped)
     raise NoConsistentCheckpoint(f"{run_dir}: no consistent checkpoint to resume from ({detail})")

@@ -26,14 +26,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import CheckpointError, CheckpointNotFound, FormatError, LegacyCheckpoint, UnreadableFile
+from ..errors import CheckpointError, LegacyCheckpoint
 from ..format._checkpoint import Checkpoint
 from ..format._companions import UNBOUND_NOTE
-from ..format._objectstore import StoreUnavailable
 from ._drift import KeyDiff, check_resume
 from ._environment import EnvDiff, capture, check_environment
 from ._files import (
     fallback_notes,
+    is_damage,
     newest_consistent,
     refuse_existing,
     sweep_note,
@@ -153,10 +153,8 @@ def resume(
         try:
             ckpt = store.load(path, opened)
             break
-        except StoreUnavailable:
-            raise  # says nothing of the checkpoint (R-O50): never passed over
-        except (FormatError, CheckpointNotFound, UnreadableFile) as e:
-            if opened.checked_whole:
+        except CheckpointError as e:
+            if opened.checked_whole or not is_damage(e):
                 raise
             passed.append((path, str(e)))  # raised on every rank, nothing restored (R-O36)
     notes = [*notes, *(d.describe() for d in exempt), *(f"environment override: {d}" for d in env)]
