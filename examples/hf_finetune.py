@@ -106,7 +106,13 @@ def main() -> None:
         o.output_dir, steps=o.steps, save_steps=o.save_steps, seed=o.seed, global_draw_from=o.global_draw_from
     )
     folder, _torn = newest_intact(o.output_dir)  # ckptkit: a folder a kill cut off mid-save is not one
-    trainer.train(resume_from_checkpoint=folder)  # ckptkit: resume it, or start
+    try:
+        trainer.train(resume_from_checkpoint=folder)  # ckptkit: resume it, or start
+    finally:
+        # under torchrun / accelerate launch: Trainer leaves the gloo group up, and one alive at
+        # interpreter exit can abort the finished process (exit -6), which fails the whole job
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

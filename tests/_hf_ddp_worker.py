@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch
 import transformers
 from transformers import TrainerCallback
 
@@ -40,7 +41,14 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8)
     o = p.parse_args()
     trainer = make_trainer(o.output_dir, steps=o.steps, callbacks=[SeedPerRank()])
-    trainer.train(resume_from_checkpoint=newest_intact(o.output_dir)[0])
+    try:
+        trainer.train(resume_from_checkpoint=newest_intact(o.output_dir)[0])
+    finally:
+        # Trainer leaves the process group up; a gloo group still alive at interpreter exit can abort
+        # the process there ("terminate called without an active exception", exit -6) after the run
+        # finished, which the launcher then reports as the job failing.
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
