@@ -13,7 +13,7 @@ from typing import Any
 
 from ..errors import CheckpointError, CheckpointNotFound
 from ..format._container import check_flags, read_layout
-from ..format._place import is_local, read_file
+from ..format._place import place_and_name, read_file
 from ..format._section import TensorRef
 from ..format._values import TypedValue
 from ..format._verify import layout_report
@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         return _trainer.inspect(args.path, args.json, _size)
     if os.path.isdir(args.path):
         raise CheckpointNotFound(f"{args.path}: is a directory; inspect takes one checkpoint file")
-    if not is_local(args.path) and args.path.rstrip("/").endswith(".dcp"):  # a distributed run's step (R-DC22)
+    if args.path.rstrip("/").endswith(".dcp"):  # a distributed run's step, not a local directory (R-DC22)
         from ._remote import inspect_distributed
 
         return inspect_distributed(args.path, args.json, _size)
@@ -122,13 +122,15 @@ def _resumes(path: str) -> tuple[dict[str, Any], ...]:
     """The verdict of each resume of the run the checkpoint is in (its ``history.jsonl``, R-D23)."""
     from ..run._history import HISTORY_FILE, check_history
 
-    history = os.path.join(os.path.dirname(path) or ".", HISTORY_FILE)
-    if not is_local(path) or not os.path.isfile(history):
-        return ()
+    run = place_and_name(path)[0]
     try:
+        if not run.bring(HISTORY_FILE) or not os.path.isfile(history := os.path.join(run.stage, HISTORY_FILE)):
+            return ()
         return check_history(history).resumes
     except CheckpointError:
         return ()  # ckptkit verify reports a history it cannot read
+    finally:
+        run.close()
 
 
 def _names(group: Any) -> str:

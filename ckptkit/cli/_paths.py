@@ -9,8 +9,7 @@ import sys
 from collections.abc import Callable, Mapping
 
 from ..errors import CheckpointNotFound
-from ..format._place import is_local, list_run_dir, local_only
-from ..format._urls import parse, require_client
+from ..format._place import list_run_dir, local_only, place_for
 from ..run._files import DAMAGED
 from ._copies import Select, local_copy
 
@@ -74,12 +73,12 @@ def refuse_urls(args: argparse.Namespace, *, served: tuple[str, ...]) -> None:
         if name in ("cmd", "command"):
             continue
         for item in value if isinstance(value, list) else [value]:
-            if is_local(item):
+            if not isinstance(item, str):
                 continue
-            if name not in served:
+            if name in served:
+                place_for(item)  # a URL's scheme and client checked here, before the command starts
+            else:
                 local_only(item, f"ckptkit {args.command}")
-            parse(item)
-            require_client()
 
 
 def copy_urls(args: argparse.Namespace, copies: Copies, stack: contextlib.ExitStack[bool | None]) -> None:
@@ -92,7 +91,7 @@ def copy_urls(args: argparse.Namespace, copies: Copies, stack: contextlib.ExitSt
     """
     for name, select in sorted(copies.items()):
         value = getattr(args, name, None)
-        if isinstance(value, str) and not is_local(value):
+        if isinstance(value, str) and place_for(value).fetches:
             copied = stack.enter_context(local_copy(value, select(args)))
             print(f"ckptkit {args.command}: {copied.describe()}", file=sys.stderr)
             setattr(args, name, copied.path)

@@ -13,7 +13,7 @@ from ..errors import CheckpointNotFound, FormatError, IncompleteCheckpoint
 from ..format._commit import RECORD_SUFFIX, Entry, listing, read_record
 from ..format._io import Source
 from ..format._objectstore import ObjectStore, store_for
-from ..format._place import place_for
+from ..format._place import place_and_name, place_for
 from ..format._remote import fetched
 from ..format._urls import StorageURL, parse
 from ..format._verify import Report, layout_report, verify_source
@@ -99,16 +99,15 @@ def _verify_distributed(where: str, size: int) -> Report:
 
 
 def inspect_distributed(text: str, as_json: bool, size: Any) -> int:
-    """``ckptkit inspect`` of a ``ckptkit.distributed`` checkpoint at ``text``: its record, then its
-    metadata object alone (checked against the record, R-O33) in its place's stage, shown as a local
-    directory is."""
-    from ..distributed._objects import RemoteCheckpoint, local_name
+    """``ckptkit inspect`` of a ``ckptkit.distributed`` checkpoint at ``text`` that is no local
+    directory: on object storage its record, then its metadata object alone (checked against the
+    record, R-O33) in its place's stage, shown as a local directory is."""
+    from ..distributed._objects import local_name
     from ._distributed import inspect_directory
 
-    remote = RemoteCheckpoint.at(text)
-    place = place_for(str(remote.base))
+    place, name = place_and_name(text)
     try:
-        path = place.fetch(remote.name, local_name, only=lambda key: key == remote.name)
-        return inspect_directory(path, as_json, size, shown=remote.url)
+        path = place.fetch(name, local_name, only=lambda key: key == name)
+        return inspect_directory(path, as_json, size, shown=place.child(name))
     finally:
         place.close()

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import CheckpointError, CheckpointNotFound, UnreadableFile
-from ..format._place import is_local
+from ..format._place import place_for
 from ..format._verify import Report, verify
 from ..run._resume_check import verdict_line
 from ._paths import expand_checkpoints
@@ -123,8 +123,9 @@ def run(args: argparse.Namespace) -> int:
     from . import _distributed, _trainer
 
     # A Hugging Face Trainer output directory or checkpoint-N/ folder (spec/transformers.md).
-    urls = [p for p in args.paths if not is_local(p)]  # s3://: checked against commit records (_remote)
-    trainer_folders, paths = _trainer.split([p for p in args.paths if is_local(p)])
+    fetched = {p for p in args.paths if place_for(p).fetches}  # s3://: checked against commit records (_remote)
+    urls = [p for p in args.paths if p in fetched]
+    trainer_folders, paths = _trainer.split([p for p in args.paths if p not in fetched])
     trainer_checks = _trainer.check_all(trainer_folders)
     dirs = [p for p in paths if _distributed.is_distributed_dir(p)]
     # A distributed run directory: its step-N.dcp/ directories, and its sidecars as files.

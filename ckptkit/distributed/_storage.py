@@ -78,7 +78,7 @@ from ..format._atomic import exchange, fsync_dir
 from ..format._checks import check_int
 from ..format._codec import check_tensor, decode_tree, dtype_name, memory_available, tensor_bytes, torch_dtype
 from ..format._container import Source
-from ..format._place import is_local
+from ..format._place import place_for, serves
 from ..format._section import DTYPE_SIZES, check_plain
 from ._format import (
     METADATA_NAME,
@@ -319,7 +319,7 @@ class Writer(StorageWriter, _Recorder):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         """True for a local path and an ``s3://`` URL; False for another scheme, which this backend does not serve."""
-        return _served(checkpoint_id)
+        return serves(checkpoint_id)
 
 
 def _item_key(item: Any) -> tuple[str, tuple[int, ...], int]:
@@ -402,12 +402,6 @@ def replace_directory(path: str, staged: str) -> None:
     shutil.rmtree(staged, ignore_errors=True)
 
 
-def _served(checkpoint_id: Any) -> bool:
-    if not isinstance(checkpoint_id, (str, os.PathLike)):
-        return False
-    return is_local(checkpoint_id) or os.fspath(checkpoint_id).lower().startswith("s3://")
-
-
 def place(checkpoint_id: str | os.PathLike[str]) -> tuple[str, RemoteCheckpoint | None]:
     """``(path, None)`` for a local directory, ``(url, its objects)`` for an ``s3://`` URL (never a
     local folder ``s3:``).
@@ -415,7 +409,7 @@ def place(checkpoint_id: str | os.PathLike[str]) -> tuple[str, RemoteCheckpoint 
     Raises:
         UnsupportedOption: another scheme, a bucket without a name, or no S3 client (R-O01, R-O02).
     """
-    if not is_local(checkpoint_id):
+    if place_for(checkpoint_id).fetches:
         remote = RemoteCheckpoint.at(checkpoint_id)
         return remote.url, remote
     return os.fspath(checkpoint_id), None
@@ -725,7 +719,7 @@ class Reader(StorageReader, _Recorder):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         """True for a local path and an ``s3://`` URL; False for another scheme, which this backend does not serve."""
-        return _served(checkpoint_id)
+        return serves(checkpoint_id)
 
 
 class _Chunks(Protocol):

@@ -1,8 +1,9 @@
 """Where a run lives, as one plug: a local directory or an object prefix.
 
-:func:`place_for` (and :func:`is_local`, for a caller that only routes a path) is the one
-question "is this path a URL?" in the library (spec/objectstore.md §1); it answers with a
-:class:`Place`, and the code above it never asks again. A place keeps a
+:func:`place_for` is the one question "is this path a URL?" in the library (spec/objectstore.md
+§1); it answers with a :class:`Place`, and the code above it never asks again: where a caller
+takes another road it asks the place (:attr:`Place.fetches`, :meth:`Place.make`), and a surface
+that serves local files only has this module refuse a URL (:func:`local_only`). A place keeps a
 run's small records. The lease (``lease.json``) is read with a version, created only where
 none is, and replaced or removed only while the version read still holds. A local directory
 does it with files: a hard link creates without replacing (the local form of
@@ -46,11 +47,12 @@ __all__ = [
     "LocalPlace",
     "ObjectPlace",
     "Place",
-    "is_local",
     "list_run_dir",
     "local_only",
+    "place_and_name",
     "place_for",
     "read_file",
+    "serves",
     "write_file",
 ]
 
@@ -61,6 +63,15 @@ class Place(Protocol):
 
     #: The directory or ``s3://`` prefix, as given: what messages name.
     where: str
+    #: True where a checkpoint is read from a copy fetched into the stage, every object checked
+    #: against its commit record (an object prefix, R-O14); False where it is read where it is (a
+    #: local directory, R-O36): what a command that walks files (``verify``, ``diff``) asks.
+    fetches: bool
+
+    def make(self) -> None:
+        """The place ready for a first file: a local directory and its parents made; an object
+        prefix needs nothing (it is there once an object is under it)."""
+        ...
 
     def child(self, name: str) -> str:
         """Where the record ``name`` is (a path, or a URL): what a message names."""
@@ -196,32 +207,51 @@ def place_for(path: str | os.PathLike[str]) -> Place:
     Raises:
         UnsupportedOption: a URL of a scheme not served, or the S3 client is missing.
     """
-    return LocalPlace(os.fspath(path)) if is_local(path) else ObjectPlace(os.fspath(path))
+    return ObjectPlace(os.fspath(path)) if is_url(path) else LocalPlace(os.fspath(path))
 
 
-def is_local(path: object) -> bool:
-    """``path`` names a local (or mounted) file or directory, not object storage (any ``scheme://``,
-    served or not: R-O01): what a caller that only routes a path (an argument, a plug-in's option) asks,
-    before a place is made, so that no module above this one tests for a URL."""
-    return not is_url(path)
-
-
-def local_only(path: str | os.PathLike[str], what: str) -> str:
-    """``path`` as a local path, for a place that does not serve object storage (R-O01).
+def place_and_name(path: str | os.PathLike[str]) -> tuple[Place, str]:
+    """The place that holds ``path`` and its name there (``s3://b/run/step-3.dcp``: the prefix
+    ``s3://b/run`` and ``step-3.dcp``; a trailing ``/`` is no part of the name).
 
     Raises:
-        UnsupportedOption: ``path`` is a URL; the message names ``what`` refuses it.
+        UnsupportedOption: as :func:`place_for`.
+    """
+    where, name = os.path.split(os.fspath(path).rstrip("/"))
+    return place_for(where or "."), name
+
+
+def serves(path: object) -> bool:
+    """``path`` names what some place serves: a local path, or a URL of a served scheme with a bucket
+    (R-O01, R-O02; whether the client is installed is asked when the place is made)."""
+    if not isinstance(path, (str, os.PathLike)):
+        return False
+    if not is_url(path):
+        return True
+    with contextlib.suppress(UnsupportedOption):
+        parse(path)
+        return True
+    return False
+
+
+def local_only(path: str | os.PathLike[str], what: str, *, why: str = "", option: str = "") -> str:
+    """``path`` as a local path, for a surface that does not serve object storage (R-O01).
+
+    Raises:
+        UnsupportedOption: ``path`` is a URL; the message names it (after ``option``, the setting
+            that gave it), ``what`` refuses it, then ``why`` (what would go wrong and what to use
+            instead) or the surfaces that serve ``s3://``.
     """
     text = os.fspath(path)
-    if not is_local(text):
+    if is_url(text):
         scheme = text.partition("://")[0]
-        served = (
+        served = why or (
             "; ckptkit.save/load/verify/open_checkpoint, ckptkit.distributed, RunState, the Lightning plug-in and "
-            "`ckptkit train --run-dir/verify/inspect/diff/plot/replay RUN` serve s3://"
+            "`ckptkit train --run-dir/verify/inspect/diff/plot/replay RUN` serve s3://; use a local (or mounted) "
+            "directory"
         )
         raise UnsupportedOption(
-            f"{text}: {what} does not serve {scheme}:// URLs yet (it writes and reads local files only){served}; "
-            "use a local (or mounted) directory"
+            f"{option}{text}: {what} does not serve {scheme}:// URLs yet (it writes and reads local files only){served}"
         )
     return text
 
@@ -236,7 +266,7 @@ def read_file(path: str | os.PathLike[str]) -> Source:
             FormatError: (a URL) objects without a commit record, or damaged (named);
             UnsupportedOption: another scheme, or no S3 client.
     """
-    if is_local(path):
+    if not is_url(path):
         return Source(path)
     from ._remote import remote_source
 
@@ -251,7 +281,7 @@ def write_file(path: str | os.PathLike[str], write: Callable[[BinaryIO], object]
         CommitConflict: (a URL) a checkpoint is committed there already (R-O11); SaveFailed,
             OSError: nothing at ``path`` is replaced.
     """
-    if is_local(path):
+    if not is_url(path):
         atomic_write(path, write)
         return
     from ._remote import put_checkpoint
@@ -287,8 +317,13 @@ def _version(data: bytes) -> str:
 class LocalPlace:
     """A local (or mounted) directory; its records are files in it."""
 
+    fetches = False
+
     def __init__(self, where: str) -> None:
         self.where = where
+
+    def make(self) -> None:
+        os.makedirs(self.where, exist_ok=True)
 
     def child(self, name: str) -> str:
         return os.path.join(self.where, name)
@@ -403,6 +438,8 @@ class LocalPlace:
 class ObjectPlace:
     """An ``s3://bucket/prefix``; its records are objects under it, written with conditional requests."""
 
+    fetches = True
+
     def __init__(self, where: str) -> None:
         self.where = where
         self.url = parse(where)
@@ -413,6 +450,9 @@ class ObjectPlace:
 
     def child(self, name: str) -> str:
         return str(self.url.child(name))
+
+    def make(self) -> None:
+        """Nothing to make: a prefix is there once an object is under it."""
 
     def _key(self, name: str) -> str:
         return self.url.child(name).key

@@ -2,7 +2,7 @@
 
 Every function that takes a path (``save``/``load``/``verify``/``open_checkpoint``,
 ``RunState``'s run directory, ``ckptkit.distributed``, the Lightning plug-in, the CLI)
-asks the place (``place_for``, ``is_local``), whose one test is :func:`is_url`, so a URL
+asks the place (``place_for``, ``local_only``), whose one test is :func:`is_url`, so a URL
 never becomes a local folder named ``s3:`` (spec/objectstore.md R-O01). ``s3://`` is served by
 :mod:`ckptkit.format._objectstore` when the ``ckptkit[s3]`` extra is installed; any other
 scheme, and a place that does not serve object storage, is refused naming what to do.

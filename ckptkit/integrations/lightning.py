@@ -66,7 +66,7 @@ from typing import TYPE_CHECKING, Any, TypeGuard
 from ..errors import CommitConflict, FormatError, UnsupportedValue
 from ..format._checkpoint import Checkpoint, load, save
 from ..format._checks import is_int
-from ..format._place import is_local, place_for
+from ..format._place import place_and_name, place_for
 from ..format._section import check_plain
 from ._extra import missing_extra
 from ._lightning_record import Recorder
@@ -187,10 +187,7 @@ def _path(path: str | os.PathLike[str]) -> str:
 
 
 def _save(name: str, ckpt: Checkpoint, compression: str | dict[str, str], level: int) -> None:
-    if is_local(name):
-        os.makedirs(os.path.dirname(name) or ".", exist_ok=True)
-        save(name, ckpt, compression=compression, level=level)
-        return
+    place_and_name(name)[0].make()  # Lightning's own CheckpointIO makes the folder too
     try:
         save(name, ckpt, compression=compression, level=level)
     except CommitConflict as e:  # a name on object storage is written once (R-O11, R-O44)
@@ -204,7 +201,8 @@ def _save(name: str, ckpt: Checkpoint, compression: str | dict[str, str], level:
 def _remove(name: str) -> None:
     """Delete the checkpoint ``name`` from its place: a local file, or an object's record first, then
     its objects (R-O17); a missing one is fine."""
-    place_for(os.path.dirname(name) or ".").remove(os.path.basename(name), [name])
+    place, base = place_and_name(name)
+    place.remove(base, [name])
 
 
 class CheckpointIO(_LightningCheckpointIO, _Callback):

@@ -61,7 +61,7 @@ from ..distributed._save_load import translate
 from ..distributed._storage import Writer
 from ..errors import MalformedIndex, ResumeRefused, RunStopped, StateMismatch, UnsupportedOption, UnsupportedValue
 from ..format._checkpoint import Checkpoint
-from ..format._place import is_local
+from ..format._place import local_only
 from ..format._section import check_plain
 from ..run._preemption import StopRequests
 from ..run._resume_check import check_mode
@@ -142,13 +142,14 @@ def find_load_step(folder: str, log: Callable[[str], None] = print) -> int:
 
 def _local(folder: str) -> None:
     """Refuse a checkpoint folder on a URL, which the listing above would read as empty (R-TT10)."""
-    if not is_local(folder):
-        raise UnsupportedOption(
-            f"checkpoint.folder {folder}: ckptkit's torchtitan CheckpointManager serves local folders only, not "
-            f"{folder.partition('://')[0]}:// URLs: it finds the step to resume by listing a local folder, so this "
-            "one would read as empty and the run would start again at step 0 (R-TT10); use a local (or mounted) "
-            "directory, or torchtitan's own CheckpointManager for fsspec storage"
-        )
+    local_only(
+        folder,
+        "ckptkit's torchtitan CheckpointManager",
+        option="checkpoint.folder ",
+        why=": it finds the step to resume by listing a local folder, so this one would read as empty and the "
+        "run would start again at step 0 (R-TT10); use a local (or mounted) directory, or torchtitan's own "
+        "CheckpointManager for fsspec storage",
+    )
 
 
 class CheckpointManager(_TorchtitanManager):

@@ -222,6 +222,24 @@ def test_cli_verify_and_inspect_read_a_run_prefix_and_a_checkpoint_object(s3, ca
     assert "no checkpoint there" in capsys.readouterr().err
 
 
+def test_cli_inspect_of_a_checkpoint_object_says_the_verdicts_of_its_run_s_resumes(s3, tmp_path, capsys) -> None:
+    # The run's history.jsonl is the prefix's object, read through the place as a local run's file is.
+    from ckptkit.run._history import History
+
+    ckptkit.save(f"{s3}/run/step-00000010.ckpt", _state())
+    h = History(tmp_path)
+    h.start_fresh()
+    h.append({"kind": "resume_check", "step": 5, "resumed_at": 2, "verdict": "verified", "from": 2, "to": 4})
+    h.close()
+    _client().put_object(Bucket=_bucket(s3), Key="run/history.jsonl", Body=(tmp_path / "history.jsonl").read_bytes())
+    assert main(["inspect", f"{s3}/run/step-00000010.ckpt"]) == 0
+    out = capsys.readouterr().out
+    assert "run: resume verified: steps 2..4 reproduce the interrupted run bit for bit" in out, out
+    assert main(["inspect", f"{s3}/run/step-00000010.ckpt", "--json"]) == 0
+    (resume,) = json.loads(capsys.readouterr().out)["resumes"]
+    assert resume["verdict"] == "verified" and resume["from"] == 2
+
+
 # ---------------------------------------------------------------------------- R-O20/R-O21: retries, multipart
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from ckptkit.errors import CheckpointNotFound, CommitConflict, UnsupportedOption
-from ckptkit.format._place import LocalPlace, ObjectPlace, Place, place_for
+from ckptkit.format._place import LocalPlace, ObjectPlace, Place, local_only, place_and_name, place_for, serves
 
 pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")  # botocore's pooled sockets at exit
 
@@ -76,6 +76,39 @@ def test_place_for_is_the_one_url_test(tmp_path: Path, s3: str) -> None:
     with pytest.raises(UnsupportedOption, match=r"^gs://b/run: the gs:// scheme is not supported; "):
         place_for("gs://b/run")
     assert not (tmp_path / "gs:").exists()
+
+
+def test_a_path_splits_into_the_place_that_holds_it_and_its_name_there(tmp_path: Path, s3: str) -> None:
+    local, name = place_and_name(tmp_path / "run" / "step-3.dcp")
+    assert isinstance(local, LocalPlace) and (local.where, name) == (str(tmp_path / "run"), "step-3.dcp")
+    remote, name = place_and_name(f"{s3}/run/step-3.dcp/")  # a trailing / is no part of the name
+    assert isinstance(remote, ObjectPlace) and remote.child(name) == f"{s3}/run/step-3.dcp"
+    assert place_and_name("model.ckpt")[0].where == "."
+
+
+def test_serves_names_a_local_path_or_a_served_url_and_nothing_else() -> None:
+    # DCP asks each storage backend whether it serves a checkpoint_id before it picks one.
+    assert serves("run/step-3.dcp") and serves(Path("run")) and serves("s3://bucket/run") and serves("S3://b")
+    assert not serves("gs://bucket/run") and not serves("s3://") and not serves(None) and not serves(3)
+
+
+def test_a_url_is_refused_by_a_local_only_surface_naming_it_and_what_to_do(tmp_path: Path) -> None:
+    assert local_only(tmp_path, "ckptkit.run.History") == str(tmp_path)
+    with pytest.raises(UnsupportedOption) as info:
+        local_only("memory://ckpt", "the manager", option="checkpoint.folder ", why=": it lists local folders")
+    assert str(info.value) == (
+        "checkpoint.folder memory://ckpt: the manager does not serve memory:// URLs yet (it writes and reads "
+        "local files only): it lists local folders"
+    )
+
+
+def test_a_place_says_whether_it_is_read_from_a_fetched_copy_and_makes_what_a_first_file_needs(
+    place: Place, tmp_path: Path
+) -> None:
+    assert place.fetches is isinstance(place, ObjectPlace)  # a local step is read where it is (R-O36)
+    place.make()
+    place.make()  # made already: nothing to do
+    assert (tmp_path / "run").is_dir() is not place.fetches  # a prefix needs no folder, and none is made
 
 
 def test_a_record_written_in_the_stage_is_at_the_place_once_sent_and_brought_back_whole(place: Place) -> None:

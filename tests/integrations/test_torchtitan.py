@@ -143,8 +143,9 @@ def test_a_checkpoint_folder_on_a_url_is_refused_when_the_manager_starts(folder:
     # torchtitan reads such a folder through fsspec; ckptkit's manager lists local folders, so it would
     # find no step there and start again at step 0, failing only at its first save.
     said = (
-        f"checkpoint.folder {folder}: ckptkit's torchtitan CheckpointManager serves local folders only, not "
-        f"{folder.partition('://')[0]}:// URLs: it finds the step to resume by listing a local folder, so this "
+        f"checkpoint.folder {folder}: ckptkit's torchtitan CheckpointManager does not serve "
+        f"{folder.partition('://')[0]}:// URLs yet (it writes and reads local files only): it finds the step to "
+        "resume by listing a local folder, so this "
         "one would read as empty and the run would start again at step 0 (R-TT10); use a local (or mounted) "
         "directory, or torchtitan's own CheckpointManager for fsspec storage"
     )

@@ -215,18 +215,30 @@ def test_nothing_outside_run_touches_a_private_name_of_run() -> None:
 
 
 #: the place module and its URL parser: the only modules that tell a URL from a local path
-#: (spec/objectstore.md §1); everything else asks the place (``place_for``, ``is_local``).
+#: (spec/objectstore.md §1); everything else asks the place (``place_for``, ``local_only``).
 URL_TESTERS = {"format/_urls.py", "format/_place.py"}
 
 
+def _scheme_text(node: ast.AST) -> bool:
+    return isinstance(node, ast.Constant) and isinstance(node.value, str) and "://" in node.value
+
+
 def _url_tests(path: Path) -> list[int]:
-    """Lines of ``path`` that name ``is_url`` (an import of it, or a call)."""
+    """Lines of ``path`` that name ``is_url`` (an import of it, or a call) or test a string for a
+    scheme themselves (``p.startswith("s3://")``, ``"://" in p``)."""
     tree = ast.parse(path.read_text())
     return sorted(
         node.lineno
         for node in ast.walk(tree)
         if (isinstance(node, ast.Name) and node.id == "is_url")
         or (isinstance(node, ast.ImportFrom) and any(a.name == "is_url" for a in node.names))
+        or (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("startswith", "endswith")
+            and any(_scheme_text(a) for a in node.args)
+        )
+        or (isinstance(node, ast.Compare) and _scheme_text(node.left) and isinstance(node.ops[0], ast.In))
     )
 
 
@@ -234,10 +246,13 @@ def test_only_the_place_tests_for_a_url(tmp_path: Path) -> None:
     """A caller that tested for a URL itself would decide local-or-object-storage apart from the place
     (issue 38): a new store or scheme would then have to be taught to it too."""
     probe = tmp_path / "probe.py"
-    probe.write_text("from ..format._urls import is_url\n\ndef f(p):\n    return is_url(p)\n")
-    assert _url_tests(probe) == [1, 4]  # the rule can fail
+    probe.write_text(
+        "from ..format._urls import is_url\n\ndef f(p):\n    return is_url(p)\n\n"
+        "def g(p):\n    return p.lower().startswith('s3://') or '://' in p\n"
+    )
+    assert _url_tests(probe) == [1, 4, 7, 7]  # the rule can fail
     bad = [
-        f"{path.relative_to(ROOT)}:{line}: is_url (ask ckptkit.format._place: place_for, is_local)"
+        f"{path.relative_to(ROOT)}:{line}: is_url (ask ckptkit.format._place: place_for, local_only)"
         for path in sorted(PACKAGE.rglob("*.py"))
         if path.relative_to(PACKAGE).as_posix() not in URL_TESTERS
         for line in _url_tests(path)
