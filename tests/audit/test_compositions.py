@@ -155,7 +155,7 @@ def _check_rebuild_named(case: Case, d: Difference, rebuilt_from: int, resumed_a
 
 # Each example trains four short runs in fresh processes: a few under the ci profile, more under
 # thorough; a failure is reported as found (shrinking one costs minutes of training).
-@settings(max_examples=examples(0.08), phases=[Phase.explicit, Phase.reuse, Phase.generate])
+@settings(max_examples=examples(0.04), phases=[Phase.explicit, Phase.reuse, Phase.generate])
 @given(
     mode=st.sampled_from(["off", "warn", "on"]),
     spike_at=st.one_of(st.none(), st.integers(12, 24)),

@@ -296,7 +296,7 @@ _KNOBS = st.fixed_dictionaries(
 
 
 @pytest.mark.slow
-@settings(max_examples=examples(0.06), suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(0.02), suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(knobs=_KNOBS, aux=st.booleans(), rand_depth=st.booleans(), at=st.integers(6, 15))
 def test_a_job_killed_at_any_step_under_any_knobs_resumes_to_the_same_bytes(
     knobs: dict[str, str], aux: bool, rand_depth: bool, at: int, tmp_path_factory: pytest.TempPathFactory

@@ -61,7 +61,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Callable[[bool], Path
 
 # The checkpoint interval is the in-process property's axis (tests/run/test_resume_check.py); here the
 # kill is a real SIGKILL at any step after the first checkpoint, with and without the spike guard.
-@settings(max_examples=examples(0.08), suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(0.04), suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(guard=st.booleans(), at=st.integers(EVERY, STEPS - 2))
 def test_a_run_sigkilled_after_a_checkpoint_and_resumed_is_verified_over_exactly_the_steps_it_re_ran(
     guard: bool, at: int, reference: Callable[[bool], Path], tmp_path_factory: pytest.TempPathFactory

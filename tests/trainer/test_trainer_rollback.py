@@ -395,7 +395,7 @@ def scenarios(draw: Any) -> dict[str, Any]:
     }
 
 
-@settings(max_examples=examples(0.3), suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(0.12), suppress_health_check=[HealthCheck.too_slow])
 @given(sc=scenarios())
 def test_interrupted_and_resumed_equals_uninterrupted_across_rollbacks(
     tmp_path_factory: pytest.TempPathFactory, sc: dict[str, Any]
