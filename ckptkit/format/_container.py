@@ -539,16 +539,20 @@ def write_framed(f: BinaryIO, header: bytes, plans: list[SectionPlan | None], en
     Tensor bytes are hashed and written in one pass, chunk by chunk (the chunk is
     still in cache when it is written); the indexes are re-written in place with
     the real digests, and the skeleton digest is computed last over the in-memory
-    skeleton pieces (header, indexes, padding, compressed regions).
+    skeleton pieces (header, indexes, padding, compressed regions). Those indexes and
+    the trailer are the only bytes written out of order: a :class:`~._io.Followed` file's
+    reader is told the indexes are held and that each byte before them is final as it is
+    written (spec/objectstore.md R-O52).
     """
     fd = f.fileno()
     write_all(fd, memoryview(header))
     pos = len(header)
-    behind = WriteBehind(fd)
+    behind = WriteBehind(f)
     index_at: list[tuple[int, SectionPlan]] = []
     for plan in plans:
         if plan is None:
             continue
+        behind.hold(pos + 8, pos + 8 + len(plan.index))  # its digests are filled in at the end
         write_all(fd, memoryview(_U64.pack(len(plan.index)) + plan.index))
         index_at.append((pos + 8, plan))
         write_zeros(fd, plan.data_start_rel - 8 - len(plan.index))
@@ -572,6 +576,7 @@ def write_framed(f: BinaryIO, header: bytes, plans: list[SectionPlan | None], en
             plan.digests = [xxhash.xxh3_64_intdigest(b) for b in plan.buffers]
             write_all(fd, memoryview(plan.stored))
         pos += plan.length
+        behind.reached(pos)
     skeleton = xxhash.xxh3_64(header)
     for at, plan in index_at:
         final = plan.final_index()

@@ -1,0 +1,166 @@
+"""A save to ``s3://`` uploads each part of the container while the container is still being written
+(spec/objectstore.md R-O52), against the tests' S3 server on 127.0.0.1 (tests/conftest.py ``s3``).
+
+The parts are 5 MiB (S3's smallest) and the container about 5 parts, so that the writer is seen
+mid-write: a wrapper between the store and the client logs every request, and the container
+writer's ``write_all`` waits (20 s at most, never forever) for an UploadPart once it is 3 parts in.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import boto3
+import pytest
+import torch
+from helpers import same
+
+import ckptkit
+from ckptkit.format import _container
+from ckptkit.format import _objectstore as objectstore
+from ckptkit.format._commit import RECORD_SUFFIX
+from ckptkit.format._objectstore import Backend, RequestRefused, intercept
+from ckptkit.format._urls import parse
+
+pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")  # botocore's pooled sockets at exit
+
+PART = 5 << 20
+
+
+class Logged:
+    """``inner``, logging each request's name into ``watch.log`` (an UploadPart as ``part N``);
+    ``watch.fail_part`` is refused while ``watch.failing``."""
+
+    def __init__(self, inner: Backend, watch: Watch) -> None:
+        self.inner, self.bucket, self.watch = inner, inner.bucket, watch
+
+    def put_part(self, key: str, upload: str, number: int, data: Any) -> str:
+        self.watch.log.append(f"part {number}")
+        self.watch.part_sent.set()
+        if number == self.watch.fail_part and self.watch.failing:
+            raise RequestRefused(f"injected failure of part {number}")
+        return self.inner.put_part(key, upload, number, data)
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        op = getattr(self.inner, name)
+
+        def call(*args: Any, **kw: Any) -> Any:
+            self.watch.log.append(name)
+            return op(*args, **kw)
+
+        return call
+
+
+def _state(mib: int, seed: int = 0) -> ckptkit.Checkpoint:
+    g = torch.Generator().manual_seed(seed)
+    return ckptkit.Checkpoint(step=seed, model={"net": {"w": torch.randn(mib << 18, generator=g)}})
+
+
+class Watch:
+    """What the fixture ``watched`` sees: ``log`` of every request (``"written"`` once the container
+    writer returned) and ``seen``, whether the writer, 3 parts in, saw an UploadPart within 20 s
+    (appended once). ``fail_part`` is refused; ``failing`` is False to stop refusing it."""
+
+    def __init__(self) -> None:
+        self.log: list[str] = []
+        self.seen: list[bool] = []
+        self.fail_part: int | None = None
+        self.failing = True
+        self.part_sent = threading.Event()
+
+
+@pytest.fixture
+def watched(monkeypatch: pytest.MonkeyPatch) -> Iterator[Watch]:
+    """Parts of :data:`PART` bytes; every store's requests go through :class:`Logged` into a
+    :class:`Watch`, and the container writer waits for an UploadPart once 3 parts are written."""
+    watch = Watch()
+    monkeypatch.setattr(objectstore, "PART_SIZE", PART)
+    write_all, write_framed = _container.write_all, _container.write_framed
+
+    def waiting_write_all(fd: int, buf: memoryview) -> None:
+        write_all(fd, buf)
+        if not watch.seen and os.lseek(fd, 0, os.SEEK_CUR) >= 3 * PART:
+            watch.seen.append(watch.part_sent.wait(20))
+
+    def logged_write_framed(*args: Any) -> None:
+        write_framed(*args)
+        watch.log.append("written")
+
+    monkeypatch.setattr(_container, "write_all", waiting_write_all)
+    monkeypatch.setattr(_container, "write_framed", logged_write_framed)
+    with intercept(lambda inner: Logged(inner, watch)):
+        yield watch
+
+
+def _objects(s3: str) -> tuple[list[str], list[str]]:
+    """The bucket's keys and its multipart uploads in progress."""
+    client, bucket = boto3.client("s3"), parse(s3).bucket
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket).get("Contents", [])]
+    uploads = [u["Key"] for u in client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])]
+    return sorted(keys), uploads
+
+
+def test_a_save_uploads_its_first_parts_before_the_container_is_written(s3: str, watched: Watch, tmp_path) -> None:
+    """R-O52: the writer, 3 parts in, sees an UploadPart; the part holding the first section's index
+    (rewritten with its digests at the end) goes up only after the writer ends, and the object is
+    byte for byte the local file (R-O18)."""
+    log, seen = watched.log, watched.seen
+    state = _state(24)
+    ckptkit.save(f"{s3}/run/a.ckpt", state)
+    assert seen == [True]  # an UploadPart came while the writer waited, 3 of ~5 parts in
+    early = log[: log.index("written")]
+    assert "part 2" in early and "part 1" not in early  # part 1 holds the model index: held to the end
+    assert log.index("start_multipart") < log.index("part 2")
+    assert log.count("finish_multipart") == 1 and log.index("finish_multipart") > log.index("written")
+    local = tmp_path / "a.ckpt"
+    ckptkit.save(local, state)
+    body = boto3.client("s3").get_object(Bucket=parse(s3).bucket, Key="run/a.ckpt")["Body"].read()
+    assert body == local.read_bytes()
+    assert same(ckptkit.load(f"{s3}/run/a.ckpt").model, state.model)
+
+
+def test_a_small_checkpoint_is_one_conditional_put(s3: str, watched: Watch) -> None:
+    """R-O52: at most one part, the object is not multipart."""
+    log, seen = watched.log, watched.seen
+    ckptkit.save(f"{s3}/run/small.ckpt", _state(1))
+    assert seen == [] and "start_multipart" not in log and log.count("put") == 2  # the object, then its record
+    assert same(ckptkit.load(f"{s3}/run/small.ckpt").model, _state(1).model)
+
+
+def test_a_part_failing_mid_write_aborts_the_upload_and_commits_nothing(s3: str, watched: Watch) -> None:
+    """R-O52, R-O15: the failed UploadPart fails the save, the upload is aborted, no object and no
+    record of the save exist, the checkpoint saved before is untouched, and the name is saved again."""
+    before = _state(1, seed=1)
+    ckptkit.save(f"{s3}/run/a.ckpt", before)
+    log, watched.fail_part = watched.log, 2
+    with pytest.raises(ckptkit.SaveFailed, match=r"s3://.*/run/b\.ckpt: part 2 refused: injected failure of part 2"):
+        ckptkit.save(f"{s3}/run/b.ckpt", _state(24))
+    assert "abort_multipart" in log and "finish_multipart" not in log
+    keys, uploads = _objects(s3)
+    assert keys == ["run/a.ckpt", "run/a.ckpt" + RECORD_SUFFIX] and uploads == []
+    assert same(ckptkit.load(f"{s3}/run/a.ckpt").model, before.model)
+    watched.failing = False
+    ckptkit.save(f"{s3}/run/b.ckpt", _state(24))
+    assert same(ckptkit.load(f"{s3}/run/b.ckpt").model, _state(24).model)
+
+
+def test_a_writer_failing_after_parts_went_up_aborts_the_upload_and_commits_nothing(
+    s3: str, watched: Watch, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """R-O52: parts sent before the writer's own failure are dropped with the upload."""
+    log, seen = watched.log, watched.seen
+    write_all = _container.write_all
+
+    def failing(fd: int, buf: memoryview) -> None:
+        write_all(fd, buf)
+        if seen:
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(_container, "write_all", failing)
+    with pytest.raises(OSError, match="No space left"):
+        ckptkit.save(f"{s3}/run/c.ckpt", _state(24))
+    assert seen == [True] and "abort_multipart" in log and "finish_multipart" not in log
+    assert _objects(s3) == ([], [])
