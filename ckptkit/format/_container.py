@@ -533,8 +533,8 @@ def write_container(f: BinaryIO, *, step: int, flags: int, plans: dict[str, Sect
     write_framed(f, header, ordered, _TRAILER_MAGIC)
 
 
-def write_framed(f: BinaryIO, header: bytes, plans: list[SectionPlan | None], end_magic: bytes) -> None:
-    """Write ``header``, the sections back to back, and the trailer.
+def write_framed(f: BinaryIO, header: bytes, plans: list[SectionPlan | None], end_magic: bytes) -> int:
+    """Write ``header``, the sections back to back, and the trailer; the trailer's skeleton digest.
 
     Tensor bytes are hashed and written in one pass, chunk by chunk (the chunk is
     still in cache when it is written); the indexes are re-written in place with
@@ -577,6 +577,14 @@ def write_framed(f: BinaryIO, header: bytes, plans: list[SectionPlan | None], en
             write_all(fd, memoryview(plan.stored))
         pos += plan.length
         behind.reached(pos)
+    return _write_indexes_and_trailer(fd, header, index_at, pos, end_magic)
+
+
+def _write_indexes_and_trailer(
+    fd: int, header: bytes, index_at: list[tuple[int, SectionPlan]], pos: int, end_magic: bytes
+) -> int:
+    """The end of :func:`write_framed`: each index rewritten at its offset with the tensors' digests,
+    then the trailer at ``pos`` with the skeleton digest, which is returned."""
     skeleton = xxhash.xxh3_64(header)
     for at, plan in index_at:
         final = plan.final_index()
@@ -594,6 +602,7 @@ def write_framed(f: BinaryIO, header: bytes, plans: list[SectionPlan | None], en
             assert plan.stored is not None
             skeleton.update(plan.stored)
     os.pwrite(fd, _TRAILER.pack(skeleton.intdigest(), end_magic), pos)
+    return skeleton.intdigest()
 
 
 def _hash_zeros(h: xxhash.xxh3_64, n: int) -> None:

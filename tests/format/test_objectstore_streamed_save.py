@@ -1,5 +1,6 @@
-"""A save to ``s3://`` uploads each part of the container while the container is still being written
-(spec/objectstore.md R-O52), against the tests' S3 server on 127.0.0.1 (tests/conftest.py ``s3``).
+"""A save to ``s3://`` uploads each part of the container (and a distributed save each part of a rank's
+data file) while it is still being written (spec/objectstore.md R-O52), against the tests' S3 server
+on 127.0.0.1 (tests/conftest.py ``s3``).
 
 The parts are 5 MiB (S3's smallest) and the container about 5 parts, so that the writer is seen
 mid-write: a wrapper between the store and the client logs every request, and the container
@@ -19,6 +20,8 @@ import torch
 from helpers import same
 
 import ckptkit
+import ckptkit.distributed as ckd
+from ckptkit.distributed import _format as dcp_format
 from ckptkit.format import _container
 from ckptkit.format import _objectstore as objectstore
 from ckptkit.format._commit import RECORD_SUFFIX
@@ -85,12 +88,14 @@ def watched(monkeypatch: pytest.MonkeyPatch) -> Iterator[Watch]:
         if not watch.seen and os.lseek(fd, 0, os.SEEK_CUR) >= 3 * PART:
             watch.seen.append(watch.part_sent.wait(20))
 
-    def logged_write_framed(*args: Any) -> None:
-        write_framed(*args)
+    def logged_write_framed(*args: Any) -> int:
+        digest = write_framed(*args)
         watch.log.append("written")
+        return digest
 
     monkeypatch.setattr(_container, "write_all", waiting_write_all)
     monkeypatch.setattr(_container, "write_framed", logged_write_framed)
+    monkeypatch.setattr(dcp_format, "write_framed", logged_write_framed)  # a rank's data file
     with intercept(lambda inner: Logged(inner, watch)):
         yield watch
 
@@ -120,6 +125,18 @@ def test_a_save_uploads_its_first_parts_before_the_container_is_written(s3: str,
     body = boto3.client("s3").get_object(Bucket=parse(s3).bucket, Key="run/a.ckpt")["Body"].read()
     assert body == local.read_bytes()
     assert same(ckptkit.load(f"{s3}/run/a.ckpt").model, state.model)
+
+
+def test_a_distributed_save_uploads_a_rank_file_while_it_is_written(s3: str, watched: Watch) -> None:
+    """R-O52, R-O31: the same for a rank's data file, whose index is also held to the end."""
+    state = {"w": torch.randn(24 << 18, generator=torch.Generator().manual_seed(3))}
+    ckd.save(state, f"{s3}/ck/step-1")
+    assert watched.seen == [True]
+    early = watched.log[: watched.log.index("written")]
+    assert "part 2" in early and "part 1" not in early
+    into = {"w": torch.zeros(24 << 18)}
+    ckd.load(into, f"{s3}/ck/step-1")
+    assert torch.equal(into["w"], state["w"])
 
 
 def test_a_small_checkpoint_is_one_conditional_put(s3: str, watched: Watch) -> None:
