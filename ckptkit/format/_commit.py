@@ -189,16 +189,32 @@ def commit(store: ObjectStore, base: StorageURL, name: str, objects: Sequence[tu
     finish(store, base, name, put_objects(store, base, name, objects))
 
 
-def commit_written(store: ObjectStore, base: StorageURL, name: str, write: Callable[[BinaryIO], object]) -> None:
-    """Write checkpoint ``name`` under ``base``, its one object being what ``write(f)`` writes, put
-    while it is written (R-O52); then its record. The object is created only once ``write``
-    returned and its last parts went up, so it is committed as :func:`commit`'s are (R-O10..R-O16).
+def commit_written(
+    store: ObjectStore,
+    base: StorageURL,
+    name: str,
+    write: Callable[[BinaryIO], object],
+    companions: Sequence[tuple[str, Body]] = (),
+) -> None:
+    """Write checkpoint ``name`` under ``base``: its object ``name`` what ``write(f)`` writes, put
+    while it is written (R-O52), then ``companions`` (as :func:`put_objects` takes them), then its
+    record. The object is created only once ``write`` returned and its last parts went up, so it is
+    committed as :func:`commit`'s are (R-O10..R-O16).
 
     Raises:
-        CommitConflict, SaveFailed: as :func:`commit`; whatever ``write`` raises (nothing is created).
+        CommitConflict, SaveFailed: as :func:`commit` (nothing is committed); whatever else ``write``
+            raises (nothing is created).
     """
     begin(store, base, name)
-    finish(store, base, name, [put_written(store, base, name, name, write)])
+    first = put_written(store, base, name, name, write)
+    try:
+        rest = put_objects(store, base, name, companions)
+    except CommitConflict:
+        raise
+    except Exception:
+        _undo(store, base, [first])
+        raise
+    finish(store, base, name, [first, *rest])
 
 
 def begin(store: ObjectStore, base: StorageURL, name: str) -> None:

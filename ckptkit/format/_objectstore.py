@@ -38,6 +38,7 @@ Nothing here imports boto3 before an ``s3://`` URL is used.
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import os
 import random
@@ -561,7 +562,7 @@ class ObjectStore:
 
         Raises:
             CommitConflict: ``if_absent`` and the object exists (R-O11).
-            SaveFailed: a request failed (named).
+            SaveFailed: a request failed, or writing the file did (an ``OSError``: a full disk), named.
         """
         if if_absent:
             self._check_conditional_writes(key)
@@ -570,7 +571,18 @@ class ObjectStore:
             parts = _Parts(self, key)
             try:
                 with Followed(fd, _Streamed(parts, fd)) as f:
-                    write(f)
+                    try:
+                        write(f)
+                    except CheckpointError:  # a part's failure (an OSError too), or the writer's own
+                        raise
+                    except OSError as e:
+                        what = errno.errorcode.get(e.errno or 0, "I/O error")
+                        raise SaveFailed(
+                            f"{self.url(key)}: writing its local spool file failed ({what}: {e.strerror}); "
+                            "nothing is uploaded (free space in the temporary directory, TMPDIR)",
+                            cause=e,
+                            path=self.url(key),
+                        ) from e
                 data = FileSpan(fd, os.fstat(fd).st_size)
                 if parts.upload is None and len(data) <= self.part_size:
                     result = then(data)

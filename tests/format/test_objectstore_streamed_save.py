@@ -139,6 +139,27 @@ def test_a_distributed_save_uploads_a_rank_file_while_it_is_written(s3: str, wat
     assert torch.equal(into["w"], state["w"])
 
 
+def test_a_run_uploads_its_step_file_while_it_is_written(s3: str, watched: Watch) -> None:
+    """R-O52, R-O22: a one-process run's container streams up as ``save``'s does; its companions follow."""
+    net = torch.nn.Module()
+    net.w = torch.nn.Parameter(torch.randn(24 << 18, generator=torch.Generator().manual_seed(4)))
+    rs = ckptkit.RunState(f"{s3}/run", config={}, keep=1)
+    rs.add_model("net", net)
+    rs.start()
+    rs.save(1)
+    rs.close()
+    assert watched.seen == [True]
+    early = watched.log[: watched.log.index("written")]
+    assert "part 2" in early and "part 1" not in early
+    again = torch.nn.Module()
+    again.w = torch.nn.Parameter(torch.zeros(24 << 18))
+    rs = ckptkit.RunState(f"{s3}/run", config={}, keep=1)
+    rs.add_model("net", again)
+    assert rs.resume().step == 1
+    rs.close()
+    assert torch.equal(again.w, net.w)
+
+
 def test_a_small_checkpoint_is_one_conditional_put(s3: str, watched: Watch) -> None:
     """R-O52: at most one part, the object is not multipart."""
     log, seen = watched.log, watched.seen
@@ -177,7 +198,9 @@ def test_a_writer_failing_after_parts_went_up_aborts_the_upload_and_commits_noth
             raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(_container, "write_all", failing)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(
+        ckptkit.SaveFailed, match=r"/run/c\.ckpt: writing its local spool file failed \(ENOSPC: No space left"
+    ):
         ckptkit.save(f"{s3}/run/c.ckpt", _state(24))
     assert seen == [True] and "abort_multipart" in log and "finish_multipart" not in log
     assert _objects(s3) == ([], [])
