@@ -257,8 +257,15 @@ class Progress(Protocol):
     told which bytes are written and final, so that it never reads one the writer changes later."""
 
     def hold(self, start: int, end: int) -> None:
-        """Bytes ``[start, end)`` will be rewritten before the write ends: not final until it has.
-        Said before :meth:`reached` passes them."""
+        """Bytes ``[start, end)`` will be rewritten before the write ends: not final until
+        :meth:`release` says so. Said before :meth:`reached` passes them."""
+
+    def release(self, start: int, end: int) -> None:
+        """The held bytes ``[start, end)`` are rewritten: final now.
+
+        Raises:
+            CheckpointError: the reader failed (an upload); the writer stops with it.
+        """
 
     def reached(self, pos: int) -> None:
         """Every byte before file offset ``pos`` is written, and final outside the held ranges.
@@ -298,6 +305,15 @@ class WriteBehind:
         """Bytes ``[start, end)``, written now, are rewritten before the write ends (see :class:`Progress`)."""
         if self.progress is not None:
             self.progress.hold(start, end)
+
+    def release(self, start: int, end: int) -> None:
+        """The held bytes ``[start, end)`` are final now (see :class:`Progress`).
+
+        Raises:
+            CheckpointError: a :class:`Followed` file's reader failed.
+        """
+        if self.progress is not None:
+            self.progress.release(start, end)
 
     def reached(self, pos: int) -> None:
         """Everything before file offset ``pos`` has been written (and is final outside the held ranges).

@@ -731,9 +731,11 @@ class _Parts:
             writing=True,
         )
 
-    def failure(self) -> BaseException | None:
-        """The error of a part that failed already, if one has."""
-        return next((f.exception() for f in self.sent.values() if f.done() and f.exception()), None)
+    def check(self) -> None:
+        """Raises: SaveFailed: a part sent earlier failed already (its error)."""
+        error = next((f.exception() for f in self.sent.values() if f.done() and f.exception()), None)
+        if error is not None:
+            raise error
 
     def send_rest(self, data: Body) -> None:
         """Every part of ``data`` not sent yet."""
@@ -768,15 +770,30 @@ class _Parts:
 
 class _Streamed:
     """The :class:`~._io.Progress` of a file written as an object: each whole part the writer has
-    written goes up at once, unless a held range (bytes it rewrites later) meets it (R-O52)."""
+    written goes up at once, unless a held range (bytes it rewrites later) meets it; that one goes
+    once the range is released, or after the writer returned (R-O52)."""
 
     def __init__(self, parts: _Parts, fd: int) -> None:
         self.parts, self.fd = parts, fd
         self.held: list[tuple[int, int]] = []
-        self.next = 0  # the first part not looked at yet; a held one is left to the end
+        self.next = 0  # the first part not looked at yet
+        self.waiting: list[int] = []  # parts looked at, held then
 
     def hold(self, start: int, end: int) -> None:
         self.held.append((start, end))
+
+    def release(self, start: int, end: int) -> None:
+        """Send each part the released range held, unless another still holds it.
+
+        Raises:
+            SaveFailed: a part sent earlier failed.
+        """
+        self.parts.check()
+        self.held.remove((start, end))
+        for n in list(self.waiting):
+            if not self._held(n):
+                self.waiting.remove(n)
+                self._send(n)
 
     def reached(self, pos: int) -> None:
         """Send each part now below ``pos`` and not held, once the object is sure to be multipart.
@@ -787,14 +804,20 @@ class _Streamed:
         size = self.parts.store.part_size
         if pos <= size:  # it may still be one put
             return
-        error = self.parts.failure()
-        if error is not None:
-            raise error
+        self.parts.check()
         while (self.next + 1) * size <= pos:
-            a, b = self.next * size, (self.next + 1) * size
-            if not any(start < b and a < end for start, end in self.held):
-                self.parts.send(self.next, FileSpan(self.fd, b))
+            if self._held(self.next):
+                self.waiting.append(self.next)
+            else:
+                self._send(self.next)
             self.next += 1
+
+    def _held(self, n: int) -> bool:
+        size = self.parts.store.part_size
+        return any(start < (n + 1) * size and n * size < end for start, end in self.held)
+
+    def _send(self, n: int) -> None:
+        self.parts.send(n, FileSpan(self.fd, (n + 1) * self.parts.store.part_size))
 
 
 def _parallel(fn: Callable[[int], T], n: int) -> list[T]:

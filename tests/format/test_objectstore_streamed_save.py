@@ -42,7 +42,9 @@ class Logged:
 
     def put_part(self, key: str, upload: str, number: int, data: Any) -> str:
         self.watch.log.append(f"part {number}")
-        self.watch.part_sent.set()
+        self.watch.sent_at.setdefault(number, self.watch.position)
+        self.watch.sent[number].set()
+        self.watch.sent[0].set()
         if number == self.watch.fail_part and self.watch.failing:
             raise RequestRefused(f"injected failure of part {number}")
         return self.inner.put_part(key, upload, number, data)
@@ -64,15 +66,19 @@ def _state(mib: int, seed: int = 0) -> ckptkit.Checkpoint:
 
 class Watch:
     """What the fixture ``watched`` sees: ``log`` of every request (``"written"`` once the container
-    writer returned) and ``seen``, whether the writer, 3 parts in, saw an UploadPart within 20 s
-    (appended once). ``fail_part`` is refused; ``failing`` is False to stop refusing it."""
+    writer returned) and ``seen``, whether the writer, 3 parts in, saw UploadPart number
+    ``wait_for`` (0: any) within 20 s (appended once); ``sent_at``, how far the writer had written
+    when each part was first sent. ``fail_part`` is refused; ``failing`` is False to stop refusing it."""
 
     def __init__(self) -> None:
         self.log: list[str] = []
         self.seen: list[bool] = []
+        self.wait_for = 0
+        self.position = 0
+        self.sent_at: dict[int, int] = {}
+        self.sent = [threading.Event() for _ in range(64)]
         self.fail_part: int | None = None
         self.failing = True
-        self.part_sent = threading.Event()
 
 
 @pytest.fixture
@@ -85,8 +91,9 @@ def watched(monkeypatch: pytest.MonkeyPatch) -> Iterator[Watch]:
 
     def waiting_write_all(fd: int, buf: memoryview) -> None:
         write_all(fd, buf)
-        if not watch.seen and os.lseek(fd, 0, os.SEEK_CUR) >= 3 * PART:
-            watch.seen.append(watch.part_sent.wait(20))
+        watch.position = os.lseek(fd, 0, os.SEEK_CUR)
+        if not watch.seen and watch.position >= 3 * PART:
+            watch.seen.append(watch.sent[watch.wait_for].wait(20))
 
     def logged_write_framed(*args: Any) -> int:
         digest = write_framed(*args)
@@ -109,15 +116,15 @@ def _objects(s3: str) -> tuple[list[str], list[str]]:
 
 
 def test_a_save_uploads_its_first_parts_before_the_container_is_written(s3: str, watched: Watch, tmp_path) -> None:
-    """R-O52: the writer, 3 parts in, sees an UploadPart; the part holding the first section's index
-    (rewritten with its digests at the end) goes up only after the writer ends, and the object is
-    byte for byte the local file (R-O18)."""
+    """R-O52: the writer, 3 parts in, sees an UploadPart; the part holding the section's index
+    (rewritten with its digests after the section's data) goes up only once all the data is
+    written, and the object is byte for byte the local file (R-O18)."""
     log, seen = watched.log, watched.seen
     state = _state(24)
     ckptkit.save(f"{s3}/run/a.ckpt", state)
     assert seen == [True]  # an UploadPart came while the writer waited, 3 of ~5 parts in
-    early = log[: log.index("written")]
-    assert "part 2" in early and "part 1" not in early  # part 1 holds the model index: held to the end
+    assert "part 2" in log[: log.index("written")]
+    assert watched.sent_at[1] >= 24 << 20  # part 1 holds the model index: held until its data is written
     assert log.index("start_multipart") < log.index("part 2")
     assert log.count("finish_multipart") == 1 and log.index("finish_multipart") > log.index("written")
     local = tmp_path / "a.ckpt"
@@ -127,13 +134,32 @@ def test_a_save_uploads_its_first_parts_before_the_container_is_written(s3: str,
     assert same(ckptkit.load(f"{s3}/run/a.ckpt").model, state.model)
 
 
+def test_a_section_index_goes_up_once_its_section_is_written_before_the_next_section_is(
+    s3: str, watched: Watch, tmp_path
+) -> None:
+    """R-O52: the model index's part is sent when the model's data is written, while the optimizer's
+    is being written, with the index's final digests (the object is the local file's bytes)."""
+    watched.wait_for = 1
+    g = torch.Generator().manual_seed(5)
+    state = ckptkit.Checkpoint(
+        step=5, model={"w": torch.randn(12 << 18, generator=g)}, optim={"m": torch.randn(12 << 18, generator=g)}
+    )
+    ckptkit.save(f"{s3}/run/two.ckpt", state)
+    assert watched.seen == [True]  # the writer, in the optimizer's data, saw part 1 go up
+    assert watched.sent_at[1] >= 12 << 20  # after the model's 12 MiB
+    local = tmp_path / "two.ckpt"
+    ckptkit.save(local, state)
+    body = boto3.client("s3").get_object(Bucket=parse(s3).bucket, Key="run/two.ckpt")["Body"].read()
+    assert body == local.read_bytes()
+
+
 def test_a_distributed_save_uploads_a_rank_file_while_it_is_written(s3: str, watched: Watch) -> None:
     """R-O52, R-O31: the same for a rank's data file, whose index is also held to the end."""
     state = {"w": torch.randn(24 << 18, generator=torch.Generator().manual_seed(3))}
     ckd.save(state, f"{s3}/ck/step-1")
     assert watched.seen == [True]
-    early = watched.log[: watched.log.index("written")]
-    assert "part 2" in early and "part 1" not in early
+    assert "part 2" in watched.log[: watched.log.index("written")]
+    assert watched.sent_at[1] >= 24 << 20  # its index, held until its data is written
     into = {"w": torch.zeros(24 << 18)}
     ckd.load(into, f"{s3}/ck/step-1")
     assert torch.equal(into["w"], state["w"])
@@ -149,8 +175,8 @@ def test_a_run_uploads_its_step_file_while_it_is_written(s3: str, watched: Watch
     rs.save(1)
     rs.close()
     assert watched.seen == [True]
-    early = watched.log[: watched.log.index("written")]
-    assert "part 2" in early and "part 1" not in early
+    assert "part 2" in watched.log[: watched.log.index("written")]
+    assert watched.sent_at[1] >= 24 << 20
     again = torch.nn.Module()
     again.w = torch.nn.Parameter(torch.zeros(24 << 18))
     rs = ckptkit.RunState(f"{s3}/run", config={}, keep=1)
