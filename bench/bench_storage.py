@@ -10,8 +10,9 @@ compare what the two clients do per byte. The state is ``--tensors`` fp32 tensor
 ``--size-mb`` in all. Each round, the two backends are interleaved (who goes first
 alternates); the first round is a warm-up; the median of the rest is reported.
 
-- save: ``ckptkit.save("s3://...")`` (the container spooled, uploaded with a conditional
-  put, parallel multipart above 64 MiB, then its commit record: every byte hashed) vs
+- save: ``ckptkit.save("s3://...")`` (the container spooled, each part uploaded as soon as
+  it is written, parallel multipart above 64 MiB, else one conditional put, then its commit
+  record: every byte hashed) vs
   ``dcp.save`` with ``FsspecWriter`` (one file per rank, its ``.metadata`` committed by a
   rename, which on S3 is a copy and a delete);
 - load: ``ckptkit.load`` (the record, then the object, its size and xxh3-64 checked before

@@ -175,7 +175,7 @@ def save_and_die(path: str, dying_rank: int) -> str:
     if dist.get_rank() == dying_rank:
         real = fmt.write_framed
 
-        def die(f: Any, *a: Any, **kw: Any) -> None:
+        def die(f: Any, *a: Any, **kw: Any) -> Any:
             real(f, *a, **kw)
             f.flush()
             os.ftruncate(f.fileno(), f.tell() // 2)

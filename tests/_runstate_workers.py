@@ -233,7 +233,7 @@ def _writes_failing_on(rank: int, how: str) -> Iterator[None]:
 
     real = fmt.write_framed
 
-    def broken(f: Any, *a: Any, **kw: Any) -> None:
+    def broken(f: Any, *a: Any, **kw: Any) -> Any:
         if how == "enospc":
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         real(f, *a, **kw)

@@ -26,7 +26,7 @@ import os
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
 
 import xxhash
 
@@ -49,6 +49,8 @@ __all__ = [
     "FORMAT_VERSION",
     "METADATA_NAME",
     "Chunk",
+    "DataChunks",
+    "DataFile",
     "DirMetadata",
     "DirReport",
     "RankFile",
@@ -56,6 +58,7 @@ __all__ = [
     "data_name",
     "read_metadata",
     "verify_directory",
+    "write_data",
     "write_data_file",
     "write_metadata",
 ]
@@ -128,42 +131,39 @@ class DirMetadata:
 # ---------------------------------------------------------------------------- writing
 
 
-def write_data_file(
-    directory: str,
-    rank: int,
-    world_size: int,
-    chunks: list[tuple[str, tuple[int, ...], str, tuple[int, ...], memoryview]],
-) -> tuple[RankFile, list[tuple[int, int, int]]]:
-    """Write one rank's data file atomically (temp file, fsync, rename, fsync dir).
+#: ``(fqn, offsets, dtype, sizes, bytes)`` per stored chunk of a rank, in plan order.
+DataChunks = list[tuple[str, tuple[int, ...], str, tuple[int, ...], memoryview]]
+#: A written data file: its record for the metadata, and ``(absolute offset, nbytes, digest)`` per chunk.
+DataFile = tuple[RankFile, list[tuple[int, int, int]]]
 
-    Args:
-        chunks: ``(fqn, offsets, dtype, sizes, bytes)`` per stored chunk, in plan order.
 
-    Returns:
-        The file record for the metadata, and ``(absolute offset, nbytes, digest)``
-        per chunk.
+def write_data_file(directory: str, rank: int, world_size: int, chunks: DataChunks) -> DataFile:
+    """Write one rank's data file atomically (temp file, fsync, rename, fsync dir): :func:`write_data`'s
+    bytes and results.
 
     Raises:
         SaveFailed: the write failed; nothing of a previous commit is touched.
     """
+    out: list[DataFile] = []
+    path = os.path.join(directory, data_name(rank))
+    atomic_write(path, lambda f: out.append(write_data(f, rank, world_size, chunks)))
+    return out[0]
+
+
+def write_data(f: BinaryIO, rank: int, world_size: int, chunks: DataChunks) -> DataFile:
+    """Write one rank's data file into ``f`` (an unbuffered file at position 0; a
+    :class:`~ckptkit.format._io.Followed` one is uploaded while it is written, spec/objectstore.md R-O52).
+
+    Raises:
+        OSError: from the writes.
+    """
     tree = [[fqn, list(offsets), TensorRef(i)] for i, (fqn, offsets, _, _, _) in enumerate(chunks)]
     plan = plan_section(tree, [(dt, sizes, buf) for _, _, dt, sizes, buf in chunks], start=_DATA_HEADER.size)
     header = _DATA_HEADER.pack(_DATA_MAGIC, rank, world_size, plan.length)
-    size = _DATA_HEADER.size + plan.length + _TRAILER_LEN
-    digest = [0]
-
-    def write(f: Any) -> None:
-        write_framed(f, header, [plan], _DATA_END)
-        fd = os.open(f.name, os.O_RDONLY)  # f is write-only; the trailer is still in the page cache
-        try:
-            digest[0] = _U64.unpack(os.pread(fd, 8, size - _TRAILER_LEN))[0]
-        finally:
-            os.close(fd)
-
-    atomic_write(os.path.join(directory, data_name(rank)), write)
+    digest = write_framed(f, header, [plan], _DATA_END)
     base = _DATA_HEADER.size + plan.data_start_rel
     placed = [(base + rec[2], rec[3], d) for rec, d in zip(plan.records, plan.digests, strict=True)]
-    return RankFile(size, digest[0]), placed
+    return RankFile(_DATA_HEADER.size + plan.length + _TRAILER_LEN, digest), placed
 
 
 def write_metadata(directory: str, md: DirMetadata) -> None:

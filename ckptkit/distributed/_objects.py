@@ -26,10 +26,21 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import BinaryIO, TypeVar
 
 from ..errors import IncompleteCheckpoint, UnsupportedOption
-from ..format._commit import Entry, Written, begin, fetch, fetch_committed, finish, put_objects, read_range, read_record
+from ..format._commit import (
+    Entry,
+    Written,
+    begin,
+    fetch,
+    fetch_committed,
+    finish,
+    put_objects,
+    put_written,
+    read_range,
+    read_record,
+)
 from ..format._objectstore import Body, FileSpan, ObjectStore
 from ..format._remote import locate
 from ..format._urls import StorageURL
@@ -103,9 +114,10 @@ class RemoteCheckpoint:
         """
         begin(self.store, self.base, self.name)
 
-    def put_rank(self, rank: int, data: Body) -> Written:
-        """Rank ``rank``'s data file, as its object (conditional put)."""
-        return put_objects(self.store, self.base, self.name, [(self.rank_key(rank), data)])[0]
+    def put_rank(self, rank: int, write: Callable[[BinaryIO], object]) -> Written:
+        """Rank ``rank``'s data file, written by ``write(f)``, as its object (conditional put), each
+        part uploaded while the file is written (R-O52)."""
+        return put_written(self.store, self.base, self.name, self.rank_key(rank), write)
 
     def commit(self, metadata: Body, companions: Mapping[str, bytes], ranks: Sequence[Written]) -> None:
         """The coordinator: the metadata and companions as objects, then the one record listing every object.

@@ -83,12 +83,14 @@ from ..format._section import DTYPE_SIZES, check_plain
 from ._format import (
     METADATA_NAME,
     Chunk,
+    DataFile,
     DirMetadata,
     RankFile,
     TensorEntry,
     chunk_mismatch,
     data_name,
     read_metadata,
+    write_data,
     write_data_file,
     write_metadata,
 )
@@ -280,15 +282,14 @@ class Writer(StorageWriter, _Recorder):
         return results
 
     def _data_file(self, into: str, rank: int, world: int, chunks: list[Any]) -> tuple[RankFile, Any, Any]:
-        """This rank's data file in ``into``; on object storage written to a private directory and
-        put as the rank's object, whose ``(entry, ETag)`` goes to the coordinator (R-O30)."""
+        """This rank's data file in ``into``; on object storage written to a private temporary file,
+        uploaded as the rank's object while it is written (R-O52), whose ``(entry, ETag)`` goes to the
+        coordinator (R-O30)."""
         if self.remote is None:
             return (*write_data_file(into, rank, world, chunks), None)
-        remote = self.remote
-        (rank_file, placed), written = put_file(
-            lambda d: write_data_file(d, rank, world, chunks), data_name(rank), lambda body: remote.put_rank(rank, body)
-        )
-        return rank_file, placed, written
+        out: list[DataFile] = []
+        written = self.remote.put_rank(rank, lambda f: out.append(write_data(f, rank, world, chunks)))
+        return (*out[0], written)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Commit: every rank's file is durable (its write_data returned); write the metadata last,

@@ -11,10 +11,11 @@ for the torch-free tools (``ckptkit verify``).
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from ..errors import InsufficientMemory, UnsupportedValue
 from ._checks import check_u64, is_int
@@ -34,7 +35,7 @@ from ._container import (
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Checkpoint", "import_torch_checkpoint", "load", "save"]
+__all__ = ["Checkpoint", "container_writer", "import_torch_checkpoint", "load", "save"]
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,22 @@ def save(
     Example:
         >>> save("run/step-00000100.ckpt", Checkpoint(step=100, model={"net": net.state_dict()}))  # doctest: +SKIP
     """
+    from ._place import write_file
+
+    # at a URL, the same bytes committed by its record (spec/objectstore.md)
+    write_file(path, container_writer(ckpt, compression=compression, level=level))
+
+
+def container_writer(
+    ckpt: Checkpoint, *, compression: str | Mapping[str, str] = "raw", level: int = 3
+) -> Callable[[BinaryIO], None]:
+    """``write(f)``, which writes ``ckpt`` as a v2 container into ``f`` (an unbuffered binary file at
+    position 0), its trees planned now: what :func:`save` writes, for a writer that owns the file
+    (a run's place, spec/objectstore.md R-O52). It holds the tensors until it is dropped.
+
+    Raises:
+        UnsupportedValue: a value the container cannot carry, named by its path (nothing is written).
+    """
     if not isinstance(ckpt, Checkpoint):
         raise UnsupportedValue(f"save() takes a Checkpoint (got {type(ckpt).__name__})")
     from ._codec import plan_trees
@@ -124,13 +141,12 @@ def save(
     trees = {name: getattr(ckpt, name) for name in SECTIONS}
     plans, keep = plan_trees(trees, start=HEADER_SIZE, compression=compression, level=level)
 
-    def write(f: Any) -> None:
-        write_container(f, step=ckpt.step, flags=ckpt.flags, plans=dict(zip(SECTIONS, plans, strict=True)))
+    return functools.partial(_write_planned, ckpt.step, ckpt.flags, dict(zip(SECTIONS, plans, strict=True)), keep)
 
-    from ._place import write_file
 
-    write_file(path, write)  # at a URL, the same bytes committed by its record (spec/objectstore.md)
-    del keep  # the tensors backing the written bytes may go now
+def _write_planned(step: int, flags: int, plans: dict[str, Any], keep: object, f: BinaryIO) -> None:
+    """:func:`container_writer`'s writer; ``keep``, the tensors backing the planned bytes, lives as long as it."""
+    write_container(f, step=step, flags=flags, plans=plans)
 
 
 def load(

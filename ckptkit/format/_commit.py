@@ -19,7 +19,7 @@ import re
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
 
 import xxhash
 
@@ -37,6 +37,7 @@ __all__ = [
     "Written",
     "begin",
     "commit",
+    "commit_written",
     "decode_record",
     "encode_record",
     "fetch",
@@ -45,6 +46,7 @@ __all__ = [
     "leftovers",
     "listing",
     "put_objects",
+    "put_written",
     "read_range",
     "read_record",
     "remove",
@@ -187,6 +189,34 @@ def commit(store: ObjectStore, base: StorageURL, name: str, objects: Sequence[tu
     finish(store, base, name, put_objects(store, base, name, objects))
 
 
+def commit_written(
+    store: ObjectStore,
+    base: StorageURL,
+    name: str,
+    write: Callable[[BinaryIO], object],
+    companions: Sequence[tuple[str, Body]] = (),
+) -> None:
+    """Write checkpoint ``name`` under ``base``: its object ``name`` what ``write(f)`` writes, put
+    while it is written (R-O52), then ``companions`` (as :func:`put_objects` takes them), then its
+    record. The object is created only once ``write`` returned and its last parts went up, so it is
+    committed as :func:`commit`'s are (R-O10..R-O16).
+
+    Raises:
+        CommitConflict, SaveFailed: as :func:`commit` (nothing is committed); whatever else ``write``
+            raises (nothing is created).
+    """
+    begin(store, base, name)
+    first = put_written(store, base, name, name, write)
+    try:
+        rest = put_objects(store, base, name, companions)
+    except CommitConflict:
+        raise
+    except Exception:
+        _undo(store, base, [first])
+        raise
+    finish(store, base, name, [first, *rest])
+
+
 def begin(store: ObjectStore, base: StorageURL, name: str) -> None:
     """Before any object of a save of ``name``: refuse a committed ``name`` (R-O11), clean what an
     interrupted save of it left once :data:`STALE_AFTER` old (R-O16).
@@ -229,6 +259,26 @@ def put_objects(store: ObjectStore, base: StorageURL, name: str, objects: Sequen
         _undo(store, base, written)
         raise
     return written
+
+
+def put_written(
+    store: ObjectStore, base: StorageURL, name: str, rel: str, write: Callable[[BinaryIO], object]
+) -> Written:
+    """Put ``rel`` (relative to base) with a conditional put (R-O11), its bytes what ``write(f)``
+    writes into a temporary file, each part going up as soon as the writer says it is final (R-O52);
+    its record entry (the digest of the written bytes) and ETag.
+
+    Raises:
+        CommitConflict: another writer created it first.
+        SaveFailed: a put failed; the upload is aborted, nothing is created.
+    """
+    try:
+        etag, digest = store.put_written(
+            _key(base, rel), write, lambda data: (len(data), _xxh3(data, store.part_size)), if_absent=True
+        )
+    except CommitConflict as e:  # on a conflict, the key is the winner's
+        raise _conflict(store, base, name, e) from None
+    return Entry(rel, *digest), etag
 
 
 def finish(store: ObjectStore, base: StorageURL, name: str, written: Sequence[Written]) -> None:

@@ -533,24 +533,28 @@ def write_container(f: BinaryIO, *, step: int, flags: int, plans: dict[str, Sect
     write_framed(f, header, ordered, _TRAILER_MAGIC)
 
 
-def write_framed(f: BinaryIO, header: bytes, plans: list[SectionPlan | None], end_magic: bytes) -> None:
-    """Write ``header``, the sections back to back, and the trailer.
+def write_framed(f: BinaryIO, header: bytes, plans: list[SectionPlan | None], end_magic: bytes) -> int:
+    """Write ``header``, the sections back to back, and the trailer; the trailer's skeleton digest.
 
     Tensor bytes are hashed and written in one pass, chunk by chunk (the chunk is
-    still in cache when it is written); the indexes are re-written in place with
-    the real digests, and the skeleton digest is computed last over the in-memory
-    skeleton pieces (header, indexes, padding, compressed regions).
+    still in cache when it is written); each section's index is re-written in place with
+    the real digests once its data is written, and the skeleton digest is computed last over
+    the in-memory skeleton pieces (header, indexes, padding, compressed regions). Those
+    indexes are the only bytes written twice: a :class:`~._io.Followed` file's reader is told
+    each is held until it is final, and that each byte before the writer is final as it is
+    written (spec/objectstore.md R-O52).
     """
     fd = f.fileno()
     write_all(fd, memoryview(header))
     pos = len(header)
-    behind = WriteBehind(fd)
-    index_at: list[tuple[int, SectionPlan]] = []
+    behind = WriteBehind(f)
+    written: list[SectionPlan] = []
     for plan in plans:
         if plan is None:
             continue
+        behind.hold(pos + 8, pos + 8 + len(plan.index))  # its digests are filled in after its data
         write_all(fd, memoryview(_U64.pack(len(plan.index)) + plan.index))
-        index_at.append((pos + 8, plan))
+        written.append(plan)
         write_zeros(fd, plan.data_start_rel - 8 - len(plan.index))
         plan.digests = []
         if plan.codec == "raw":
@@ -571,11 +575,19 @@ def write_framed(f: BinaryIO, header: bytes, plans: list[SectionPlan | None], en
             assert plan.stored is not None
             plan.digests = [xxhash.xxh3_64_intdigest(b) for b in plan.buffers]
             write_all(fd, memoryview(plan.stored))
+        os.pwrite(fd, plan.final_index(), pos + 8)  # its digests known: the index is final now
+        behind.release(pos + 8, pos + 8 + len(plan.index))
         pos += plan.length
+        behind.reached(pos)
+    return _write_trailer(fd, header, written, pos, end_magic)
+
+
+def _write_trailer(fd: int, header: bytes, written: list[SectionPlan], pos: int, end_magic: bytes) -> int:
+    """The end of :func:`write_framed`: the trailer at ``pos`` with the skeleton digest of the
+    ``written`` sections, which is returned."""
     skeleton = xxhash.xxh3_64(header)
-    for at, plan in index_at:
+    for plan in written:
         final = plan.final_index()
-        os.pwrite(fd, final, at)
         skeleton.update(_U64.pack(len(final)))
         skeleton.update(final)
         _hash_zeros(skeleton, plan.data_start_rel - 8 - len(final))
@@ -589,6 +601,7 @@ def write_framed(f: BinaryIO, header: bytes, plans: list[SectionPlan | None], en
             assert plan.stored is not None
             skeleton.update(plan.stored)
     os.pwrite(fd, _TRAILER.pack(skeleton.intdigest(), end_magic), pos)
+    return skeleton.intdigest()
 
 
 def _hash_zeros(h: xxhash.xxh3_64, n: int) -> None:

@@ -2,7 +2,9 @@
 
 Private. :mod:`ckptkit.format._container` (the format rules) reads and writes through it:
 positional reads and read-only mmap windows (:class:`Source`), write-behind with
-Linux ``sync_file_range`` through ctypes (:class:`WriteBehind`), and a keyed thread
+Linux ``sync_file_range`` through ctypes (:class:`WriteBehind`), which also tells a
+:class:`Followed` file's reader which bytes are final (an upload of its parts while it is
+written, spec/objectstore.md R-O52), and a keyed thread
 pool that reports the earliest failure in file order (:func:`run_keyed`) over a plain
 thread pool (:func:`run_parallel`; not torch's: its parallel ``copy_`` spins its OpenMP pool
 per tensor and is many times slower on a busy machine, ``bench/``). None of it
@@ -12,17 +14,20 @@ knows the layout of a checkpoint; ``spec/performance.md`` says why each knob has
 from __future__ import annotations
 
 import errno
+import io
 import mmap
 import os
 import stat
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from ..errors import CheckpointNotFound, TruncatedFile, UnreadableFile
 
 __all__ = [
     "ZEROS",
+    "Followed",
+    "Progress",
     "Source",
     "open_regular",
     "WriteBehind",
@@ -247,8 +252,42 @@ def write_zeros(fd: int, n: int) -> None:
         n -= k
 
 
+class Progress(Protocol):
+    """Who reads a file while its writer writes it (an upload of its parts, spec/objectstore.md R-O52):
+    told which bytes are written and final, so that it never reads one the writer changes later."""
+
+    def hold(self, start: int, end: int) -> None:
+        """Bytes ``[start, end)`` will be rewritten before the write ends: not final until
+        :meth:`release` says so. Said before :meth:`reached` passes them."""
+
+    def release(self, start: int, end: int) -> None:
+        """The held bytes ``[start, end)`` are rewritten: final now.
+
+        Raises:
+            CheckpointError: the reader failed (an upload); the writer stops with it.
+        """
+
+    def reached(self, pos: int) -> None:
+        """Every byte before file offset ``pos`` is written, and final outside the held ranges.
+
+        Raises:
+            CheckpointError: the reader failed (an upload); the writer stops with it.
+        """
+
+
+class Followed(io.FileIO):
+    """The unbuffered file ``fd`` (not closed with this object), whose writer reports its progress to
+    ``progress`` through :class:`WriteBehind`; a writer that does not report leaves every byte to the
+    end of the write, as for a plain file."""
+
+    def __init__(self, fd: int, progress: Progress) -> None:
+        super().__init__(fd, "r+b", closefd=False)
+        self.progress = progress
+
+
 class WriteBehind:
-    """Starts writeback of each 8 MiB as soon as it is written (Linux ``sync_file_range``).
+    """Starts writeback of each 8 MiB as soon as it is written (Linux ``sync_file_range``), and tells a
+    :class:`Followed` file's reader what is written.
 
     Without it, a save copies everything into the page cache and only then does
     the final fsync start the disk: the two phases add up. With it the disk
@@ -258,11 +297,32 @@ class WriteBehind:
     (other systems, some file systems) nothing changes but speed.
     """
 
-    def __init__(self, fd: int) -> None:
-        self.fd, self.done = fd, 0
+    def __init__(self, f: Any) -> None:
+        self.fd, self.done = f.fileno(), 0
+        self.progress: Progress | None = f.progress if isinstance(f, Followed) else None
+
+    def hold(self, start: int, end: int) -> None:
+        """Bytes ``[start, end)``, written now, are rewritten before the write ends (see :class:`Progress`)."""
+        if self.progress is not None:
+            self.progress.hold(start, end)
+
+    def release(self, start: int, end: int) -> None:
+        """The held bytes ``[start, end)`` are final now (see :class:`Progress`).
+
+        Raises:
+            CheckpointError: a :class:`Followed` file's reader failed.
+        """
+        if self.progress is not None:
+            self.progress.release(start, end)
 
     def reached(self, pos: int) -> None:
-        """Everything before file offset ``pos`` has been written."""
+        """Everything before file offset ``pos`` has been written (and is final outside the held ranges).
+
+        Raises:
+            CheckpointError: a :class:`Followed` file's reader failed.
+        """
+        if self.progress is not None:
+            self.progress.reached(pos)
         if pos - self.done >= _WRITE_BEHIND:
             _start_writeback(self.fd, self.done, pos - self.done)
             self.done = pos

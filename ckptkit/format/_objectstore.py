@@ -38,14 +38,16 @@ Nothing here imports boto3 before an ``s3://`` URL is used.
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import os
 import random
+import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, BinaryIO, Protocol, TypeVar, cast
 
 from ..errors import (
@@ -56,6 +58,7 @@ from ..errors import (
     UnreadableFile,
     UnsupportedOption,
 )
+from ._io import Followed
 from ._urls import StorageURL, require_client
 
 __all__ = [
@@ -539,26 +542,56 @@ class ObjectStore:
     def _put_parts(self, key: str, data: Body, if_absent: bool, attempt: Callable[[Callable[[], str]], str]) -> str:
         """A multipart upload of ``data``, its parts in parallel, each read as it goes (R-O51),
         completed conditionally."""
-        upload = self._retry("start upload", key, lambda: self.backend.start_multipart(key), writing=True)
+        parts = _Parts(self, key)
         try:
-            spans = self._spans(len(data))
+            return parts.complete(data, if_absent, attempt)
+        finally:
+            parts.close()
 
-            def part(n: int) -> str:
-                a, b = spans[n]
-                return self._retry(  # a fresh stream for each attempt
-                    f"part {n + 1}",
-                    key,
-                    lambda: self.backend.put_part(key, upload, n + 1, _window(data, a, b)),
-                    writing=True,
-                )
+    def put_written(
+        self, key: str, write: Callable[[BinaryIO], object], then: Callable[[FileSpan], T], *, if_absent: bool = False
+    ) -> tuple[str, T]:
+        """Create the object ``key`` (``if_absent``: only create, R-O11) holding what ``write(f)``
+        writes into a temporary file, uploaded while it is written: each part goes up as soon as the
+        writer says its bytes are final, the rest once ``write`` returns (R-O52). ``then`` is given
+        the written file while those last parts go up; its result is returned with the ETag. An object
+        of at most the part size is one put, as :meth:`put`'s.
 
-            etags = _parallel(part, len(spans))
-            finish = lambda: self.backend.finish_multipart(key, upload, etags, if_absent=if_absent)  # noqa: E731
-            return self._retry("complete upload", key, lambda: attempt(finish), writing=True)
-        except Exception:
-            with contextlib.suppress(Exception):
-                self.backend.abort_multipart(key, upload)
-            raise
+        Nothing is created before the upload completes: when ``write``, a part or ``then`` fails, the
+        upload is aborted and the error raised.
+
+        Raises:
+            CommitConflict: ``if_absent`` and the object exists (R-O11).
+            SaveFailed: a request failed, or writing the file did (an ``OSError``: a full disk), named.
+        """
+        if if_absent:
+            self._check_conditional_writes(key)
+        with tempfile.TemporaryFile(prefix="ckptkit-") as spool:
+            fd = spool.fileno()
+            parts = _Parts(self, key)
+            try:
+                with Followed(fd, _Streamed(parts, fd)) as f:
+                    try:
+                        write(f)
+                    except CheckpointError:  # a part's failure (an OSError too), or the writer's own
+                        raise
+                    except OSError as e:
+                        what = errno.errorcode.get(e.errno or 0, "I/O error")
+                        raise SaveFailed(
+                            f"{self.url(key)}: writing its local spool file failed ({what}: {e.strerror}); "
+                            "nothing is uploaded (free space in the temporary directory, TMPDIR)",
+                            cause=e,
+                            path=self.url(key),
+                        ) from e
+                data = FileSpan(fd, os.fstat(fd).st_size)
+                if parts.upload is None and len(data) <= self.part_size:
+                    result = then(data)
+                    return self.put(key, data, if_absent=if_absent), result
+                parts.send_rest(data)
+                result = then(data)
+                return parts.complete(data, if_absent, self._own_retry(key, data)), result
+            finally:
+                parts.close()
 
     def delete(self, key: str) -> None:
         """Remove ``key`` (no error if it is gone)."""
@@ -670,6 +703,121 @@ def _write_at(fd: int, data: bytes, offset: int) -> int:
     while done < len(view):
         done += os.pwrite(fd, view[done:], offset + done)
     return done
+
+
+class _Parts:
+    """One multipart upload (R-O21): started with its first part, each part sent in the background on
+    up to ``_THREADS`` threads, read from its span as it goes (R-O51); the object exists only once
+    :meth:`complete` succeeds, and :meth:`close` aborts an upload that did not."""
+
+    def __init__(self, store: ObjectStore, key: str) -> None:
+        self.store, self.key = store, key
+        self.upload: str | None = None
+        self.sent: dict[int, Future[str]] = {}
+        self.done = False
+        self.pool = ThreadPoolExecutor(_THREADS, thread_name_prefix="ckptkit-s3")
+
+    def send(self, n: int, data: Body) -> None:
+        """Part ``n`` (from 0) of ``data``, which holds at least its bytes, goes up in the background."""
+        store, key = self.store, self.key
+        if self.upload is None:
+            self.upload = store._retry("start upload", key, lambda: store.backend.start_multipart(key), writing=True)
+        upload, a, b = self.upload, n * store.part_size, min((n + 1) * store.part_size, len(data))
+        self.sent[n] = self.pool.submit(
+            store._retry,  # a fresh stream for each attempt
+            f"part {n + 1}",
+            key,
+            lambda: store.backend.put_part(key, upload, n + 1, _window(data, a, b)),
+            writing=True,
+        )
+
+    def check(self) -> None:
+        """Raises: SaveFailed: a part sent earlier failed already (its error)."""
+        error = next((f.exception() for f in self.sent.values() if f.done() and f.exception()), None)
+        if error is not None:
+            raise error
+
+    def send_rest(self, data: Body) -> None:
+        """Every part of ``data`` not sent yet."""
+        for n in range(-(-len(data) // self.store.part_size)):
+            if n not in self.sent:
+                self.send(n, data)
+
+    def complete(self, data: Body, if_absent: bool, attempt: Callable[[Callable[[], str]], str]) -> str:
+        """The object, from every part of ``data`` once each went up, created conditionally; its ETag.
+
+        Raises:
+            SaveFailed: a part or the completion failed (the first part's error, in order).
+            CommitConflict: ``if_absent`` and the object exists.
+        """
+        self.send_rest(data)
+        etags = [self.sent[n].result() for n in range(len(self.sent))]
+        store, key, upload = self.store, self.key, self.upload
+        assert upload is not None  # a part was sent
+        finish = lambda: store.backend.finish_multipart(key, upload, etags, if_absent=if_absent)  # noqa: E731
+        etag = store._retry("complete upload", key, lambda: attempt(finish), writing=True)
+        self.done = True
+        return etag
+
+    def close(self) -> None:
+        """Wait for the parts in flight (those not started are dropped); an upload that did not
+        complete is aborted, after them, so no part lands after the abort."""
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        if self.upload is not None and not self.done:
+            with contextlib.suppress(Exception):
+                self.store.backend.abort_multipart(self.key, self.upload)
+
+
+class _Streamed:
+    """The :class:`~._io.Progress` of a file written as an object: each whole part the writer has
+    written goes up at once, unless a held range (bytes it rewrites later) meets it; that one goes
+    once the range is released, or after the writer returned (R-O52)."""
+
+    def __init__(self, parts: _Parts, fd: int) -> None:
+        self.parts, self.fd = parts, fd
+        self.held: list[tuple[int, int]] = []
+        self.next = 0  # the first part not looked at yet
+        self.waiting: list[int] = []  # parts looked at, held then
+
+    def hold(self, start: int, end: int) -> None:
+        self.held.append((start, end))
+
+    def release(self, start: int, end: int) -> None:
+        """Send each part the released range held, unless another still holds it.
+
+        Raises:
+            SaveFailed: a part sent earlier failed.
+        """
+        self.parts.check()
+        self.held.remove((start, end))
+        for n in list(self.waiting):
+            if not self._held(n):
+                self.waiting.remove(n)
+                self._send(n)
+
+    def reached(self, pos: int) -> None:
+        """Send each part now below ``pos`` and not held, once the object is sure to be multipart.
+
+        Raises:
+            SaveFailed: a part sent earlier failed: the writer stops, and the upload is aborted.
+        """
+        size = self.parts.store.part_size
+        if pos <= size:  # it may still be one put
+            return
+        self.parts.check()
+        while (self.next + 1) * size <= pos:
+            if self._held(self.next):
+                self.waiting.append(self.next)
+            else:
+                self._send(self.next)
+            self.next += 1
+
+    def _held(self, n: int) -> bool:
+        size = self.parts.store.part_size
+        return any(start < (n + 1) * size and n * size < end for start, end in self.held)
+
+    def _send(self, n: int) -> None:
+        self.parts.send(n, FileSpan(self.fd, (n + 1) * self.parts.store.part_size))
 
 
 def _parallel(fn: Callable[[int], T], n: int) -> list[T]:

@@ -17,10 +17,11 @@ object (spec/objectstore.md R-O23).
 
 A place also keeps a run's checkpoints, whatever their format (the stores above say *what* a
 checkpoint is, the place *where* it lives): a store writes a step's files in the stage and the
-place commits them (a local directory: they are committed already, the container renamed into
-place last; a prefix: each streamed up, then the one commit record, R-O10, R-O51), names what is
-committed, fetches a committed one into the stage to be read (checked against its record, R-O14),
-removes one (the commit first, R-O17) and sweeps what interrupted saves left (R-O16).
+place commits them with the container it writes (a local directory: the container renamed into
+place last; a prefix: the container streamed up while it is written, R-O52, the companions from
+their files, R-O51, then the one commit record, R-O10), names what is committed, fetches a
+committed one into the stage to be read (checked against its record, R-O14), removes one (the
+commit first, R-O17) and sweeps what interrupted saves left (R-O16).
 spec/lease.md and spec/objectstore.md are the contract; tests/format/test_place_contract.py runs
 the same tests against both.
 """
@@ -38,7 +39,7 @@ from typing import BinaryIO, Protocol
 
 from ..errors import CheckpointNotFound, CommitConflict, UnreadableFile, UnsupportedOption
 from ._atomic import atomic_write, clean_stale_temps, create_exclusive, write_bytes_atomic
-from ._commit import RECORD_SUFFIX, commit, fetch_committed, listing, remove, sweep
+from ._commit import RECORD_SUFFIX, commit_written, fetch_committed, listing, remove, sweep
 from ._io import Source, open_regular
 from ._objectstore import PROBE_PREFIX, Body, FileSpan, ObjectStore, single_writer_vouched, store_for
 from ._urls import is_url, parse
@@ -145,10 +146,12 @@ class Place(Protocol):
         names only those its commit records commit (R-O15: objects without one are no checkpoint)."""
         ...
 
-    def commit(self, name: str, parts: Sequence[str]) -> None:
-        """The checkpoint ``name`` whose ``parts`` (file names, ``name`` first) were written in the
-        stage, committed: locally it is already, its container renamed into place last; on a prefix
-        each part streams up (R-O51), then its one commit record (R-O10), and the stage copy goes.
+    def commit(self, name: str, companions: Sequence[str], write: Callable[[BinaryIO], object]) -> None:
+        """Commit the checkpoint ``name``: its container, which ``write(f)`` writes, and its
+        ``companions`` (file names, written in the stage beside it). Locally the container is written
+        atomically into place, after them: the commit; on a prefix it streams up while it is written
+        (R-O52), then the companions go up (R-O51), then its one commit record (R-O10), and the stage
+        copies go.
 
         Raises:
             CommitConflict, SaveFailed: nothing committed; earlier checkpoints are intact.
@@ -405,8 +408,9 @@ class LocalPlace:
             if n.endswith(suffix)
         }
 
-    def commit(self, name: str, parts: Sequence[str]) -> None:
-        """Nothing to do: the container, renamed into place after its companions, is the commit."""
+    def commit(self, name: str, companions: Sequence[str], write: Callable[[BinaryIO], object]) -> None:
+        """The container, renamed into place after its companions, is the commit."""
+        atomic_write(self.child(name), write)
 
     def make_room(self, name: str) -> None:
         """Nothing to do: the save's rename replaces it in one step."""
@@ -520,18 +524,18 @@ class ObjectPlace:
     def names(self, suffix: str, *, marker: str | None = None) -> dict[str, bool]:
         return {name: True for name, committed in listing(self.objects, self.url, suffix).items() if committed}
 
-    def commit(self, name: str, parts: Sequence[str]) -> None:
-        """Removes a committed ``name`` first (:meth:`make_room`); the stage copy goes, committed or not."""
+    def commit(self, name: str, companions: Sequence[str], write: Callable[[BinaryIO], object]) -> None:
+        """Removes a committed ``name`` first (:meth:`make_room`); the stage copies go, committed or not."""
         try:
             self.make_room(name)
             with contextlib.ExitStack() as files:  # each goes up from its file, a part at a time (R-O51)
                 objects: list[tuple[str, Body]] = []
-                for part in parts:
+                for part in companions:
                     f = files.enter_context(open(os.path.join(self.stage, part), "rb"))
                     objects.append((part, FileSpan(f.fileno(), os.fstat(f.fileno()).st_size)))
-                commit(self.objects, self.url, name, objects)
+                commit_written(self.objects, self.url, name, write, objects)
         finally:
-            for part in parts:
+            for part in companions:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(os.path.join(self.stage, part))
 

@@ -1,8 +1,9 @@
 """One checkpoint file at an ``s3://`` URL: the object-storage side of ``save``/``load``/``verify``/``open_checkpoint``.
 
 ``save("s3://bkt/run/model.ckpt", ckpt)`` writes the same container bytes a local save
-writes (R-O18), spooled through an anonymous temporary file, as the object
-``run/model.ckpt``, then commits it with its record ``run/model.ckpt.commit.json``
+writes (R-O18), spooled through an anonymous temporary file whose parts go up as they are
+written (R-O52), as the object ``run/model.ckpt``, then commits it with its record
+``run/model.ckpt.commit.json``
 (:mod:`ckptkit.format._commit`). A read fetches the record, then the object, and checks
 its size and xxh3-64 before a byte of it is parsed (R-O14); the container's own digests
 are then checked as for a local file.
@@ -16,9 +17,9 @@ import tempfile
 from collections.abc import Callable
 from typing import BinaryIO
 
-from ._commit import Entry, commit, fetch, read_record
+from ._commit import Entry, commit_written, fetch, read_record
 from ._io import Source
-from ._objectstore import FileSpan, ObjectStore, store_for
+from ._objectstore import ObjectStore, store_for
 from ._urls import StorageURL, parse
 
 __all__ = ["fetched", "locate", "put_checkpoint", "remote_source"]
@@ -39,18 +40,15 @@ def locate(path: str | os.PathLike[str]) -> tuple[ObjectStore, StorageURL, str]:
 
 
 def put_checkpoint(path: str | os.PathLike[str], write: Callable[[BinaryIO], object]) -> None:
-    """Write a checkpoint through ``write(f)`` into a temporary file, then commit it at ``path``,
-    uploaded from the file a part at a time (R-O51).
+    """Write a checkpoint through ``write(f)`` into a temporary file and commit it at ``path``, each
+    part uploaded from the file as soon as the writer has written it for good (R-O51, R-O52).
 
     Raises:
         CommitConflict: a checkpoint is committed at ``path`` already (R-O11).
         SaveFailed: a storage write failed; nothing at ``path`` is committed.
     """
     store, base, name = locate(path)
-    with tempfile.TemporaryFile(prefix="ckptkit-") as f:
-        write(f)
-        f.flush()
-        commit(store, base, name, [(name, FileSpan(f.fileno(), os.fstat(f.fileno()).st_size))])
+    commit_written(store, base, name, write)
 
 
 def remote_source(path: str | os.PathLike[str]) -> Source:

@@ -17,7 +17,7 @@ from typing import Any
 
 from ..errors import CheckpointError
 from ..format._asyncsave import AsyncSaver
-from ..format._checkpoint import Checkpoint, load, save
+from ..format._checkpoint import Checkpoint, container_writer, load
 from ..format._companions import COMPANIONS_KEY, record_of
 from ..format._container import SECTIONS
 from ..format._place import Place
@@ -120,9 +120,9 @@ class FileStore(RunRecords):
         parts = step_paths(here, sorted(sidecars))
         set_aside(parts, ckpt.step, self.log)  # a damaged step's pieces
         record = write_companions(here, ckpt.step, config, sidecars)
-        save(here, bind(ckpt, record), compression=self.compression)
         self.send_records()
-        self.place.commit(name, [os.path.basename(p) for p in parts])
+        write = container_writer(bind(ckpt, record), compression=self.compression)
+        self.place.commit(name, [os.path.basename(p) for p in parts[1:]], write)  # the container, written last
         self._retain()
 
     def _retain(self) -> None:

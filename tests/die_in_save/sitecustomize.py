@@ -67,14 +67,14 @@ if (_FILE_SAVE or _FILE_DELETE) and "RANK" not in os.environ:
         raise AssertionError("unreachable: SIGKILL was sent")
 
     if _FILE_SAVE:
-        _real_save, _save_name = _files.save, f"step-{int(_FILE_SAVE):08d}.ckpt"
+        _real_writer = _files.container_writer
 
-        def _die_in_file_save(path: Any, *args: Any, **kwargs: Any) -> Any:
-            if os.path.basename(str(path)) == _save_name:
+        def _die_in_file_save(ckpt: Any, *args: Any, **kwargs: Any) -> Any:
+            if ckpt.step == int(_FILE_SAVE):  # its companions written, its container not
                 _die()
-            return _real_save(path, *args, **kwargs)
+            return _real_writer(ckpt, *args, **kwargs)
 
-        _files.save = _die_in_file_save
+        _files.container_writer = _die_in_file_save
     if _FILE_DELETE:
         _real_file_delete, _delete_name = _files.FileStore.delete, f"step-{int(_FILE_DELETE):08d}.ckpt"
 

@@ -133,20 +133,20 @@ def test_a_record_written_in_the_stage_is_at_the_place_once_sent_and_brought_bac
     assert os.path.isdir(stage) == isinstance(place, LocalPlace)  # a local stage is the run directory itself
 
 
-def _stage_step(place: Place, name: str) -> list[str]:
-    """A step's files written in the stage, as a store writes them: companions, then the container."""
+def _commit_step(place: Place, name: str, text: bytes | None = None) -> None:
+    """A step committed as a store commits it: its companion written in the stage, then the container
+    written by the place (``text`` in both, else ``bytes of <file name>``)."""
     Path(place.stage).mkdir(parents=True, exist_ok=True)
-    parts = [name, f"{name}.config.json"]
-    for part in reversed(parts):
-        (Path(place.stage) / part).write_bytes(f"bytes of {part}".encode())
-    return parts
+    companion = f"{name}.config.json"
+    (Path(place.stage) / companion).write_bytes(text or f"bytes of {companion}".encode())
+    place.commit(name, [companion], lambda f: f.write(text or f"bytes of {name}".encode()))
 
 
 def test_a_step_written_in_the_stage_is_committed_named_fetched_and_removed_record_first(place: Place) -> None:
     other = place_for(place.where)  # another job's view: it sees only what the place holds
     name = "step-00000001.ckpt"
     assert other.names(".ckpt") == {}
-    place.commit(name, _stage_step(place, name))
+    _commit_step(place, name)
     assert other.names(".ckpt") == {name: True}
     here = other.fetch(name)
     assert Path(here).read_bytes() == b"bytes of step-00000001.ckpt"
@@ -159,11 +159,9 @@ def test_a_step_written_in_the_stage_is_committed_named_fetched_and_removed_reco
 
 def test_a_step_saved_again_replaces_the_committed_one(place: Place) -> None:
     name = "step-00000002.ckpt"
-    place.commit(name, _stage_step(place, name))
-    (Path(place.stage) / name).write_bytes(b"again")
-    (Path(place.stage) / f"{name}.config.json").write_bytes(b"again")
+    _commit_step(place, name)
     place.make_room(name)
-    place.commit(name, [name, f"{name}.config.json"])
+    _commit_step(place, name, b"again")
     other = place_for(place.where)
     assert Path(other.fetch(name)).read_bytes() == b"again"
     assert other.names(".ckpt") == {name: True}
@@ -173,7 +171,7 @@ def test_a_listed_fetch_brings_only_the_objects_kept_and_a_local_step_is_read_wh
     """What a distributed resume reads whole (metadata, companions) comes down; what it reads by
     range (the rank files) stays at the place (spec/objectstore.md R-O36)."""
     name = "step-00000003.ckpt"
-    place.commit(name, _stage_step(place, name))
+    _commit_step(place, name)
     other = place_for(place.where)
     here = Path(other.fetch(name, only=lambda key: key.endswith(".config.json")))
     assert (here.parent / f"{name}.config.json").read_bytes() == b"bytes of step-00000003.ckpt.config.json"

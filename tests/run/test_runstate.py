@@ -11,6 +11,7 @@ import math
 import os
 import shutil
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -321,14 +322,19 @@ def test_checkpoints_waits_for_the_save_in_flight(tmp_path: Path, monkeypatch: p
     net = torch.nn.Linear(64, 64)
     rs.add_model("net", net)
     rs.start()
-    real = ckptkit.run._file_store.save
+    real = ckptkit.run._file_store.container_writer
     gate = threading.Event()
 
-    def slow_save(*a: Any, **kw: Any) -> None:
-        gate.wait(10)
-        real(*a, **kw)
+    def slow_writer(*a: Any, **kw: Any) -> Callable[[Any], None]:
+        write = real(*a, **kw)
 
-    monkeypatch.setattr(ckptkit.run._file_store, "save", slow_save)
+        def slow(f: Any) -> None:
+            gate.wait(10)
+            write(f)
+
+        return slow
+
+    monkeypatch.setattr(ckptkit.run._file_store, "container_writer", slow_writer)
     rs.save(1)
     assert list_checkpoints(tmp_path) == []  # still in flight
     gate.set()
