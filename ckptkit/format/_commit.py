@@ -37,7 +37,6 @@ __all__ = [
     "Written",
     "begin",
     "commit",
-    "commit_written",
     "decode_record",
     "encode_record",
     "fetch",
@@ -171,8 +170,16 @@ def _key(base: StorageURL, name: str) -> str:
 # ---------------------------------------------------------------------- writing
 
 
-def commit(store: ObjectStore, base: StorageURL, name: str, objects: Sequence[tuple[str, Body]]) -> None:
-    """Write checkpoint ``name`` under ``base``: its objects (the first named ``name``), then its record.
+def commit(
+    store: ObjectStore,
+    base: StorageURL,
+    name: str,
+    write: Callable[[BinaryIO], object],
+    companions: Sequence[tuple[str, Body]] = (),
+) -> None:
+    """Write checkpoint ``name`` under ``base``: its object ``name``, what ``write(f)`` writes, put
+    while it is written (R-O52), then ``companions`` (as :func:`put_objects` takes them), then its
+    record. The object is created only once ``write`` returned and its last parts went up.
 
     A committed ``name`` is never touched; what an interrupted save of ``name`` left is removed
     first, once :data:`STALE_AFTER` seconds old (R-O16). Every put is conditional, so a racing
@@ -184,26 +191,7 @@ def commit(store: ObjectStore, base: StorageURL, name: str, objects: Sequence[tu
             objects or its record first (R-O11): this save committed nothing.
         SaveFailed: a write failed; earlier checkpoints are intact, and the objects this save
             created are removed where the store still answers.
-    """
-    begin(store, base, name)
-    finish(store, base, name, put_objects(store, base, name, objects))
-
-
-def commit_written(
-    store: ObjectStore,
-    base: StorageURL,
-    name: str,
-    write: Callable[[BinaryIO], object],
-    companions: Sequence[tuple[str, Body]] = (),
-) -> None:
-    """Write checkpoint ``name`` under ``base``: its object ``name`` what ``write(f)`` writes, put
-    while it is written (R-O52), then ``companions`` (as :func:`put_objects` takes them), then its
-    record. The object is created only once ``write`` returned and its last parts went up, so it is
-    committed as :func:`commit`'s are (R-O10..R-O16).
-
-    Raises:
-        CommitConflict, SaveFailed: as :func:`commit` (nothing is committed); whatever else ``write``
-            raises (nothing is created).
+        Whatever else ``write`` raises: nothing is created.
     """
     begin(store, base, name)
     first = put_written(store, base, name, name, write)

@@ -39,7 +39,7 @@ from typing import BinaryIO, Protocol
 
 from ..errors import CheckpointNotFound, CommitConflict, UnreadableFile, UnsupportedOption
 from ._atomic import atomic_write, clean_stale_temps, create_exclusive, write_bytes_atomic
-from ._commit import RECORD_SUFFIX, commit_written, fetch_committed, listing, remove, sweep
+from ._commit import RECORD_SUFFIX, commit, fetch_committed, listing, remove, sweep
 from ._io import Source, open_regular
 from ._objectstore import PROBE_PREFIX, Body, FileSpan, ObjectStore, single_writer_vouched, store_for
 from ._urls import is_url, parse
@@ -533,7 +533,7 @@ class ObjectPlace:
                 for part in companions:
                     f = files.enter_context(open(os.path.join(self.stage, part), "rb"))
                     objects.append((part, FileSpan(f.fileno(), os.fstat(f.fileno()).st_size)))
-                commit_written(self.objects, self.url, name, write, objects)
+                commit(self.objects, self.url, name, write, objects)
         finally:
             for part in companions:
                 with contextlib.suppress(FileNotFoundError):

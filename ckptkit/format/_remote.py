@@ -17,7 +17,7 @@ import tempfile
 from collections.abc import Callable
 from typing import BinaryIO
 
-from ._commit import Entry, commit_written, fetch, read_record
+from ._commit import Entry, commit, fetch, read_record
 from ._io import Source
 from ._objectstore import ObjectStore, store_for
 from ._urls import StorageURL, parse
@@ -48,7 +48,7 @@ def put_checkpoint(path: str | os.PathLike[str], write: Callable[[BinaryIO], obj
         SaveFailed: a storage write failed; nothing at ``path`` is committed.
     """
     store, base, name = locate(path)
-    commit_written(store, base, name, write)
+    commit(store, base, name, write)
 
 
 def remote_source(path: str | os.PathLike[str]) -> Source:
