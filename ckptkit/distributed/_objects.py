@@ -34,7 +34,6 @@ from ..format._commit import (
     Written,
     begin,
     fetch,
-    fetch_committed,
     finish,
     put_objects,
     put_written,
@@ -68,6 +67,7 @@ __all__ = [
     "RemoteCheckpoint",
     "check_listed",
     "discard",
+    "is_rank_key",
     "local_name",
     "put_file",
     "refuse_local_companions",
@@ -80,10 +80,16 @@ def local_name(name: str, key: str) -> str:
     the checkpoint's directory ``name``: the metadata and rank files inside it, companions beside it."""
     if key == name:
         return os.path.join(name, METADATA_NAME)
-    rest = key[len(name) + 1 :]
-    if rest.startswith("rank-") and rest.endswith(".ckdcp"):
-        return os.path.join(name, rest)
+    if is_rank_key(name, key):
+        return os.path.join(name, key[len(name) + 1 :])
     return key
+
+
+def is_rank_key(name: str, key: str) -> bool:
+    """Whether the object ``key`` listed by ``name``'s record is one of its rank files
+    (``name.rank-00001.ckdcp``), which a reader reads by range (R-O36), never whole."""
+    rest = key[len(name) + 1 :] if key.startswith(name + ".") else ""
+    return rest.startswith("rank-") and rest.endswith(".ckdcp")
 
 
 @dataclass(frozen=True)
@@ -174,11 +180,6 @@ class RemoteCheckpoint:
         if entry is None:
             raise self._unlisted(key)
         return RankRanges(self.store, self.base, entry, self.store.url(self._key(key)), extents)
-
-    def fetch_all(self, into: str) -> str:
-        """Every listed object into a local copy under ``into`` (R-O14); the copy's directory path."""
-        fetch_committed(self.store, self.base, self.name, into, local_name)
-        return os.path.join(into, self.name)
 
     def _key(self, rel: str) -> str:
         return f"{self.base.key}/{rel}" if self.base.key else rel

@@ -343,12 +343,11 @@ class DcpStore(files.RunRecords):
     def _copy(self, path: str) -> str:
         """The stage's copy of the step at ``path`` (an object prefix fetches the metadata and the
         companions, each checked, R-O14, not the rank files: R-O36), with the run's environment
-        record (the companion record checks its digest). A copy elsewhere than ``path`` lacks the
-        rank files."""
-        from ..distributed._objects import local_name
+        record (the companion record checks its digest)."""
+        from ..distributed._objects import is_rank_key, local_name
 
         name = path.rpartition("/")[2]
-        here = self.place.fetch(name, local_name, only=lambda key: not _rank_file(name, key))
+        here = self.place.fetch(name, local_name, only=lambda key: not is_rank_key(name, key))
         self.place.bring(files.ENVIRONMENT_FILE)
         return here
 
@@ -358,7 +357,7 @@ class DcpStore(files.RunRecords):
         from ..distributed._format import read_metadata, verify_directory
 
         here = self._copy(path)
-        if here == path:
+        if not self.place.fetches:
             report = verify_directory(path)
             if report.error is not None:
                 raise report.error
@@ -387,12 +386,12 @@ class DcpStore(files.RunRecords):
                 f"resharded at step {run['step']} from {describe_world(saved)} to {describe_world(now)}: "
                 f"{RESHARD_NOTE} (the steps before it ran at another world size or layout)"
             )
-        return Opened(ckpt, sidecars, resharded, notes, checked_whole=here == path)
+        return Opened(ckpt, sidecars, resharded, notes, checked_whole=not self.place.fetches)
 
     def load(self, path: str, opened: Opened, *, copy: bool = False) -> Checkpoint:
         try:
             here = self._copy(path)
-            if here == path:
+            if not self.place.fetches:
                 return self._load(here, path, opened.ckpt, copy=copy)
             return self._load_ranged(here, path, opened.ckpt)
         finally:
@@ -502,13 +501,6 @@ class DcpStore(files.RunRecords):
             optim={**(ckpt.optim or {}), "optimizers": optim} if optim else ckpt.optim,
             teacher=dest.get("teacher"),
         )
-
-
-def _rank_file(name: str, key: str) -> bool:
-    """Whether the object ``key`` listed by ``name``'s record is one of its rank files."""
-    from ..distributed._objects import local_name
-
-    return local_name(name, key) != key and key != name
 
 
 def run_tree(md: Any, path: str) -> dict[str, Any]:

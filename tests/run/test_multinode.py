@@ -29,7 +29,8 @@ from hypothesis import strategies as st
 from ckptkit.audit._commands import stop_job
 from ckptkit.cli import main
 from ckptkit.distributed._format import verify_directory
-from ckptkit.distributed._objects import RemoteCheckpoint
+from ckptkit.distributed._objects import local_name
+from ckptkit.format._place import place_for
 from ckptkit.run._history import compared_rows, read_rows
 
 STEPS, EVERY = 6, 2
@@ -214,8 +215,11 @@ def test_a_node_killed_mid_save_ends_the_job_and_the_last_committed_step_resumes
     assert "step-00000002.dcp.commit.json" in left and "step-00000004.dcp.commit.json" not in left
     for var in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
         monkeypatch.setenv(var, env[var])  # this process reads the objects as the nodes do
-    copy = RemoteCheckpoint.at(f"{run}/step-00000002.dcp").fetch_all(str(tmp_path / "copy"))  # each object checked
-    assert verify_directory(copy).ok
+    place = place_for(run)
+    try:
+        assert verify_directory(place.fetch("step-00000002.dcp", local_name)).ok  # each object checked on the way
+    finally:
+        place.close()
     assert _train(tmp_path, env, run, "--resume") == [0, 0], _logs(tmp_path)
     _assert_same_run(env, reference, run, tmp_path)
     (resume,) = [r for r in _history(env, run, tmp_path) if r["kind"] == "resume"]
