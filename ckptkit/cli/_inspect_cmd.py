@@ -124,9 +124,10 @@ def _resumes(path: str) -> tuple[dict[str, Any], ...]:
 
     run = place_and_name(path)[0]
     try:
-        if not run.bring(HISTORY_FILE) or not os.path.isfile(history := os.path.join(run.stage, HISTORY_FILE)):
+        if not run.bring(HISTORY_FILE):  # on a prefix: into the stage, where it is read as a local one
             return ()
-        return check_history(history).resumes
+        history = os.path.join(run.stage, HISTORY_FILE)
+        return check_history(history).resumes if os.path.isfile(history) else ()
     except CheckpointError:
         return ()  # ckptkit verify reports a history it cannot read
     finally:
