@@ -20,7 +20,10 @@ gloo; spec/transformers.md R-HF11): each rank's RNG states are kept, rank 0 comm
 from __future__ import annotations
 
 import argparse
-from typing import Any
+import logging
+import os
+import sys
+from typing import Any, NoReturn
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments
@@ -94,6 +97,31 @@ def make_trainer(
     return Trainer(model=model, args=training, train_dataset=Tokens(), **kwargs)
 
 
+def train(trainer: Trainer, output_dir: str) -> None:
+    """Resume the newest intact checkpoint in ``output_dir`` (the trainer's), or start, then leave
+    the process group."""
+    folder, _torn = newest_intact(output_dir)  # ckptkit: a folder a kill cut off mid-save is not one
+    try:
+        trainer.train(resume_from_checkpoint=folder)  # ckptkit: resume it, or start
+    finally:
+        if torch.distributed.is_initialized():  # under torchrun / accelerate launch: Trainer leaves it up
+            torch.distributed.destroy_process_group()
+
+
+def leave() -> NoReturn:
+    """Exit 0 without the interpreter's shutdown, once everything is written.
+
+    A gloo worker thread may still be releasing the last collective's tensors when the interpreter
+    shuts down. That needs the GIL, and taking it during the shutdown aborts the finished process
+    ("terminate called without an active exception", exit -6: torch 2.13), which the launcher then
+    reports as the whole job failing. Seen about once in 20 resumed 2-rank runs on a loaded machine.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--output-dir", required=True)
@@ -105,14 +133,8 @@ def main() -> None:
     trainer = make_trainer(
         o.output_dir, steps=o.steps, save_steps=o.save_steps, seed=o.seed, global_draw_from=o.global_draw_from
     )
-    folder, _torn = newest_intact(o.output_dir)  # ckptkit: a folder a kill cut off mid-save is not one
-    try:
-        trainer.train(resume_from_checkpoint=folder)  # ckptkit: resume it, or start
-    finally:
-        # under torchrun / accelerate launch: Trainer leaves the gloo group up, and one alive at
-        # interpreter exit can abort the finished process (exit -6), which fails the whole job
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+    train(trainer, o.output_dir)
+    leave()
 
 
 if __name__ == "__main__":

@@ -17,14 +17,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
 import transformers
 from transformers import TrainerCallback
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from hf_finetune import make_trainer
-
-from ckptkit.integrations.hf_folder import newest_intact
+from hf_finetune import leave, make_trainer, train
 
 
 class SeedPerRank(TrainerCallback):
@@ -40,15 +37,8 @@ def main() -> None:
     p.add_argument("--output-dir", required=True)
     p.add_argument("--steps", type=int, default=8)
     o = p.parse_args()
-    trainer = make_trainer(o.output_dir, steps=o.steps, callbacks=[SeedPerRank()])
-    try:
-        trainer.train(resume_from_checkpoint=newest_intact(o.output_dir)[0])
-    finally:
-        # Trainer leaves the process group up; a gloo group still alive at interpreter exit can abort
-        # the process there ("terminate called without an active exception", exit -6) after the run
-        # finished, which the launcher then reports as the job failing.
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+    train(make_trainer(o.output_dir, steps=o.steps, callbacks=[SeedPerRank()]), o.output_dir)
+    leave()  # the example's end: no interpreter shutdown for a gloo thread to abort
 
 
 if __name__ == "__main__":

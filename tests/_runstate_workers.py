@@ -226,7 +226,6 @@ def _writes_failing_on(rank: int, how: str) -> Iterator[None]:
     """While open, rank ``rank`` cannot write its data file: ``how`` is ``"enospc"`` (the
     write raises, as on a full disk) or ``"kill"`` (the process is SIGKILLed half way)."""
     import errno
-    import os
     import signal
 
     from ckptkit.distributed import _format as fmt
