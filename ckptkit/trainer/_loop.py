@@ -510,11 +510,22 @@ def deterministic_torch() -> Iterator[None]:
     """
     was = torch.are_deterministic_algorithms_enabled()
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True)
+    _deterministic_algorithms(True)
     try:
         yield
     finally:
-        torch.use_deterministic_algorithms(was, warn_only=warn_only)
+        _deterministic_algorithms(was, warn_only=warn_only)
+
+
+def _deterministic_algorithms(mode: bool, *, warn_only: bool = False) -> None:
+    """torch's deterministic-kernels flag. ``torch.use_deterministic_algorithms`` sets the compiler's
+    own flag too, importing the compiler (``torch._inductor``) to do it: 0.3 s of every trainer
+    process's start, for a trainer that compiles nothing. The compiler's flag is set when it is
+    loaded already."""
+    if "torch._inductor.config" in sys.modules:
+        torch.use_deterministic_algorithms(mode, warn_only=warn_only)
+    else:
+        torch._C._set_deterministic_algorithms(mode, warn_only=warn_only)
 
 
 @contextlib.contextmanager
