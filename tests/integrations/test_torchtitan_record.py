@@ -166,24 +166,23 @@ def test_a_resume_proves_the_steps_it_re_runs_and_a_global_draw_stops_it_naming_
     shutil.rmtree(tmp_path / "draw" / "step-4")
     with pytest.raises(ReplayDivergence) as info:
         _train(tmp_path / "draw", global_draw=True)
-    assert f"{tmp_path / 'draw'}: the resumed run differs from the interrupted run at step 2: " in str(info.value)
+    said = f"{tmp_path / 'draw'}: the resumed run differs from the interrupted run at step 2: "
+    assert said + "tensor model:layers.0.attention.qkv_linear.wk.weight" in str(info.value), str(info.value)
 
 
 @pytest.mark.slow
-def test_the_audit_of_the_example_is_identical_and_names_a_tensor_of_a_planted_global_draw(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
+def test_the_audit_of_the_example_is_identical(capsys: pytest.CaptureFixture[str]) -> None:
+    # A planted global draw is caught by the resume itself, naming a tensor of torchtitan's
+    # checkpoint (test_a_resume_proves_the_steps_it_re_runs_..., test_two_checkpoints_...), and an
+    # audit whose resumed run stops so is reported the same way for every trainer (tests/audit, the
+    # Lightning and Hugging Face audits): each torchtitan process takes 7 s to import it, so the
+    # audit of the planted draw is not run a second time here.
     cmd = ["audit", "--", sys.executable, str(EXAMPLE), "--dump-folder", "{run_dir}", "--checkpoint-folder", "."]
     code = main([*cmd, "--steps", "4"])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "b: cooperative stop at step 2, resumed in a fresh process" in out
     assert "IDENTICAL: 4 steps, every history fingerprint and 2 checkpoint(s) bit for bit" in out
-    code = main([*cmd, "--steps", "4", "--global-draw"])
-    out = capsys.readouterr().out
-    assert code == 1, out
-    assert "DIFFERS at step 2: the step row" in out
-    assert "    model:layers.0.attention.qkv_linear.wk.weight" in out
 
 
 @pytest.mark.slow
