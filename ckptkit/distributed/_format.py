@@ -57,6 +57,7 @@ __all__ = [
     "TensorEntry",
     "data_name",
     "read_metadata",
+    "metadata_writer",
     "verify_directory",
     "write_data",
     "write_data_file",
@@ -173,10 +174,21 @@ def write_metadata(directory: str, md: DirMetadata) -> None:
         UnsupportedValue: a non-tensor leaf or planner datum that is not plain data.
         SaveFailed: the write failed; the directory stays an incomplete checkpoint.
     """
+    atomic_write(os.path.join(directory, METADATA_NAME), metadata_writer(md))
+
+
+def metadata_writer(md: DirMetadata) -> Callable[[BinaryIO], object]:
+    """``write(f)``, which writes ``md`` as ``metadata.ckdcp`` into ``f`` (an unbuffered file at
+    position 0), planned now: for :func:`write_metadata`, and for the object a save to ``s3://``
+    uploads as it is written (spec/objectstore.md R-O52).
+
+    Raises:
+        UnsupportedValue: a non-tensor leaf or planner datum that is not plain data (nothing is written).
+    """
     tree = check_plain(_metadata_tree(md), "metadata")
     plan = plan_section(tree, [], start=_META_HEADER.size)
     header = _META_HEADER.pack(_META_MAGIC, md.world_size, plan.length)
-    atomic_write(os.path.join(directory, METADATA_NAME), lambda f: write_framed(f, header, [plan], _META_END))
+    return lambda f: write_framed(f, header, [plan], _META_END)
 
 
 def _metadata_tree(md: DirMetadata) -> dict[str, Any]:

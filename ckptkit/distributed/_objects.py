@@ -26,27 +26,23 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import BinaryIO, TypeVar
+from typing import BinaryIO
 
 from ..errors import IncompleteCheckpoint, UnsupportedOption
 from ..format._commit import (
     Entry,
     Written,
     begin,
+    commit_begun,
     fetch,
-    finish,
-    put_objects,
     put_written,
     read_range,
     read_record,
 )
-from ..format._objectstore import Body, FileSpan, ObjectStore
+from ..format._objectstore import ObjectStore
 from ..format._remote import locate
 from ..format._urls import StorageURL
 from ._format import METADATA_NAME, DirMetadata, data_name
-
-T = TypeVar("T")
-U = TypeVar("U")
 
 #: Chunks of one rank file fewer than this many bytes apart are read by one ranged GET, the bytes
 #: between them read and dropped: a rank's many small tensors (biases, AdamW's step counters) cost
@@ -69,7 +65,6 @@ __all__ = [
     "discard",
     "is_rank_key",
     "local_name",
-    "put_file",
     "refuse_local_companions",
     "scratch",
 ]
@@ -125,19 +120,18 @@ class RemoteCheckpoint:
         part uploaded while the file is written (R-O52)."""
         return put_written(self.store, self.base, self.name, self.rank_key(rank), write)
 
-    def commit(self, metadata: Body, companions: Mapping[str, bytes], ranks: Sequence[Written]) -> None:
-        """The coordinator: the metadata and companions as objects, then the one record listing every object.
+    def commit(
+        self, write: Callable[[BinaryIO], object], companions: Mapping[str, bytes], ranks: Sequence[Written]
+    ) -> None:
+        """The coordinator: the metadata, written by ``write(f)`` as it goes up (R-O52), and the
+        companions as objects, then the one record listing every object.
 
         Raises:
             CommitConflict: another writer created or replaced one of them (R-O11); nothing committed.
             SaveFailed: a put failed; nothing committed.
         """
-        mine: list[tuple[str, Body]] = [
-            (self.name, metadata),
-            *((f"{self.name}.{s}", b) for s, b in sorted(companions.items())),
-        ]
-        written = put_objects(self.store, self.base, self.name, mine)
-        finish(self.store, self.base, self.name, [*written, *ranks])
+        mine = [(f"{self.name}.{s}", b) for s, b in sorted(companions.items())]
+        commit_begun(self.store, self.base, self.name, write, mine, ranks)
 
     # ------------------------------------------------------------------ reading
 
@@ -292,19 +286,6 @@ def scratch() -> str:
 def discard(path: str | None) -> None:
     if path is not None:
         shutil.rmtree(path, ignore_errors=True)
-
-
-def put_file(write: Callable[[str], T], name: str, put: Callable[[Body], U]) -> tuple[T, U]:
-    """What ``write(directory)`` returns and what ``put`` returns for the file ``name`` it wrote
-    there, read a part at a time as it goes up (R-O51): the local format's writer, for an object
-    (in a private directory, removed after)."""
-    local = scratch()
-    try:
-        result = write(local)
-        with open(os.path.join(local, name), "rb") as f:
-            return result, put(FileSpan(f.fileno(), os.fstat(f.fileno()).st_size))
-    finally:
-        discard(local)
 
 
 def refuse_local_companions(companions: Mapping[str, bytes] | None, path: str) -> None:

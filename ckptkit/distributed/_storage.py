@@ -89,12 +89,13 @@ from ._format import (
     TensorEntry,
     chunk_mismatch,
     data_name,
+    metadata_writer,
     read_metadata,
     write_data,
     write_data_file,
     write_metadata,
 )
-from ._objects import RemoteCheckpoint, check_listed, discard, put_file, refuse_local_companions, scratch
+from ._objects import RemoteCheckpoint, check_listed, discard, refuse_local_companions, scratch
 
 __all__ = ["LoadPlanner", "Reader", "Writer", "logical_state", "read_chunk"]
 
@@ -306,13 +307,10 @@ class Writer(StorageWriter, _Recorder):
             raise self._record(e) from None
 
     def _commit_remote(self, md: DirMetadata, results: list[list[WriteResult]]) -> None:
-        """The metadata (written locally, then uploaded), then the one record over every rank's object."""
-        remote = self.remote
-        assert remote is not None
+        """The metadata (uploaded as it is written), then the one record over every rank's object."""
+        assert self.remote is not None
         ranks = [wr.storage_data[4] for rr in results for wr in rr if wr.storage_data[0] == "file"]
-        put_file(
-            lambda d: write_metadata(d, md), METADATA_NAME, lambda body: remote.commit(body, self.companions, ranks)
-        )
+        self.remote.commit(metadata_writer(md), self.companions, ranks)
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)

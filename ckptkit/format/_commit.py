@@ -37,14 +37,13 @@ __all__ = [
     "Written",
     "begin",
     "commit",
+    "commit_begun",
     "decode_record",
     "encode_record",
     "fetch",
     "fetch_committed",
-    "finish",
     "leftovers",
     "listing",
-    "put_objects",
     "put_written",
     "read_range",
     "read_record",
@@ -194,6 +193,25 @@ def commit(
         Whatever else ``write`` raises: nothing is created.
     """
     begin(store, base, name)
+    commit_begun(store, base, name, write, companions)
+
+
+def commit_begun(
+    store: ObjectStore,
+    base: StorageURL,
+    name: str,
+    write: Callable[[BinaryIO], object],
+    companions: Sequence[tuple[str, Body]] = (),
+    others: Sequence[Written] = (),
+) -> None:
+    """The rest of :func:`commit` for a save that :func:`begin` began: the object ``name`` put while
+    ``write`` writes it, ``companions``, then the record listing them and ``others`` (the objects the
+    save's other writers put, R-O30).
+
+    Raises:
+        CommitConflict, SaveFailed: as :func:`commit`; on a failure before the record, the objects
+            this call created are removed where the store answers.
+    """
     first = put_written(store, base, name, name, write)
     try:
         rest = put_objects(store, base, name, companions)
@@ -202,7 +220,7 @@ def commit(
     except Exception:
         _undo(store, base, [first])
         raise
-    finish(store, base, name, [first, *rest])
+    finish(store, base, name, [first, *rest, *others])
 
 
 def begin(store: ObjectStore, base: StorageURL, name: str) -> None:
@@ -228,9 +246,6 @@ Written = tuple[Entry, str]
 
 def put_objects(store: ObjectStore, base: StorageURL, name: str, objects: Sequence[tuple[str, Body]]) -> list[Written]:
     """Put each ``(key relative to base, bytes or a file's span)`` with a conditional put (R-O11), in order.
-
-    Several writers of one checkpoint (the ranks of a distributed save, R-O30) each put theirs
-    and hand the result to the one that calls :func:`finish`.
 
     Raises:
         CommitConflict: another writer created one of them first (named).
